@@ -1,0 +1,28 @@
+# Everything a fresh machine needs: `make train` (the main job) and `make test` (the tests).
+# Both build .venv first: CPU torch 2.13.0 (any torch>=2.3 works for the package itself) and flexmoe.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+.PHONY: setup train bench test test-slow
+setup: $(VENV)/.installed
+
+train: setup
+	$(VENV)/bin/flexmoe bench
+
+bench: setup
+	$(VENV)/bin/flexmoe bench
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow

@@ -1,0 +1,232 @@
+"""The routing plan: which expert and which slot every (token, choice) pair gets.
+
+Everything after the router reads a :class:`RoutingPlan`. It is built by pure functions from the router's
+logits, following the contract of DESIGN.md section 3:
+
+* top-k picks the k largest probabilities of a token (ties: the lower expert index first);
+* slots are handed out in priority order: every token's 1st choice before any token's 2nd choice, and within
+  one choice by token order (or by descending top-1 probability with batch-prioritized routing);
+* a (token, choice) pair whose slot is >= the capacity is dropped: it contributes nothing, and the plan
+  counts it.
+
+The plan also lays the kept pairs out as *rows*: sorted by expert, then by slot. Row ``n`` carries token
+``row_token[n]`` to expert ``row_expert[n]`` and is weighted by ``row_weight[n]`` when combined. Experts see only
+rows that hold tokens, never empty padding slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flexmoe.routing.losses import load_balancing_loss, router_z_loss
+
+__all__ = ["RoutingPlan", "resolve_capacity", "top_k", "assign_slots", "make_plan"]
+
+
+@dataclass
+class RoutingPlan:
+    """The routing of one batch of T tokens over E experts with k choices each.
+
+    Per (token, choice) pair, shape ``[T, k]``:
+        expert_index: chosen expert (long).
+        slot: position inside that expert's buffer, ``-1`` where the pair was dropped (long).
+        weight: combine weight (router dtype, differentiable); kept as routed even where the pair was dropped,
+            because dropped weights are not renormalized away (the model's residual path carries the token).
+        probs_topk: the router probability of each chosen expert (before normalization).
+
+    Per row (the kept pairs, sorted by expert then slot), shape ``[N]`` with ``N = sum(tokens_per_expert)``:
+        row_token: the token each row carries.
+        row_choice: which of the token's k choices the row is.
+        row_weight: the combine weight of the row (differentiable).
+
+    Per expert, shape ``[E]``:
+        tokens_per_expert: rows each expert computes (after drops), long, on the logits' device.
+        load: pairs routed to each expert before drops.
+
+    Scalars:
+        counts: ``tokens_per_expert`` as a Python list (what the experts split their rows by).
+        capacity: the per-expert capacity used (the largest load in dropless mode).
+        num_dropped: dropped (token, choice) pairs; dropped_fraction: the same over ``T * k``.
+        aux_loss: the load-balancing loss (differentiable); z_loss: the router z-loss (differentiable).
+    """
+
+    expert_index: Tensor
+    slot: Tensor
+    weight: Tensor
+    probs_topk: Tensor
+    row_token: Tensor
+    row_choice: Tensor
+    row_weight: Tensor
+    tokens_per_expert: Tensor
+    load: Tensor
+    counts: list[int]
+    capacity: int
+    num_dropped: int
+    dropped_fraction: float
+    aux_loss: Tensor
+    z_loss: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.expert_index.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.expert_index.shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.counts)
+
+    @property
+    def row_expert(self) -> Tensor:
+        """``[N]`` the expert of each row."""
+        counts = self.tokens_per_expert
+        return torch.repeat_interleave(torch.arange(len(self.counts), device=counts.device), counts)
+
+
+def resolve_capacity(
+    num_tokens: int,
+    num_experts: int,
+    k: int,
+    capacity_factor: float,
+    capacity: int | None,
+    max_load: int | None = None,
+) -> int:
+    """The per-expert capacity C of DESIGN.md section 3.
+
+    ``capacity`` (an int) overrides everything. Otherwise ``capacity_factor > 0`` gives
+    ``ceil(k * cf * T / E)``; ``== 0`` is dropless (C = the largest load); ``< 0`` gives
+    ``min(max_load, ceil(k * |cf| * T / E))``. ``max_load`` is needed for the last two.
+    """
+    if capacity is not None:
+        return int(capacity)
+    if capacity_factor > 0:
+        return math.ceil(k * capacity_factor * num_tokens / num_experts)
+    if max_load is None:
+        raise ValueError("max_load is needed for dropless (capacity_factor == 0) or adaptive (< 0) capacity")
+    if capacity_factor == 0:
+        return int(max_load)
+    return min(int(max_load), math.ceil(k * -capacity_factor * num_tokens / num_experts))
+
+
+def top_k(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest probabilities of each row, ties broken towards the lower expert index.
+
+    probs: ``[T, E]``. Returns ``(values [T, k], indices [T, k])``, largest first.
+    """
+    # A stable descending sort keeps equal values in index order; torch.topk makes no such promise.
+    values, indices = torch.sort(probs, dim=-1, descending=True, stable=True)
+    return values[:, :k], indices[:, :k]
+
+
+def _priority_order(probs_topk: Tensor, batch_prioritized: bool) -> Tensor:
+    """``[T]`` the order in which tokens claim slots within one choice."""
+    num_tokens = probs_topk.shape[0]
+    if not batch_prioritized:
+        return torch.arange(num_tokens, device=probs_topk.device)
+    # Descending top-1 probability; the stable sort keeps token order among equals.
+    return torch.sort(probs_topk[:, 0], descending=True, stable=True).indices
+
+
+def assign_slots(
+    expert_index: Tensor,
+    num_experts: int,
+    priority: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Slots in priority order, before any capacity is applied.
+
+    expert_index: ``[T, k]``; priority: ``[T]`` the token order within one choice.
+    Returns ``(slot [T, k], load [E], order [T*k])`` where ``order`` lists the flat pair indices
+    ``token * k + choice`` sorted by (expert, slot): a pair's slot is its rank among the pairs of its expert.
+    """
+    num_tokens, k = expert_index.shape
+    device = expert_index.device
+    # Pairs in priority order: choice-major, then tokens in `priority` order.
+    pair_token = priority.repeat(k)  # [k*T]
+    pair_choice = torch.arange(k, device=device).repeat_interleave(num_tokens)
+    pair_expert = expert_index[pair_token, pair_choice]
+    by_expert = torch.sort(pair_expert, stable=True).indices  # priority order kept within each expert
+    load = torch.bincount(pair_expert, minlength=num_experts)
+    starts = torch.cumsum(load, 0) - load
+    sorted_expert = pair_expert[by_expert]
+    slot_sorted = torch.arange(num_tokens * k, device=device) - starts[sorted_expert]
+    flat_pair = pair_token[by_expert] * k + pair_choice[by_expert]
+    slot = torch.empty(num_tokens * k, dtype=torch.long, device=device)
+    slot[flat_pair] = slot_sorted
+    return slot.view(num_tokens, k), load, flat_pair
+
+
+def make_plan(
+    logits: Tensor,
+    k: int,
+    *,
+    capacity_factor: float = 1.25,
+    capacity: int | None = None,
+    normalize_weights: bool = True,
+    batch_prioritized: bool = False,
+    selection_bias: Tensor | None = None,
+) -> RoutingPlan:
+    """Build the :class:`RoutingPlan` for router logits.
+
+    logits: ``[T, E]`` in the routing dtype (float32 by default). ``k`` choices per token, 1 <= k <= E.
+    ``selection_bias`` (``[E]``, optional) is added to the probabilities only to *select* experts (load
+    balancing without an auxiliary loss); the combine weights stay the unbiased probabilities.
+
+    Raises ``ValueError`` for non-finite logits, a k out of range, or a negative capacity.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [tokens, experts], got shape {tuple(logits.shape)}")
+    num_tokens, num_experts = logits.shape
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
+    if capacity is not None and capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    if not torch.isfinite(logits).all():
+        raise ValueError("router logits contain NaN or infinity; check the layer input and the router weights")
+
+    probs = torch.softmax(logits, dim=-1)
+    scores = probs if selection_bias is None else probs.detach() + selection_bias.to(probs.dtype)
+    _, expert_index = top_k(scores.detach(), k)
+    probs_topk = probs.gather(1, expert_index)
+    weight = probs_topk
+    if normalize_weights and k > 1:
+        weight = probs_topk / probs_topk.sum(dim=-1, keepdim=True)
+
+    priority = _priority_order(probs_topk.detach(), batch_prioritized)
+    slot, load, order = assign_slots(expert_index, num_experts, priority)
+
+    load_list = load.tolist()  # the one host sync: row counts size every later tensor
+    cap = resolve_capacity(num_tokens, num_experts, k, capacity_factor, capacity, max(load_list, default=0))
+    counts = [min(n, cap) for n in load_list]
+    kept_sorted = slot.view(-1)[order] < cap
+    rows = order[kept_sorted]
+    slot = torch.where(slot < cap, slot, torch.full_like(slot, -1))
+    num_kept = sum(counts)
+    num_dropped = num_tokens * k - num_kept
+
+    row_token = torch.div(rows, k, rounding_mode="floor")
+    row_choice = rows % k
+    row_weight = weight.reshape(-1)[rows]
+
+    return RoutingPlan(
+        expert_index=expert_index,
+        slot=slot,
+        weight=weight,
+        probs_topk=probs_topk,
+        row_token=row_token,
+        row_choice=row_choice,
+        row_weight=row_weight,
+        tokens_per_expert=torch.tensor(counts, dtype=torch.long, device=logits.device),
+        load=load,
+        counts=counts,
+        capacity=cap,
+        num_dropped=num_dropped,
+        dropped_fraction=num_dropped / max(num_tokens * k, 1),
+        aux_loss=load_balancing_loss(probs, expert_index[:, 0]),
+        z_loss=router_z_loss(logits),
+    )

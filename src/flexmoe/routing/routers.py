@@ -1,0 +1,108 @@
+"""Routers (gates): small modules mapping tokens ``[T, M]`` to logits ``[T, E]``.
+
+The built-in routers compute in the routing dtype whatever the model's dtype (their weight is cast, and
+autocast is switched off around them), because top-k on bf16 logits flips choices on near-ties.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["LinearRouter", "CosineRouter", "build_router", "route"]
+
+
+class LinearRouter(nn.Module):
+    """The classic top-k gate: ``logits = x @ weight.T``, no bias. weight: ``[E, M]``."""
+
+    def __init__(self, model_dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, model_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.weight.shape[1])
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: ``[T, M]`` -> logits ``[T, E]`` in x's dtype."""
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+class CosineRouter(nn.Module):
+    """Cosine router of SwinV2-MoE: ``logits = cos(x, weight_e) / tau`` with a learned temperature.
+
+    weight: ``[E, M]``; the temperature is ``exp(log_temperature)``, clamped below at ``min_temperature``
+    so that the logits stay bounded (cosine similarities lie in [-1, 1]).
+    """
+
+    def __init__(
+        self,
+        model_dim: int,
+        num_experts: int,
+        init_temperature: float = 0.07,
+        min_temperature: float = 0.01,
+    ) -> None:
+        super().__init__()
+        if init_temperature <= 0 or min_temperature <= 0:
+            raise ValueError("init_temperature and min_temperature must be > 0")
+        self.weight = nn.Parameter(torch.empty(num_experts, model_dim))
+        self.log_temperature = nn.Parameter(torch.tensor(math.log(init_temperature)))
+        self.min_temperature = min_temperature
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+    @property
+    def temperature(self) -> Tensor:
+        return self.log_temperature.exp().clamp(min=self.min_temperature)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: ``[T, M]`` -> logits ``[T, E]`` in x's dtype."""
+        w = F.normalize(self.weight.to(x.dtype), dim=-1)
+        cos = F.linear(F.normalize(x, dim=-1), w)
+        return cos / self.temperature.to(x.dtype)
+
+
+def build_router(router: str | nn.Module, model_dim: int, num_experts: int) -> nn.Module:
+    """The router module for the layer's ``router=`` argument: "topk", "cosine", or a module used as is."""
+    if isinstance(router, nn.Module):
+        return router
+    if router == "topk":
+        return LinearRouter(model_dim, num_experts)
+    if router == "cosine":
+        return CosineRouter(model_dim, num_experts)
+    raise ValueError(f"router must be 'topk', 'cosine' or an nn.Module, got {router!r}")
+
+
+def route(
+    router: nn.Module,
+    x: Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+    training: bool = False,
+    jitter: float = 0.0,
+    gate_noise: float = 0.0,
+    input_dropout: float = 0.0,
+) -> Tensor:
+    """Router logits ``[T, E]`` in ``dtype`` for tokens x: ``[T, M]``, with exploration in training.
+
+    Exploration, applied only when ``training``: ``jitter`` multiplies the router input by U(1-eps, 1+eps),
+    ``input_dropout`` drops router input features, ``gate_noise`` adds N(0, gate_noise^2) to the logits.
+    The built-in routers see x in ``dtype``; a custom router module sees x as is and its logits are cast.
+    """
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        builtin = isinstance(router, (LinearRouter, CosineRouter))
+        h = x.to(dtype) if builtin else x
+        if training and jitter > 0:
+            h = h * torch.empty_like(h).uniform_(1.0 - jitter, 1.0 + jitter)
+        if training and input_dropout > 0:
+            h = F.dropout(h, p=input_dropout, training=True)
+        logits = router(h).to(dtype)
+        if training and gate_noise > 0:
+            logits = logits + torch.randn_like(logits) * gate_noise
+    return logits
