@@ -1,0 +1,63 @@
+"""FasterMoE's topology-aware gate: bound the (token, choice) pairs a rank sends across slow inter-node links.
+
+Inter-node links are several times slower than the links inside a node, so a rank may send at most
+``max_remote`` of its pairs to experts on other nodes. Pairs claim that budget in the same priority order as
+slots (every token's 1st choice before any 2nd choice, tokens in order); a pair past the budget is routed
+instead to the best expert on the rank's own node that the token has not chosen yet.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["remote_pair_budget", "limit_cross_node"]
+
+
+def remote_pair_budget(num_tokens: int, k: int, cross_node_share: float) -> int:
+    """How many of ``num_tokens * k`` pairs may cross nodes: ``floor(share * T * k)``."""
+    if not 0.0 <= cross_node_share <= 1.0:
+        raise ValueError(f"cross_node_share must be in [0, 1], got {cross_node_share}")
+    return math.floor(cross_node_share * num_tokens * k)
+
+
+def limit_cross_node(
+    scores: Tensor,
+    expert_index: Tensor,
+    expert_node: Tensor,
+    node: int,
+    max_remote: int,
+) -> Tensor:
+    """Re-route the pairs past the cross-node budget to the best experts on this rank's node.
+
+    scores: ``[T, E]`` selection scores (router probabilities); expert_index: ``[T, k]`` the chosen experts;
+    expert_node: ``[E]`` the node of each expert; node: this rank's node; max_remote: the budget.
+    Returns the new ``[T, k]`` expert indices: at most ``max_remote`` of them on other nodes, the k experts of
+    a token still distinct. Needs at least k experts on this node.
+    """
+    num_tokens, k = expert_index.shape
+    local = expert_node == node
+    if int(local.sum()) < k:
+        raise ValueError(
+            f"the topology-aware gate needs at least k={k} experts on each node, node {node} has {int(local.sum())}"
+        )
+    remote = ~local[expert_index]  # [T, k]
+    # Budget claimed in slot priority order: choice-major, then token order.
+    remote_in_order = remote.t().reshape(-1)
+    claimed = torch.cumsum(remote_in_order.long(), 0)
+    over = (remote_in_order & (claimed > max_remote)).view(k, num_tokens).t()  # [T, k]
+    if not bool(over.any()):
+        return expert_index
+    chosen = expert_index.clone()
+    masked = scores.detach().masked_fill(~local, float("-inf"))
+    for choice in range(k):  # later choices must avoid experts that earlier re-routings took
+        rows = over[:, choice].nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        candidates = masked[rows].scatter(1, chosen[rows], float("-inf"))
+        # Stable descending sort: ties go to the lower expert index, as in top-k.
+        best = torch.sort(candidates, dim=1, descending=True, stable=True).indices[:, 0]
+        chosen[rows, choice] = best
+    return chosen
