@@ -10,6 +10,7 @@ import sys
 # name -> (module, one-line help). The module is imported only when its command runs or help is shown.
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("flexmoe.bench", "time one MoE layer against the compute floor and reference layers"),
+    "train": ("flexmoe.train", "train the MoE GPT (or its dense twin) on tiny Shakespeare or any text file"),
 }
 
 

@@ -1,0 +1,245 @@
+"""A decoder-only transformer language model whose MLP is an :class:`~flexmoe.MoELayer` every ``moe_every``
+layers, and its dense twin.
+
+The twin has the same width and depth and a dense MLP of hidden size ``k * expert_hidden`` in every layer, so
+both models spend the same FLOPs per token (the MoE model runs k experts of hidden ``expert_hidden`` per token);
+the MoE model only holds more parameters. Non-MoE layers of the MoE model use the same dense MLP as the twin.
+
+Shapes: B batch, L sequence length (<= block_size), D ``n_embd``, V ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flexmoe.layer import MoELayer
+
+__all__ = ["GPTConfig", "GPT"]
+
+
+@dataclass
+class GPTConfig:
+    """Model configuration. The defaults train in about three minutes on two CPU cores.
+
+    ``group`` is the expert-parallel process group handed to every :class:`MoELayer` (None: one process holds
+    all experts). It is a runtime setting, not part of the saved configuration.
+    """
+
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    # Mixture of experts. dense=True builds the twin: every MLP dense with hidden k * expert_hidden.
+    dense: bool = False
+    moe_every: int = 2
+    num_experts: int = 8
+    expert_hidden: int = 256
+    k: int = 2
+    capacity_factor: float = 1.25
+    router: str = "topk"
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    group: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head}")
+        if self.moe_every < 1:
+            raise ValueError(f"moe_every must be >= 1, got {self.moe_every}")
+        if not 1 <= self.k <= self.num_experts:
+            raise ValueError(f"k must be in [1, num_experts={self.num_experts}], got {self.k}")
+
+    @property
+    def dense_hidden(self) -> int:
+        """Hidden size of every dense MLP: k * expert_hidden, the active width of an MoE layer."""
+        return self.k * self.expert_hidden
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Layers moe_every-1, 2*moe_every-1, ... are MoE (GShard: every other layer with moe_every=2)."""
+        return not self.dense and (index + 1) % self.moe_every == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (without the runtime ``group``)."""
+        out = asdict(self) if self.group is None else {f.name: getattr(self, f.name) for f in fields(self)}
+        out.pop("group", None)
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], **overrides: Any) -> "GPTConfig":
+        """Build from :meth:`to_dict` output; unknown keys are an error (a config from another version)."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"unknown GPTConfig fields {unknown}")
+        return cls(**{**values, **overrides})
+
+    def dense_twin(self) -> "GPTConfig":
+        """The same model with dense MLPs of equal active compute."""
+        return GPTConfig.from_dict({**self.to_dict(), "dense": True}, group=None)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: ``[B, L, D]`` -> ``[B, L, D]``."""
+        b, l, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        # [B, L, D] -> [B, heads, L, D/heads]
+        q, k, v = (t.view(b, l, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, l, d))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, cfg.dense_hidden)
+        self.proj = nn.Linear(cfg.dense_hidden, cfg.n_embd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: ``[B, L, D]`` -> ``[B, L, D]``."""
+        return self.proj(F.gelu(self.fc(x)))
+
+
+def _build_moe(cfg: GPTConfig) -> MoELayer:
+    kwargs: dict[str, Any] = dict(
+        k=cfg.k, capacity_factor=cfg.capacity_factor, router=cfg.router, activation="gelu"
+    )
+    if cfg.group is not None:
+        # Expert parallelism: the layer keeps only this rank's experts (see flexmoe.parallel.layout).
+        kwargs["group"] = cfg.group
+    return MoELayer(cfg.n_embd, cfg.num_experts, cfg.expert_hidden, **kwargs)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    def __init__(self, cfg: GPTConfig, index: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.is_moe = cfg.is_moe_layer(index)
+        self.mlp: nn.Module = _build_moe(cfg) if self.is_moe else DenseMLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: ``[B, L, D]`` -> ``[B, L, D]``."""
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """Byte/char-level GPT. ``forward(idx [B, L]) -> logits [B, L, V]`` (and the LM loss with targets)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        # Not tied to tok_emb: safetensors stores each tensor once, and at V=256 tying saves little.
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # GPT-2 style: N(0, 0.02) for linears and embeddings, residual projections scaled by 1/sqrt(2 * n_layer)
+        # so the residual stream does not grow with depth. Experts keep MoELayer's own initialisation.
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)) and ".experts" not in name and "router" not in name:
+                std = 0.02
+                if name.endswith("proj"):
+                    std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+                nn.init.normal_(module.weight, 0.0, std)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    @property
+    def moe_layers(self) -> list[MoELayer]:
+        return [b.mlp for b in self.blocks if isinstance(b.mlp, MoELayer)]
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """idx: ``[B, L]`` long -> (logits ``[B, L, V]``, mean cross-entropy over ``targets [B, L]`` or None).
+
+        The returned loss is the language-model loss only; add :meth:`aux_loss` for training.
+        """
+        b, l = idx.shape
+        if l > self.cfg.block_size:
+            raise ValueError(f"sequence length {l} exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(l, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return logits, loss
+
+    def aux_loss(self) -> Tensor:
+        """Sum over MoE layers of ``aux_coef * balance loss + z_coef * z-loss`` from the last forward (0 if dense)."""
+        total = torch.zeros(())
+        for moe in self.moe_layers:
+            if moe.aux_loss is not None:
+                total = total + self.cfg.aux_loss_coef * moe.aux_loss.float()
+            if moe.z_loss is not None and self.cfg.z_loss_coef:
+                total = total + self.cfg.z_loss_coef * moe.z_loss.float()
+        return total
+
+    def balance_loss(self) -> float:
+        """Sum of the MoE layers' load-balancing losses (unweighted), for logging."""
+        return float(sum(m.aux_loss.detach().item() for m in self.moe_layers if m.aux_loss is not None))
+
+    def drop_rate(self) -> float:
+        """Mean fraction of (token, choice) pairs dropped over the MoE layers in the last forward."""
+        plans = [m.last_plan for m in self.moe_layers if m.last_plan is not None]
+        return sum(p.dropped_fraction for p in plans) / len(plans) if plans else 0.0
+
+    def expert_load(self) -> list[list[int]]:
+        """Per MoE layer, the tokens each expert computed in the last forward (``tokens_per_expert``)."""
+        return [m.last_plan.tokens_per_expert.tolist() for m in self.moe_layers if m.last_plan is not None]
+
+    def num_params(self, *, active: bool = False) -> int:
+        """Parameter count; with ``active`` only those one token uses (k of E experts per MoE layer)."""
+        total = 0
+        for name, p in self.named_parameters():
+            n = p.numel()
+            if active and ".experts." in name:
+                n = n * self.cfg.k // self.cfg.num_experts
+            total += n
+        return total
+
+    @torch.no_grad()
+    def generate(
+        self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Extend ``idx [B, L0]`` by sampling ``max_new_tokens`` tokens -> ``[B, L0 + max_new_tokens]``."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.cfg.block_size :]
+            logits, _ = self(context)
+            logits = logits[:, -1, :] / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return idx

@@ -1,0 +1,549 @@
+"""``flexmoe train``: train the MoE GPT (or its dense twin) on the embedded corpus or any text file.
+
+The run directory (``--out``) holds ``config.json``, ``metrics.jsonl`` (one JSON object per logged step:
+``step``, ``train_loss``, and ``val_loss`` where evaluated), ``checkpoints/``, ``summary.json`` and PNG plots.
+With ``--compare-dense`` the dense twin trains on the same batches into ``OUT/dense`` and ``OUT`` also gets
+``compare.png``, ``compare.md`` and ``compare.json``.
+
+Reproducibility: the batch of step s is a function of (seed, s) only, the learning rate a function of s, and
+checkpoints hold the optimizer and RNG states, so a resumed run continues exactly as an uninterrupted one.
+
+Distributed (``torchrun`` or ``--nproc N``): experts are spread over the ranks (``MoELayer(group=...)``) and
+every other parameter is data-parallel. Each rank takes its own rows of the global batch; rank 0 logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from flexmoe.checkpoint import (
+    CheckpointError,
+    expert_param_names,
+    latest_checkpoint,
+    load_checkpoint,
+    load_global_state_dict,
+    model_layout,
+    save_checkpoint,
+)
+from flexmoe.data import TokenData
+from flexmoe.layer import MoELayer
+from flexmoe.models.gpt import GPT, GPTConfig
+
+__all__ = ["TrainConfig", "add_arguments", "run", "train", "build_model"]
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping settings (the model's are in :class:`GPTConfig`)."""
+
+    steps: int = 1000
+    batch_size: int = 16  # global rows per step, split over ranks and micro-batches
+    micro_batches: int = 1  # gradient accumulation per rank
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 1337
+    data: str | None = None
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    ckpt_every: int = 250
+    keep_checkpoints: int = 2
+    target_loss: float | None = None
+    stop_at_target: bool = False
+    plots: bool = True
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line.
+
+_MODEL_FLAGS = {  # flag -> (GPTConfig field, type)
+    "--n-layer": ("n_layer", int),
+    "--n-head": ("n_head", int),
+    "--n-embd": ("n_embd", int),
+    "--block-size": ("block_size", int),
+    "--num-experts": ("num_experts", int),
+    "--expert-hidden": ("expert_hidden", int),
+    "--k": ("k", int),
+    "--moe-every": ("moe_every", int),
+    "--capacity-factor": ("capacity_factor", float),
+    "--aux-loss-coef": ("aux_loss_coef", float),
+    "--dropout": ("dropout", float),
+}
+_ACTIONS: list[argparse.Action] = []
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    t = TrainConfig()
+    m = GPTConfig()
+    a = parser.add_argument
+    a("--out", default="runs/default", help="run directory (default: runs/default)")
+    a("--steps", type=int, default=None, help=f"optimizer steps (default {t.steps}; on --resume: the saved value)")
+    a("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    a("--data", default=None, help="train on this text file (bytes as tokens) instead of tiny Shakespeare")
+    a("--seed", type=int, default=t.seed, help=f"seed of the initialisation and data order (default {t.seed})")
+    a("--batch-size", type=int, default=t.batch_size, help=f"global sequences per step (default {t.batch_size})")
+    a("--micro-batches", type=int, default=t.micro_batches, help="gradient accumulation steps per rank")
+    a("--lr", type=float, default=t.lr, help=f"peak learning rate (default {t.lr})")
+    a("--warmup", type=int, default=t.warmup, help=f"linear warm-up steps (default {t.warmup})")
+    a("--log-every", type=int, default=t.log_every, help="steps between metrics records")
+    a("--eval-every", type=int, default=t.eval_every, help="steps between validation evaluations")
+    a("--eval-batches", type=int, default=t.eval_batches, help="validation batches per evaluation")
+    a("--ckpt-every", type=int, default=t.ckpt_every, help="steps between checkpoints")
+    a("--dense", action="store_true", help="train the dense twin instead of the MoE model")
+    a("--compare-dense", action="store_true",
+      help="also train the dense twin (equal active compute) on the same batches; write compare.{png,md,json}")
+    a("--target-loss", type=float, default=None,
+      help="report wall time and tokens until the validation loss first reaches this value")
+    a("--stop-at-target", action="store_true", help="stop training once --target-loss is reached")
+    a("--nproc", type=int, default=1,
+      help="launch N processes with torch.distributed.run (experts spread over ranks, the rest data-parallel)")
+    a("--no-plots", action="store_true", help="skip the PNG plots")
+    a("--no-progress", action="store_true", help="no progress bar")
+    for flag, (name, typ) in _MODEL_FLAGS.items():
+        a(flag, type=typ, default=None, help=f"model: {name} (default {getattr(m, name)})")
+    _ACTIONS[:] = list(parser._actions)
+
+
+def _forward_argv(args: argparse.Namespace) -> list[str]:
+    """The command-line flags of ``args`` (without --nproc), to hand to the launched processes."""
+    argv: list[str] = []
+    for action in _ACTIONS:
+        if not action.option_strings or action.dest in ("help", "nproc"):
+            continue
+        value = getattr(args, action.dest, None)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            if value:
+                argv.append(flag)
+        elif value is not None and value != action.default:
+            argv += [flag, str(value)]
+    if "--out" not in argv:
+        argv += ["--out", args.out]
+    return argv
+
+
+def _launch(args: argparse.Namespace) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+           "-m", "flexmoe", "train", *_forward_argv(args)]
+    print("launching:", " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch(args)
+    try:
+        return _run(args)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    rank, world = _init_distributed()
+    model_overrides = {name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _) in _MODEL_FLAGS.items()}
+    model_overrides = {k: v for k, v in model_overrides.items() if v is not None}
+    tcfg = TrainConfig(
+        steps=args.steps if args.steps is not None else TrainConfig.steps,
+        batch_size=args.batch_size, micro_batches=args.micro_batches, lr=args.lr, warmup=args.warmup,
+        seed=args.seed, data=args.data, log_every=args.log_every, eval_every=args.eval_every,
+        eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, target_loss=args.target_loss,
+        stop_at_target=args.stop_at_target, plots=not args.no_plots, progress=not args.no_progress,
+    )
+    saved = out / "config.json"
+    if args.resume and saved.is_file():
+        # A resumed run keeps its configuration; only --steps (to extend or shorten it) is taken from the CLI.
+        old = json.loads(saved.read_text())
+        steps = tcfg.steps if args.steps is not None else old["train"]["steps"]
+        tcfg = TrainConfig(**{**old["train"], "steps": steps, "progress": tcfg.progress, "plots": tcfg.plots})
+        mcfg = GPTConfig.from_dict(old["model"])
+    else:
+        mcfg = GPTConfig(**{**model_overrides, "dense": args.dense})
+    if args.resume and not saved.is_file() and rank == 0:
+        print(f"--resume: {saved} not found, starting a new run", flush=True)
+    results = {}
+    name = "dense" if mcfg.dense else "moe"
+    results[name] = train(mcfg, tcfg, out, resume=args.resume)
+    if args.compare_dense and not mcfg.dense:
+        results["dense"] = train(mcfg.dense_twin(), tcfg, out / "dense", resume=args.resume)
+        if rank == 0:
+            write_comparison(out, results)
+    return 0
+
+
+def _init_distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Model, optimizer, gradients.
+
+
+def _layer_supports_group() -> bool:
+    return "group" in inspect.signature(MoELayer.__init__).parameters
+
+
+def build_model(cfg: GPTConfig, seed: int) -> GPT:
+    """The model, initialised from ``seed`` identically at every world size.
+
+    The global model is built first (one process holding all experts); under expert parallelism each rank
+    then keeps its own slice of it, so a run's initial weights do not depend on the number of ranks.
+    """
+    torch.manual_seed(seed)
+    reference = GPT(GPTConfig.from_dict(cfg.to_dict()))
+    if cfg.group is None:
+        return reference
+    model = GPT(cfg)
+    load_global_state_dict(model, {k: v.detach() for k, v in reference.state_dict().items()}, source="init")
+    return model
+
+
+def build_optimizer(model: nn.Module, tcfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not biases, norms or expert biases)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        is_bias = p.dim() < 2 or name.rsplit(".", 1)[-1] in ("b1", "b2", "b3")
+        (no_decay if is_bias else decay).append(p)
+    groups = [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=(0.9, 0.95))
+
+
+def lr_at(step: int, tcfg: TrainConfig) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at the last step (a function of step only)."""
+    if step < tcfg.warmup:
+        return tcfg.lr * (step + 1) / tcfg.warmup
+    progress = (step - tcfg.warmup) / max(tcfg.steps - tcfg.warmup, 1)
+    return tcfg.min_lr + 0.5 * (tcfg.lr - tcfg.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _expert_ddp_helper():
+    """The distributed layer's helper that all-reduces non-expert gradients, if it exists yet."""
+    try:
+        from flexmoe.parallel import ddp  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return getattr(ddp, "allreduce_gradients", None)
+
+
+def sync_gradients(model: GPT, world: int) -> None:
+    """Average gradients over the data-parallel ranks, leaving expert gradients out of the all-reduce.
+
+    Each rank's loss is the mean over its own rows; the global loss is the mean over ranks. Replicated
+    (non-expert) parameters therefore take the all-reduced mean. An expert lives on one rank (or one hidden
+    shard per rank) and its gradient already sums every rank's tokens through the all-to-all, so it is only
+    divided by the world size, never all-reduced (that would count it W times).
+    """
+    if world == 1:
+        return
+    experts = set(expert_param_names(model)) if model.cfg.group is not None else set()
+    dense = [p.grad for n, p in model.named_parameters() if n not in experts and p.grad is not None]
+    if dense:
+        flat = torch.cat([g.reshape(-1) for g in dense])
+        dist.all_reduce(flat)
+        flat /= world
+        offset = 0
+        for g in dense:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+    for n, p in model.named_parameters():
+        if n in experts and p.grad is not None:
+            p.grad /= world
+
+
+def clip_gradients(model: GPT, max_norm: float, world: int) -> float:
+    """Scale all gradients so that their global L2 norm is at most ``max_norm``; returns the norm.
+
+    Under expert parallelism expert gradients differ per rank, so their squares are summed over ranks
+    (a replicated ``b2`` shard is counted once, from shard 0); other gradients are equal on every rank.
+    """
+    experts = expert_param_names(model) if model.cfg.group is not None else {}
+    layout = model_layout(model) if experts else None
+    dense_sq = torch.zeros((), dtype=torch.float64)
+    expert_sq = torch.zeros((), dtype=torch.float64)
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.double().square().sum()
+        if n in experts:
+            if experts[n] == "b2" and layout is not None and layout.shard_of_rank(dist.get_rank()) != 0:
+                continue
+            expert_sq += sq
+        else:
+            dense_sq += sq
+    if experts and world > 1:
+        dist.all_reduce(expert_sq)
+    norm = float((dense_sq + expert_sq).sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The loop.
+
+
+@dataclass
+class RunResult:
+    final_val_loss: float
+    final_train_loss: float
+    steps: int
+    wall_time_s: float
+    tokens: int
+    target: dict[str, Any] | None
+    summary: dict[str, Any]
+
+
+def _mean_over_ranks(value: float, world: int) -> float:
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / world
+
+
+@torch.no_grad()
+def evaluate(model: GPT, data: TokenData, tcfg: TrainConfig, rank: int, world: int) -> float:
+    """Mean validation loss over ``eval_batches`` fixed batches (the same at every evaluation and every seed)."""
+    model.eval()
+    rows = _rank_rows(tcfg.batch_size, rank, world)
+    total = 0.0
+    for i in range(tcfg.eval_batches):
+        x, y = data.batch("val", tcfg.batch_size, model.cfg.block_size, seed=0, step=i, rows=rows)
+        _, loss = model(x, y)
+        total += loss.item()
+    model.train()
+    return _mean_over_ranks(total / tcfg.eval_batches, world)
+
+
+def _rank_rows(batch_size: int, rank: int, world: int) -> slice:
+    if batch_size % world:
+        raise ValueError(f"--batch-size {batch_size} must divide by the number of ranks {world}")
+    per = batch_size // world
+    return slice(rank * per, (rank + 1) * per)
+
+
+def _rewrite_metrics(path: Path, upto_step: int) -> list[dict[str, Any]]:
+    """Keep the records of steps <= ``upto_step`` (a resumed run re-logs the steps after its checkpoint)."""
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [r for r in records if r.get("step", 0) <= upto_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return kept
+
+
+def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool = False) -> RunResult:
+    """Train one model into run directory ``out``; returns its final numbers (on every rank)."""
+    out = Path(out)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if world > 1 and not mcfg.dense:
+        if _layer_supports_group():
+            mcfg = GPTConfig.from_dict(mcfg.to_dict(), group=dist.group.WORLD)
+        elif rank == 0:
+            print("note: MoELayer has no group= yet; experts are replicated and data-parallel", flush=True)
+    label = "dense" if mcfg.dense else "moe"
+    if tcfg.batch_size % (world * tcfg.micro_batches):
+        raise ValueError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
+                         f"({world} x {tcfg.micro_batches})")
+    data = TokenData.from_file(tcfg.data, block_size=mcfg.block_size)
+    model = build_model(mcfg, tcfg.seed)
+    optimizer = build_optimizer(model, tcfg)
+    torch.manual_seed(tcfg.seed + 1)  # training-time randomness (dropout, router noise), same at any world size
+
+    metrics_path = out / "metrics.jsonl"
+    start, elapsed, target = 0, 0.0, None
+    ckpt = latest_checkpoint(out) if resume and (out / "checkpoints").is_dir() else None
+    if ckpt is not None:
+        meta = load_checkpoint(ckpt, model=model, optimizer=optimizer)
+        start, elapsed, target = meta["step"], meta.get("elapsed_s", 0.0), meta.get("target")
+        if rank == 0:
+            print(f"[{label}] resumed from {ckpt} at step {start}", flush=True)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(
+            {"model": mcfg.to_dict(), "train": {k: v for k, v in asdict(tcfg).items()}, "world_size": world,
+             "data": data.source}, indent=1))
+        records = _rewrite_metrics(metrics_path, start) if ckpt is not None else []
+        if ckpt is None and metrics_path.exists():
+            metrics_path.unlink()
+        if ckpt is None:
+            print(f"[{label}] {model.num_params():,} parameters, {model.num_params(active=True):,} active per "
+                  f"token; {data.source}: {len(data.train):,} train / {len(data.val):,} validation bytes",
+                  flush=True)
+    tokens_per_step = tcfg.batch_size * mcfg.block_size
+    rows = _rank_rows(tcfg.batch_size, rank, world)
+    micro = tcfg.batch_size // world // tcfg.micro_batches
+
+    bar = None
+    if rank == 0 and tcfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=tcfg.steps, initial=start, desc=label, unit="step", dynamic_ncols=True)
+    log_file = open(metrics_path, "a") if rank == 0 else None
+    t0 = time.perf_counter() - elapsed
+    t_last, step_last = time.perf_counter(), start
+    val_loss = train_loss = float("nan")
+    last_eval_step = -1
+    step = start
+    try:
+        for step in range(start + 1, tcfg.steps + 1):
+            lr = lr_at(step - 1, tcfg)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            x, y = data.batch("train", tcfg.batch_size, mcfg.block_size, seed=tcfg.seed, step=step, rows=rows)
+            loss_sum = bal_sum = drop_sum = 0.0
+            loads: list[Tensor] = []
+            for i in range(tcfg.micro_batches):
+                xs, ys = x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
+                _, loss = model(xs, ys)
+                ((loss + model.aux_loss()) / tcfg.micro_batches).backward()
+                loss_sum += loss.item()
+                bal_sum += model.balance_loss()
+                drop_sum += model.drop_rate()
+                loads.append(torch.tensor(model.expert_load(), dtype=torch.float64))
+            sync_gradients(model, world)
+            clip_gradients(model, tcfg.grad_clip, world)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            is_eval = step % tcfg.eval_every == 0 or step == tcfg.steps
+            is_log = is_eval or step % tcfg.log_every == 0
+            if is_log:
+                train_loss = _mean_over_ranks(loss_sum / tcfg.micro_batches, world)
+                balance = _mean_over_ranks(bal_sum / tcfg.micro_batches, world)
+                drop = _mean_over_ranks(drop_sum / tcfg.micro_batches, world)
+                load = torch.stack(loads).sum(0) if loads and loads[0].numel() else torch.zeros(0)
+                if world > 1 and load.numel():
+                    dist.all_reduce(load)
+                now = time.perf_counter()
+                tok_s = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9)
+                t_last, step_last = now, step
+                record: dict[str, Any] = {
+                    "step": step, "train_loss": train_loss, "balance_loss": balance, "drop_rate": drop,
+                    "lr": lr, "tokens": step * tokens_per_step, "elapsed_s": now - t0, "tokens_per_s": tok_s,
+                }
+                if load.numel():
+                    record["expert_load"] = load.long().tolist()
+                if is_eval:
+                    val_loss = evaluate(model, data, tcfg, rank, world)
+                    last_eval_step = step
+                    record["val_loss"] = val_loss
+                    if tcfg.target_loss is not None and target is None and val_loss <= tcfg.target_loss:
+                        target = {"target_loss": tcfg.target_loss, "step": step, "tokens": step * tokens_per_step,
+                                  "wall_time_s": time.perf_counter() - t0, "val_loss": val_loss}
+                        if rank == 0:
+                            msg = (f"[{label}] reached val loss {val_loss:.4f} <= {tcfg.target_loss} at step {step}: "
+                                   f"{target['wall_time_s']:.1f} s, {target['tokens']:,} tokens")
+                            (bar.write(msg) if bar else print(msg, flush=True))
+                        record["target_reached"] = True
+                if log_file is not None:
+                    log_file.write(json.dumps(record) + "\n")
+                    log_file.flush()
+                if bar is not None:
+                    post = {"loss": f"{train_loss:.3f}", "tok/s": f"{tok_s:,.0f}"}
+                    if not mcfg.dense:
+                        post.update(bal=f"{balance:.3f}", drop=f"{drop:.3f}")
+                    if last_eval_step > 0:
+                        post["val"] = f"{val_loss:.3f}"
+                    bar.set_postfix(post, refresh=False)
+            if bar is not None:
+                bar.update(1)
+            stop = tcfg.stop_at_target and target is not None
+            if step % tcfg.ckpt_every == 0 or step == tcfg.steps or stop:
+                save_checkpoint(out, model=model, optimizer=optimizer, step=step, keep=tcfg.keep_checkpoints,
+                                extra={"elapsed_s": time.perf_counter() - t0, "target": target,
+                                       "train": asdict(tcfg)})
+                if world > 1:
+                    dist.barrier()
+            if stop:
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+        if log_file is not None:
+            log_file.close()
+
+    if last_eval_step != step:  # resumed at the end, or nothing to do: evaluate the final weights once
+        val_loss = evaluate(model, data, tcfg, rank, world)
+    wall = time.perf_counter() - t0
+    summary = {
+        "model": label, "steps": step, "final_val_loss": val_loss, "final_train_loss": train_loss,
+        "wall_time_s": wall, "tokens": step * tokens_per_step, "params": model.num_params(),
+        "active_params": model.num_params(active=True), "world_size": world, "target": target,
+    }
+    if rank == 0:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        if tcfg.plots:
+            write_plots(out, label)
+        print(f"[{label}] done: step {step}, val loss {val_loss:.4f}, {wall:.1f} s"
+              + (f"; target {tcfg.target_loss} reached at step {target['step']} after {target['wall_time_s']:.1f} s"
+                 f" and {target['tokens']:,} tokens" if target else
+                 (f"; target {tcfg.target_loss} not reached" if tcfg.target_loss is not None else "")), flush=True)
+    return RunResult(val_loss, train_loss, step, wall, step * tokens_per_step, target, summary)
+
+
+def write_plots(out: Path, label: str) -> None:
+    from flexmoe.plots import plot_expert_load, plot_losses, read_metrics
+
+    records = read_metrics(out / "metrics.jsonl")
+    plot_losses(records, out / "loss.png", title=f"{label}: loss")
+    plot_expert_load(records, out / "expert_load.png")
+
+
+def write_comparison(out: Path, results: dict[str, RunResult]) -> None:
+    """compare.png (both curves), compare.md (a table) and compare.json (each model's final numbers)."""
+    from flexmoe.plots import plot_compare, read_metrics
+
+    runs = {"moe": read_metrics(out / "metrics.jsonl"), "dense": read_metrics(out / "dense" / "metrics.jsonl")}
+    plot_compare(runs, out / "compare.png")
+    table = ["| model | params | active params | steps | final val loss | wall time (s) | target reached |",
+             "|---|---|---|---|---|---|---|"]
+    payload: dict[str, Any] = {}
+    for name, r in results.items():
+        s = r.summary
+        reached = "-" if r.target is None else f"step {r.target['step']}, {r.target['wall_time_s']:.1f} s, " \
+                                               f"{r.target['tokens']:,} tokens"
+        table.append(f"| {name} | {s['params']:,} | {s['active_params']:,} | {r.steps} | {r.final_val_loss:.4f} | "
+                     f"{r.wall_time_s:.1f} | {reached} |")
+        payload[name] = {"final_val_loss": r.final_val_loss, "final_train_loss": r.final_train_loss,
+                         "steps": r.steps, "wall_time_s": r.wall_time_s, "tokens": r.tokens,
+                         "params": s["params"], "active_params": s["active_params"], "target": r.target}
+    better = "moe" if results["moe"].final_val_loss < results["dense"].final_val_loss else "dense"
+    payload["lower_val_loss"] = better
+    text = "\n".join(table) + f"\n\nlower final validation loss at equal steps and active compute: {better}\n"
+    (out / "compare.md").write_text(text)
+    (out / "compare.json").write_text(json.dumps(payload, indent=1))
+    print(text, flush=True)
