@@ -11,6 +11,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("flexmoe.bench", "time one MoE layer against the compute floor and reference layers"),
     "train": ("flexmoe.train", "train the MoE GPT (or its dense twin) on tiny Shakespeare or any text file"),
+    "generate": ("flexmoe.generate", "sample text from a training run's checkpoint"),
+    "reshard": ("flexmoe.reshard", "rewrite a checkpoint for another number of expert-parallel ranks"),
 }
 
 

@@ -1,0 +1,50 @@
+"""``flexmoe generate --run DIR``: sample text from a trained run's newest checkpoint (or a given one)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from flexmoe.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint
+from flexmoe.data import decode, encode
+from flexmoe.models.gpt import GPT, GPTConfig
+
+__all__ = ["add_arguments", "run", "load_model"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--run", required=True, help="run directory (its newest checkpoint) or a checkpoint directory")
+    a("--prompt", default="\n", help="text to continue (default: a newline)")
+    a("--tokens", type=int, default=500, help="bytes to generate (default 500)")
+    a("--temperature", type=float, default=0.8, help="softmax temperature (default 0.8)")
+    a("--top-k", type=int, default=None, help="sample among the k most likely bytes only")
+    a("--seed", type=int, default=0, help="sampling seed (default 0)")
+
+
+def load_model(run_dir: str | Path) -> tuple[GPT, Path]:
+    """The model of the newest checkpoint under ``run_dir`` (single process, all experts), in eval mode."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise CheckpointError(f"{run_dir}: no checkpoint found (expected {Path(run_dir) / 'checkpoints'})")
+    meta = read_checkpoint(ckpt).meta
+    model = GPT(GPTConfig.from_dict(meta["config"]))
+    load_checkpoint(ckpt, model=model, restore_rng=False)
+    return model.eval(), ckpt
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        model, ckpt = load_model(args.run)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    prompt = encode(args.prompt or "\n")[None, :]
+    gen = torch.Generator().manual_seed(args.seed)
+    out = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k, generator=gen)
+    print(f"# {ckpt}", file=sys.stderr)
+    sys.stdout.write(decode(out[0]) + "\n")
+    return 0
