@@ -22,6 +22,15 @@ from flexmoe.train import TrainConfig, build_optimizer
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, num_experts=4, expert_hidden=32, k=2)
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread, and do not fight other processes for the two cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 
 def _trained(tmp_path: Path, **cfg) -> tuple[GPT, torch.optim.Optimizer, Path]:
     """A tiny model after two optimizer steps (so the AdamW moments are not empty), saved once."""

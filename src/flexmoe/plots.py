@@ -60,12 +60,13 @@ def plot_expert_load(records: list[dict[str, Any]], path: str | Path) -> Path | 
     n_layers = len(rows[0]["expert_load"])
     fig, axes = plt.subplots(n_layers, 1, figsize=(8, 2.2 * n_layers + 0.8), squeeze=False)
     steps = [r["step"] for r in rows]
+    half = (steps[-1] - steps[0]) / max(len(steps) - 1, 1) / 2 or 0.5  # each column centred on its step
     for i in range(n_layers):
         load = np.array([r["expert_load"][i] for r in rows], dtype=float).T  # [E, logged steps]
         share = load / np.maximum(load.sum(axis=0, keepdims=True), 1)
         ax = axes[i][0]
         im = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis",
-                       extent=(steps[0], steps[-1], load.shape[0] - 0.5, -0.5))
+                       extent=(steps[0] - half, steps[-1] + half, load.shape[0] - 0.5, -0.5))
         ax.set_ylabel(f"MoE layer {i}\nexpert")
         fig.colorbar(im, ax=ax, label="share of tokens")
     axes[-1][0].set_xlabel("step")

@@ -50,7 +50,7 @@ __all__ = ["TrainConfig", "add_arguments", "run", "train", "build_model"]
 class TrainConfig:
     """Optimisation and bookkeeping settings (the model's are in :class:`GPTConfig`)."""
 
-    steps: int = 1000
+    steps: int = 1200
     batch_size: int = 16  # global rows per step, split over ranks and micro-batches
     micro_batches: int = 1  # gradient accumulation per rank
     lr: float = 2e-3
