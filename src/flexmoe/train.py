@@ -19,6 +19,7 @@ import inspect
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -141,8 +142,16 @@ def _forward_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _launch(args: argparse.Namespace) -> int:
+    """Re-run this command under torch.distributed.run with N local processes on a free 127.0.0.1 port."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
            "-m", "flexmoe", "train", *_forward_argv(args)]
     print("launching:", " ".join(cmd), flush=True)
     return subprocess.call(cmd)
