@@ -19,6 +19,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -51,7 +52,7 @@ __all__ = ["TrainConfig", "add_arguments", "run", "train", "build_model"]
 class TrainConfig:
     """Optimisation and bookkeeping settings (the model's are in :class:`GPTConfig`)."""
 
-    steps: int = 1200
+    steps: int = 1500
     batch_size: int = 16  # global rows per step, split over ranks and micro-batches
     micro_batches: int = 1  # gradient accumulation per rank
     lr: float = 2e-3
@@ -253,15 +254,6 @@ def lr_at(step: int, tcfg: TrainConfig) -> float:
     return tcfg.min_lr + 0.5 * (tcfg.lr - tcfg.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _expert_ddp_helper():
-    """The distributed layer's helper that all-reduces non-expert gradients, if it exists yet."""
-    try:
-        from flexmoe.parallel import ddp  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return getattr(ddp, "allreduce_gradients", None)
-
-
 def sync_gradients(model: GPT, world: int) -> None:
     """Average gradients over the data-parallel ranks, leaving expert gradients out of the all-reduce.
 
@@ -400,14 +392,17 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
         start, elapsed, target = meta["step"], meta.get("elapsed_s", 0.0), meta.get("target")
         if rank == 0:
             print(f"[{label}] resumed from {ckpt} at step {start}", flush=True)
+    records: list[dict[str, Any]] = []
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(
             {"model": mcfg.to_dict(), "train": {k: v for k, v in asdict(tcfg).items()}, "world_size": world,
              "data": data.source}, indent=1))
         records = _rewrite_metrics(metrics_path, start) if ckpt is not None else []
-        if ckpt is None and metrics_path.exists():
-            metrics_path.unlink()
+        if ckpt is None:
+            # A new run in an existing directory replaces the old run's metrics and checkpoints.
+            metrics_path.unlink(missing_ok=True)
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
         if ckpt is None:
             print(f"[{label}] {model.num_params():,} parameters, {model.num_params(active=True):,} active per "
                   f"token; {data.source}: {len(data.train):,} train / {len(data.val):,} validation bytes",
@@ -507,6 +502,8 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
 
     if last_eval_step != step:  # resumed at the end, or nothing to do: evaluate the final weights once
         val_loss = evaluate(model, data, tcfg, rank, world)
+        if rank == 0 and math.isnan(train_loss) and records:
+            train_loss = records[-1]["train_loss"]
     wall = time.perf_counter() - t0
     summary = {
         "model": label, "steps": step, "final_val_loss": val_loss, "final_train_loss": train_loss,
