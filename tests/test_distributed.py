@@ -134,3 +134,67 @@ def test_checkpoint_from_two_ranks_loads_on_one_and_four(two_rank_run, tmp_path:
             torch.testing.assert_close(got[f"out{i}"], expected, rtol=1e-5, atol=1e-6)
             local = w1[rank : rank + 1] if _expert_parallel() else w1
             assert torch.equal(got[f"w1_{i}"], local)  # rank r holds global expert r (E = W = 4)
+
+
+# Checkpoint gather/scatter under an expert-parallel layout, at the state level: each rank's MoE layers hold
+# only its experts (built as the layout says), the checkpoint must hold the global tensors, and loading must
+# give each rank its slice back. This runs whether or not MoELayer(group=...) exists.
+STATE_RUNNER = (
+    "import sys, torch, torch.distributed as dist\n"
+    "from safetensors.torch import save_file\n"
+    "from flexmoe.checkpoint import global_state_dict, load_checkpoint, load_global_state_dict, save_checkpoint\n"
+    "from flexmoe.experts import FeedForwardExperts\n"
+    "from flexmoe.models import GPT, GPTConfig\n"
+    "from flexmoe.parallel.layout import ExpertLayout\n"
+    "from flexmoe.train import TrainConfig, build_optimizer\n"
+    "dist.init_process_group('gloo')\n"
+    "rank, world = dist.get_rank(), dist.get_world_size()\n"
+    "out, experts = sys.argv[1], int(sys.argv[2])\n"
+    "cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, num_experts=experts, expert_hidden=8)\n"
+    "torch.manual_seed(0)\n"
+    "reference = GPT(cfg)\n"
+    "model = GPT(cfg)\n"
+    "model.cfg = GPTConfig.from_dict(cfg.to_dict(), group=dist.group.WORLD)\n"
+    "layout = ExpertLayout(experts, world, 8)\n"
+    "for moe in model.moe_layers:\n"
+    "    moe.experts = FeedForwardExperts(layout.experts_per_rank, 16, layout.local_hidden_dim)\n"
+    "load_global_state_dict(model, reference.state_dict(), source='reference')\n"
+    "opt = build_optimizer(model, TrainConfig())\n"
+    "for i, p in enumerate(model.parameters()):\n"
+    "    p.grad = torch.full_like(p, 0.01 * (i + 1))\n"
+    "opt.step()\n"
+    "local = {k: v.clone() for k, v in model.state_dict().items()}\n"
+    "glob = global_state_dict(model)\n"
+    "save_checkpoint(out, model=model, optimizer=opt, step=1)\n"
+    "dist.barrier()\n"
+    "for p in model.parameters():\n"
+    "    torch.nn.init.zeros_(p)\n"
+    "load_checkpoint(out + '/checkpoints/step_000001', model=model, optimizer=build_optimizer(model, TrainConfig()))\n"
+    "assert all(torch.equal(v, model.state_dict()[k]) for k, v in local.items())\n"
+    "save_file({**{'local.' + k: v for k, v in local.items()}, **{'global.' + k: v for k, v in glob.items()}},\n"
+    "          f'{out}/rank{rank}.safetensors')\n"
+    "dist.destroy_process_group()\n"
+)
+
+
+@pytest.mark.parametrize("experts,world", [(4, 2), (2, 4)])  # whole experts per rank; hidden-dim shards
+def test_checkpoint_gathers_and_scatters_expert_shards(tmp_path: Path, experts: int, world: int) -> None:
+    from safetensors.torch import load_file
+
+    from flexmoe.parallel.layout import ExpertLayout, shard_expert_state
+
+    (tmp_path / "x").mkdir()
+    _python(STATE_RUNNER, [str(tmp_path / "x"), str(experts)], nproc=world)
+    ckpt = read_checkpoint(tmp_path / "x" / "checkpoints" / "step_000001")
+    assert ckpt.meta["layout"]["trained_world_size"] == world
+    layout = ExpertLayout(experts, world, 8)
+    for rank in range(world):
+        got = load_file(str(tmp_path / "x" / f"rank{rank}.safetensors"))
+        for key, value in ckpt.model.items():
+            assert torch.equal(got["global." + key], value), key  # every rank sees the global tensors
+            kind = key.rsplit(".", 1)[-1]
+            if ".experts." in key:
+                expected = shard_expert_state({kind: value}, layout, rank)[kind]
+                assert torch.equal(got["local." + key], expected), (rank, key)
+                moment = ckpt.optimizer[f"exp_avg/{key}"]
+                assert moment.shape == value.shape  # optimizer moments are stored globally too
