@@ -40,7 +40,7 @@ def _trained(tmp_path: Path, **cfg) -> tuple[GPT, torch.optim.Optimizer, Path]:
     for _ in range(2):
         x = torch.randint(0, 256, (4, 16))
         _, loss = model(x, x)
-        (loss + model.aux_loss()).backward()
+        (loss + model.regularization_loss()).backward()
         opt.step()
         opt.zero_grad()
     ckpt = save_checkpoint(tmp_path, model=model, optimizer=opt, step=2)

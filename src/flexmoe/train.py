@@ -433,7 +433,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
             for i in range(tcfg.micro_batches):
                 xs, ys = x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
                 _, loss = model(xs, ys)
-                ((loss + model.aux_loss()) / tcfg.micro_batches).backward()
+                ((loss + model.regularization_loss()) / tcfg.micro_batches).backward()
                 loss_sum += loss.item()
                 bal_sum += model.balance_loss()
                 drop_sum += model.drop_rate()

@@ -195,18 +195,22 @@ class GPT(nn.Module):
         return logits, loss
 
     def aux_loss(self) -> Tensor:
-        """Sum over MoE layers of ``aux_coef * balance loss + z_coef * z-loss`` from the last forward (0 if dense)."""
-        total = torch.zeros(())
-        for moe in self.moe_layers:
-            if moe.aux_loss is not None:
-                total = total + self.cfg.aux_loss_coef * moe.aux_loss.float()
-            if moe.z_loss is not None and self.cfg.z_loss_coef:
-                total = total + self.cfg.z_loss_coef * moe.z_loss.float()
-        return total
+        """Sum over MoE layers of the load-balancing loss of the last forward (differentiable; 0 if dense)."""
+        losses = [m.aux_loss.float() for m in self.moe_layers if m.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else torch.zeros(())
+
+    def z_loss(self) -> Tensor:
+        """Sum over MoE layers of the router z-loss of the last forward (differentiable; 0 if dense)."""
+        losses = [m.z_loss.float() for m in self.moe_layers if m.z_loss is not None]
+        return torch.stack(losses).sum() if losses else torch.zeros(())
+
+    def regularization_loss(self) -> Tensor:
+        """What training adds to the LM loss: ``aux_loss_coef * aux_loss() + z_loss_coef * z_loss()``."""
+        return self.cfg.aux_loss_coef * self.aux_loss() + self.cfg.z_loss_coef * self.z_loss()
 
     def balance_loss(self) -> float:
-        """Sum of the MoE layers' load-balancing losses (unweighted), for logging."""
-        return float(sum(m.aux_loss.detach().item() for m in self.moe_layers if m.aux_loss is not None))
+        """:meth:`aux_loss` as a float, for logging (1.0 per layer is a perfectly uniform router)."""
+        return float(self.aux_loss().detach())
 
     def drop_rate(self) -> float:
         """Mean fraction of (token, choice) pairs dropped over the MoE layers in the last forward."""
