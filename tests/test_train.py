@@ -143,3 +143,16 @@ def test_launch_argv_round_trips() -> None:
     assert "--nproc" not in argv
     again = parser.parse_args(argv)
     assert (again.out, again.steps, again.compare_dense, again.k, again.nproc) == ("x", 7, True, 1, 1)
+
+
+def test_resume_from_corrupted_checkpoint_fails_clearly(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--steps", "4", "--ckpt-every", "2", "--eval-every", "4", "--eval-batches", "1",
+            "--no-plots", *TINY_FLAGS]
+    assert _run(train, argv) == 0
+    weights = out / "checkpoints" / "step_000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    capsys.readouterr()
+    assert _run(train, [*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert str(weights) in err and "truncated: tensor '" in err
