@@ -13,6 +13,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("flexmoe.train", "train the MoE GPT (or its dense twin) on tiny Shakespeare or any text file"),
     "generate": ("flexmoe.generate", "sample text from a training run's checkpoint"),
     "reshard": ("flexmoe.reshard", "rewrite a checkpoint for another number of expert-parallel ranks"),
+    "calibrate": ("flexmoe.tuning.calibrate", "measure this machine and write the cost model's JSON profile"),
+    "validate-model": ("flexmoe.tuning.validate", "measure the layer, compare with the cost model, print the error"),
+    "simulate": ("flexmoe.tuning.simulate", "predict single-layer throughput from 8 to 2,048 GPUs from a profile"),
 }
 
 

@@ -1,0 +1,33 @@
+"""The performance model: calibrate a machine, predict an MoE layer's time, choose its settings.
+
+* :mod:`flexmoe.tuning.profile`: :class:`Profile` (JSON round trip), published profiles in ``profiles/``;
+* :mod:`flexmoe.tuning.cost_model`: :func:`predict` / :func:`layer_time` and the choosers
+  :func:`rank_candidates` (for ``parallel="auto"``) and :func:`choose_shadowed` (FasterMoE shadowing);
+* commands: ``flexmoe calibrate``, ``flexmoe validate-model``, ``flexmoe simulate``.
+"""
+
+from flexmoe.tuning.cost_model import (
+    Breakdown,
+    LayerConfig,
+    choose_shadowed,
+    layer_time,
+    predict,
+    rank_candidates,
+    score_candidates,
+)
+from flexmoe.tuning.profile import ComputeSpec, LinkSpec, Profile, available_profiles, load_profile
+
+__all__ = [
+    "Breakdown",
+    "ComputeSpec",
+    "LayerConfig",
+    "LinkSpec",
+    "Profile",
+    "available_profiles",
+    "choose_shadowed",
+    "layer_time",
+    "load_profile",
+    "predict",
+    "rank_candidates",
+    "score_candidates",
+]

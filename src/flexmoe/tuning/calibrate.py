@@ -1,0 +1,408 @@
+"""``flexmoe calibrate``: measure this machine and write a JSON profile the cost model reuses.
+
+Micro-benchmarks, each timed as the median of a few repetitions (the 2-core machine is shared, so single
+samples are noisy):
+
+* GEMM throughput per dtype over a range of shapes, fitted to a roofline with a bent compute roof
+  (``overhead + flops / (peak * d / (d + d_half))``, d the smallest dimension);
+* streaming memory bandwidth, row gather (``index_select``) and scatter-add (``index_add``) bandwidth, and the
+  fixed cost of one autograd op;
+* point-to-point and all-to-all latency and bandwidth over gloo on 127.0.0.1, with real processes at 2 and 4
+  ranks, fitted to alpha-beta; and how much of an asynchronous all-to-all hides behind a GEMM.
+
+Every rank runs single-threaded (``threads_per_rank = 1``), the setting ``validate-model`` measures the layer in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, ComputeSpec, LinkSpec, Profile
+
+__all__ = ["add_arguments", "run", "calibrate", "fit_roofline", "fit_alpha_beta", "free_port"]
+
+# (rows, in, out): expert-like shapes, from thin (few rows per expert) to large.
+GEMM_SHAPES = [(m, k, n) for m in (32, 128, 512, 2048) for k, n in ((128, 256), (512, 1024), (512, 2048), (1024, 512))]
+QUICK_GEMM_SHAPES = [(32, 128, 256), (128, 512, 1024), (512, 512, 2048), (2048, 1024, 512)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody is listening on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+# ------------------------------------------------------------------------------------------------- fits
+
+
+def fit_roofline(samples: list[dict[str, float]]) -> ComputeSpec:
+    """Fit ``t = overhead + flops / (peak * d / (d + d_half))`` to GEMM samples {m, n, k, seconds}.
+
+    For each d_half on a grid, (overhead, 1/peak) is a linear least-squares fit weighted by 1/t (relative
+    error, so small GEMMs count as much as large ones); the d_half with the smallest relative error wins.
+    """
+    best: tuple[float, ComputeSpec] | None = None
+    for half in (0.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0):
+        xs, ys, ws = [], [], []
+        for s in samples:
+            d = min(s["m"], s["n"], s["k"])
+            eff = d / (d + half) if half > 0 else 1.0
+            xs.append(2.0 * s["m"] * s["n"] * s["k"] / eff)
+            ys.append(s["seconds"])
+            ws.append(1.0 / s["seconds"])
+        a, c = _weighted_linear_fit(xs, ys, ws)  # t = a + c * x
+        if c <= 0:
+            continue
+        a = max(a, 0.0)
+        err = sum(abs(a + c * x - y) / y for x, y in zip(xs, ys)) / len(xs)
+        if best is None or err < best[0]:
+            best = (err, ComputeSpec(peak_flops=1.0 / c, overhead_s=a, half_dim=half))
+    if best is None:
+        raise RuntimeError("GEMM timings could not be fitted (all slopes non-positive)")
+    return best[1]
+
+
+def _weighted_linear_fit(xs: list[float], ys: list[float], ws: list[float]) -> tuple[float, float]:
+    """Least squares for y = a + c x with weights w on the residuals (w = 1/y: relative residuals)."""
+    sw = sum(w * w for w in ws)
+    sx = sum(w * w * x for w, x in zip(ws, xs))
+    sy = sum(w * w * y for w, y in zip(ws, ys))
+    sxx = sum(w * w * x * x for w, x in zip(ws, xs))
+    sxy = sum(w * w * x * y for w, x, y in zip(ws, xs, ys))
+    det = sw * sxx - sx * sx
+    if det == 0:
+        return 0.0, sy / sx if sx else 0.0
+    c = (sw * sxy - sx * sy) / det
+    a = (sy - c * sx) / sw
+    return a, c
+
+
+def fit_alpha_beta(samples: list[dict[str, float]]) -> tuple[float, float]:
+    """Fit ``t = messages * (alpha + message_bytes / bandwidth)`` to {messages, message_bytes, seconds}.
+
+    Returns ``(alpha_s, bandwidth_Bps)``; relative residuals, non-negative alpha. A point-to-point sample has
+    ``messages = 1``; an all-to-all of S bytes over W ranks has ``messages = W - 1`` and ``message_bytes = S/W``.
+    An optional ``contention`` (ranks per compute slot, >= 1) divides the time first: the same slow-down the
+    model applies when transfers share oversubscribed cores.
+    """
+    # Divide by the message count (and contention): t/m = alpha + bytes/bw, one linear fit across every W.
+    xs = [s["message_bytes"] for s in samples]
+    ys = [s["seconds"] / s["messages"] / s.get("contention", 1.0) for s in samples]
+    a, c = _weighted_linear_fit(xs, ys, [1.0 / y for y in ys])
+    if c <= 0:  # latency-bound everywhere: take the largest sample's throughput as the bandwidth
+        big = max(samples, key=lambda s: s["message_bytes"])
+        c = big["seconds"] / big["messages"] / big.get("contention", 1.0) / big["message_bytes"]
+    return max(a, 0.0), 1.0 / c
+
+
+# ------------------------------------------------------------------------------------------ single rank
+
+
+def measure_compute(quick: bool = False) -> dict[str, Any]:
+    """GEMM samples per dtype, memory / gather / scatter bandwidths and the per-op overhead, one thread."""
+    import torch
+
+    torch.set_num_threads(1)
+    reps = 3 if quick else 5
+    gemm: dict[str, list[dict[str, float]]] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        rows = []
+        for m, k, n in QUICK_GEMM_SHAPES if quick else GEMM_SHAPES:
+            # Timed as in training: forward addmm, then backward (input and weight gradients) through
+            # autograd, so allocation of fresh outputs and autograd bookkeeping are part of what is fitted.
+            x = torch.randn(m, k, dtype=dtype, requires_grad=True)
+            w = torch.randn(k, n, dtype=dtype, requires_grad=True)
+            bias = torch.randn(n, dtype=dtype, requires_grad=True)
+            grad = torch.randn(m, n, dtype=dtype)
+
+            def step() -> None:
+                x.grad = w.grad = bias.grad = None
+                torch.addmm(bias, x, w).backward(grad)
+
+            seconds = _median_time(step, reps) / 3  # three GEMMs of the same flops
+            rows.append({"m": m, "n": n, "k": k, "seconds": seconds})
+        gemm[name] = rows
+
+    big = torch.randn(8 * 1024 * 1024 // 4 * 4)  # 32 MB of float32: well beyond the caches
+    dst = torch.empty_like(big)
+    copy_s = _median_time(lambda: dst.copy_(big), reps)
+    memory_bw = 2 * big.numel() * 4 / copy_s
+
+    tokens, dim, rows_n = 4096, 512, 8192
+    x = torch.randn(tokens, dim)
+    index = torch.randint(0, tokens, (rows_n,))
+    gathered = x.index_select(0, index)
+    gather_s = _median_time(lambda: x.index_select(0, index), reps)
+    scatter_s = _median_time(lambda: torch.zeros(tokens, dim).index_add_(0, index, gathered), reps)
+    moved = 2 * rows_n * dim * 4
+
+    leaf = torch.randn(4, requires_grad=True)
+
+    def tiny_chain() -> None:  # 4 forward ops, ~4 backward nodes, backward machinery: ~10 ops
+        y = ((leaf * 2.0 + 1.0).relu()).sum()
+        y.backward()
+
+    op_s = _median_time(tiny_chain, 50, warmup=5) / 10
+
+    # unbind's backward: per-expert weight gradients stacked into one fresh [E, M, H] gradient.
+    pieces = [torch.randn(512, 1024) for _ in range(8)]
+    stack_s = _median_time(lambda: torch.stack(pieces), reps)
+    stack_bw = sum(p.numel() for p in pieces) * 4 / stack_s
+    return {
+        "gemm": gemm,
+        "gemm_timing": "forward + backward of addmm with autograd, per GEMM (time / 3)",
+        "memory_bandwidth_Bps": memory_bw,
+        "gather_bandwidth_Bps": moved / gather_s,
+        "scatter_bandwidth_Bps": moved / scatter_s,
+        "op_overhead_s": op_s,
+        "grad_stack_bandwidth_Bps": stack_bw,
+    }
+
+
+# --------------------------------------------------------------------------------------------- multi-rank
+
+
+def _comm_worker(rank: int, world: int, port: int, out_path: str, quick: bool) -> None:
+    """One gloo rank: ping-pong between ranks 0 and 1, all-to-all at several sizes, then a2a/GEMM overlap."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    reps = 5 if quick else 9
+    results: dict[str, Any] = {"p2p": [], "a2a": []}
+    try:
+        # The first collectives pay for connection setup: run a few before timing anything.
+        warm = torch.zeros(world * 256)
+        for _ in range(5):
+            dist.all_to_all_single(torch.empty_like(warm), warm)
+            dist.barrier()
+        if world == 2:
+            for nbytes in (1 << 10, 1 << 16, 1 << 20, 1 << 22):
+                buf = torch.zeros(nbytes // 4)
+
+                def pingpong() -> None:
+                    if rank == 0:
+                        dist.send(buf, 1)
+                        dist.recv(buf, 1)
+                    else:
+                        dist.recv(buf, 0)
+                        dist.send(buf, 0)
+
+                dist.barrier()
+                seconds = _median_time(pingpong, reps, warmup=3) / 2
+                results["p2p"].append({"messages": 1, "message_bytes": nbytes, "seconds": seconds})
+        for nbytes in (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24):
+            count = max(nbytes // 4 // world * world, world)
+            send = torch.randn(count)
+            recv = torch.empty(count)
+
+            def a2a() -> None:
+                dist.all_to_all_single(recv, send)
+
+            dist.barrier()
+            seconds = _median_time(a2a, reps, warmup=3)
+            results["a2a"].append({"world": world, "messages": world - 1, "message_bytes": count * 4 / world,
+                                   "seconds": seconds})
+        # Overlap: an asynchronous all-to-all beside a GEMM that takes about as long.
+        send = torch.randn((1 << 22) // 4)
+        recv = torch.empty_like(send)
+        a = torch.randn(512, 512)
+        bmat = torch.randn(512, 1024)
+
+        def comm_only() -> None:
+            dist.all_to_all_single(recv, send)
+
+        comm_s = _median_time(comm_only, reps)
+        flop_s = _median_time(lambda: a @ bmat, reps)
+        n_gemm = max(1, round(comm_s / flop_s))
+
+        def compute_only() -> None:
+            for _ in range(n_gemm):
+                a @ bmat
+
+        def both() -> None:
+            work = dist.all_to_all_single(recv, send, async_op=True)
+            compute_only()
+            work.wait()
+
+        dist.barrier()
+        compute_s = _median_time(compute_only, reps)
+        dist.barrier()
+        both_s = _median_time(both, reps)
+        hidden = (comm_s + compute_s - both_s) / max(min(comm_s, compute_s), 1e-12)
+        results["overlap"] = {"comm_s": comm_s, "compute_s": compute_s, "both_s": both_s,
+                              "efficiency": min(max(hidden, 0.0), 1.0)}
+        # Every rank's medians, so rank 0 can report the slowest (the all-to-all waits for it).
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, results)
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_comm(world: int, quick: bool = False, timeout: float = 120.0) -> list[dict[str, Any]]:
+    """Start ``world`` gloo processes on 127.0.0.1 and return every rank's measurements.
+
+    Plain subprocesses rather than multiprocessing's spawn: spawn re-imports the caller's main module, which
+    breaks when calibration is called from a script without a ``__main__`` guard.
+    """
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "comm.json")
+        port = free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank
+        procs = []
+        for rank in range(world):
+            code = (f"from flexmoe.tuning.calibrate import _comm_worker; "
+                    f"_comm_worker({rank}, {world}, {port}, {out!r}, {quick!r})")
+            procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        failures = []
+        deadline = time.monotonic() + timeout
+        for rank, proc in enumerate(procs):
+            try:
+                _, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"gloo calibration with {world} ranks did not finish in {timeout:.0f} s")
+            if proc.returncode != 0:
+                failures.append(f"rank {rank} exited with {proc.returncode}: {err[-1500:]}")
+        if failures:
+            raise RuntimeError("gloo calibration failed:\n" + "\n".join(failures))
+        return json.loads(Path(out).read_text())
+
+
+def _merge_ranks(per_rank: list[dict[str, Any]], key: str) -> list[dict[str, float]]:
+    """Per sample, the slowest rank's median (collectives finish when the last rank does)."""
+    merged = []
+    for i, sample in enumerate(per_rank[0][key]):
+        worst = max(rank[key][i]["seconds"] for rank in per_rank)
+        merged.append({**sample, "seconds": worst})
+    return merged
+
+
+def calibrate(worlds: tuple[int, ...] = (2, 4), quick: bool = False, log: Callable[[str], None] | None = None,
+              ) -> Profile:
+    """Run every micro-benchmark and fit a :class:`Profile` of this machine."""
+    say = log or (lambda _msg: None)
+    started = time.perf_counter()
+    say("compute: GEMM roofline (float32, bfloat16), memory, gather/scatter, op overhead")
+    comp = measure_compute(quick)
+    compute = {name: fit_roofline(samples) for name, samples in comp["gemm"].items()}
+    p2p: list[dict[str, float]] = []
+    a2a: list[dict[str, float]] = []
+    overlap: dict[int, float] = {}
+    raw_overlap = {}
+    cores = os.cpu_count() or 1
+    for world in worlds:
+        say(f"communication: gloo on 127.0.0.1 with {world} ranks")
+        per_rank = measure_comm(world, quick)
+        contention = max(1.0, world / cores)
+        p2p += [{**s, "contention": contention} for s in _merge_ranks(per_rank, "p2p")] if per_rank[0]["p2p"] else []
+        a2a += [{**s, "contention": contention} for s in _merge_ranks(per_rank, "a2a")]
+        overlap[world] = statistics.median(rank["overlap"]["efficiency"] for rank in per_rank)
+        raw_overlap[str(world)] = per_rank[0]["overlap"]
+    # Overlap needs a free core for the transport: measure it where ranks do not outnumber cores (the model
+    # itself turns overlap off when they do).
+    fitting = [eff for world, eff in overlap.items() if world <= cores] or list(overlap.values())
+    p2p_alpha, p2p_bw = fit_alpha_beta(p2p) if p2p else fit_alpha_beta(a2a)
+    a2a_alpha, a2a_bw = fit_alpha_beta(a2a)
+    link = LinkSpec(name="gloo-loopback", alpha_s=p2p_alpha, bandwidth_Bps=p2p_bw, a2a_alpha_s=a2a_alpha,
+                    a2a_bandwidth_Bps=a2a_bw)
+    profile = Profile(
+        name="local",
+        description=f"this machine: {cores} CPU cores, one thread per rank, gloo over 127.0.0.1 "
+                    f"(calibrated {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC)",
+        compute=compute,
+        memory_bandwidth_Bps=comp["memory_bandwidth_Bps"],
+        gather_bandwidth_Bps=comp["gather_bandwidth_Bps"],
+        scatter_bandwidth_Bps=comp["scatter_bandwidth_Bps"],
+        op_overhead_s=comp["op_overhead_s"],
+        grad_stack_bandwidth_Bps=comp["grad_stack_bandwidth_Bps"],
+        intra=link,
+        inter=link,  # every rank shares one host: both levels are the same loopback
+        ranks_per_node=1 << 16,
+        compute_slots_per_node=cores,
+        overlap_efficiency=statistics.median(fitting) if fitting else 0.0,
+        comm_uses_compute=True,
+        threads_per_rank=1,
+        sources=["measured by `flexmoe calibrate` (flexmoe.tuning.calibrate) on this machine"],
+        assumptions=[
+            "ranks run one thread each; more ranks than cores slow compute and loopback copies by ranks/cores",
+            "overlap of communication with compute needs a free core: none when ranks outnumber cores",
+            "all-to-all: messages of one rank on one link level are serialized (alpha-beta per message)",
+            "medians of repeated timings; the slowest rank's median for collectives",
+        ],
+        measured={"gemm": comp["gemm"], "p2p": p2p, "a2a": a2a, "overlap": raw_overlap,
+                  "seconds": time.perf_counter() - started},
+    )
+    return profile
+
+
+# ------------------------------------------------------------------------------------------------ command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=LOCAL_PROFILE_PATH,
+                        help=f"where to write the profile (default {LOCAL_PROFILE_PATH}, what --profile local reads)")
+    parser.add_argument("--ranks", default="2,4", help="rank counts for the gloo measurements (default 2,4)")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (tests)")
+    parser.add_argument("--json", action="store_true", help="print the profile as JSON instead of a summary")
+
+
+def summarize(profile: Profile) -> str:
+    lines = [f"profile {profile.name}: {profile.description}"]
+    for name, spec in profile.compute.items():
+        lines.append(f"  GEMM {name:9s} peak {spec.peak_flops / 1e9:8.1f} GFLOP/s  overhead {spec.overhead_s * 1e6:6.1f} us"
+                     f"  half-dim {spec.half_dim:g}")
+    lines.append(f"  memory {profile.memory_bandwidth_Bps / 1e9:.2f} GB/s  gather {profile.gather_bandwidth_Bps / 1e9:.2f} GB/s"
+                 f"  scatter-add {profile.scatter_bandwidth_Bps / 1e9:.2f} GB/s  op {profile.op_overhead_s * 1e6:.1f} us"
+                 f"  grad stack {profile.grad_stack_bandwidth_Bps / 1e9:.2f} GB/s")
+    link = profile.intra
+    lines.append(f"  p2p  alpha {link.alpha_s * 1e6:7.1f} us  bandwidth {link.bandwidth_Bps / 1e9:.2f} GB/s")
+    lines.append(f"  a2a  alpha {link.a2a_alpha_s * 1e6:7.1f} us  bandwidth {link.a2a_bandwidth_Bps / 1e9:.2f} GB/s per message")
+    lines.append(f"  overlap efficiency {profile.overlap_efficiency:.2f}  compute slots {profile.compute_slots_per_node}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    worlds = tuple(int(x) for x in str(args.ranks).split(",") if x.strip())
+    if any(w < 2 for w in worlds):
+        print("--ranks: every entry must be >= 2", file=sys.stderr)
+        return 2
+    log = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    profile = calibrate(worlds, quick=args.quick, log=log)
+    path = profile.save(args.out)
+    if args.json:
+        print(profile.to_json())
+    else:
+        print(summarize(profile))
+        print(f"wrote {path} in {profile.measured['seconds']:.1f} s")
+    return 0

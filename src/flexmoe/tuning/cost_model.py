@@ -1,0 +1,578 @@
+"""The cost model: the time of one MoE layer's forward + backward, from a hardware profile.
+
+Pure functions of (:class:`~flexmoe.tuning.profile.Profile`, :class:`LayerConfig`); nothing here touches a
+tensor or a process group, so the model is cheap enough to run inside the layer's ``parallel="auto"`` and
+the shadowing policy, and to sweep thousands of configurations in ``flexmoe simulate``.
+
+The pieces (docs/cost_model.md has the equations):
+
+* compute: every GEMM on a roofline, ``overhead + max(flops / (peak * m / (m + m_half)), bytes / bw)``;
+* memory-bound ops (gather, scatter-add, elementwise) at their calibrated bandwidths plus a per-op overhead;
+* communication: alpha-beta per link level (inside a node, between nodes). A flat all-to-all sends W-1
+  messages of S/W bytes per rank; the 2-D hierarchical one sends G-1 messages of S/G inside the node, then N-1
+  messages of S/N between nodes, plus two local re-layout copies;
+* pipelining with degree d: d chunks, each a2a overlapping the previous chunk's compute;
+* the straggler: every all-to-all waits for the busiest rank, so the layer runs at the pace of the rank with
+  the most expert rows; shadowing an expert moves its rows to their source ranks at the price of a weight
+  broadcast (forward) and a gradient reduce (backward).
+
+None of the papers' speed-ups is written in: they follow from message counts and sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Sequence
+
+from flexmoe.tuning.profile import ComputeSpec, LinkSpec, Profile
+
+__all__ = [
+    "DTYPE_BYTES",
+    "LayerConfig",
+    "Breakdown",
+    "gemm_time",
+    "memory_time",
+    "p2p_time",
+    "a2a_flat_time",
+    "a2a_2dh_time",
+    "a2a_time",
+    "allgather_time",
+    "broadcast_time",
+    "pipelined_time",
+    "ffn_times",
+    "expert_rows",
+    "valid_r",
+    "layer_time",
+    "predict",
+    "score_candidates",
+    "rank_candidates",
+    "choose_shadowed",
+]
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+# Framework ops per stage (kernel launches / dispatcher calls / autograd nodes), counted from the code paths of
+# flexmoe.layer (router, make_plan, dispatch, combine) and experts.FeedForwardExperts, forward + backward.
+OPS_ROUTER_PLAN = 60
+OPS_PER_EXPERT = 14  # addmm, act, addmm forward; 2x(2 mm + bias sum) + act backward; split/cat share
+OPS_DISPATCH_COMBINE = 16
+OPS_PER_CHUNK = 8  # per pipeline chunk and direction: slicing, async a2a handles, wait, cat
+OPS_DENSE_DISPATCH = 24  # one-hot masks, two einsums forward, three backward, reshapes
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """One MoE layer on ``ranks`` expert-parallel ranks; ``tokens`` is the per-rank token count.
+
+    experts: global experts E. With E >= W each rank holds E/W whole experts; with E < W each expert is sharded
+        over s = W/E ranks along the hidden dimension and ``r`` picks the parallel style (DESIGN.md section 4):
+        r = 0 gathers every expert on every rank (no all-to-all), 1 <= r <= s (r | s) keeps weights r-way sharded
+        inside groups of r ranks and gathers them across the s/r groups (r = s: pure model parallel, no gather).
+    capacity_factor: as in the layer (0: dropless). ``dispatch`` is "index" (gather/scatter-add, rows only for
+        real tokens) or "dense" (the GShard/fairseq one-hot einsum, experts compute every padded slot).
+    a2a: "flat" or "2dh"; overlap_degree: pipeline chunks d; ranks_per_node: None takes the profile's.
+    skew: the hottest expert's load over the mean (expert 0 is hot, the others share the rest evenly), or
+        ``expert_shares`` (fractions of the routed (token, choice) pairs per expert, summing to 1).
+    shadowed: global ids of experts whose weights are broadcast to every rank (FasterMoE), E >= W only.
+    padded_a2a: capacity mode exchanges the full E x C buffer (fixed-size all-to-all) rather than real rows.
+    """
+
+    tokens: int
+    model_dim: int
+    hidden_dim: int
+    experts: int
+    k: int = 2
+    capacity_factor: float = 1.25
+    dtype: str = "float32"
+    ranks: int = 1
+    ranks_per_node: int | None = None
+    r: int | None = None
+    overlap_degree: int = 1
+    a2a: str = "flat"
+    dispatch: str = "index"
+    skew: float = 1.0
+    expert_shares: tuple[float, ...] | None = None
+    shadowed: tuple[int, ...] = ()
+    glu: bool = False
+    padded_a2a: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "model_dim", "hidden_dim", "experts", "k", "ranks", "overlap_degree"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.k > self.experts:
+            raise ValueError(f"k={self.k} > experts={self.experts}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.a2a not in ("flat", "2dh"):
+            raise ValueError(f"a2a must be 'flat' or '2dh', got {self.a2a!r}")
+        if self.dispatch not in ("index", "dense"):
+            raise ValueError(f"dispatch must be 'index' or 'dense', got {self.dispatch!r}")
+        e, w = self.experts, self.ranks
+        if e % w and w % e:
+            raise ValueError(f"experts={e} and ranks={w}: one must divide the other")
+        if self.skew < 1.0:
+            raise ValueError(f"skew is the hottest load over the mean, >= 1; got {self.skew}")
+        if self.r is not None and self.r not in valid_r(self):
+            raise ValueError(f"r={self.r} is not valid for {e} experts on {w} ranks; valid: {valid_r(self)}")
+
+    @property
+    def shards(self) -> int:
+        """s: ranks sharing one expert (1 when E >= W)."""
+        return max(self.ranks // self.experts, 1)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return max(self.experts // self.ranks, 1)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def resolved_r(self) -> int:
+        """r, defaulting to s (weights stay where they are: the layout's native model-parallel style)."""
+        return self.shards if self.r is None else self.r
+
+    def shares(self) -> list[float]:
+        """Fraction of all routed (token, choice) pairs going to each expert."""
+        if self.expert_shares is not None:
+            if len(self.expert_shares) != self.experts:
+                raise ValueError(f"expert_shares needs {self.experts} entries, got {len(self.expert_shares)}")
+            total = float(sum(self.expert_shares))
+            return [x / total for x in self.expert_shares]
+        e = self.experts
+        hot = min(self.skew / e, 1.0)
+        rest = (1.0 - hot) / (e - 1) if e > 1 else 0.0
+        return [hot] + [rest] * (e - 1)
+
+    def capacity(self) -> int:
+        """Per-expert capacity per source rank, as the layer computes it (dropless: the largest local load)."""
+        t, e, k, cf = self.tokens, self.experts, self.k, self.capacity_factor
+        if cf > 0:
+            return math.ceil(k * cf * t / e)
+        max_load = math.ceil(t * k * max(self.shares()))
+        if cf == 0:
+            return max_load
+        return min(max_load, math.ceil(k * -cf * t / e))
+
+
+@dataclass
+class Breakdown:
+    """Predicted seconds of one forward + backward, by stage, for the straggler rank."""
+
+    router_plan: float = 0.0
+    dispatch_combine: float = 0.0
+    experts: float = 0.0  # expert compute (forward + backward), before overlap
+    a2a: float = 0.0  # all-to-all time (forward + backward), before overlap
+    pipelined: float = 0.0  # experts + a2a after chunking and overlap
+    weights_comm: float = 0.0  # all-gather / reduce-scatter of sharded expert weights (r < s)
+    shadow_comm: float = 0.0  # broadcast + reduce of shadowed experts
+    total: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- compute
+
+
+def gemm_time(spec: ComputeSpec, memory_bandwidth: float, m: int, n: int, k: int, dtype_bytes: int) -> float:
+    """Seconds for ``[m, k] @ [k, n]`` on the roofline of ``spec``.
+
+    The compute roof bends down as ``d / (d + half_dim)`` with d the smallest dimension (thin GEMMs cannot keep
+    the units busy); the memory roof moves the three matrices once.
+    """
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k
+    d = min(m, n, k)
+    efficiency = d / (d + spec.half_dim) if spec.half_dim > 0 else 1.0
+    moved = (m * k + k * n + m * n) * dtype_bytes
+    return spec.overhead_s + max(flops / (spec.peak_flops * efficiency), moved / memory_bandwidth)
+
+
+def memory_time(num_bytes: float, bandwidth: float, ops: int = 0, op_overhead: float = 0.0) -> float:
+    """A memory-bound stage: bytes over bandwidth plus a fixed cost per op."""
+    return num_bytes / bandwidth + ops * op_overhead
+
+
+def ffn_times(profile: Profile, rows: float, model_dim: int, hidden_dim: int, dtype: str, glu: bool = False,
+              ) -> tuple[float, float]:
+    """(forward, backward) seconds of one expert FFN over ``rows`` rows.
+
+    Forward: x@w1 [rows, M]x[M, H] (and x@w3 with GLU), act, h@w2 [rows, H]x[H, M]. Backward: for each GEMM one
+    GEMM for the input gradient and one for the weight gradient (2x the forward flops), and the activation's
+    backward. Elementwise traffic: act forward reads/writes rows*H; backward reads two and writes one.
+    """
+    rows_i = int(math.ceil(rows))
+    if rows_i <= 0:
+        return 0.0, 0.0
+    spec = profile.compute_for(dtype)
+    b = DTYPE_BYTES[dtype]
+    bw = profile.memory_bandwidth_Bps
+    up = gemm_time(spec, bw, rows_i, hidden_dim, model_dim, b)  # x @ w1: [rows, M] x [M, H]
+    down = gemm_time(spec, bw, rows_i, model_dim, hidden_dim, b)  # h @ w2: [rows, H] x [H, M]
+    n_up = 2 if glu else 1
+    # Backward of x@w1: grad_x [rows,H]x[H,M] and grad_w1 [M,rows]x[rows,H]; of h@w2: grad_h and grad_w2.
+    up_bwd = gemm_time(spec, bw, rows_i, model_dim, hidden_dim, b) + gemm_time(spec, bw, model_dim, hidden_dim, rows_i, b)
+    down_bwd = gemm_time(spec, bw, rows_i, hidden_dim, model_dim, b) + gemm_time(spec, bw, hidden_dim, model_dim, rows_i, b)
+    act_elems = rows_i * hidden_dim
+    act_fwd = memory_time(2 * act_elems * b * (2 if glu else 1), bw)
+    act_bwd = memory_time(3 * act_elems * b * (2 if glu else 1) + 2 * act_elems * b, bw)  # + bias-grad reduce
+    ops = OPS_PER_EXPERT * profile.op_overhead_s
+    fwd = n_up * up + down + act_fwd + ops / 3
+    bwd = n_up * up_bwd + down_bwd + act_bwd + 2 * ops / 3
+    return fwd, bwd
+
+
+# ------------------------------------------------------------------------------------------- communication
+
+
+def p2p_time(link: LinkSpec, num_bytes: float) -> float:
+    """One point-to-point message: alpha + bytes / bandwidth."""
+    return link.alpha_s + num_bytes / link.bandwidth_Bps if num_bytes > 0 else 0.0
+
+
+def _a2a_level(link: LinkSpec, messages: int, message_bytes: float) -> float:
+    # A rank's messages on one level leave through one port: their latencies and bytes add up.
+    if messages <= 0:
+        return 0.0
+    return messages * (link.a2a_alpha_s + message_bytes / link.a2a_bandwidth_Bps)
+
+
+def a2a_flat_time(profile: Profile, num_bytes: float, ranks: int, ranks_per_node: int) -> float:
+    """Flat all-to-all of ``num_bytes`` per rank: W-1 messages of S/W, G-1 of them inside the node.
+
+    The intra-node and inter-node messages travel on different links at the same time, so the slower level sets
+    the time.
+    """
+    if ranks <= 1 or num_bytes <= 0:
+        return 0.0
+    g = min(ranks_per_node, ranks)
+    size = num_bytes / ranks
+    return max(_a2a_level(profile.intra, g - 1, size), _a2a_level(profile.inter, ranks - g, size))
+
+
+def a2a_2dh_time(profile: Profile, num_bytes: float, ranks: int, ranks_per_node: int) -> float:
+    """2-D hierarchical all-to-all (Tutel): G-1 messages of S/G inside the node, then N-1 of S/N between nodes.
+
+    Each phase is preceded by a local re-layout of the S bytes (read + write at memory bandwidth) that groups
+    rows by destination, which is what makes the messages large.
+    """
+    if ranks <= 1 or num_bytes <= 0:
+        return 0.0
+    g = min(ranks_per_node, ranks)
+    n = ranks // g
+    intra = _a2a_level(profile.intra, g - 1, num_bytes / g)
+    inter = _a2a_level(profile.inter, n - 1, num_bytes / n)
+    relayout = 2 * memory_time(2 * num_bytes, profile.memory_bandwidth_Bps, ops=2, op_overhead=profile.op_overhead_s)
+    return intra + inter + relayout
+
+
+def a2a_time(profile: Profile, num_bytes: float, ranks: int, ranks_per_node: int, algorithm: str) -> float:
+    if algorithm == "flat":
+        return a2a_flat_time(profile, num_bytes, ranks, ranks_per_node)
+    if algorithm == "2dh":
+        return a2a_2dh_time(profile, num_bytes, ranks, ranks_per_node)
+    raise ValueError(f"unknown all-to-all algorithm {algorithm!r}")
+
+
+def _link_for(profile: Profile, group_size: int, ranks_per_node: int) -> LinkSpec:
+    """The slowest link a group of consecutive ranks spans."""
+    return profile.intra if group_size <= ranks_per_node else profile.inter
+
+
+def allgather_time(profile: Profile, total_bytes: float, group_size: int, ranks_per_node: int) -> float:
+    """Ring all-gather (also the cost of a reduce-scatter) of ``total_bytes`` over ``group_size`` ranks."""
+    if group_size <= 1 or total_bytes <= 0:
+        return 0.0
+    link = _link_for(profile, group_size, ranks_per_node)
+    steps = group_size - 1
+    return steps * (link.alpha_s + total_bytes / group_size / link.bandwidth_Bps)
+
+
+def broadcast_time(profile: Profile, num_bytes: float, group_size: int, ranks_per_node: int) -> float:
+    """Pipelined tree broadcast (also a reduce): log2(p) latencies plus the bytes once over the slowest link."""
+    if group_size <= 1 or num_bytes <= 0:
+        return 0.0
+    link = _link_for(profile, group_size, ranks_per_node)
+    return math.ceil(math.log2(group_size)) * link.alpha_s + num_bytes / link.bandwidth_Bps
+
+
+def pipelined_time(a2a_in: float, compute: float, a2a_out: float, chunks: int, overlap_efficiency: float = 1.0,
+                   chunk_overhead: float = 0.0) -> float:
+    """Dispatch a2a -> compute -> combine a2a, split into ``chunks`` chunks.
+
+    Arguments are the times of *one chunk*. The first chunk runs its stages in sequence; each later chunk costs
+    the larger of its communication and the previous chunk's compute, plus the part of the smaller one that does
+    not overlap (``1 - overlap_efficiency``). Every chunk pays ``chunk_overhead``.
+    """
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    first = a2a_in + compute + a2a_out
+    comm = a2a_in + a2a_out
+    steady = max(comm, compute) + (1.0 - overlap_efficiency) * min(comm, compute)
+    return first + (chunks - 1) * steady + chunks * chunk_overhead
+
+
+# ------------------------------------------------------------------------------------------------ the layer
+
+
+def valid_r(config: LayerConfig) -> list[int]:
+    """The r values the layout allows: 0 and the divisors of s when experts are sharded, else [s] = [1]."""
+    s = config.shards
+    if s == 1:
+        return [1]
+    return [0] + [d for d in range(1, s + 1) if s % d == 0]
+
+
+def expert_rows(config: LayerConfig) -> list[float]:
+    """Global rows each expert computes (all source ranks), after capacity (dense dispatch: every padded slot)."""
+    w, t, k = config.ranks, config.tokens, config.k
+    cap = config.capacity()
+    if config.dispatch == "dense":
+        return [float(w * cap)] * config.experts
+    rows = []
+    for share in config.shares():
+        per_source = t * k * share
+        if config.capacity_factor != 0:
+            per_source = min(per_source, cap)
+        rows.append(w * per_source)
+    return rows
+
+
+def _ranks_per_node(profile: Profile, config: LayerConfig) -> int:
+    g = config.ranks_per_node or profile.ranks_per_node
+    return max(1, min(g, config.ranks))
+
+
+def _contention(profile: Profile, config: LayerConfig) -> float:
+    """Compute slow-down when more ranks share a node than it has compute slots (CPU ranks on few cores)."""
+    on_node = _ranks_per_node(profile, config)
+    return max(1.0, on_node / max(profile.compute_slots_per_node, 1))
+
+
+def _router_plan_time(profile: Profile, config: LayerConfig) -> float:
+    # The router GEMM runs in float32 whatever the model dtype ([T, M] x [M, E], and twice more backward).
+    spec = profile.compute_for("float32")
+    t, m, e, k = config.tokens, config.model_dim, config.experts, config.k
+    bw = profile.memory_bandwidth_Bps
+    gate = gemm_time(spec, bw, t, e, m, 4) + gemm_time(spec, bw, t, m, e, 4) + gemm_time(spec, bw, m, e, t, 4)
+    # softmax, stable sort over E, z-loss, balance loss: a few passes over [T, E]; slot assignment over T*k.
+    passes = 12 * t * e * 4 + 2 * t * e * 4 * max(math.log2(e), 1) + 24 * t * k * 8
+    return gate + memory_time(passes, bw, OPS_ROUTER_PLAN, profile.op_overhead_s)
+
+
+def _index_dispatch_combine_time(profile: Profile, config: LayerConfig, rows: float) -> float:
+    """Gather the rows, weight and scatter-add them back, forward and backward (local, O(T*k*M))."""
+    m, b, t = config.model_dim, config.dtype_bytes, config.tokens
+    row_bytes = rows * m * b
+    gather = 2 * row_bytes / profile.gather_bandwidth_Bps  # read + write
+    scatter = 2 * row_bytes / profile.scatter_bandwidth_Bps
+    elementwise = (3 * row_bytes * 3 + t * m * b) / profile.memory_bandwidth_Bps  # weight mul fwd/bwd, zeros, dw
+    # forward: gather (dispatch) + scatter (combine); backward: scatter (dispatch's) + gather (combine's).
+    return 2 * gather + 2 * scatter + elementwise + OPS_DISPATCH_COMBINE * profile.op_overhead_s
+
+
+def _dense_dispatch_combine_time(profile: Profile, config: LayerConfig) -> float:
+    """The GShard einsums: dispatch 'sec,sm->ecm' and combine 'sec,ecm->sm' as [E*C, T] GEMMs, plus masks."""
+    t, m, e, b = config.tokens, config.model_dim, config.experts, config.dtype_bytes
+    ec = e * config.capacity()
+    spec = profile.compute_for(config.dtype)
+    bw = profile.memory_bandwidth_Bps
+    one = gemm_time(spec, bw, ec, m, t, b)  # [E*C, T] x [T, M] (and its transposes: same flops)
+    # forward: dispatch + combine; backward: dispatch's input grad, combine's expert-output and weight grads.
+    gemms = 5 * one
+    masks = 6 * t * ec * b / bw  # one-hot [T, E, C] built, cast, and read back for the weight gradient
+    return gemms + masks + OPS_DENSE_DISPATCH * profile.op_overhead_s
+
+
+def _weight_bytes(config: LayerConfig) -> float:
+    """Bytes of one whole expert's weight matrices (w1, w2 and w3 with GLU), without biases."""
+    return (3 if config.glu else 2) * config.model_dim * config.hidden_dim * config.dtype_bytes
+
+
+def _param_bytes(config: LayerConfig) -> float:
+    m, h = config.model_dim, config.hidden_dim
+    return ((3 if config.glu else 2) * m * h + h + m) * config.dtype_bytes
+
+
+def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
+    """Predicted forward + backward seconds of one MoE layer, with its breakdown."""
+    w, e, t, k, m, h = config.ranks, config.experts, config.tokens, config.k, config.model_dim, config.hidden_dim
+    b = config.dtype_bytes
+    g = _ranks_per_node(profile, config)
+    s = config.shards
+    r = config.resolved_r()
+    d = config.overlap_degree
+    slow = _contention(profile, config)
+    cap = config.capacity()
+    rows_global = expert_rows(config)
+    shares = config.shares()
+    shadowed = set(config.shadowed) if s == 1 and w > 1 else set()
+    for x in shadowed:
+        if not 0 <= x < e:
+            raise ValueError(f"shadowed expert {x} out of range [0, {e})")
+    out = Breakdown()
+
+    # Rows this rank sends out through the all-to-all (and gathers/scatters locally).
+    local_rows = t * k if config.dispatch == "index" and config.capacity_factor == 0 else None
+    if local_rows is None:
+        local_rows = sum(min(t * k * sh, cap) for sh in shares) if config.dispatch == "index" else e * cap
+    out.router_plan = _router_plan_time(profile, config) * slow
+    if config.dispatch == "dense":
+        out.dispatch_combine = _dense_dispatch_combine_time(profile, config) * slow
+    else:
+        out.dispatch_combine = _index_dispatch_combine_time(profile, config, local_rows) * slow
+
+    # ---- expert compute per rank: find the straggler (the rank with the most work).
+    def ffn(rows: float, hidden: int) -> tuple[float, float]:
+        f, bk = ffn_times(profile, rows / d, m, hidden, config.dtype, config.glu)
+        return f * d * slow, bk * d * slow  # d chunks of rows/d each
+
+    shadow_local = [0.0, 0.0]
+    for x in shadowed:  # every rank computes its own tokens of a shadowed expert
+        f, bk = ffn(rows_global[x] / w, h)
+        shadow_local[0] += f
+        shadow_local[1] += bk
+    if s == 1:
+        per_rank = config.experts_per_rank
+        worst = (-1.0, 0.0, 0.0, 0)
+        for rank in range(w):
+            fwd = bwd = 0.0
+            for x in range(rank * per_rank, (rank + 1) * per_rank):
+                if x in shadowed:
+                    continue
+                f, bk = ffn(rows_global[x], h)
+                fwd, bwd = fwd + f, bwd + bk
+            if fwd + bwd > worst[0]:
+                worst = (fwd + bwd, fwd, bwd, rank)
+            if config.expert_shares is None and rank >= 1 and not shadowed:
+                break  # with the built-in skew, ranks 1.. are identical: rank 1 stands for all of them
+        _, c_fwd, c_bwd, straggler = worst
+        c_fwd += shadow_local[0]
+        c_bwd += shadow_local[1]
+    elif r == 0:
+        # Every rank runs its own tokens through every (gathered) expert: no all-to-all, no straggler.
+        c_fwd = c_bwd = 0.0
+        for x in range(e):
+            f, bk = ffn(rows_global[x] / w, h)
+            c_fwd, c_bwd = c_fwd + f, c_bwd + bk
+        straggler = 0
+    else:
+        # s ranks share expert x: s/r groups split its rows; inside a group r ranks hold H/r each, same rows.
+        hottest = max(range(e), key=lambda x: rows_global[x])
+        c_fwd, c_bwd = ffn(rows_global[hottest] * r / s, h // r)
+        straggler = hottest * s
+    # Backward also gathers the per-expert weight gradients into the batched parameters' gradients.
+    local_weights = _weight_bytes(config) * (e if s > 1 and r == 0 else config.experts_per_rank)
+    if s > 1 and r > 0:
+        local_weights = _weight_bytes(config) / s
+    stack_bw = profile.grad_stack_bandwidth_Bps or profile.memory_bandwidth_Bps / 2
+    c_bwd += local_weights / stack_bw * slow
+    out.experts = c_fwd + c_bwd
+
+    # ---- all-to-all volume of the straggler: what it sends, or receives if more (hot experts), per direction.
+    if w == 1 or (s > 1 and r == 0):
+        send = recv = 0.0
+    elif s == 1:
+        per_rank = config.experts_per_rank
+        mine = range(straggler * per_rank, (straggler + 1) * per_rank)
+        if config.padded_a2a and config.capacity_factor != 0 or config.dispatch == "dense":
+            send_rows = sum(cap for x in range(e) if x not in shadowed)
+            recv_rows = w * cap * sum(1 for x in mine if x not in shadowed)
+        else:
+            send_rows = sum(t * k * shares[x] for x in range(e) if x not in shadowed)
+            recv_rows = sum(rows_global[x] for x in mine if x not in shadowed)
+        send, recv = send_rows * m * b, recv_rows * m * b
+    else:
+        # Each row goes to the r ranks of one group (replicated), and r partial results come back.
+        send_rows = (e * cap if config.padded_a2a and config.capacity_factor != 0 else t * k) * r
+        send = recv = send_rows * m * b
+    volume = max(send, recv)
+    comm_slow = slow if profile.comm_uses_compute else 1.0
+    chunk_a2a = a2a_time(profile, volume / d, w, g, config.a2a) * comm_slow
+    out.a2a = 4 * chunk_a2a * d  # dispatch + combine, forward and backward
+    overhead = OPS_PER_CHUNK * profile.op_overhead_s if d > 1 else 0.0
+    # Overlap needs an idle engine: with ranks outnumbering the cores that also move the bytes, nothing hides.
+    eta = 0.0 if profile.comm_uses_compute and slow > 1 else profile.overlap_efficiency
+    fwd = pipelined_time(chunk_a2a, c_fwd / d, chunk_a2a, d, eta, overhead)
+    bwd = pipelined_time(chunk_a2a, c_bwd / d, chunk_a2a, d, eta, overhead)
+    out.pipelined = fwd + bwd
+
+    # ---- weights: gathered for r < s (forward all-gather, backward reduce-scatter of the gradients).
+    p = _param_bytes(config)
+    if s > 1 and r == 0:
+        out.weights_comm = 2 * allgather_time(profile, e * p, w, g) * comm_slow
+    elif s > 1 and r < s:
+        out.weights_comm = 2 * allgather_time(profile, p / r, s // r, g) * comm_slow
+    # broadcast + gradient reduce
+    out.shadow_comm = 2 * len(shadowed) * broadcast_time(profile, p, w, g) * comm_slow
+
+    out.total = out.router_plan + out.dispatch_combine + out.pipelined + out.weights_comm + out.shadow_comm
+    out.details = {"straggler_rank": straggler, "a2a_bytes": volume, "capacity": cap, "r": r, "shards": s,
+                   "ranks_per_node": g, "contention": slow}
+    return out
+
+
+def predict(profile: Profile, config: LayerConfig) -> float:
+    """Predicted forward + backward seconds of one layer."""
+    return layer_time(profile, config).total
+
+
+# ------------------------------------------------------------------------------------------------- choices
+
+_CANDIDATE_KEYS = ("r", "overlap_degree", "a2a")
+
+
+def _apply(config: LayerConfig, candidate: Any) -> LayerConfig:
+    """A candidate is a dict with any of r / overlap_degree (or d) / a2a, or a tuple (r, d, a2a)."""
+    if isinstance(candidate, dict):
+        changes = {("overlap_degree" if key == "d" else key): value for key, value in candidate.items()}
+        unknown = set(changes) - set(_CANDIDATE_KEYS) - {"shadowed", "ranks_per_node"}
+        if unknown:
+            raise ValueError(f"unknown candidate keys {sorted(unknown)}")
+    else:
+        changes = dict(zip(_CANDIDATE_KEYS, candidate))
+    return replace(config, **changes)
+
+
+def score_candidates(profile: Profile, config: LayerConfig, candidates: Iterable[Any]) -> list[tuple[float, Any]]:
+    """``(predicted seconds, candidate)`` for each candidate setting, fastest first (ties keep input order)."""
+    scored = [(predict(profile, _apply(config, c)), i, c) for i, c in enumerate(candidates)]
+    scored.sort(key=lambda item: (item[0], item[1]))
+    return [(seconds, c) for seconds, _, c in scored]
+
+
+def rank_candidates(profile: Profile, config: LayerConfig, candidates: Iterable[Any]) -> list[Any]:
+    """The candidates sorted by predicted layer time, best first.
+
+    ``parallel="auto"`` measures only the first few of them. Candidates are dicts (``{"r": 1,
+    "overlap_degree": 2, "a2a": "2dh"}``) or tuples ``(r, d, a2a)``; they are returned unchanged.
+    """
+    return [c for _, c in score_candidates(profile, config, candidates)]
+
+
+def choose_shadowed(profile: Profile, config: LayerConfig, tokens_per_expert: Sequence[float],
+                    max_shadowed: int | None = None) -> list[int]:
+    """Which experts to shadow, given the global (token, choice) count each expert received this step.
+
+    Greedy, hottest first (FasterMoE): shadow the next expert only while the layer gets faster, i.e. while the
+    straggler time saved exceeds the extra broadcast + reduce of its weights. Returns global expert ids.
+    """
+    if len(tokens_per_expert) != config.experts:
+        raise ValueError(f"tokens_per_expert needs {config.experts} entries, got {len(tokens_per_expert)}")
+    if config.ranks == 1 or config.shards > 1 or sum(tokens_per_expert) <= 0:
+        return []
+    base = replace(config, expert_shares=tuple(float(x) for x in tokens_per_expert), shadowed=())
+    best = predict(profile, base)
+    chosen: list[int] = []
+    limit = config.experts if max_shadowed is None else max_shadowed
+    for x in sorted(range(config.experts), key=lambda i: -tokens_per_expert[i]):
+        if len(chosen) >= limit:
+            break
+        trial = predict(profile, replace(base, shadowed=tuple(chosen + [x])))
+        if trial >= best:
+            break  # colder experts save even less
+        best = trial
+        chosen.append(x)
+    return sorted(chosen)
