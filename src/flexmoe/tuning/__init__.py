@@ -12,6 +12,7 @@ from flexmoe.tuning.cost_model import (
     choose_shadowed,
     layer_time,
     predict,
+    prune_candidates,
     rank_candidates,
     score_candidates,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "layer_time",
     "load_profile",
     "predict",
+    "prune_candidates",
     "rank_candidates",
     "score_candidates",
 ]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from flexmoe.tuning.profile import ComputeSpec, LinkSpec, Profile
 
@@ -47,6 +47,7 @@ __all__ = [
     "predict",
     "score_candidates",
     "rank_candidates",
+    "prune_candidates",
     "choose_shadowed",
 ]
 
@@ -75,7 +76,8 @@ class LayerConfig:
     skew: the hottest expert's load over the mean (expert 0 is hot, the others share the rest evenly), or
         ``expert_shares`` (fractions of the routed (token, choice) pairs per expert, summing to 1).
     shadowed: global ids of experts whose weights are broadcast to every rank (FasterMoE), E >= W only.
-    padded_a2a: capacity mode exchanges the full E x C buffer (fixed-size all-to-all) rather than real rows.
+    padded_a2a: capacity mode exchanges the full E x C buffer (a fixed-size all-to-all, as Tutel and GShard do)
+        rather than the real rows with uneven splits (flexmoe's layer). Dense dispatch always pads.
     """
 
     tokens: int
@@ -95,7 +97,7 @@ class LayerConfig:
     expert_shares: tuple[float, ...] | None = None
     shadowed: tuple[int, ...] = ()
     glu: bool = False
-    padded_a2a: bool = True
+    padded_a2a: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tokens", "model_dim", "hidden_dim", "experts", "k", "ranks", "overlap_degree"):
@@ -525,14 +527,21 @@ _CANDIDATE_KEYS = ("r", "overlap_degree", "a2a")
 
 
 def _apply(config: LayerConfig, candidate: Any) -> LayerConfig:
-    """A candidate is a dict with any of r / overlap_degree (or d) / a2a, or a tuple (r, d, a2a)."""
+    """A candidate as a dict (r / overlap_degree or d / a2a / ranks_per_node), a tuple ``(r, d, a2a)``, or any
+    object with those attributes (the layer's ``ParallelSetting``); a ``ranks_per_node`` of None keeps the
+    config's."""
     if isinstance(candidate, dict):
         changes = {("overlap_degree" if key == "d" else key): value for key, value in candidate.items()}
         unknown = set(changes) - set(_CANDIDATE_KEYS) - {"shadowed", "ranks_per_node"}
         if unknown:
             raise ValueError(f"unknown candidate keys {sorted(unknown)}")
-    else:
+    elif isinstance(candidate, tuple):
         changes = dict(zip(_CANDIDATE_KEYS, candidate))
+    else:
+        changes = {key: getattr(candidate, key) for key in _CANDIDATE_KEYS + ("ranks_per_node",)
+                   if hasattr(candidate, key)}
+    if changes.get("ranks_per_node") is None:
+        changes.pop("ranks_per_node", None)
     return replace(config, **changes)
 
 
@@ -550,6 +559,21 @@ def rank_candidates(profile: Profile, config: LayerConfig, candidates: Iterable[
     "overlap_degree": 2, "a2a": "2dh"}``) or tuples ``(r, d, a2a)``; they are returned unchanged.
     """
     return [c for _, c in score_candidates(profile, config, candidates)]
+
+
+def prune_candidates(profile: Profile, config: LayerConfig, keep: int = 3) -> Callable[[list[Any]], list[Any]]:
+    """A ``prune`` hook for the layer's measuring chooser: keep the ``keep`` candidates the model ranks best.
+
+    ``MeasuringChooser(eg, prune=prune_candidates(profile, config))`` then times only those (the model picks
+    the short list, the clock picks the winner, so a model error costs at most a slower runner-up).
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+
+    def prune(options: list[Any]) -> list[Any]:
+        return rank_candidates(profile, config, options)[:keep]
+
+    return prune
 
 
 def choose_shadowed(profile: Profile, config: LayerConfig, tokens_per_expert: Sequence[float],

@@ -1,0 +1,202 @@
+"""``flexmoe simulate``: predicted single-layer throughput at scales we cannot run.
+
+For every GPU count, the cost model predicts one MoE layer's forward + backward for a set of variants:
+
+* ``gshard-baseline``: GShard/fairseq style, dense one-hot einsum dispatch (experts compute every padded slot),
+  flat all-to-all, no pipelining, r = 1 (each sharded expert gathered whole, like replicated experts);
+* ``flat`` / ``2dh``: index dispatch with the flat or the 2-D hierarchical all-to-all (r = 1, d = 1);
+* ``2dh r=s``: experts kept sharded, tokens replicated (model-parallel style), a static r;
+* ``2dh d=4``: a static overlap degree;
+* ``adaptive``: the best (r, d, algorithm) the model finds among every candidate, the statics above included,
+  so it is never worse than any of them;
+* ``skewed`` / ``skewed+shadow``: the adaptive setting on a dropless, skewed load (the hottest expert gets
+  ``--skew`` times the mean), without and with FasterMoE shadowing chosen by :func:`choose_shadowed`. Shadowing
+  applies to whole experts, so these rows use ``max(E, W)`` experts.
+
+Throughput is global tokens per second: ``W * tokens_per_gpu / layer_time``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from flexmoe.tuning.cost_model import LayerConfig, choose_shadowed, expert_rows, predict, score_candidates, valid_r
+from flexmoe.tuning.profile import available_profiles, load_profile
+
+__all__ = ["add_arguments", "run", "parse_gpus", "simulate", "VARIANTS"]
+
+VARIANTS = ["gshard-baseline", "flat", "2dh", "2dh r=s", "2dh d=4", "adaptive", "skewed", "skewed+shadow"]
+OVERLAP_CANDIDATES = (1, 2, 4, 8)
+
+
+def parse_gpus(text: str) -> list[int]:
+    """``"8,16,...,2048"`` (a geometric series from its first two terms) or an explicit list ``"8,64,512"``."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if "..." not in parts:
+        values = [int(p) for p in parts]
+    else:
+        i = parts.index("...")
+        if i < 2 or i != len(parts) - 2:
+            raise ValueError(f"write the series as 'a,b,...,z', got {text!r}")
+        head = [int(p) for p in parts[:i]]
+        last = int(parts[-1])
+        ratio = head[1] / head[0]
+        if ratio <= 1 or ratio != int(ratio):
+            raise ValueError(f"a series needs an integer ratio > 1, got {head[0]}, {head[1]}")
+        values = list(head)
+        while values[-1] * ratio <= last:
+            values.append(int(values[-1] * ratio))
+        if values[-1] != last:
+            raise ValueError(f"{last} is not in the series {head[0]}, {head[1]}, ...")
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"GPU counts must be >= 1, got {text!r}")
+    return values
+
+
+def _candidates(config: LayerConfig) -> list[dict[str, Any]]:
+    return [{"r": r, "overlap_degree": d, "a2a": a}
+            for r in valid_r(config) for d in OVERLAP_CANDIDATES for a in ("flat", "2dh")]
+
+
+def simulate(profile_name: str, gpus: list[int], tokens: int = 4096, model_dim: int = 2048, hidden_dim: int = 2048,
+             experts: int = 64, k: int = 2, capacity_factor: float = 1.25, dtype: str = "bfloat16",
+             skew: float = 4.0) -> list[dict[str, Any]]:
+    """One row per (GPU count, variant): ``gpus``, ``variant``, ``tokens_per_s``, ``seconds``, ``setting``."""
+    profile = load_profile(profile_name)
+    rows: list[dict[str, Any]] = []
+    for w in gpus:
+        e = experts if (experts % w == 0 or w % experts == 0) else max(experts, w)
+        base = LayerConfig(tokens=tokens, model_dim=model_dim, hidden_dim=hidden_dim, experts=e, k=k,
+                           capacity_factor=capacity_factor, dtype=dtype, ranks=w)
+        s = base.shards
+        settings: dict[str, tuple[LayerConfig, dict[str, Any]]] = {
+            "gshard-baseline": (replace(base, dispatch="dense", r=1 if s > 1 else None), {"r": 1, "d": 1, "a2a": "flat"}),
+            "flat": (replace(base, r=1 if s > 1 else None), {"r": 1, "d": 1, "a2a": "flat"}),
+            "2dh": (replace(base, a2a="2dh", r=1 if s > 1 else None), {"r": 1, "d": 1, "a2a": "2dh"}),
+            "2dh r=s": (replace(base, a2a="2dh", r=s), {"r": s, "d": 1, "a2a": "2dh"}),
+            "2dh d=4": (replace(base, a2a="2dh", overlap_degree=4, r=1 if s > 1 else None),
+                        {"r": 1, "d": 4, "a2a": "2dh"}),
+        }
+        for name, (cfg, setting) in settings.items():
+            rows.append(_row(w, name, predict(profile, cfg), tokens, setting))
+        seconds, best = score_candidates(profile, base, _candidates(base))[0]
+        rows.append(_row(w, "adaptive", seconds, tokens, _short(best)))
+
+        # Skewed, dropless load on whole experts; the setting is re-tuned for it, then shadowing is added.
+        skewed = LayerConfig(tokens=tokens, model_dim=model_dim, hidden_dim=hidden_dim, experts=max(e, w), k=k,
+                             capacity_factor=0.0, dtype=dtype, ranks=w, skew=skew)
+        seconds, best = score_candidates(profile, skewed, _candidates(skewed))[0]
+        tuned = replace(skewed, r=best["r"], overlap_degree=best["overlap_degree"], a2a=best["a2a"])
+        rows.append(_row(w, "skewed", seconds, tokens, _short(best)))
+        global_load = expert_rows(tuned)
+        shadow = choose_shadowed(profile, tuned, global_load)
+        shadowed = replace(tuned, expert_shares=tuple(global_load), shadowed=tuple(shadow))
+        rows.append(_row(w, "skewed+shadow", predict(profile, shadowed), tokens,
+                         {**_short(best), "shadowed": len(shadow)}))
+    return rows
+
+
+def _short(candidate: dict[str, Any]) -> dict[str, Any]:
+    return {"r": candidate["r"], "d": candidate["overlap_degree"], "a2a": candidate["a2a"]}
+
+
+def _row(gpus: int, variant: str, seconds: float, tokens: int, setting: dict[str, Any]) -> dict[str, Any]:
+    return {"gpus": gpus, "variant": variant, "tokens_per_s": gpus * tokens / seconds, "seconds": seconds,
+            "setting": setting}
+
+
+def format_table(rows: list[dict[str, Any]], profile: str) -> str:
+    gpus = sorted({r["gpus"] for r in rows})
+    by = {(r["gpus"], r["variant"]): r for r in rows}
+    width = 15
+    lines = [f"predicted single-layer throughput (M tokens/s, forward + backward), profile {profile}",
+             f"{'GPUs':>6s} " + " ".join(f"{v:>{width}s}" for v in VARIANTS)]
+    for w in gpus:
+        cells = [f"{by[(w, v)]['tokens_per_s'] / 1e6:>{width}.2f}" for v in VARIANTS]
+        lines.append(f"{w:>6d} " + " ".join(cells))
+    lines.append("")
+    lines.append(f"{'GPUs':>6s} {'2dh/flat':>9s} {'adaptive/base':>14s} {'shadow gain':>12s}  adaptive setting")
+    for w in gpus:
+        def tp(v: str) -> float:
+            return by[(w, v)]["tokens_per_s"]
+        lines.append(f"{w:>6d} {tp('2dh') / tp('flat'):>8.2f}x {tp('adaptive') / tp('gshard-baseline'):>13.2f}x "
+                     f"{tp('skewed+shadow') / tp('skewed'):>11.2f}x  {by[(w, 'adaptive')]['setting']}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, profile: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for variant in VARIANTS:
+        pts = sorted((r["gpus"], r["tokens_per_s"]) for r in rows if r["variant"] == variant)
+        ax1.plot([p[0] for p in pts], [p[1] / 1e6 for p in pts], marker="o", label=variant)
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("GPUs")
+    ax1.set_ylabel("M tokens / s (one layer, fwd + bwd)")
+    ax1.set_title(f"predicted throughput, {profile}")
+    ax1.legend(fontsize=8)
+    by = {(r["gpus"], r["variant"]): r["tokens_per_s"] for r in rows}
+    gpus = sorted({r["gpus"] for r in rows})
+    for num, den, label in (("2dh", "flat", "2DH / flat"), ("adaptive", "gshard-baseline", "adaptive / baseline"),
+                            ("skewed+shadow", "skewed", "shadowing on skew")):
+        ax2.plot(gpus, [by[(w, num)] / by[(w, den)] for w in gpus], marker="o", label=label)
+    ax2.axhline(1.0, color="gray", lw=0.8)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("GPUs")
+    ax2.set_ylabel("speed-up")
+    ax2.set_title("speed-ups from the model")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", default="a100-ndv4",
+                        help=f"published profile ({', '.join(available_profiles())}), 'local', or a JSON path")
+    parser.add_argument("--gpus", default="8,16,...,2048", help="GPU counts: '8,16,...,2048' or a list")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
+    parser.add_argument("--model-dim", type=int, default=2048)
+    parser.add_argument("--hidden-dim", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=64, help="global experts (sharded when GPUs > experts)")
+    parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--capacity-factor", type=float, default=1.25)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--skew", type=float, default=4.0, help="hottest expert's load / mean in the skewed rows")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default simulate-<profile>.png)")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        gpus = parse_gpus(args.gpus)
+        rows = simulate(args.profile, gpus, tokens=args.tokens, model_dim=args.model_dim,
+                        hidden_dim=args.hidden_dim, experts=args.experts, k=args.k,
+                        capacity_factor=args.capacity_factor, dtype=args.dtype, skew=args.skew)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"flexmoe simulate: {exc}", file=sys.stderr)
+        return 2
+    name = Path(str(args.profile)).stem
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_table(rows, name))
+    if not args.no_plot:
+        path = plot(rows, args.plot or Path(f"simulate-{name}.png"), name)
+        if not args.json:
+            print(f"plot: {path}")
+    return 0
