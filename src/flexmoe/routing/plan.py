@@ -52,6 +52,12 @@ class RoutingPlan:
         capacity: the per-expert capacity used (the largest load in dropless mode).
         num_dropped: dropped (token, choice) pairs; dropped_fraction: the same over ``T * k``.
         aux_loss: the load-balancing loss (differentiable); z_loss: the router z-loss (differentiable).
+        num_skipped: (token, choice) pairs the router chose not to dispatch, counted apart from capacity drops
+            (GShard's random routing of the 2nd expert; see :mod:`flexmoe.routing.random_routing`). Skipped
+            pairs claim no slot (``slot == -1``) and are not in ``num_dropped`` or ``load``.
+        kind: the builder that made the plan: "topk" (this module, also the random 2nd expert), "base"
+            (:mod:`flexmoe.routing.balanced`) or "expert_choice" (:mod:`flexmoe.routing.expert_choice`, whose
+            per-pair fields are ``[T, E]``, one column per expert). Readers of the row fields need not care.
     """
 
     expert_index: Tensor
@@ -69,6 +75,8 @@ class RoutingPlan:
     dropped_fraction: float
     aux_loss: Tensor
     z_loss: Tensor
+    num_skipped: int = 0
+    kind: str = "topk"
 
     @property
     def num_tokens(self) -> int:
