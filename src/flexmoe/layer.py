@@ -10,6 +10,10 @@ from torch import Tensor, nn
 
 from flexmoe.dispatch import combine, dispatch
 from flexmoe.experts import FeedForwardExperts
+from flexmoe.parallel.auto import MeasuringChooser, StageTimer, candidates, capacity_bucket
+from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
+from flexmoe.parallel.groups import check_config_agreement, default_ranks_per_node, resolve_group
+from flexmoe.parallel.layout import ExpertLayout
 from flexmoe.routing.plan import RoutingPlan, make_plan
 from flexmoe.routing.routers import build_router, route
 
@@ -67,6 +71,23 @@ class MoELayer(nn.Module):
         activation ("gelu", "relu", "silu" or a callable), glu (gated expert with ``w3``), bias; or
         ``experts=`` a module ``forward(x: [N, M], counts: list[int]) -> [N, M]`` used instead.
 
+    Expert parallelism (DESIGN.md section 4; :mod:`flexmoe.parallel`):
+        group: the ``torch.distributed`` process group the experts are spread over (default: the world when
+            torch.distributed is initialized, else one process). ``num_experts`` stays global; this rank keeps
+            its experts per :class:`~flexmoe.parallel.ExpertLayout` (``E % W == 0``: E/W whole experts;
+            ``W % E == 0``: a hidden-dim shard of one expert). Each rank's output equals one process holding
+            all experts running this rank's tokens as its own batch. The ranks check at construction that
+            they agree on the configuration.
+        r: adaptive parallelism (0: gather all experts everywhere, no all-to-all; 1..s, dividing the s
+            shards per expert: how many ranks share one expert's work; 1 with whole experts).
+        overlap_degree: d chunks whose all-to-all overlaps the previous chunk's expert compute.
+        a2a: "flat" or "2dh" (2-D hierarchical over nodes of ``ranks_per_node`` ranks; defaults to
+            torchrun's LOCAL_WORLD_SIZE, read once here).
+        parallel: "static" (use r, overlap_degree, a2a) or "auto" (time the candidate settings for the
+            first steps of each capacity bucket, keep the fastest; ``last_choice`` says which ran,
+            ``auto_decisions`` lists the decisions; ``chooser`` may be any :class:`~flexmoe.parallel.Chooser`).
+        Each of these five is also a keyword of ``forward`` that applies to that call only.
+
     After each forward: ``aux_loss`` (balance loss, differentiable), ``z_loss`` and ``last_plan`` (the
     :class:`~flexmoe.routing.RoutingPlan`: ``tokens_per_expert``, ``capacity``, ``dropped_fraction``, ...).
     """
@@ -94,8 +115,24 @@ class MoELayer(nn.Module):
         experts: nn.Module | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        group: object | None = None,
+        r: int = 1,
+        overlap_degree: int = 1,
+        a2a: str = "flat",
+        ranks_per_node: int | None = None,
+        parallel: str = "static",
     ) -> None:
         super().__init__()
+        # First of all, so that ranks built with different configurations all fail here, naming the difference.
+        self.ep_group = resolve_group(group)
+        check_config_agreement(self.ep_group, {
+            "model_dim": model_dim, "num_experts": num_experts, "hidden_dim": hidden_dim, "k": k,
+            "capacity_factor": capacity_factor, "capacity": capacity, "router": _describe(router),
+            "router_dtype": str(router_dtype), "normalize_weights": normalize_weights,
+            "batch_prioritized": batch_prioritized, "score_at": score_at, "activation": _describe(activation),
+            "glu": glu, "bias": bias, "experts": _describe(experts), "dtype": str(dtype), "r": r,
+            "overlap_degree": overlap_degree, "a2a": a2a, "ranks_per_node": ranks_per_node, "parallel": parallel,
+        })
         self.model_dim = _check_int("model_dim", model_dim, 1)
         self.num_experts = _check_int("num_experts", num_experts, 1)
         self.hidden_dim = _check_int("hidden_dim", hidden_dim, 1)
@@ -116,6 +153,13 @@ class MoELayer(nn.Module):
         self.gate_noise = _check_float("gate_noise", gate_noise, 0.0)
         self.router_input_dropout = _check_float("router_input_dropout", router_input_dropout, 0.0, 1.0)
 
+        self.layout = ExpertLayout(num_experts, self.ep_group.world_size, hidden_dim)
+        if experts is not None and self.layout.shards_per_expert > 1:
+            raise ValueError(
+                f"a custom experts module cannot be sharded: num_experts={num_experts} must be a multiple of "
+                f"the expert-parallel world size {self.ep_group.world_size}"
+            )
+
         self.router = build_router(router, model_dim, num_experts)
         if isinstance(router, str):
             self.router.to(device=device, dtype=dtype)
@@ -124,10 +168,22 @@ class MoELayer(nn.Module):
                 raise TypeError(f"experts must be an nn.Module, got {type(experts).__name__}")
             self.experts = experts
         else:
+            # Only this rank's experts (or its hidden shard of one); see flexmoe.parallel.layout.
             self.experts = FeedForwardExperts(
-                num_experts, model_dim, hidden_dim, activation=activation, glu=glu, bias=bias,
-                device=device, dtype=dtype,
+                self.layout.experts_per_rank, model_dim, self.layout.local_hidden_dim, activation=activation,
+                glu=glu, bias=bias, device=device, dtype=dtype,
             )
+        self._ep = ExpertParallel(self.ep_group, self.layout, self.experts) if self.ep_group.distributed else None
+        self.r = r
+        self.overlap_degree = overlap_degree
+        self.a2a = a2a
+        self.ranks_per_node = default_ranks_per_node() if ranks_per_node is None else ranks_per_node
+        self.parallel = _check_parallel(parallel)
+        if self._ep is not None:
+            self._ep.check(self._setting(None, None, None, None))
+        self.chooser = MeasuringChooser(self.ep_group)
+        self.last_choice: ParallelSetting | None = None
+        self._pending_timer: StageTimer | None = None
 
         self.aux_loss: Tensor | None = None
         self.z_loss: Tensor | None = None
@@ -147,11 +203,17 @@ class MoELayer(nn.Module):
         *,
         capacity: int | None = None,
         capacity_factor: float | None = None,
+        r: int | None = None,
+        overlap_degree: int | None = None,
+        a2a: str | None = None,
+        ranks_per_node: int | None = None,
+        parallel: str | None = None,
     ) -> Tensor:
         """x: ``[..., model_dim]`` -> ``[..., model_dim]``, same dtype.
 
         ``capacity`` and ``capacity_factor`` override the layer's for this call only (``capacity=0`` drops
-        every token, and ``last_plan`` says so).
+        every token, and ``last_plan`` says so). So do ``r``, ``overlap_degree``, ``a2a``, ``ranks_per_node``
+        and ``parallel`` (with ``parallel="auto"``, the ones given restrict the candidates).
         """
         self._check_input(x)
         capacity = self.capacity if capacity is None else _check_capacity(capacity)
@@ -179,7 +241,10 @@ class MoELayer(nn.Module):
             batch_prioritized=self.batch_prioritized,
         )
         expert_input = dispatch(tokens, plan, scale=self.score_at == "dispatch")
-        expert_output = self._run_experts(expert_input, plan.counts)
+        expert_output = self._run_experts(
+            expert_input, plan.counts, r=r, overlap_degree=overlap_degree, a2a=a2a,
+            ranks_per_node=ranks_per_node, parallel=parallel,
+        )
         y = combine(expert_output, plan, weighted=self.score_at == "combine")
 
         self.aux_loss = plan.aux_loss
@@ -187,14 +252,58 @@ class MoELayer(nn.Module):
         self.last_plan = plan
         return y.to(x.dtype).reshape(x.shape)
 
-    def _run_experts(self, rows: Tensor, counts: list[int]) -> Tensor:
-        """rows: ``[N, M]`` sorted by expert -> ``[N, M]`` in rows' dtype."""
+    def _run_experts(self, rows: Tensor, counts: list[int], **parallel_overrides) -> Tensor:
+        """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype."""
         expert_dtype = _parameter_dtype(self.experts)
         autocast_on = torch.is_autocast_enabled(rows.device.type)
         if expert_dtype is None or autocast_on or expert_dtype == rows.dtype:
-            return self.experts(rows, counts)
+            return self._expert_stage(rows, counts, **parallel_overrides)
         # A float32 layer fed bf16 activations (or the reverse) computes in its parameters' dtype.
-        return self.experts(rows.to(expert_dtype), counts).to(rows.dtype)
+        return self._expert_stage(rows.to(expert_dtype), counts, **parallel_overrides).to(rows.dtype)
+
+    def _expert_stage(self, rows: Tensor, counts: list[int], *, r: int | None, overlap_degree: int | None,
+                      a2a: str | None, ranks_per_node: int | None, parallel: str | None) -> Tensor:
+        """The experts, here or spread over the expert-parallel group (transport + compute)."""
+        if self._ep is None:
+            return self.experts(rows, counts)
+        all_counts = self._ep.gather_counts(counts)
+        mode = self.parallel if parallel is None else _check_parallel(parallel)
+        if mode == "static":
+            setting = self._setting(r, overlap_degree, a2a, ranks_per_node)
+            self._ep.check(setting)
+            self.last_choice = setting
+            return self._ep.run(rows, counts, all_counts, setting)
+        # auto: the per-call knobs that were given narrow the candidates.
+        if self._pending_timer is not None:
+            self._pending_timer.flush()
+        g = self.ranks_per_node if ranks_per_node is None else ranks_per_node
+        options = [s for s in candidates(self._ep.valid_r(), self.ep_group.world_size, g)
+                   if (r is None or s.r == r) and (overlap_degree is None or s.overlap_degree == overlap_degree)
+                   and (a2a is None or s.a2a == a2a)]
+        if not options:
+            raise ValueError(f"parallel='auto' has no candidate with r={r}, overlap_degree={overlap_degree}, "
+                             f"a2a={a2a!r}; valid r: {self._ep.valid_r()}")
+        bucket = (capacity_bucket(all_counts), torch.is_grad_enabled(), r, overlap_degree, a2a, g)
+        setting = self.chooser.choose(bucket, options)
+        self.last_choice = setting
+        timer = StageTimer(lambda seconds: self.chooser.record(bucket, setting, seconds))
+        self._pending_timer = timer
+        return timer.leave(self._ep.run(timer.enter(rows), counts, all_counts, setting))
+
+    def _setting(self, r: int | None, overlap_degree: int | None, a2a: str | None,
+                 ranks_per_node: int | None) -> ParallelSetting:
+        """The static setting of one call: the call's values where given, else the layer's."""
+        return ParallelSetting(
+            r=self.r if r is None else r,
+            overlap_degree=self.overlap_degree if overlap_degree is None else overlap_degree,
+            a2a=self.a2a if a2a is None else a2a,
+            ranks_per_node=self.ranks_per_node if ranks_per_node is None else ranks_per_node,
+        )
+
+    @property
+    def auto_decisions(self) -> list:
+        """What ``parallel="auto"`` chose per capacity bucket, with every candidate's measured time."""
+        return list(getattr(self.chooser, "decisions", []))
 
     def extra_repr(self) -> str:
         return (
@@ -202,6 +311,21 @@ class MoELayer(nn.Module):
             f"k={self.k}, capacity_factor={self.capacity_factor}, capacity={self.capacity}, "
             f"score_at={self.score_at!r}"
         )
+
+
+def _describe(value: object) -> object:
+    """A comparable stand-in for a config value (modules and callables by type / name)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, nn.Module):
+        return type(value).__name__
+    return getattr(value, "__name__", type(value).__name__)
+
+
+def _check_parallel(parallel: object) -> str:
+    if parallel not in ("static", "auto"):
+        raise ValueError(f"parallel must be 'static' or 'auto', got {parallel!r}")
+    return str(parallel)
 
 
 def _parameter_dtype(module: nn.Module) -> torch.dtype | None:

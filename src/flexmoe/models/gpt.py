@@ -121,9 +121,9 @@ def _build_moe(cfg: GPTConfig) -> MoELayer:
     kwargs: dict[str, Any] = dict(
         k=cfg.k, capacity_factor=cfg.capacity_factor, router=cfg.router, activation="gelu"
     )
-    if cfg.group is not None:
-        # Expert parallelism: the layer keeps only this rank's experts (see flexmoe.parallel.layout).
-        kwargs["group"] = cfg.group
+    # Expert parallelism: the layer keeps only this rank's experts (see flexmoe.parallel.layout). Without a
+    # group, one process holds every expert even under torch.distributed (MoELayer's own default is the world).
+    kwargs["group"] = cfg.group if cfg.group is not None else "single"
     return MoELayer(cfg.n_embd, cfg.num_experts, cfg.expert_hidden, **kwargs)
 
 

@@ -1,5 +1,30 @@
 """Expert parallelism: the expert layout over ranks, process groups, all-to-all transports and overlap."""
 
 from flexmoe.parallel.layout import ExpertLayout, shard_expert_state, unshard_expert_states
+from flexmoe.parallel.groups import (
+    SINGLE_PROCESS,
+    CollectiveError,
+    ConfigMismatchError,
+    ExpertGroup,
+    resolve_group,
+)
+from flexmoe.parallel.expert_parallel import ParallelSetting
+from flexmoe.parallel.auto import Chooser, MeasuringChooser, candidates
+from flexmoe.parallel.ddp import expert_parameter_names, wrap_ddp
 
-__all__ = ["ExpertLayout", "shard_expert_state", "unshard_expert_states"]
+__all__ = [
+    "ExpertLayout",
+    "shard_expert_state",
+    "unshard_expert_states",
+    "SINGLE_PROCESS",
+    "CollectiveError",
+    "ConfigMismatchError",
+    "ExpertGroup",
+    "resolve_group",
+    "ParallelSetting",
+    "Chooser",
+    "MeasuringChooser",
+    "candidates",
+    "expert_parameter_names",
+    "wrap_ddp",
+]
