@@ -45,6 +45,8 @@ __all__ = [
     "CheckpointError",
     "FORMAT",
     "expert_param_names",
+    "ExpertPlacement",
+    "expert_placement",
     "model_layout",
     "global_state_dict",
     "load_global_state_dict",
@@ -79,19 +81,44 @@ def expert_param_names(model: nn.Module) -> dict[str, str]:
 
 
 def _group_world(group: Any) -> tuple[int, int]:
-    """(rank, world size) in ``group``; (0, 1) without torch.distributed."""
-    if group is None or not dist.is_available() or not dist.is_initialized():
+    """(rank, world size) in ``group``; (0, 1) for None, ``"single"`` or without torch.distributed."""
+    if group is None or isinstance(group, str) or not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def model_layout(model: nn.Module) -> ExpertLayout | None:
-    """The expert layout of ``model`` (a :class:`flexmoe.models.GPT`) over its expert-parallel group."""
-    cfg = getattr(model, "cfg", None)
-    if cfg is None or cfg.dense:
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where this process's experts sit: the layout, the expert-parallel process group, this rank in it."""
+
+    layout: ExpertLayout
+    group: Any
+    rank: int
+
+
+def expert_placement(model: nn.Module) -> ExpertPlacement | None:
+    """The placement of ``model``'s experts (None without MoE layers).
+
+    Read from the MoE layers themselves (``layout`` and ``ep_group``, set by MoELayer under expert
+    parallelism), so it describes what the layers really hold; every MoE layer of a model shares it.
+    """
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if not layers:
         return None
-    _, world = _group_world(cfg.group)
-    return ExpertLayout(num_experts=cfg.num_experts, world_size=world, hidden_dim=cfg.expert_hidden)
+    moe = layers[0]
+    layout, eg = getattr(moe, "layout", None), getattr(moe, "ep_group", None)
+    if layout is not None and eg is not None:
+        return ExpertPlacement(layout, eg.group if eg.distributed else None, eg.rank)
+    # A layer without expert parallelism of its own: the model's config says which group its experts span.
+    group = getattr(getattr(model, "cfg", None), "group", None)
+    rank, world = _group_world(group)
+    return ExpertPlacement(ExpertLayout(moe.num_experts, world, moe.hidden_dim), group, rank)
+
+
+def model_layout(model: nn.Module) -> ExpertLayout | None:
+    """The expert layout of ``model`` over its expert-parallel group (None without MoE layers)."""
+    placement = expert_placement(model)
+    return None if placement is None else placement.layout
 
 
 def _gather_experts(local: dict[str, Tensor], layout: ExpertLayout, group: Any) -> dict[str, Tensor]:
@@ -139,18 +166,21 @@ def _to_local(tensors: dict[str, Tensor], experts: dict[str, str], layout: Exper
 def global_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The model's parameters and buffers with expert tensors in global form (collective under EP)."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    return _to_global(state, expert_param_names(model), model_layout(model), model.cfg.group)
+    placement = expert_placement(model)
+    if placement is None:
+        return state
+    return _to_global(state, expert_param_names(model), placement.layout, placement.group)
 
 
 def load_global_state_dict(model: nn.Module, state: dict[str, Tensor], *, source: str = "state") -> None:
     """Load global-form tensors into ``model``, cutting out this rank's experts. Shapes are checked first."""
-    layout = model_layout(model)
-    rank, _ = _group_world(getattr(model.cfg, "group", None))
+    placement = expert_placement(model)
     experts = expert_param_names(model)
-    _check_expert_count(state, experts, layout, source)
-    local = _to_local(state, experts, layout, rank)
-    _check_shapes(local, model.state_dict(), source)
-    model.load_state_dict(local, strict=True)
+    if placement is not None:
+        _check_expert_count(state, experts, placement.layout, source)
+        state = _to_local(state, experts, placement.layout, placement.rank)
+    _check_shapes(state, model.state_dict(), source)
+    model.load_state_dict(state, strict=True)
 
 
 def _check_expert_count(state: dict[str, Tensor], experts: dict[str, str], layout, source: str) -> None:
@@ -395,8 +425,9 @@ def save_checkpoint(
     Under expert parallelism every rank must call this (experts are gathered); rank 0 writes. Returns the
     checkpoint directory on rank 0, None elsewhere. Older checkpoints beyond the newest ``keep`` are removed.
     """
-    layout = model_layout(model)
-    group = model.cfg.group
+    placement = expert_placement(model)
+    layout = None if placement is None else placement.layout
+    group = None if placement is None else placement.group
     experts = set(expert_param_names(model))
     model_t = global_state_dict(model)
     opt_t: dict[str, Tensor] = {}
@@ -523,8 +554,9 @@ def load_checkpoint(
     if optimizer is not None:
         if data.meta.get("optimizer") is None:
             raise CheckpointError(f"{data.path}: holds no optimizer state")
-        layout = model_layout(model)
-        rank, _ = _group_world(model.cfg.group)
+        placement = expert_placement(model)
+        layout = None if placement is None else placement.layout
+        rank = 0 if placement is None else placement.rank
         experts = set(expert_param_names(model))
         kinds = {k: k.rsplit(".", 1)[-1] for k in data.optimizer if k.partition("/")[2] in experts
                  and not k.startswith("step/")}

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,8 @@ from flexmoe.checkpoint import (
     expert_param_names,
     latest_checkpoint,
     load_checkpoint,
+    expert_placement,
     load_global_state_dict,
-    model_layout,
     save_checkpoint,
 )
 from flexmoe.data import TokenData
@@ -221,6 +222,15 @@ def _layer_supports_group() -> bool:
     return "group" in inspect.signature(MoELayer.__init__).parameters
 
 
+def _wrap_ddp():
+    """The distributed layer's DDP wrapper that keeps expert parameters out of the all-reduce, if present."""
+    try:
+        from flexmoe.parallel.ddp import wrap_ddp
+    except ImportError:
+        return None
+    return wrap_ddp
+
+
 def build_model(cfg: GPTConfig, seed: int) -> GPT:
     """The model, initialised from ``seed`` identically at every world size.
 
@@ -228,12 +238,21 @@ def build_model(cfg: GPTConfig, seed: int) -> GPT:
     then keeps its own slice of it, so a run's initial weights do not depend on the number of ranks.
     """
     torch.manual_seed(seed)
-    reference = GPT(GPTConfig.from_dict(cfg.to_dict()))
-    if cfg.group is None:
+    single = "single" if _layer_supports_group() and dist.is_initialized() else None  # one process, all experts
+    reference = GPT(GPTConfig.from_dict(cfg.to_dict(), group=single))
+    if cfg.group is None or cfg.dense:
         return reference
     model = GPT(cfg)
     load_global_state_dict(model, {k: v.detach() for k, v in reference.state_dict().items()}, source="init")
     return model
+
+
+def _spread_experts(model: GPT) -> dict[str, str]:
+    """The expert parameters spread over ranks (name -> kind); empty when every rank holds all experts."""
+    placement = expert_placement(model)
+    if placement is None or placement.layout.world_size == 1:
+        return {}
+    return expert_param_names(model)
 
 
 def build_optimizer(model: nn.Module, tcfg: TrainConfig) -> torch.optim.AdamW:
@@ -255,16 +274,16 @@ def lr_at(step: int, tcfg: TrainConfig) -> float:
 
 
 def sync_gradients(model: GPT, world: int) -> None:
-    """Average gradients over the data-parallel ranks, leaving expert gradients out of the all-reduce.
+    """Average gradients over the data-parallel ranks, leaving spread expert gradients out of the all-reduce.
 
-    Each rank's loss is the mean over its own rows; the global loss is the mean over ranks. Replicated
-    (non-expert) parameters therefore take the all-reduced mean. An expert lives on one rank (or one hidden
-    shard per rank) and its gradient already sums every rank's tokens through the all-to-all, so it is only
-    divided by the world size, never all-reduced (that would count it W times).
+    Used when :func:`flexmoe.parallel.wrap_ddp` is not available (it does the same inside DDP). Each rank's
+    loss is the mean over its own rows and the global loss the mean over ranks, so replicated parameters take
+    the all-reduced mean. A spread expert lives on one rank (or one hidden shard per rank) and its gradient
+    already sums every rank's tokens through the all-to-all: it is only divided by the world size.
     """
     if world == 1:
         return
-    experts = set(expert_param_names(model)) if model.cfg.group is not None else set()
+    experts = _spread_experts(model)
     dense = [p.grad for n, p in model.named_parameters() if n not in experts and p.grad is not None]
     if dense:
         flat = torch.cat([g.reshape(-1) for g in dense])
@@ -282,11 +301,12 @@ def sync_gradients(model: GPT, world: int) -> None:
 def clip_gradients(model: GPT, max_norm: float, world: int) -> float:
     """Scale all gradients so that their global L2 norm is at most ``max_norm``; returns the norm.
 
-    Under expert parallelism expert gradients differ per rank, so their squares are summed over ranks
-    (a replicated ``b2`` shard is counted once, from shard 0); other gradients are equal on every rank.
+    Spread expert gradients differ per rank, so their squares are summed over ranks (a ``b2`` that every
+    hidden shard of an expert holds a copy of is counted once, from shard 0); other gradients are equal on
+    every rank after the all-reduce.
     """
-    experts = expert_param_names(model) if model.cfg.group is not None else {}
-    layout = model_layout(model) if experts else None
+    experts = _spread_experts(model)
+    placement = expert_placement(model)
     dense_sq = torch.zeros((), dtype=torch.float64)
     expert_sq = torch.zeros((), dtype=torch.float64)
     for n, p in model.named_parameters():
@@ -294,13 +314,13 @@ def clip_gradients(model: GPT, max_norm: float, world: int) -> float:
             continue
         sq = p.grad.double().square().sum()
         if n in experts:
-            if experts[n] == "b2" and layout is not None and layout.shard_of_rank(dist.get_rank()) != 0:
+            if experts[n] == "b2" and placement.layout.shard_of_rank(placement.rank) != 0:
                 continue
             expert_sq += sq
         else:
             dense_sq += sq
-    if experts and world > 1:
-        dist.all_reduce(expert_sq)
+    if experts:
+        dist.all_reduce(expert_sq, group=placement.group)
     norm = float((dense_sq + expert_sq).sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
@@ -382,6 +402,8 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
     data = TokenData.from_file(tcfg.data, block_size=mcfg.block_size)
     model = build_model(mcfg, tcfg.seed)
     optimizer = build_optimizer(model, tcfg)
+    wrap_ddp = _wrap_ddp() if world > 1 else None
+    ddp = wrap_ddp(model) if wrap_ddp is not None else None
     torch.manual_seed(tcfg.seed + 1)  # training-time randomness (dropout, router noise), same at any world size
 
     metrics_path = out / "metrics.jsonl"
@@ -432,13 +454,16 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
             loads: list[Tensor] = []
             for i in range(tcfg.micro_batches):
                 xs, ys = x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
-                _, loss = model(xs, ys)
-                ((loss + model.regularization_loss()) / tcfg.micro_batches).backward()
+                # DDP all-reduces in the last micro-batch's backward only.
+                with ddp.no_sync() if ddp is not None and i < tcfg.micro_batches - 1 else nullcontext():
+                    _, loss = (ddp or model)(xs, ys)
+                    ((loss + model.regularization_loss()) / tcfg.micro_batches).backward()
                 loss_sum += loss.item()
                 bal_sum += model.balance_loss()
                 drop_sum += model.drop_rate()
                 loads.append(torch.tensor(model.expert_load(), dtype=torch.float64))
-            sync_gradients(model, world)
+            if ddp is None:
+                sync_gradients(model, world)
             clip_gradients(model, tcfg.grad_clip, world)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
