@@ -133,8 +133,8 @@ class LayerConfig:
         return DTYPE_BYTES[self.dtype]
 
     def resolved_r(self) -> int:
-        """r, defaulting to s (weights stay where they are: the layout's native model-parallel style)."""
-        return self.shards if self.r is None else self.r
+        """r, defaulting to 1 as MoELayer does (whole experts: plain expert parallelism; sharded: gathered)."""
+        return 1 if self.r is None else self.r
 
     def shares(self) -> list[float]:
         """Fraction of all routed (token, choice) pairs going to each expert."""

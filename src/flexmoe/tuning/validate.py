@@ -203,7 +203,7 @@ def measure_multi(cfg: dict[str, Any], steps: int = 5, warmup: int = 2, timeout:
                     p.kill()
                 raise RuntimeError(f"{world}-rank measurement did not finish in {timeout:.0f} s")
             if proc.returncode != 0:
-                errors.append(f"rank {rank}: {err[-1200:]}")
+                errors.append(f"rank {rank}: {err[-3000:]}")
         if errors:
             raise RuntimeError("multi-rank measurement failed:\n" + "\n".join(errors))
         result = json.loads(Path(out).read_text())
