@@ -197,8 +197,72 @@ def test_rank_candidates_picks_what_the_model_ranks_best() -> None:
             self.r, self.overlap_degree, self.a2a, self.ranks_per_node = r, d, a2a, None
 
     options = [Setting(1, 1, "flat"), Setting(1, 1, "2dh"), Setting(cfg.shards, 1, "flat")]
-    kept = prune_candidates(p, cfg, keep=2)(options)
+    kept = prune_candidates(p, cfg, options, keep=2)
     assert kept[0] is options[1] and len(kept) == 2
+
+
+def _auto_context(world: int, experts: int, rows_per_expert: int, **shape: object):
+    """What the layer hands its chooser, for a group of ``world`` ranks seen from one process (no collectives)."""
+    import torch
+
+    from flexmoe.parallel.auto import AutoContext
+    from flexmoe.parallel.groups import resolve_group
+
+    counts = [[rows_per_expert] * experts for _ in range(world)]
+    fields = {"model_dim": 2048, "hidden_dim": 2048, "num_experts": experts, "k": 2, "dtype": torch.bfloat16}
+    return AutoContext(resolve_group("single"), counts, **{**fields, **shape})
+
+
+def test_model_guided_chooser_times_only_the_models_best() -> None:
+    from flexmoe.parallel.auto import MeasuringChooser, ModelGuidedChooser, candidates, workload_config
+
+    p = load_profile("a100-ndv4")
+    context = _auto_context(world=64, experts=8, rows_per_expert=1024)  # 8 experts sharded 8 ways over 8 nodes
+    options = candidates([0, 1, 2, 4, 8], 64, 8)
+    assert len(options) == 1 + 4 * 3 * 2
+    config = workload_config(context)
+    assert (config.tokens, config.ranks, config.shards, config.capacity_factor) == (4096, 64, 8, 0.0)
+    ranked = rank_candidates(p, config, options)
+
+    chooser = ModelGuidedChooser(p, keep=3, trials=1)
+    tried = []
+    for step in range(3):  # the three best by the model, in the model's order, one timing each
+        setting = chooser.choose("bucket", options, context)
+        tried.append(setting)
+        # The clock disagrees with the model about first and second place: the clock wins.
+        chooser.record("bucket", setting, {0: 2.0, 1: 1.0, 2: 3.0}[step])
+    assert tried == ranked[:3]
+    assert chooser.choose("bucket", options, context) == ranked[1]
+    assert chooser.decisions[0].choice == ranked[1] and set(chooser.decisions[0].seconds) == set(ranked[:3])
+    assert [s for _, s in chooser.predictions[0][1]] == ranked
+
+    # keep=1: the model's best is the choice, from the first step on.
+    trusting = ModelGuidedChooser(p, keep=1, trials=1)
+    assert trusting.choose("b", options, context) == ranked[0]
+    trusting.record("b", ranked[0], 5.0)
+    assert trusting.choose("b", options, context) == ranked[0] and trusting.decisions[0].choice == ranked[0]
+
+    # Without the model every candidate is timed.
+    measuring = MeasuringChooser(trials=1)
+    seen = set()
+    for _ in range(len(options)):
+        setting = measuring.choose("b", options, context)
+        seen.add(setting)
+        measuring.record("b", setting, 1.0)
+    assert seen == set(options)
+
+
+def test_model_guided_chooser_keeps_all_without_a_roofline_for_the_dtype() -> None:
+    import torch
+
+    from flexmoe.parallel.auto import ModelGuidedChooser, candidates
+
+    options = candidates([0, 1, 2], 4, 2)
+    chooser = ModelGuidedChooser(toy_profile(), keep=2, trials=1)
+    context = _auto_context(world=4, experts=2, rows_per_expert=64, dtype=torch.float64)
+    assert chooser.prune(options, context) == options  # no float64 roofline: nothing pruned
+    with pytest.raises(ValueError):
+        ModelGuidedChooser(toy_profile(), keep=0)
 
 
 def test_choose_shadowed_shadows_only_what_pays() -> None:

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from flexmoe.dispatch import combine, dispatch
 from flexmoe.experts import FeedForwardExperts
-from flexmoe.parallel.auto import MeasuringChooser, StageTimer, candidates, capacity_bucket
+from flexmoe.parallel.auto import AutoContext, Chooser, MeasuringChooser, StageTimer, candidates, capacity_bucket
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
 from flexmoe.parallel.groups import check_config_agreement, default_ranks_per_node, resolve_group
 from flexmoe.parallel.layout import ExpertLayout
@@ -85,7 +85,9 @@ class MoELayer(nn.Module):
             torchrun's LOCAL_WORLD_SIZE, read once here).
         parallel: "static" (use r, overlap_degree, a2a) or "auto" (time the candidate settings for the
             first steps of each capacity bucket, keep the fastest; ``last_choice`` says which ran,
-            ``auto_decisions`` lists the decisions; ``chooser`` may be any :class:`~flexmoe.parallel.Chooser`).
+            ``auto_decisions`` lists the decisions).
+        chooser: what ``parallel="auto"`` decides with (default :class:`~flexmoe.parallel.MeasuringChooser`,
+            timing every candidate); ``ModelGuidedChooser("local")`` lets the cost model shortlist them.
         Each of these five is also a keyword of ``forward`` that applies to that call only.
 
     After each forward: ``aux_loss`` (balance loss, differentiable), ``z_loss`` and ``last_plan`` (the
@@ -121,6 +123,7 @@ class MoELayer(nn.Module):
         a2a: str = "flat",
         ranks_per_node: int | None = None,
         parallel: str = "static",
+        chooser: Chooser | None = None,
     ) -> None:
         super().__init__()
         # First of all, so that ranks built with different configurations all fail here, naming the difference.
@@ -132,6 +135,7 @@ class MoELayer(nn.Module):
             "batch_prioritized": batch_prioritized, "score_at": score_at, "activation": _describe(activation),
             "glu": glu, "bias": bias, "experts": _describe(experts), "dtype": str(dtype), "r": r,
             "overlap_degree": overlap_degree, "a2a": a2a, "ranks_per_node": ranks_per_node, "parallel": parallel,
+            "chooser": _describe(chooser),
         })
         self.model_dim = _check_int("model_dim", model_dim, 1)
         self.num_experts = _check_int("num_experts", num_experts, 1)
@@ -181,7 +185,7 @@ class MoELayer(nn.Module):
         self.parallel = _check_parallel(parallel)
         if self._ep is not None:
             self._ep.check(self._setting(None, None, None, None))
-        self.chooser = MeasuringChooser(self.ep_group)
+        self.chooser: Chooser = chooser if chooser is not None else MeasuringChooser()
         self.last_choice: ParallelSetting | None = None
         self._pending_timer: StageTimer | None = None
 
@@ -284,7 +288,9 @@ class MoELayer(nn.Module):
             raise ValueError(f"parallel='auto' has no candidate with r={r}, overlap_degree={overlap_degree}, "
                              f"a2a={a2a!r}; valid r: {self._ep.valid_r()}")
         bucket = (capacity_bucket(all_counts), torch.is_grad_enabled(), r, overlap_degree, a2a, g)
-        setting = self.chooser.choose(bucket, options)
+        context = AutoContext(self.ep_group, all_counts, self.model_dim, self.hidden_dim, self.num_experts, self.k,
+                              rows.dtype, bool(getattr(self.experts, "glu", False)))
+        setting = self.chooser.choose(bucket, options, context)
         self.last_choice = setting
         timer = StageTimer(lambda seconds: self.chooser.record(bucket, setting, seconds))
         self._pending_timer = timer

@@ -9,7 +9,7 @@ from flexmoe.parallel.groups import (
     resolve_group,
 )
 from flexmoe.parallel.expert_parallel import ParallelSetting
-from flexmoe.parallel.auto import Chooser, MeasuringChooser, candidates
+from flexmoe.parallel.auto import AutoContext, Chooser, MeasuringChooser, ModelGuidedChooser, candidates
 from flexmoe.parallel.ddp import expert_parameter_names, wrap_ddp
 
 __all__ = [
@@ -22,8 +22,10 @@ __all__ = [
     "ExpertGroup",
     "resolve_group",
     "ParallelSetting",
+    "AutoContext",
     "Chooser",
     "MeasuringChooser",
+    "ModelGuidedChooser",
     "candidates",
     "expert_parameter_names",
     "wrap_ddp",

@@ -3,20 +3,26 @@
 The interface is two pieces a cost model can replace or wrap:
 
 * :func:`candidates` lists every valid :class:`ParallelSetting` for a layer;
-* a :class:`Chooser` picks one per forward (``choose``) and hears back how long it took (``record``).
+* a :class:`Chooser` picks one per forward (``choose``) and hears back how long it took (``record``). Each
+  call also gets an :class:`AutoContext`: the layer's shape and this forward's rows per (rank, expert).
 
-:class:`MeasuringChooser` (the default) tries every candidate for ``trials`` forward+backward passes in each
-capacity bucket, keeps the fastest, and uses it from then on. Its ``prune`` hook takes the candidate list and
-returns the ones worth timing (a cost model drops the hopeless ones there). The ranks agree on the choice:
-each candidate's time is the slowest rank's (one all-reduce at decision time), ties go to the earlier
-candidate, so every rank picks the same setting.
+:class:`MeasuringChooser` (the layer's default) tries every candidate for ``trials`` forward+backward passes in
+each capacity bucket, keeps the fastest, and uses it from then on. Its ``prune`` hook takes the candidate list
+(and the context) and returns the ones worth timing. :class:`ModelGuidedChooser` is that hook filled by the
+cost model (:mod:`flexmoe.tuning.cost_model`): the model ranks every candidate for the bucket's real load and
+only the ``keep`` best are timed, so the model picks the short list and the clock picks the winner.
+
+The ranks agree on the choice: each candidate's time is the slowest rank's (one all-reduce at decision time),
+ties go to the earlier candidate, and a pruned short list is rank 0's (broadcast), so every rank picks the
+same setting even if their profiles differed.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +31,12 @@ from torch import Tensor
 from flexmoe.parallel.expert_parallel import ParallelSetting
 from flexmoe.parallel.groups import ExpertGroup
 
-__all__ = ["candidates", "capacity_bucket", "Chooser", "MeasuringChooser", "StageTimer", "Decision"]
+if TYPE_CHECKING:  # the cost model is imported when a ModelGuidedChooser is built, not with the layer
+    from flexmoe.tuning.cost_model import LayerConfig
+    from flexmoe.tuning.profile import Profile
+
+__all__ = ["candidates", "capacity_bucket", "AutoContext", "Chooser", "MeasuringChooser", "ModelGuidedChooser",
+           "workload_config", "StageTimer", "Decision"]
 
 DEFAULT_DEGREES = (1, 2, 4)
 
@@ -73,10 +84,31 @@ class Decision:
         return f"bucket {self.bucket}: chose {self.choice} ({times})"
 
 
+@dataclass(frozen=True)
+class AutoContext:
+    """What a chooser may look at: the layer's shape and the load of the forward that opened the bucket.
+
+    all_counts: ``[W][E]`` rows each source rank sends to each global expert in this forward (after capacity);
+        W = ``len(all_counts)`` is the expert-parallel world size.
+    hidden_dim: one whole expert's hidden size (before any sharding over ranks).
+    dtype: the dtype the experts compute in, e.g. ``torch.float32``.
+    """
+
+    eg: ExpertGroup
+    all_counts: list[list[int]]
+    model_dim: int
+    hidden_dim: int
+    num_experts: int
+    k: int
+    dtype: torch.dtype
+    glu: bool = False
+
+
 class Chooser(Protocol):
     """Picks the setting of each forward in auto mode."""
 
-    def choose(self, bucket: Hashable, options: list[ParallelSetting]) -> ParallelSetting: ...
+    def choose(self, bucket: Hashable, options: list[ParallelSetting], context: AutoContext) -> ParallelSetting:
+        ...
 
     def record(self, bucket: Hashable, setting: ParallelSetting, seconds: float) -> None: ...
 
@@ -88,32 +120,36 @@ class _Bucket:
     decision: Decision | None = None
 
 
-class MeasuringChooser:
-    """Time each candidate ``trials`` times per bucket, then keep the fastest (see the module docstring)."""
+Prune = Callable[[list[ParallelSetting], AutoContext], list[ParallelSetting]]
 
-    def __init__(self, eg: ExpertGroup, trials: int = 2,
-                 prune: Callable[[list[ParallelSetting]], list[ParallelSetting]] | None = None) -> None:
+
+class MeasuringChooser:
+    """Time each candidate ``trials`` times per bucket, then keep the fastest (see the module docstring).
+
+    prune: ``(options, context) -> the options worth timing``, called once per bucket (None: time them all).
+    """
+
+    def __init__(self, trials: int = 2, prune: Prune | None = None) -> None:
         if trials < 1:
             raise ValueError(f"trials must be >= 1, got {trials}")
-        self.eg, self.trials, self.prune = eg, trials, prune
+        self.trials, self.prune = trials, prune
         self.buckets: dict[Hashable, _Bucket] = {}
 
     @property
     def decisions(self) -> list[Decision]:
         return [b.decision for b in self.buckets.values() if b.decision is not None]
 
-    def choose(self, bucket: Hashable, options: list[ParallelSetting]) -> ParallelSetting:
+    def choose(self, bucket: Hashable, options: list[ParallelSetting], context: AutoContext) -> ParallelSetting:
         state = self.buckets.get(bucket)
         if state is None:
-            pruned = self.prune(list(options)) if self.prune is not None else list(options)
-            state = self.buckets[bucket] = _Bucket(pruned or list(options))
+            state = self.buckets[bucket] = _Bucket(self._shortlist(list(options), context))
         if state.decision is not None:
             return state.decision.choice
         # Round-robin until every option has `trials` timings (counts are the same on every rank).
         for setting in state.options:
             if len(state.times.get(setting, [])) < self.trials:
                 return setting
-        state.decision = self._decide(bucket, state)
+        state.decision = self._decide(bucket, state, context.eg)
         return state.decision.choice
 
     def record(self, bucket: Hashable, setting: ParallelSetting, seconds: float) -> None:
@@ -121,13 +157,77 @@ class MeasuringChooser:
         if state is not None and state.decision is None:
             state.times.setdefault(setting, []).append(seconds)
 
-    def _decide(self, bucket: Hashable, state: _Bucket) -> Decision:
+    def _shortlist(self, options: list[ParallelSetting], context: AutoContext) -> list[ParallelSetting]:
+        if self.prune is None or len(options) <= 1:
+            return options
+        kept = [s for s in self.prune(list(options), context) if s in options]
+        if context.eg.distributed:  # rank 0's short list for everyone: the round-robin must match
+            index = torch.full((len(options),), -1, dtype=torch.int64)
+            index[: len(kept)] = torch.tensor([options.index(s) for s in kept], dtype=torch.int64)
+            context.eg.call("auto-tuning short list", lambda: dist.broadcast(
+                index, src=context.eg.global_ranks[0], group=context.eg.group))
+            kept = [options[i] for i in index.tolist() if i >= 0]
+        return kept or options
+
+    def _decide(self, bucket: Hashable, state: _Bucket, eg: ExpertGroup) -> Decision:
         best = torch.tensor([min(state.times[s]) for s in state.options], dtype=torch.float64)
-        if self.eg.distributed:  # every rank ranks the candidates by the slowest rank's time
-            self.eg.call("auto-tuning agreement", lambda: dist.all_reduce(best, op=dist.ReduceOp.MAX,
-                                                                           group=self.eg.group))
+        if eg.distributed:  # every rank ranks the candidates by the slowest rank's time
+            eg.call("auto-tuning agreement", lambda: dist.all_reduce(best, op=dist.ReduceOp.MAX, group=eg.group))
         i = int(torch.argmin(best))
         return Decision(bucket, state.options[i], dict(zip(state.options, best.tolist())))
+
+
+class ModelGuidedChooser(MeasuringChooser):
+    """``parallel="auto"`` steered by the cost model: rank every candidate, time only the ``keep`` best.
+
+    ``profile`` is a :class:`~flexmoe.tuning.profile.Profile` or a name for
+    :func:`~flexmoe.tuning.profile.load_profile` (``"local"``: the one ``flexmoe calibrate`` wrote;
+    ``"a100-ndv4"``; a JSON path). ``keep=1`` trusts the model outright (its best candidate runs from the
+    first step). Each short list's model view and predicted seconds per candidate, best first, are appended to
+    ``predictions`` so a report can show model and clock side by side. Like any chooser it keeps one layer's
+    decisions: give each layer its own.
+    """
+
+    def __init__(self, profile: "Profile | str", keep: int = 3, trials: int = 2) -> None:
+        from flexmoe.tuning.profile import Profile, load_profile
+
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        super().__init__(trials=trials, prune=self._rank)
+        self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
+        self.keep = keep
+        self.predictions: list[tuple[LayerConfig, list[tuple[float, ParallelSetting]]]] = []
+
+    def _rank(self, options: list[ParallelSetting], context: AutoContext) -> list[ParallelSetting]:
+        from flexmoe.tuning.cost_model import score_candidates
+
+        config = workload_config(context)
+        try:
+            self.profile.compute_for(config.dtype)
+        except KeyError:
+            return options  # the profile has no roofline for this dtype (float64): measure everything
+        scored = score_candidates(self.profile, config, options)
+        self.predictions.append((config, scored))
+        return [setting for _, setting in scored[: self.keep]]
+
+
+def workload_config(context: AutoContext) -> "LayerConfig":
+    """The cost model's view of one forward: the busiest rank's rows as its tokens, the global load per expert.
+
+    The counts are what was dispatched (capacity already applied), so the model sees a dropless layer
+    (``capacity_factor=0``) with ``tokens = rows / k`` and the measured shares per expert.
+    """
+    from flexmoe.tuning.cost_model import LayerConfig
+
+    counts = context.all_counts
+    rows = max((sum(row) for row in counts), default=0)
+    load = [float(sum(col)) for col in zip(*counts)] if counts else []
+    return LayerConfig(
+        tokens=max(1, math.ceil(rows / context.k)), model_dim=context.model_dim, hidden_dim=context.hidden_dim,
+        experts=context.num_experts, k=context.k, capacity_factor=0.0,
+        dtype=str(context.dtype).removeprefix("torch."), ranks=len(counts), glu=context.glu,
+        expert_shares=tuple(load) if sum(load) > 0 else None,
+    )
 
 
 class StageTimer:

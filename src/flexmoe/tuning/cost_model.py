@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from flexmoe.tuning.profile import ComputeSpec, LinkSpec, Profile
 
@@ -67,9 +67,10 @@ class LayerConfig:
     """One MoE layer on ``ranks`` expert-parallel ranks; ``tokens`` is the per-rank token count.
 
     experts: global experts E. With E >= W each rank holds E/W whole experts; with E < W each expert is sharded
-        over s = W/E ranks along the hidden dimension and ``r`` picks the parallel style (DESIGN.md section 4):
-        r = 0 gathers every expert on every rank (no all-to-all), 1 <= r <= s (r | s) keeps weights r-way sharded
-        inside groups of r ranks and gathers them across the s/r groups (r = s: pure model parallel, no gather).
+        over s = W/E ranks along the hidden dimension. ``r`` picks the parallel style (DESIGN.md section 4):
+        r = 0 gathers every expert on every rank (no all-to-all, any layout), 1 <= r <= s (r | s) keeps weights
+        r-way sharded inside groups of r ranks and gathers them across the s/r groups (r = s: pure model
+        parallel, no gather; r = 1 with whole experts: plain expert parallelism).
     capacity_factor: as in the layer (0: dropless). ``dispatch`` is "index" (gather/scatter-add, rows only for
         real tokens) or "dense" (the GShard/fairseq one-hot einsum, experts compute every padded slot).
     a2a: "flat" or "2dh"; overlap_degree: pipeline chunks d; ranks_per_node: None takes the profile's.
@@ -320,11 +321,10 @@ def pipelined_time(a2a_in: float, compute: float, a2a_out: float, chunks: int, o
 
 
 def valid_r(config: LayerConfig) -> list[int]:
-    """The r values the layout allows: 0 and the divisors of s when experts are sharded, else [s] = [1]."""
+    """The r values the layout allows, as the layer's: 0 (gather every expert everywhere) on more than one
+    rank, and the divisors of s (just 1 with whole experts)."""
     s = config.shards
-    if s == 1:
-        return [1]
-    return [0] + [d for d in range(1, s + 1) if s % d == 0]
+    return ([0] if config.ranks > 1 else []) + [d for d in range(1, s + 1) if s % d == 0]
 
 
 def expert_rows(config: LayerConfig) -> list[float]:
@@ -410,7 +410,7 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
     cap = config.capacity()
     rows_global = expert_rows(config)
     shares = config.shares()
-    shadowed = set(config.shadowed) if s == 1 and w > 1 else set()
+    shadowed = set(config.shadowed) if s == 1 and w > 1 and r > 0 else set()
     for x in shadowed:
         if not 0 <= x < e:
             raise ValueError(f"shadowed expert {x} out of range [0, {e})")
@@ -436,7 +436,14 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
         f, bk = ffn(rows_global[x] / w, h)
         shadow_local[0] += f
         shadow_local[1] += bk
-    if s == 1:
+    if w > 1 and r == 0:
+        # Every rank runs its own tokens through every (gathered) expert: no all-to-all, no straggler.
+        c_fwd = c_bwd = 0.0
+        for x in range(e):
+            f, bk = ffn(rows_global[x] / w, h)
+            c_fwd, c_bwd = c_fwd + f, c_bwd + bk
+        straggler = 0
+    elif s == 1:
         per_rank = config.experts_per_rank
         worst = (-1.0, 0.0, 0.0, 0)
         for rank in range(w):
@@ -453,20 +460,13 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
         _, c_fwd, c_bwd, straggler = worst
         c_fwd += shadow_local[0]
         c_bwd += shadow_local[1]
-    elif r == 0:
-        # Every rank runs its own tokens through every (gathered) expert: no all-to-all, no straggler.
-        c_fwd = c_bwd = 0.0
-        for x in range(e):
-            f, bk = ffn(rows_global[x] / w, h)
-            c_fwd, c_bwd = c_fwd + f, c_bwd + bk
-        straggler = 0
     else:
         # s ranks share expert x: s/r groups split its rows; inside a group r ranks hold H/r each, same rows.
         hottest = max(range(e), key=lambda x: rows_global[x])
         c_fwd, c_bwd = ffn(rows_global[hottest] * r / s, h // r)
         straggler = hottest * s
     # Backward also gathers the per-expert weight gradients into the batched parameters' gradients.
-    local_weights = _weight_bytes(config) * (e if s > 1 and r == 0 else config.experts_per_rank)
+    local_weights = _weight_bytes(config) * (e if w > 1 and r == 0 else config.experts_per_rank)
     if s > 1 and r > 0:
         local_weights = _weight_bytes(config) / s
     stack_bw = profile.grad_stack_bandwidth_Bps or profile.memory_bandwidth_Bps / 2
@@ -474,7 +474,7 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
     out.experts = c_fwd + c_bwd
 
     # ---- all-to-all volume of the straggler: what it sends, or receives if more (hot experts), per direction.
-    if w == 1 or (s > 1 and r == 0):
+    if w == 1 or r == 0:
         send = recv = 0.0
     elif s == 1:
         per_rank = config.experts_per_rank
@@ -503,7 +503,7 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
 
     # ---- weights: gathered for r < s (forward all-gather, backward reduce-scatter of the gradients).
     p = _param_bytes(config)
-    if s > 1 and r == 0:
+    if w > 1 and r == 0:
         out.weights_comm = 2 * allgather_time(profile, e * p, w, g) * comm_slow
     elif s > 1 and r < s:
         out.weights_comm = 2 * allgather_time(profile, p / r, s // r, g) * comm_slow
@@ -561,19 +561,15 @@ def rank_candidates(profile: Profile, config: LayerConfig, candidates: Iterable[
     return [c for _, c in score_candidates(profile, config, candidates)]
 
 
-def prune_candidates(profile: Profile, config: LayerConfig, keep: int = 3) -> Callable[[list[Any]], list[Any]]:
-    """A ``prune`` hook for the layer's measuring chooser: keep the ``keep`` candidates the model ranks best.
+def prune_candidates(profile: Profile, config: LayerConfig, candidates: Iterable[Any], keep: int = 3) -> list[Any]:
+    """The ``keep`` candidates the model ranks best: the short list ``parallel="auto"`` times.
 
-    ``MeasuringChooser(eg, prune=prune_candidates(profile, config))`` then times only those (the model picks
-    the short list, the clock picks the winner, so a model error costs at most a slower runner-up).
+    :class:`flexmoe.parallel.auto.ModelGuidedChooser` does this for the layer (the model picks the short list,
+    the clock picks the winner, so a model error costs at most a slower runner-up).
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-
-    def prune(options: list[Any]) -> list[Any]:
-        return rank_candidates(profile, config, options)[:keep]
-
-    return prune
+    return rank_candidates(profile, config, candidates)[:keep]
 
 
 def choose_shadowed(profile: Profile, config: LayerConfig, tokens_per_expert: Sequence[float],
@@ -585,7 +581,7 @@ def choose_shadowed(profile: Profile, config: LayerConfig, tokens_per_expert: Se
     """
     if len(tokens_per_expert) != config.experts:
         raise ValueError(f"tokens_per_expert needs {config.experts} entries, got {len(tokens_per_expert)}")
-    if config.ranks == 1 or config.shards > 1 or sum(tokens_per_expert) <= 0:
+    if config.ranks == 1 or config.shards > 1 or config.resolved_r() == 0 or sum(tokens_per_expert) <= 0:
         return []
     base = replace(config, expert_shares=tuple(float(x) for x in tokens_per_expert), shadowed=())
     best = predict(profile, base)
