@@ -14,6 +14,16 @@ from flexmoe.parallel.auto import AutoContext, Chooser, MeasuringChooser, StageT
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
 from flexmoe.parallel.groups import check_config_agreement, default_ranks_per_node, resolve_group
 from flexmoe.parallel.layout import ExpertLayout
+from flexmoe.parallel.pairwise import check_pairwise, check_schedule, run_pairwise
+from flexmoe.parallel.shadow import (
+    ShadowContext,
+    ShadowPolicy,
+    check_shadow_supported,
+    choose_experts,
+    describe_shadow,
+    resolve_shadow,
+    run_shadowed,
+)
 from flexmoe.routing.plan import RoutingPlan, make_plan
 from flexmoe.routing.routers import build_router, route
 
@@ -90,6 +100,17 @@ class MoELayer(nn.Module):
             timing every candidate); ``ModelGuidedChooser("local")`` lets the cost model shortlist them.
         Each of these five is also a keyword of ``forward`` that applies to that call only.
 
+    FasterMoE's dynamic techniques (DESIGN.md section 4), off by default; they change speed, never results:
+        shadow: False, True (:class:`~flexmoe.parallel.CostModelShadowPolicy`: shadow the hot experts when
+            the cost model says the straggler time saved beats the weight broadcast + gradient reduce) or any
+            :class:`~flexmoe.parallel.ShadowPolicy`. Each step the chosen experts' weights are broadcast, every
+            rank computes its own rows of them, and their gradients are reduced back to the owners;
+            ``last_shadowed`` lists them. Built-in experts, whole (E % W == 0) only.
+        schedule: "a2a" (default) or "pairwise": the exchange as W-1 pairwise steps, each arrived piece
+            computed at once while the next travels (:mod:`flexmoe.parallel.pairwise`). Needs whole experts,
+            r=1, overlap_degree=1, a2a="flat" and parallel="static".
+        Both are also keywords of ``forward`` for that call only.
+
     After each forward: ``aux_loss`` (balance loss, differentiable), ``z_loss`` and ``last_plan`` (the
     :class:`~flexmoe.routing.RoutingPlan`: ``tokens_per_expert``, ``capacity``, ``dropped_fraction``, ...).
     """
@@ -123,9 +144,12 @@ class MoELayer(nn.Module):
         a2a: str = "flat",
         ranks_per_node: int | None = None,
         parallel: str = "static",
+        shadow: bool | ShadowPolicy = False,
+        schedule: str = "a2a",
         chooser: Chooser | None = None,
     ) -> None:
         super().__init__()
+        shadow_policy = resolve_shadow(shadow)  # its description (e.g. the cost profile) is checked below
         # First of all, so that ranks built with different configurations all fail here, naming the difference.
         self.ep_group = resolve_group(group)
         check_config_agreement(self.ep_group, {
@@ -135,6 +159,7 @@ class MoELayer(nn.Module):
             "batch_prioritized": batch_prioritized, "score_at": score_at, "activation": _describe(activation),
             "glu": glu, "bias": bias, "experts": _describe(experts), "dtype": str(dtype), "r": r,
             "overlap_degree": overlap_degree, "a2a": a2a, "ranks_per_node": ranks_per_node, "parallel": parallel,
+            "shadow": describe_shadow(shadow_policy), "schedule": schedule,
             "chooser": _describe(chooser),
         })
         self.model_dim = _check_int("model_dim", model_dim, 1)
@@ -183,6 +208,13 @@ class MoELayer(nn.Module):
         self.a2a = a2a
         self.ranks_per_node = default_ranks_per_node() if ranks_per_node is None else ranks_per_node
         self.parallel = _check_parallel(parallel)
+        self.schedule = check_schedule(schedule)
+        if self.schedule == "pairwise":
+            check_pairwise(self.layout, r, overlap_degree, a2a, self.parallel)
+        if shadow_policy is not None:
+            check_shadow_supported(self.layout, self.experts)
+        self.shadow: ShadowPolicy | None = shadow_policy
+        self.last_shadowed: list[int] = []
         if self._ep is not None:
             self._ep.check(self._setting(None, None, None, None))
         self.chooser: Chooser = chooser if chooser is not None else MeasuringChooser()
@@ -212,12 +244,15 @@ class MoELayer(nn.Module):
         a2a: str | None = None,
         ranks_per_node: int | None = None,
         parallel: str | None = None,
+        shadow: bool | ShadowPolicy | None = None,
+        schedule: str | None = None,
     ) -> Tensor:
         """x: ``[..., model_dim]`` -> ``[..., model_dim]``, same dtype.
 
         ``capacity`` and ``capacity_factor`` override the layer's for this call only (``capacity=0`` drops
         every token, and ``last_plan`` says so). So do ``r``, ``overlap_degree``, ``a2a``, ``ranks_per_node``
-        and ``parallel`` (with ``parallel="auto"``, the ones given restrict the candidates).
+        and ``parallel`` (with ``parallel="auto"``, the ones given restrict the candidates), ``shadow`` and
+        ``schedule``.
         """
         self._check_input(x)
         capacity = self.capacity if capacity is None else _check_capacity(capacity)
@@ -247,7 +282,7 @@ class MoELayer(nn.Module):
         expert_input = dispatch(tokens, plan, scale=self.score_at == "dispatch")
         expert_output = self._run_experts(
             expert_input, plan.counts, r=r, overlap_degree=overlap_degree, a2a=a2a,
-            ranks_per_node=ranks_per_node, parallel=parallel,
+            ranks_per_node=ranks_per_node, parallel=parallel, shadow=shadow, schedule=schedule,
         )
         y = combine(expert_output, plan, weighted=self.score_at == "combine")
 
@@ -266,12 +301,28 @@ class MoELayer(nn.Module):
         return self._expert_stage(rows.to(expert_dtype), counts, **parallel_overrides).to(rows.dtype)
 
     def _expert_stage(self, rows: Tensor, counts: list[int], *, r: int | None, overlap_degree: int | None,
-                      a2a: str | None, ranks_per_node: int | None, parallel: str | None) -> Tensor:
+                      a2a: str | None, ranks_per_node: int | None, parallel: str | None,
+                      shadow: bool | ShadowPolicy | None = None, schedule: str | None = None,
+                      all_counts: list[list[int]] | None = None) -> Tensor:
         """The experts, here or spread over the expert-parallel group (transport + compute)."""
         if self._ep is None:
             return self.experts(rows, counts)
-        all_counts = self._ep.gather_counts(counts)
+        if all_counts is None:  # the outer call (shadowing calls back with the remaining rows and counts)
+            all_counts = self._ep.gather_counts(counts)
+            self.last_shadowed = self._shadowed(all_counts, shadow, r, overlap_degree, a2a, ranks_per_node)
+            if self.last_shadowed:
+                return run_shadowed(
+                    self.experts, self.ep_group, self.layout, rows, counts, all_counts, self.last_shadowed,
+                    lambda rest, rest_counts, rest_all: self._expert_stage(
+                        rest, rest_counts, r=r, overlap_degree=overlap_degree, a2a=a2a,
+                        ranks_per_node=ranks_per_node, parallel=parallel, schedule=schedule,
+                        all_counts=rest_all))
         mode = self.parallel if parallel is None else _check_parallel(parallel)
+        if (self.schedule if schedule is None else check_schedule(schedule)) == "pairwise":
+            setting = self._setting(r, overlap_degree, a2a, ranks_per_node)
+            check_pairwise(self.layout, setting.r, setting.overlap_degree, setting.a2a, mode)
+            self.last_choice = setting
+            return run_pairwise(self.ep_group, self.layout, self.experts, rows, all_counts)
         if mode == "static":
             setting = self._setting(r, overlap_degree, a2a, ranks_per_node)
             self._ep.check(setting)
@@ -295,6 +346,23 @@ class MoELayer(nn.Module):
         timer = StageTimer(lambda seconds: self.chooser.record(bucket, setting, seconds))
         self._pending_timer = timer
         return timer.leave(self._ep.run(timer.enter(rows), counts, all_counts, setting))
+
+    def _shadowed(self, all_counts: list[list[int]], shadow: bool | ShadowPolicy | None, r: int | None,
+                  overlap_degree: int | None, a2a: str | None, ranks_per_node: int | None) -> list[int]:
+        """The experts to shadow in this call (:mod:`flexmoe.parallel.shadow`); [] when off."""
+        policy = self.shadow if shadow is None else resolve_shadow(shadow)
+        if policy is None:
+            return []
+        check_shadow_supported(self.layout, self.experts)
+        setting = self._setting(r, overlap_degree, a2a, ranks_per_node)
+        if setting.r == 0:
+            return []  # r=0 already gives every rank every expert
+        context = ShadowContext(
+            self.layout, self.model_dim, self.hidden_dim, self.k, _parameter_dtype(self.experts) or torch.float32,
+            glu=bool(getattr(self.experts, "glu", False)), a2a=setting.a2a, ranks_per_node=setting.ranks_per_node,
+            overlap_degree=setting.overlap_degree,
+        )
+        return choose_experts(policy, all_counts, context)
 
     def _setting(self, r: int | None, overlap_degree: int | None, a2a: str | None,
                  ranks_per_node: int | None) -> ParallelSetting:

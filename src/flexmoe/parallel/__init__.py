@@ -11,6 +11,15 @@ from flexmoe.parallel.groups import (
 from flexmoe.parallel.expert_parallel import ParallelSetting
 from flexmoe.parallel.auto import AutoContext, Chooser, MeasuringChooser, ModelGuidedChooser, candidates
 from flexmoe.parallel.ddp import expert_parameter_names, wrap_ddp
+from flexmoe.parallel.pairwise import pairwise_peers
+from flexmoe.parallel.shadow import (
+    CostModelShadowPolicy,
+    ShadowContext,
+    ShadowExperts,
+    ShadowPolicy,
+    ShadowTopExperts,
+    rows_per_rank,
+)
 
 __all__ = [
     "ExpertLayout",
@@ -29,4 +38,11 @@ __all__ = [
     "candidates",
     "expert_parameter_names",
     "wrap_ddp",
+    "pairwise_peers",
+    "CostModelShadowPolicy",
+    "ShadowContext",
+    "ShadowExperts",
+    "ShadowPolicy",
+    "ShadowTopExperts",
+    "rows_per_rank",
 ]

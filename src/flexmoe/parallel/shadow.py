@@ -1,0 +1,359 @@
+"""Expert shadowing (FasterMoE): replicate this step's hot experts on every rank.
+
+With skewed routing the rank holding a hot expert computes far more rows than the others, and every rank
+waits for it (the all-to-all back is as slow as the busiest rank). Shadowing an expert for one step:
+
+1. its owner broadcasts the expert's weights to every rank (one ``dist.broadcast`` per shadowed expert);
+2. every rank computes *its own* rows of that expert locally: those rows never enter the all-to-all;
+3. in backward, the gradients of the copies are summed back on the owner (one ``dist.reduce`` per expert),
+   so the owner's parameter gradient is the same as without shadowing.
+
+Which experts to shadow is a :class:`ShadowPolicy`, asked at every forward with the all-gathered per-expert
+counts ``all_counts[src][e]`` (rows that rank ``src`` routes to global expert ``e``). Every rank must get the
+same answer, so a policy must be a deterministic function of ``all_counts`` and the :class:`ShadowContext`.
+
+* :class:`CostModelShadowPolicy` (``shadow=True``): FasterMoE's rule, via
+  :func:`flexmoe.tuning.cost_model.choose_shadowed`: shadow the hottest experts while the straggler time saved
+  exceeds the broadcast + reduce it costs.
+* :class:`ShadowExperts` (a fixed list) and :class:`ShadowTopExperts` (the n busiest): explicit choices, for
+  tests and experiments.
+
+Supported for the built-in :class:`~flexmoe.experts.FeedForwardExperts` with whole experts (E % W == 0); the
+layer raises a ValueError at construction otherwise (a custom module has no weights we know how to ship, and
+a sharded expert is already spread over ranks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from flexmoe.experts import FeedForwardExperts
+from flexmoe.parallel.groups import ExpertGroup
+from flexmoe.parallel.layout import ExpertLayout
+from flexmoe.parallel.weights import expert_ffn
+
+__all__ = [
+    "ShadowContext",
+    "ShadowPolicy",
+    "ShadowExperts",
+    "ShadowTopExperts",
+    "CostModelShadowPolicy",
+    "DEFAULT_PUBLISHED_PROFILE",
+    "resolve_shadow",
+    "describe_shadow",
+    "check_shadow_supported",
+    "choose_experts",
+    "rows_per_rank",
+    "run_shadowed",
+]
+
+_PARAMS = ("w1", "b1", "w2", "b2", "w3", "b3")
+
+#: The profile :class:`CostModelShadowPolicy` uses when none is given and this machine has no calibrated one.
+DEFAULT_PUBLISHED_PROFILE = "a100-ndv4"
+
+
+# ---------------------------------------------------------------------------------------------- policies
+
+
+@dataclass(frozen=True)
+class ShadowContext:
+    """What a policy may know besides the counts: the layer's shape and the step's transport settings."""
+
+    layout: ExpertLayout
+    model_dim: int
+    hidden_dim: int
+    k: int
+    dtype: torch.dtype
+    glu: bool = False
+    a2a: str = "flat"
+    ranks_per_node: int | None = None
+    overlap_degree: int = 1
+
+
+@runtime_checkable
+class ShadowPolicy(Protocol):
+    """Chooses the experts to shadow for one step.
+
+    ``choose(all_counts, context)``: all_counts ``[W][E]`` (rows per source rank and global expert, the same on
+    every rank) -> global expert ids. Must be deterministic: every rank calls it and must get the same list.
+    """
+
+    def choose(self, all_counts: Sequence[Sequence[int]], context: ShadowContext) -> list[int]: ...
+
+
+def global_counts(all_counts: Sequence[Sequence[int]]) -> list[int]:
+    """``[W][E]`` -> ``[E]``: rows each expert receives from all ranks."""
+    return [sum(col) for col in zip(*all_counts)]
+
+
+@dataclass(frozen=True)
+class ShadowExperts:
+    """Always shadow these global experts (a fixed list)."""
+
+    experts: tuple[int, ...]
+
+    def __init__(self, experts: Sequence[int]) -> None:
+        object.__setattr__(self, "experts", tuple(int(e) for e in experts))
+
+    def choose(self, all_counts: Sequence[Sequence[int]], context: ShadowContext) -> list[int]:
+        return list(self.experts)
+
+
+@dataclass(frozen=True)
+class ShadowTopExperts:
+    """Shadow the ``n`` experts with the most rows this step (ties: the lower expert id first)."""
+
+    n: int
+
+    def choose(self, all_counts: Sequence[Sequence[int]], context: ShadowContext) -> list[int]:
+        counts = global_counts(all_counts)
+        order = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
+        return sorted(order[: self.n])
+
+
+def _default_profile():
+    # Imported here: the tuning package is only needed when the cost-model policy is actually used.
+    from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, load_profile
+
+    return load_profile("local" if LOCAL_PROFILE_PATH.exists() else DEFAULT_PUBLISHED_PROFILE)
+
+
+class CostModelShadowPolicy:
+    """FasterMoE's decision: shadow the hottest experts while it makes the layer faster (per the cost model).
+
+    profile: a :class:`~flexmoe.tuning.Profile`, a profile name for :func:`~flexmoe.tuning.load_profile`
+        (``"a100-ndv4"``, ``"local"``, a JSON path), or None: this machine's calibrated profile
+        (``flexmoe calibrate`` writes :data:`~flexmoe.tuning.profile.LOCAL_PROFILE_PATH`) when it exists, else
+        the published :data:`DEFAULT_PUBLISHED_PROFILE`. The profile's identity is part of the layer's
+        configuration check, so ranks that resolved different profiles fail at construction.
+    max_shadowed: at most this many experts per step (None: no limit).
+
+    The layer's counts are already after capacity, so the cost model sees them as a dropless layer whose
+    per-expert shares are this step's global counts.
+    """
+
+    def __init__(self, profile: object | None = None, max_shadowed: int | None = None) -> None:
+        from flexmoe.tuning.profile import Profile, load_profile
+
+        if profile is None:
+            profile = _default_profile()
+        elif not isinstance(profile, Profile):
+            profile = load_profile(profile)  # type: ignore[arg-type]
+        self.profile = profile
+        self.max_shadowed = max_shadowed
+
+    def describe(self) -> str:
+        digest = hashlib.sha1(self.profile.to_json().encode()).hexdigest()[:10]
+        return f"CostModelShadowPolicy(profile={self.profile.name}@{digest}, max_shadowed={self.max_shadowed})"
+
+    def choose(self, all_counts: Sequence[Sequence[int]], context: ShadowContext) -> list[int]:
+        from flexmoe.tuning.cost_model import LayerConfig, choose_shadowed
+
+        world = len(all_counts)
+        counts = global_counts(all_counts)
+        total = sum(counts)
+        if world == 1 or context.layout.shards_per_expert > 1 or total == 0:
+            return []
+        config = LayerConfig(
+            tokens=max(1, math.ceil(total / world / context.k)),  # mean tokens per rank
+            model_dim=context.model_dim,
+            hidden_dim=context.hidden_dim,
+            experts=len(counts),
+            k=context.k,
+            capacity_factor=0.0,  # the counts are the rows actually computed: nothing left to drop
+            dtype=self._cost_dtype(context.dtype),
+            ranks=world,
+            ranks_per_node=context.ranks_per_node,
+            overlap_degree=context.overlap_degree,
+            a2a=context.a2a,
+            glu=context.glu,
+        )
+        return choose_shadowed(self.profile, config, counts, self.max_shadowed)
+
+    def _cost_dtype(self, dtype: torch.dtype) -> str:
+        """The dtype name the profile can price (float64 is priced at float32 rates if the profile lacks it)."""
+        name = str(dtype).replace("torch.", "")
+        try:
+            self.profile.compute_for(name)
+            return name
+        except KeyError:
+            return "float32"
+
+
+def resolve_shadow(shadow: object) -> ShadowPolicy | None:
+    """``shadow=`` of the layer -> a policy, or None for no shadowing (False / None)."""
+    if shadow is None or shadow is False:
+        return None
+    if shadow is True:
+        return CostModelShadowPolicy()
+    if isinstance(shadow, ShadowPolicy):
+        return shadow
+    raise TypeError(f"shadow must be False, True or a ShadowPolicy (an object with choose()), got {shadow!r}")
+
+
+def describe_shadow(policy: ShadowPolicy | None) -> object:
+    """A comparable stand-in for the configuration check across ranks."""
+    if policy is None:
+        return False
+    describe = getattr(policy, "describe", None)
+    return describe() if callable(describe) else repr(policy)
+
+
+def check_shadow_supported(layout: ExpertLayout, experts: nn.Module) -> None:
+    """Shadowing needs the built-in experts, whole (E % W == 0); a clear ValueError otherwise."""
+    if not isinstance(experts, FeedForwardExperts):
+        raise ValueError("shadow= needs the built-in FeedForwardExperts: a custom experts module's weights "
+                         "cannot be broadcast by flexmoe (use shadow=False)")
+    if layout.shards_per_expert > 1:
+        raise ValueError(
+            f"shadow= needs whole experts (num_experts % world size == 0); {layout.num_experts} experts over "
+            f"{layout.world_size} ranks are sharded {layout.shards_per_expert} ways (use shadow=False)"
+        )
+
+
+def choose_experts(policy: ShadowPolicy | None, all_counts: Sequence[Sequence[int]],
+                   context: ShadowContext) -> list[int]:
+    """The policy's choice, checked and normalized (sorted, unique)."""
+    if policy is None:
+        return []
+    num_experts = context.layout.num_experts
+    chosen = sorted({int(e) for e in policy.choose(all_counts, context)})
+    bad = [e for e in chosen if not 0 <= e < num_experts]
+    if bad:
+        raise ValueError(f"shadow policy {policy!r} chose experts {bad} outside [0, {num_experts})")
+    return chosen
+
+
+def rows_per_rank(all_counts: Sequence[Sequence[int]], layout: ExpertLayout, shadowed: Sequence[int] = ()) -> list[int]:
+    """Expert rows each rank computes: its experts' rows from every source, except that a shadowed expert's
+    rows are computed by their source rank (whole experts). ``[W][E]`` -> ``[W]``."""
+    world = len(all_counts)
+    shadow = set(shadowed)
+    load = [0] * world
+    for src, row in enumerate(all_counts):
+        for e, n in enumerate(row):
+            load[src if e in shadow else layout.owner_of_expert(e)] += n
+    return load
+
+
+# ------------------------------------------------------------------------------------ weights and gradients
+
+
+class _BroadcastExperts(torch.autograd.Function):
+    """Forward: each shadowed expert's weights broadcast from its owner. Backward: their gradients reduced
+    (summed) onto the owner's local parameters. Outputs: per parameter, ``[S, ...]`` for the S experts."""
+
+    @staticmethod
+    def forward(ctx, eg: ExpertGroup, layout: ExpertLayout, shadowed: list[int],  # type: ignore[override]
+                *params: Tensor) -> tuple[Tensor, ...]:
+        ctx.eg, ctx.layout, ctx.shadowed = eg, layout, shadowed
+        ctx.local_shapes = [p.shape for p in params]
+        shapes = [p.shape[1:] for p in params]
+        sizes = [math.prod(s) for s in shapes]
+        flats, works = [], []
+        for x in shadowed:
+            owner = layout.owner_of_expert(x)
+            if owner == eg.rank:
+                j = x - layout.experts_of_rank(owner).start
+                flat = torch.cat([p[j].reshape(-1) for p in params])
+            else:
+                flat = params[0].new_empty(sum(sizes))
+            works.append(eg.call("shadowed-expert broadcast", lambda f=flat, o=owner: dist.broadcast(
+                f, src=eg.global_ranks[o], group=eg.group, async_op=True)))
+            flats.append(flat)
+        for work in works:
+            eg.call("shadowed-expert broadcast", work.wait)
+        per_expert = [flat.split(sizes) for flat in flats]
+        return tuple(torch.stack([pieces[i].view(shapes[i]) for pieces in per_expert])
+                     for i in range(len(params)))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+        eg, layout = ctx.eg, ctx.layout
+        flats, works = [], []
+        for s, x in enumerate(ctx.shadowed):
+            flat = torch.cat([g[s].reshape(-1) for g in grads])  # a fresh buffer: reduce writes into it
+            dst = eg.global_ranks[layout.owner_of_expert(x)]
+            works.append(eg.call("shadowed-expert gradient reduce", lambda f=flat, d=dst: dist.reduce(
+                f, dst=d, group=eg.group, async_op=True)))
+            flats.append(flat)
+        for work in works:
+            eg.call("shadowed-expert gradient reduce", work.wait)
+        param_grads: list[Tensor | None] = [None] * len(grads)
+        sizes = [math.prod(shape[1:]) for shape in ctx.local_shapes]
+        for x, flat in zip(ctx.shadowed, flats):
+            if layout.owner_of_expert(x) != eg.rank:
+                continue  # only the owner's buffer holds the sum
+            j = x - layout.experts_of_rank(eg.rank).start
+            for i, piece in enumerate(flat.split(sizes)):
+                if param_grads[i] is None:
+                    param_grads[i] = grads[i].new_zeros(ctx.local_shapes[i])
+                param_grads[i][j] += piece.view(ctx.local_shapes[i][1:])
+        return (None, None, None, *param_grads)
+
+
+def broadcast_experts(experts: FeedForwardExperts, eg: ExpertGroup, layout: ExpertLayout,
+                      shadowed: list[int]) -> dict[str, Tensor | None]:
+    """The weights of the shadowed experts on every rank: name -> ``[S, ...]`` (None for absent parameters),
+    in the order of ``shadowed``. Differentiable: gradients go back to the owners' parameters."""
+    names = [n for n in _PARAMS if getattr(experts, n, None) is not None]
+    stacked = _BroadcastExperts.apply(eg, layout, shadowed, *(getattr(experts, n) for n in names))
+    out: dict[str, Tensor | None] = {n: None for n in _PARAMS}
+    out.update(zip(names, stacked))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- the forward
+
+
+def split_rows(counts: Sequence[int], shadowed: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Positions of the rows (sorted by expert, ``counts[e]`` each) of non-shadowed and of shadowed experts."""
+    shadow = set(shadowed)
+    rest, mine, start = [], [], 0
+    for e, n in enumerate(counts):
+        (mine if e in shadow else rest).append(torch.arange(start, start + n))
+        start += n
+    empty = torch.zeros(0, dtype=torch.long)
+    return (torch.cat(rest) if rest else empty), (torch.cat(mine) if mine else empty)
+
+
+def run_shadowed(
+    experts: FeedForwardExperts,
+    eg: ExpertGroup,
+    layout: ExpertLayout,
+    rows: Tensor,
+    counts: list[int],
+    all_counts: list[list[int]],
+    shadowed: list[int],
+    run_rest: Callable[[Tensor, list[int], list[list[int]]], Tensor],
+) -> Tensor:
+    """rows ``[N, M]`` sorted by global expert -> ``[N, M]`` expert outputs, with ``shadowed`` experts computed
+    here on broadcast weights and the other rows handed to ``run_rest(rows, counts, all_counts)`` (the usual
+    expert-parallel path, which sees zero rows for the shadowed experts)."""
+    # The broadcast comes first so that its backward (the reduce) runs after the exchange's backward on
+    # every rank: autograd runs later-created nodes first, and all ranks must order collectives alike.
+    weights = broadcast_experts(experts, eg, layout, shadowed)
+    shadow = set(shadowed)
+    rest_index, shadow_index = split_rows(counts, shadowed)
+    rest_counts = [0 if e in shadow else n for e, n in enumerate(counts)]
+    rest_all = [[0 if e in shadow else n for e, n in enumerate(row)] for row in all_counts]
+    rest_out = run_rest(rows.index_select(0, rest_index), rest_counts, rest_all)
+    shadow_out = expert_ffn(rows.index_select(0, shadow_index), [counts[e] for e in shadowed], **weights,
+                            activation=experts.activation)
+    order = torch.cat([rest_index, shadow_index])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    out = torch.cat([rest_out.to(rows.dtype), shadow_out.to(rows.dtype)]).index_select(0, inverse)
+    # A rank without rows of a shadowed expert must still run the broadcast's backward (the reduce).
+    w1 = weights["w1"]
+    if w1 is not None and w1.requires_grad and torch.is_grad_enabled():
+        out = out + w1.reshape(-1)[:0].sum().to(out.dtype)
+    return out

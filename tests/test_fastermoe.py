@@ -1,0 +1,141 @@
+"""FasterMoE's shadowing and smart schedule (issue 5).
+
+Multi-rank: W real processes of tests/fastermoe_worker.py (gloo on 127.0.0.1, a free port per test, a short
+collective timeout) check outputs and gradients against one process holding all experts, with skewed and
+uniform routing. The shadowing policies are also unit-tested here without processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexmoe.parallel import (
+    CostModelShadowPolicy,
+    ExpertLayout,
+    ShadowContext,
+    ShadowExperts,
+    ShadowTopExperts,
+    pairwise_peers,
+    rows_per_rank,
+)
+from flexmoe.parallel.shadow import resolve_shadow
+from flexmoe.tuning import load_profile
+
+WORKER = Path(__file__).with_name("fastermoe_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(scenarios: str, world: int, tmp_path: Path, timeout: float = 120) -> list[dict]:
+    """Run the comma-separated ``scenarios`` in one process group of ``world`` ranks; each rank's report."""
+    port = str(_free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    outs = [tmp_path / f"fastermoe{world}_rank{r}.json" for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), scenarios, str(r), str(world), port, str(outs[r])],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    reports = []
+    for r, path in enumerate(outs):
+        if path.exists():
+            reports.append(json.loads(path.read_text()))
+        else:
+            reports.append({"rank": r, "failures": [f"no report:\n{logs[r][-3000:] if r < len(logs) else ''}"]})
+    return reports
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shadowing_and_pairwise_equal_single_process(world: int, tmp_path: Path) -> None:
+    """Forced and default shadowing, the pairwise schedule and both together, skewed and uniform routing:
+    outputs and gradients (input, router, every expert parameter in global form) equal the reference;
+    unsupported combinations raise clear ValueErrors."""
+    reports = run_group("equivalence,errors", world, tmp_path)
+    failures = [f"rank {rep['rank']}: {f}" for rep in reports for f in rep.get("failures", [])]
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+    eq = reports[0]["equivalence"]
+    assert eq["cases"] >= 40
+    # The skewed router really is skewed: the two hot experts get about half of the routed rows.
+    for share in eq["hot_share"].values():
+        assert 0.4 <= share <= 0.6, eq["hot_share"]
+    # Shadowing the hot experts lowers the busiest rank's load (both hot ones live on rank 0).
+    load = eq["load"]["E=8"]
+    assert max(load["after"]) < max(load["before"]), load
+
+
+# ------------------------------------------------------------------------------------- policies (no processes)
+
+
+def _context(world: int = 4, experts: int = 8) -> ShadowContext:
+    return ShadowContext(ExpertLayout(experts, world, 1024), model_dim=512, hidden_dim=1024, k=2,
+                         dtype=__import__("torch").float32)
+
+
+def _counts(world: int, per_expert: list[int]) -> list[list[int]]:
+    """Every rank routes the same rows per expert."""
+    return [list(per_expert) for _ in range(world)]
+
+
+SKEWED = [4096, 4096] + [1366] * 6  # two experts get half of the 2 * 4096 (token, choice) pairs per rank
+UNIFORM = [1024] * 8
+
+
+@pytest.mark.parametrize("profile", [None, "a100-ndv4"])
+def test_cost_model_policy_shadows_hot_experts_only_when_skewed(profile) -> None:
+    policy = CostModelShadowPolicy(profile=profile)
+    ctx = _context()
+    assert policy.choose(_counts(4, SKEWED), ctx) == [0, 1]
+    assert policy.choose(_counts(4, UNIFORM), ctx) == []
+    assert policy.choose(_counts(1, SKEWED), _context(world=1)) == []  # one rank: nothing to balance
+    assert CostModelShadowPolicy(profile=profile, max_shadowed=1).choose(_counts(4, SKEWED), ctx) == [0]
+
+
+def test_default_policy_and_its_description() -> None:
+    policy = resolve_shadow(True)
+    assert isinstance(policy, CostModelShadowPolicy)
+    assert "CostModelShadowPolicy(profile=" in policy.describe()
+    assert resolve_shadow(False) is None
+    with pytest.raises(TypeError, match="shadow must be"):
+        resolve_shadow("yes")
+    # Profiles by object or name describe the same.
+    p = load_profile("a100-ndv4")
+    assert CostModelShadowPolicy(p).describe() == CostModelShadowPolicy("a100-ndv4").describe()
+
+
+def test_explicit_policies_and_loads() -> None:
+    ctx = _context()
+    counts = _counts(4, [5, 9, 1, 9, 0, 0, 0, 2])
+    assert ShadowTopExperts(2).choose(counts, ctx) == [1, 3]  # ties: lower id first
+    assert ShadowExperts([3, 1]).choose(counts, ctx) == [3, 1]
+    layout = ExpertLayout(8, 4, 1024)
+    assert rows_per_rank(counts, layout) == [56, 40, 0, 8]
+    # Shadowing expert 1: each of the 4 ranks keeps its own 9 rows of it.
+    assert rows_per_rank(counts, layout, [1]) == [20 + 9, 40 + 9, 9, 8 + 9]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_pairwise_peers_cover_every_pair_once(world: int) -> None:
+    for rank in range(world):
+        sends = [pairwise_peers(rank, world, s)[0] for s in range(world)]
+        recvs = [pairwise_peers(rank, world, s)[1] for s in range(world)]
+        assert sorted(sends) == sorted(recvs) == list(range(world))
+        assert sends[0] == recvs[0] == rank
+        for s in range(world):  # my step-s partner receives from me at the same step
+            assert pairwise_peers(sends[s], world, s)[1] == rank
