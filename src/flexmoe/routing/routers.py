@@ -69,14 +69,18 @@ class CosineRouter(nn.Module):
 
 
 def build_router(router: str | nn.Module, model_dim: int, num_experts: int) -> nn.Module:
-    """The router module for the layer's ``router=`` argument: "topk", "cosine", or a module used as is."""
+    """The gate module for the layer's ``router=`` argument, or a module used as is.
+
+    "topk", "expert_choice" and "base" share the linear gate (they differ in how experts are picked from its
+    logits, see :mod:`flexmoe.routing.build`); "cosine" is SwinV2-MoE's cosine gate.
+    """
     if isinstance(router, nn.Module):
         return router
-    if router == "topk":
+    if router in ("topk", "expert_choice", "base"):
         return LinearRouter(model_dim, num_experts)
     if router == "cosine":
         return CosineRouter(model_dim, num_experts)
-    raise ValueError(f"router must be 'topk', 'cosine' or an nn.Module, got {router!r}")
+    raise ValueError(f"router must be 'topk', 'cosine', 'expert_choice', 'base' or an nn.Module, got {router!r}")
 
 
 def route(

@@ -9,11 +9,12 @@ instead to the best expert on the rank's own node that the token has not chosen 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["remote_pair_budget", "limit_cross_node"]
+__all__ = ["remote_pair_budget", "limit_cross_node", "expert_nodes", "TopologyGate"]
 
 
 def remote_pair_budget(num_tokens: int, k: int, cross_node_share: float) -> int:
@@ -61,3 +62,38 @@ def limit_cross_node(
         best = torch.sort(candidates, dim=1, descending=True, stable=True).indices[:, 0]
         chosen[rows, choice] = best
     return chosen
+
+
+def expert_nodes(expert_ranks: list[list[int]], ranks_per_node: int) -> list[int]:
+    """The node of every expert: ``expert_ranks[e]`` lists the ranks holding expert e (or a shard of it), and
+    rank i sits on node ``i // ranks_per_node``. Raises ``ValueError`` if an expert's shards span nodes."""
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
+    nodes = []
+    for e, ranks in enumerate(expert_ranks):
+        on = sorted({r // ranks_per_node for r in ranks})
+        if len(on) != 1:
+            raise ValueError(f"expert {e} is sharded over ranks {ranks}, which span nodes {on}: the topology-aware "
+                             f"gate needs every expert inside one node of {ranks_per_node} ranks")
+        nodes.append(on[0])
+    return nodes
+
+
+@dataclass(frozen=True)
+class TopologyGate:
+    """What the gate needs on one rank: ``expert_node[e]`` the node of expert e, ``node`` this rank's node,
+    ``cross_node_share`` the share of its ``T * k`` pairs it may send to other nodes."""
+
+    expert_node: tuple[int, ...]
+    node: int
+    cross_node_share: float
+
+    def __post_init__(self) -> None:
+        remote_pair_budget(0, 1, self.cross_node_share)  # validates the share
+
+    def apply(self, scores: Tensor, expert_index: Tensor) -> Tensor:
+        """scores: ``[T, E]``, expert_index: ``[T, k]`` -> ``[T, k]`` with the cross-node bound applied."""
+        num_tokens, k = expert_index.shape
+        expert_node = torch.tensor(self.expert_node, dtype=torch.long, device=expert_index.device)
+        budget = remote_pair_budget(num_tokens, k, self.cross_node_share)
+        return limit_cross_node(scores, expert_index, expert_node, self.node, budget)
