@@ -6,6 +6,7 @@ import math
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexmoe.dispatch import combine, dispatch
@@ -24,7 +25,10 @@ from flexmoe.parallel.shadow import (
     resolve_shadow,
     run_shadowed,
 )
-from flexmoe.routing.plan import RoutingPlan, make_plan
+from flexmoe.routing.bias_balance import bias_update
+from flexmoe.routing.build import build_plan, check_routing_options, selection_kind
+from flexmoe.routing.plan import RoutingPlan
+from flexmoe.routing.topology import TopologyGate, expert_nodes
 from flexmoe.routing.routers import build_router, route
 
 __all__ = ["MoELayer"]
@@ -76,6 +80,30 @@ class MoELayer(nn.Module):
         batch_prioritized: hand out slots by descending top-1 probability instead of token order.
         score_at: "combine" weights expert outputs when combining; "dispatch" scales expert inputs.
         jitter, gate_noise, router_input_dropout: exploration, active only in training.
+
+    Routers beyond top-k and balancing (:mod:`flexmoe.routing.build`):
+        router="expert_choice": each expert takes its top-C tokens (C from ``capacity``, else
+            ``ceil(k * cf * T / E)`` with cf > 0); every expert's load is exactly ``min(C, T)``, a token gets
+            0..E experts, weighted by its unrenormalized probability. router="base": BASE layers; in training
+            every expert gets exactly ``T*k/E`` tokens (``T*k mod E`` of them one more), the assignment with the
+            largest total router logit, solved by an auction; at evaluation each token goes to its k best
+            experts, dropless unless ``capacity`` is given. Both use the linear gate; ``aux_loss`` is 0.
+        balance: "aux" (default: the balance loss in ``aux_loss``, for the training loop to add) or "bias"
+            (DeepSeek-V3, top-k routers): a per-expert bias, the buffer ``expert_bias``, is added to the
+            probabilities to *select* experts only (combine weights stay unbiased); after every training
+            forward ``expert_bias[e] += bias_update_rate * sign(mean load - load[e])``, the loads (pairs per
+            expert before drops) summed over the expert-parallel group.
+        bias_update_rate: the step of that update (default 1e-3).
+        second_expert: "top" (default) or "random" (GShard, k=2 only): in training a token's 2nd choice is
+            dispatched with probability ``min(1, 2 * p2 / (p1 + p2))`` (torch's generator), skipped pairs are
+            counted in ``last_plan.num_skipped``; at evaluation every choice is dispatched.
+        shared_experts: N >= 0 dense FFN experts (module ``shared``; same hidden_dim, activation, glu and bias
+            as the built-in experts) that every token passes through, their outputs added to the routed
+            output (DeepSeek-MoE). Replicated on every rank (data-parallel), never spread over ranks.
+        cross_node_share: FasterMoE's topology-aware gate (top-k routers; None: off): this rank sends at most
+            ``floor(share * T * k)`` pairs to experts on other nodes, the rest go to the best expert of its own
+            node not chosen yet. Nodes are ``ranks_per_node`` consecutive ranks; an expert sits on the node of
+            the rank(s) holding it per the expert layout.
 
     Experts:
         activation ("gelu", "relu", "silu" or a callable), glu (gated expert with ``w3``), bias; or
@@ -132,6 +160,11 @@ class MoELayer(nn.Module):
         jitter: float = 0.0,
         gate_noise: float = 0.0,
         router_input_dropout: float = 0.0,
+        balance: str = "aux",
+        bias_update_rate: float = 1e-3,
+        second_expert: str = "top",
+        shared_experts: int = 0,
+        cross_node_share: float | None = None,
         activation: str | Callable[[Tensor], Tensor] = "gelu",
         glu: bool = False,
         bias: bool = True,
@@ -157,6 +190,8 @@ class MoELayer(nn.Module):
             "capacity_factor": capacity_factor, "capacity": capacity, "router": _describe(router),
             "router_dtype": str(router_dtype), "normalize_weights": normalize_weights,
             "batch_prioritized": batch_prioritized, "score_at": score_at, "activation": _describe(activation),
+            "balance": balance, "bias_update_rate": bias_update_rate, "second_expert": second_expert,
+            "shared_experts": shared_experts, "cross_node_share": cross_node_share,
             "glu": glu, "bias": bias, "experts": _describe(experts), "dtype": str(dtype), "r": r,
             "overlap_degree": overlap_degree, "a2a": a2a, "ranks_per_node": ranks_per_node, "parallel": parallel,
             "shadow": describe_shadow(shadow_policy), "schedule": schedule,
@@ -181,6 +216,16 @@ class MoELayer(nn.Module):
         self.jitter = _check_float("jitter", jitter, 0.0, 1.0)
         self.gate_noise = _check_float("gate_noise", gate_noise, 0.0)
         self.router_input_dropout = _check_float("router_input_dropout", router_input_dropout, 0.0, 1.0)
+        check_routing_options(
+            router=router, k=k, capacity_factor=self.capacity_factor, capacity=self.capacity, balance=balance,
+            bias_update_rate=bias_update_rate, second_expert=second_expert, cross_node_share=cross_node_share,
+        )
+        self.selection = selection_kind(router)  # "topk", "expert_choice" or "base": how experts are picked
+        self.balance = balance
+        self.bias_update_rate = float(bias_update_rate)
+        self.second_expert = second_expert
+        self.num_shared_experts = _check_int("shared_experts", shared_experts, 0)
+        self.cross_node_share = None if cross_node_share is None else float(cross_node_share)
 
         self.layout = ExpertLayout(num_experts, self.ep_group.world_size, hidden_dim)
         if experts is not None and self.layout.shards_per_expert > 1:
@@ -202,6 +247,15 @@ class MoELayer(nn.Module):
                 self.layout.experts_per_rank, model_dim, self.layout.local_hidden_dim, activation=activation,
                 glu=glu, bias=bias, device=device, dtype=dtype,
             )
+        # Shared experts see all of this rank's tokens: replicated like any dense layer, never spread over ranks.
+        self.shared = FeedForwardExperts(
+            self.num_shared_experts, model_dim, hidden_dim, activation=activation, glu=glu, bias=bias,
+            device=device, dtype=dtype,
+        ) if self.num_shared_experts else None
+        # A buffer, not a parameter: saved and moved with the layer, changed only by the load rule, never by
+        # the optimizer.
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=router_dtype, device=device)
+                             if balance == "bias" else None)
         self._ep = ExpertParallel(self.ep_group, self.layout, self.experts) if self.ep_group.distributed else None
         self.r = r
         self.overlap_degree = overlap_degree
@@ -224,6 +278,8 @@ class MoELayer(nn.Module):
         self.aux_loss: Tensor | None = None
         self.z_loss: Tensor | None = None
         self.last_plan: RoutingPlan | None = None
+        self._topology = None if self.cross_node_share is None else _topology_gate(
+            self.layout, self.ep_group.rank, self.ranks_per_node, self.k, self.cross_node_share)
 
     def _check_input(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
@@ -271,13 +327,18 @@ class MoELayer(nn.Module):
             gate_noise=self.gate_noise,
             input_dropout=self.router_input_dropout,
         )
-        plan = make_plan(
+        plan = build_plan(
             logits,
-            self.k,
+            kind=self.selection,
+            k=self.k,
             capacity_factor=capacity_factor,
             capacity=capacity,
             normalize_weights=self.normalize_weights,
             batch_prioritized=self.batch_prioritized,
+            training=self.training,
+            selection_bias=self.expert_bias,
+            second_expert=self.second_expert,
+            topology=self._topology,
         )
         expert_input = dispatch(tokens, plan, scale=self.score_at == "dispatch")
         expert_output = self._run_experts(
@@ -285,11 +346,34 @@ class MoELayer(nn.Module):
             ranks_per_node=ranks_per_node, parallel=parallel, shadow=shadow, schedule=schedule,
         )
         y = combine(expert_output, plan, weighted=self.score_at == "combine")
+        if self.shared is not None:
+            y = y + self._shared_output(tokens).to(y.dtype)
+        if self.expert_bias is not None and self.training:
+            self._update_expert_bias(plan.load)
 
         self.aux_loss = plan.aux_loss
         self.z_loss = plan.z_loss
         self.last_plan = plan
         return y.to(x.dtype).reshape(x.shape)
+
+    def _shared_output(self, tokens: Tensor) -> Tensor:
+        """tokens: ``[T, M]`` -> ``[T, M]``, the sum of the shared experts' outputs (every token through each)."""
+        n, num_tokens = self.num_shared_experts, tokens.shape[0]
+        rows = tokens.repeat(n, 1) if n > 1 else tokens  # [n*T, M]: all tokens for shared expert 0, then 1, ...
+        dtype = _parameter_dtype(self.shared)
+        if not torch.is_autocast_enabled(tokens.device.type) and dtype is not None and dtype != rows.dtype:
+            rows = rows.to(dtype)  # as for the routed experts: compute in the parameters' dtype
+        return self.shared(rows, [num_tokens] * n).view(n, num_tokens, self.model_dim).sum(0)
+
+    @torch.no_grad()
+    def _update_expert_bias(self, load: Tensor) -> None:
+        """balance="bias": move ``expert_bias`` against the observed load ``[E]`` (global under EP)."""
+        load = load.detach().clone()
+        if self.ep_group.distributed:
+            # Every rank applies the same update from the same global load, so the biases stay identical.
+            self.ep_group.call("balance='bias' load all-reduce",
+                               lambda: dist.all_reduce(load, group=self.ep_group.group))
+        self.expert_bias.copy_(bias_update(self.expert_bias, load, self.bias_update_rate))
 
     def _run_experts(self, rows: Tensor, counts: list[int], **parallel_overrides) -> Tensor:
         """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype."""
@@ -394,6 +478,29 @@ def _describe(value: object) -> object:
     if isinstance(value, nn.Module):
         return type(value).__name__
     return getattr(value, "__name__", type(value).__name__)
+
+
+def _topology_gate(layout: ExpertLayout, rank: int, ranks_per_node: int | None, k: int,
+                   share: float) -> TopologyGate:
+    """The topology-aware gate of ``rank``: nodes of ``ranks_per_node`` consecutive ranks, experts on the node
+    of the rank(s) holding them."""
+    world = layout.world_size
+    if ranks_per_node is None:
+        if world > 1:
+            raise ValueError("cross_node_share needs ranks_per_node (the ranks of one node) under expert parallelism")
+        ranks_per_node = 1
+    if ranks_per_node < 1 or world % ranks_per_node != 0:
+        raise ValueError(f"cross_node_share needs ranks_per_node dividing the world size {world}, got {ranks_per_node}")
+    holders: list[list[int]] = [[] for _ in range(layout.num_experts)]
+    for r in range(world):
+        for e in layout.experts_of_rank(r):
+            holders[e].append(r)
+    nodes = expert_nodes(holders, ranks_per_node)
+    for node in range(world // ranks_per_node):
+        if nodes.count(node) < k:
+            raise ValueError(f"cross_node_share: node {node} holds {nodes.count(node)} experts, fewer than k={k}; "
+                             "overflow pairs could not stay on the node")
+    return TopologyGate(tuple(nodes), rank // ranks_per_node, share)
 
 
 def _check_parallel(parallel: object) -> str:
