@@ -20,8 +20,6 @@ import json
 import math
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -43,6 +41,7 @@ from flexmoe.checkpoint import (
     save_checkpoint,
 )
 from flexmoe.data import TokenData
+from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.layer import MoELayer
 from flexmoe.models.gpt import GPT, GPTConfig
 
@@ -144,24 +143,9 @@ def _forward_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(args: argparse.Namespace) -> int:
-    """Re-run this command under torch.distributed.run with N local processes on a free 127.0.0.1 port."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           "-m", "flexmoe", "train", *_forward_argv(args)]
-    print("launching:", " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
-
-
 def run(args: argparse.Namespace) -> int:
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return _launch(args)
+    if args.nproc > 1 and not under_torchrun():
+        return relaunch(args.nproc, "train", _forward_argv(args))
     try:
         return _run(args)
     except CheckpointError as exc:

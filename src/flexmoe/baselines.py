@@ -1,0 +1,73 @@
+"""What the benchmark measures flexmoe against, computed with the layer's own router and expert weights.
+
+* :func:`expert_floor`: the compute floor, the expert FFNs on exactly the routed rows and nothing else (no
+  router, no dispatch, no combine), done the fastest plain way: one ``addmm`` pair per expert over
+  ``w.unbind(0)`` (on a 2-core CPU this beats a single batched ``baddbmm`` by a few percent, and unlike it
+  needs no padding).
+* :func:`gshard_einsum_forward`: a GShard/fairseq-style layer, kept as a labelled reference: one-hot
+  ``[T, E, C]`` dispatch and combine tensors, the einsums ``sec,sm->ecm`` and ``sec,ecm->sm``, and experts that
+  compute every one of the ``E * C`` slots, empty or not. Same routing semantics as :func:`flexmoe.make_plan`
+  (it reads the plan's experts and slots), so its output equals the layer's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flexmoe.experts import FeedForwardExperts
+from flexmoe.layer import MoELayer
+from flexmoe.routing.plan import make_plan
+from flexmoe.routing.routers import route
+
+__all__ = ["expert_floor", "gshard_einsum_forward"]
+
+
+def expert_floor(experts: FeedForwardExperts, rows: Tensor, counts: list[int]) -> Tensor:
+    """rows: ``[N, M]`` sorted by expert, counts: rows per expert -> ``[N, M]``: each expert's FFN on its rows."""
+    act = experts.activation
+    outs = []
+    per_expert = zip(rows.split(counts), experts.w1.unbind(0), experts.w2.unbind(0),
+                     *(p.unbind(0) if p is not None else [None] * len(counts)
+                       for p in (experts.b1, experts.b2, experts.w3, experts.b3)))
+    for x, w1, w2, b1, b2, w3, b3 in per_expert:
+        if x.shape[0] == 0:
+            continue
+        h = act(torch.addmm(b1, x, w1) if b1 is not None else x @ w1)
+        if w3 is not None:
+            h = h * (torch.addmm(b3, x, w3) if b3 is not None else x @ w3)
+        outs.append(torch.addmm(b2, h, w2) if b2 is not None else h @ w2)
+    return torch.cat(outs)
+
+
+def gshard_einsum_forward(layer: MoELayer, x: Tensor) -> Tensor:
+    """The GShard/fairseq-style forward of ``layer`` (built-in experts, one process): x ``[..., M]`` -> same.
+
+    The capacity is the layer's (dropless: the largest load, as padded dense layers must do); expert outputs
+    are weighted at combine (``score_at="combine"``).
+    """
+    if layer.score_at != "combine":
+        raise ValueError("gshard_einsum_forward weights at combine: build the layer with score_at='combine'")
+    if not isinstance(layer.experts, FeedForwardExperts):
+        raise TypeError("gshard_einsum_forward needs the built-in FeedForwardExperts")
+    tokens = x.reshape(-1, layer.model_dim)
+    logits = route(layer.router, tokens, dtype=layer.router_dtype, training=layer.training)
+    plan = make_plan(logits, layer.k, capacity_factor=layer.capacity_factor, capacity=layer.capacity,
+                     normalize_weights=layer.normalize_weights, batch_prioritized=layer.batch_prioritized)
+    num_tokens, num_experts, capacity = tokens.shape[0], layer.num_experts, plan.capacity
+    kept = plan.slot >= 0
+    token_of_pair = torch.arange(num_tokens, device=x.device).unsqueeze(1).expand_as(plan.slot)[kept]
+    where = (token_of_pair, plan.expert_index[kept], plan.slot[kept])
+    combine_weights = tokens.new_zeros(num_tokens, num_experts, capacity).index_put(
+        where, plan.weight[kept].to(tokens.dtype))
+    dispatch_mask = tokens.new_zeros(num_tokens, num_experts, capacity).index_put(
+        where, tokens.new_ones(where[0].shape))
+    expert_in = torch.einsum("sec,sm->ecm", dispatch_mask, tokens)  # [E, C, M], empty slots included
+    e = layer.experts
+    h = e.activation(torch.baddbmm(e.b1.unsqueeze(1), expert_in, e.w1) if e.b1 is not None
+                     else torch.bmm(expert_in, e.w1))
+    if e.w3 is not None:
+        h = h * (torch.baddbmm(e.b3.unsqueeze(1), expert_in, e.w3) if e.b3 is not None
+                 else torch.bmm(expert_in, e.w3))
+    expert_out = torch.baddbmm(e.b2.unsqueeze(1), h, e.w2) if e.b2 is not None else torch.bmm(h, e.w2)
+    return torch.einsum("sec,ecm->sm", combine_weights, expert_out).reshape(x.shape)

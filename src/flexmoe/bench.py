@@ -1,0 +1,545 @@
+"""``flexmoe bench``: time one MoE layer (forward + backward) against the compute floor and reference layers.
+
+Timings on a shared machine are noisy, so every number that matters is a ratio measured side by side in one
+run: the cases take turns step by step (the order rotates every step), and each reports the median of its
+steps. The cases (see :mod:`flexmoe.baselines`):
+
+* ``floor``: the expert FFNs on exactly the rows the router sent them, nothing else;
+* ``flexmoe``: :class:`flexmoe.MoELayer`, router to combine;
+* ``gshard-einsum``: a GShard/fairseq-style dense-einsum layer with the same router and weights (a labelled
+  reference kept in the benchmark, not a peer);
+* peers when importable: DeepSpeed's ``MoE``, fairscale's ``MOELayer``, Tutel's ``moe_layer``; otherwise a line
+  says why they were skipped.
+
+``--memory`` adds the activation memory each case keeps for its backward (bytes of the tensors autograd saves,
+parameters excluded) and the same for 64 experts at equal tokens, k and hidden size: index dispatch keeps
+memory proportional to ``T * k * M``; a dense ``[T, E, C]`` dispatch grows with ``E * C``.
+``--suite`` runs the issue's target configurations and checks each ratio against its target.
+
+Distributed (``torchrun --nproc_per_node=N -m flexmoe bench`` or ``flexmoe bench --nproc N``): ``--tokens`` is
+per rank; every (r, d, all-to-all) setting is timed side by side, with the exposed all-to-all share of the
+step, then ``parallel="auto"``'s choice and the single-rank compute floor of the same per-rank work.
+``--sleep-ms S`` swaps the experts for ones that stall S ms per forward (and per backward) without using the
+CPU, which shows how much communication pipelining (d > 1) hides when compute does not compete for the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from flexmoe.baselines import expert_floor, gshard_einsum_forward
+from flexmoe.launch import relaunch, under_torchrun
+from flexmoe.layer import MoELayer
+
+__all__ = ["BenchConfig", "add_arguments", "run", "time_side_by_side", "saved_activation_bytes", "bench_single"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark configuration. ``tokens`` is per rank under torchrun."""
+
+    tokens: int = 4096
+    model_dim: int = 512
+    hidden_dim: int = 1024
+    experts: int = 8
+    k: int = 2
+    capacity_factor: float = 1.25
+    dtype: str = "float32"
+    glu: bool = False
+    steps: int = 10
+    warmup: int = 3
+    seed: int = 0
+
+    def describe(self) -> str:
+        cf = "dropless" if self.capacity_factor == 0 else f"cf={self.capacity_factor:g}"
+        return (f"T={self.tokens} M={self.model_dim} H={self.hidden_dim} E={self.experts} k={self.k} {cf} "
+                f"{self.dtype}{' glu' if self.glu else ''}")
+
+
+# Targets of the foundation issue (layer time / floor), T=4096 M=512 H=1024 E=8 k=2 unless said.
+SUITE: list[tuple[str, BenchConfig, float]] = [
+    ("fp32 cf=1.25", BenchConfig(), 1.10),
+    ("fp32 dropless", BenchConfig(capacity_factor=0.0), 1.10),
+    ("bf16 cf=1.25", BenchConfig(dtype="bfloat16"), 1.30),
+    ("fine-grained E=64 H=256 k=8", BenchConfig(experts=64, hidden_dim=256, k=8), 1.30),
+]
+
+
+# --------------------------------------------------------------------------------------------- measuring
+
+
+def time_side_by_side(cases: dict[str, Callable[[], None]], steps: int, warmup: int,
+                      sync: Callable[[float], float] = lambda t: t) -> dict[str, list[float]]:
+    """Seconds of each case per step, the cases taking turns (order rotated each step so none always runs
+    first). ``sync`` maps one local time to the time that counts (under torchrun: the slowest rank's)."""
+    names = list(cases)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for step in range(warmup + steps):
+        shift = step % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            cases[name]()
+            elapsed = sync(time.perf_counter() - start)
+            if step >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def saved_activation_bytes(step: Callable[[], Tensor], params: list[Tensor]) -> int:
+    """Bytes of the tensors autograd keeps for the backward of ``step()`` (storages counted once, parameters
+    excluded): the activation memory of a forward + backward beyond parameters and their gradients."""
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    saved: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = step()
+    del out
+    return sum(saved.values())
+
+
+def build_layer(cfg: BenchConfig, **extra: Any) -> MoELayer:
+    torch.manual_seed(cfg.seed)
+    return MoELayer(cfg.model_dim, cfg.experts, cfg.hidden_dim, k=cfg.k, capacity_factor=cfg.capacity_factor,
+                    glu=cfg.glu, dtype=_DTYPES[cfg.dtype], **extra)
+
+
+def _inputs(cfg: BenchConfig, seed: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = _DTYPES[cfg.dtype]
+    x = torch.randn(cfg.tokens, cfg.model_dim, generator=gen).to(dtype).requires_grad_()
+    grad = torch.randn(cfg.tokens, cfg.model_dim, generator=gen).to(dtype)
+    return x, grad
+
+
+def _fwd_bwd(forward: Callable[[], Tensor], grad: Tensor, module: nn.Module | None) -> Callable[[], None]:
+    def step() -> None:
+        if module is not None:
+            module.zero_grad(set_to_none=True)
+        forward().backward(grad)
+    return step
+
+
+def _floor_case(layer: MoELayer, counts: list[int], cfg: BenchConfig) -> tuple[Callable[[], None], Callable]:
+    gen = torch.Generator().manual_seed(cfg.seed + 7)
+    rows = torch.randn(sum(counts), cfg.model_dim, generator=gen).to(_DTYPES[cfg.dtype]).requires_grad_()
+    grad = torch.randn(rows.shape, generator=gen).to(rows.dtype)
+    forward = lambda: expert_floor(layer.experts, rows, counts)  # noqa: E731
+    return _fwd_bwd(forward, grad, layer.experts), forward
+
+
+# ------------------------------------------------------------------------------------------------- peers
+
+
+def _peer_cases(cfg: BenchConfig, x: Tensor, grad: Tensor) -> tuple[dict[str, Callable[[], None]], list[str]]:
+    """DeepSpeed, fairscale and Tutel layers of the same size, where importable; and why the others are not."""
+    cases: dict[str, Callable[[], None]] = {}
+    skipped: list[str] = []
+    for name, build in (("deepspeed-moe", _deepspeed_layer), ("fairscale-moe", _fairscale_layer),
+                        ("tutel-moe", _tutel_layer)):
+        try:
+            module, forward = build(cfg)
+            with torch.no_grad():
+                forward(x)  # a peer that cannot run this configuration fails here, not mid-measurement
+        except Exception as exc:  # a peer that is missing or fails to build is reported, never fatal
+            skipped.append(f"{name}: skipped ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+            continue
+        cases[name] = _fwd_bwd(lambda f=forward: f(x), grad, module)
+    return cases, skipped
+
+
+def _peer_ffn(cfg: BenchConfig) -> nn.Module:
+    dtype = _DTYPES[cfg.dtype]
+    return nn.Sequential(nn.Linear(cfg.model_dim, cfg.hidden_dim), nn.GELU(),
+                         nn.Linear(cfg.hidden_dim, cfg.model_dim)).to(dtype)
+
+
+def _single_rank_world() -> None:
+    """Peers need torch.distributed even on one process: a 1-rank gloo group on a free loopback port."""
+    if not dist.is_initialized():
+        from flexmoe.launch import free_port
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def _deepspeed_layer(cfg: BenchConfig) -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
+    import deepspeed  # noqa: F401
+    from deepspeed.moe.layer import MoE
+
+    _single_rank_world()
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    torch.manual_seed(cfg.seed)
+    layer = MoE(cfg.model_dim, _peer_ffn(cfg), num_experts=cfg.experts, ep_size=1, k=cfg.k,
+                capacity_factor=max(cfg.capacity_factor, 0.0) or 1.0, min_capacity=0,
+                drop_tokens=cfg.capacity_factor > 0, use_rts=False).to(_DTYPES[cfg.dtype])
+    return layer, lambda x: layer(x.unsqueeze(0))[0].squeeze(0)
+
+
+def _fairscale_layer(cfg: BenchConfig) -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
+    from fairscale.nn import MOELayer, Top2Gate
+
+    if cfg.k != 2:
+        raise ValueError("fairscale's MOELayer has only a top-2 gate")
+    _single_rank_world()
+    torch.manual_seed(cfg.seed)
+    experts = nn.ModuleList(_peer_ffn(cfg) for _ in range(cfg.experts))
+    if cfg.tokens % cfg.experts:
+        raise ValueError("fairscale's MOELayer needs the batch to be a multiple of the expert count")
+    layer = MOELayer(Top2Gate(cfg.model_dim, cfg.experts), experts).to(_DTYPES[cfg.dtype])
+    # Its input must be [batch, seq, M] with batch a multiple of the local expert count.
+    return layer, lambda x: layer(x.reshape(cfg.experts, -1, cfg.model_dim)).reshape(x.shape)
+
+
+def _tutel_layer(cfg: BenchConfig) -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
+    from tutel import moe as tutel_moe
+
+    _single_rank_world()
+    torch.manual_seed(cfg.seed)
+    layer = tutel_moe.moe_layer(
+        gate_type={"type": "top", "k": cfg.k, "capacity_factor": cfg.capacity_factor},
+        model_dim=cfg.model_dim,
+        experts={"type": "ffn", "count_per_node": cfg.experts, "hidden_size_per_expert": cfg.hidden_dim},
+        scan_expert_func=lambda name, param: setattr(param, "skip_allreduce", True),
+    ).to(_DTYPES[cfg.dtype])
+    return layer, lambda x: layer(x.unsqueeze(0)).squeeze(0)
+
+
+# -------------------------------------------------------------------------------------------- one process
+
+
+def bench_single(cfg: BenchConfig, *, peers: bool = True, reference: bool = True,
+                 memory: bool = False) -> dict[str, Any]:
+    """Time the layer, the floor and the references side by side; returns the report (see ``--json``)."""
+    layer = build_layer(cfg)
+    x, grad = _inputs(cfg, cfg.seed + 1)
+    with torch.no_grad():
+        layer(x)
+    plan = layer.last_plan
+    floor_step, floor_forward = _floor_case(layer, plan.counts, cfg)
+    cases: dict[str, Callable[[], None]] = {
+        "floor": floor_step,
+        "flexmoe": _fwd_bwd(lambda: layer(x), grad, layer),
+    }
+    if reference:
+        cases["gshard-einsum"] = _fwd_bwd(lambda: gshard_einsum_forward(layer, x), grad, layer)
+    skipped: list[str] = []
+    if peers:
+        peer_cases, skipped = _peer_cases(cfg, x, grad)
+        cases.update(peer_cases)
+    times = time_side_by_side(cases, cfg.steps, cfg.warmup)
+    floor = statistics.median(times["floor"])
+    rows = []
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        rows.append({"case": name, "seconds": median, "tokens_per_s": cfg.tokens / median,
+                     "x_floor": median / floor})
+    report: dict[str, Any] = {
+        "config": asdict(cfg), "threads": torch.get_num_threads(), "rows": rows, "skipped": skipped,
+        "plan": {"capacity": plan.capacity, "dropped_fraction": plan.dropped_fraction,
+                 "rows_computed": sum(plan.counts), "tokens_per_expert": plan.counts},
+    }
+    if memory:
+        report["memory"] = _memory_report(cfg, layer, x, floor_forward)
+    return report
+
+
+def _memory_report(cfg: BenchConfig, layer: MoELayer, x: Tensor, floor_forward: Callable) -> dict[str, Any]:
+    params = list(layer.parameters())
+    out = {
+        "floor_bytes": saved_activation_bytes(floor_forward, params),
+        "flexmoe_bytes": saved_activation_bytes(lambda: layer(x), params),
+        "gshard_einsum_bytes": saved_activation_bytes(lambda: gshard_einsum_forward(layer, x), params),
+    }
+    wide = replace(cfg, experts=64)  # same T, k and hidden size, 8x the experts
+    wide_layer = build_layer(wide)
+    out["flexmoe_bytes_e64"] = saved_activation_bytes(lambda: wide_layer(x), list(wide_layer.parameters()))
+    out["gshard_einsum_bytes_e64"] = saved_activation_bytes(lambda: gshard_einsum_forward(wide_layer, x),
+                                                            list(wide_layer.parameters()))
+    out["flexmoe_e64_over_e8"] = out["flexmoe_bytes_e64"] / out["flexmoe_bytes"]
+    out["gshard_einsum_e64_over_e8"] = out["gshard_einsum_bytes_e64"] / out["gshard_einsum_bytes"]
+    return out
+
+
+def format_single(report: dict[str, Any]) -> str:
+    cfg = BenchConfig(**report["config"])
+    plan = report["plan"]
+    lines = [
+        f"flexmoe bench: {cfg.describe()}, {report['threads']} threads, median of {cfg.steps} steps "
+        f"(forward + backward, cases interleaved)",
+        f"plan: capacity {plan['capacity']}, {plan['rows_computed']} rows computed, "
+        f"dropped {plan['dropped_fraction']:.2%}",
+        f"{'case':<16}{'ms/step':>10}{'tokens/s':>12}{'x floor':>9}",
+    ]
+    for row in report["rows"]:
+        lines.append(f"{row['case']:<16}{row['seconds'] * 1e3:>10.1f}{row['tokens_per_s']:>12.0f}"
+                     f"{row['x_floor']:>9.3f}")
+    lines += report["skipped"]
+    mem = report.get("memory")
+    if mem:
+        mib = 1 / 2**20
+        lines.append(
+            f"activation memory (saved for backward): floor {mem['floor_bytes'] * mib:.1f} MiB, flexmoe "
+            f"{mem['flexmoe_bytes'] * mib:.1f} MiB (E=64: {mem['flexmoe_bytes_e64'] * mib:.1f} MiB, "
+            f"{mem['flexmoe_e64_over_e8']:.2f}x), gshard-einsum {mem['gshard_einsum_bytes'] * mib:.1f} MiB "
+            f"(E=64: {mem['gshard_einsum_bytes_e64'] * mib:.1f} MiB, {mem['gshard_einsum_e64_over_e8']:.2f}x)")
+    return "\n".join(lines)
+
+
+def run_suite(base: BenchConfig, peers: bool) -> dict[str, Any]:
+    """The foundation issue's targets, each measured side by side with its floor."""
+    results = []
+    for label, cfg, target in SUITE:
+        cfg = replace(cfg, steps=base.steps, warmup=base.warmup, seed=base.seed)
+        report = bench_single(cfg, peers=peers, reference=False, memory=label == "fp32 cf=1.25")
+        ratio = next(r["x_floor"] for r in report["rows"] if r["case"] == "flexmoe")
+        results.append({"label": label, "target": target, "x_floor": ratio, "met": ratio <= target,
+                        "report": report})
+        print(format_single(report), f"\n=> {label}: flexmoe {ratio:.3f}x floor (target <= {target})\n",
+              file=sys.stderr, flush=True)
+    return {"suite": results}
+
+
+# -------------------------------------------------------------------------------------------- distributed
+
+
+class SleepyExperts(nn.Module):
+    """A custom expert that stalls without using the CPU: ``sleep_s`` per forward and again per backward,
+    spread over the rows (``sleep_s * rows / expected_rows``) so that d chunks stall as long as one chunk
+    of all rows would. Output: ``x * scale`` (one parameter, so that gradients flow)."""
+
+    def __init__(self, num_experts: int, sleep_s: float, expected_rows: int) -> None:
+        super().__init__()
+        self.num_experts, self.sleep_s, self.expected_rows = num_experts, sleep_s, expected_rows
+        self.scale = nn.Parameter(torch.ones(num_experts))
+
+    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+        stall = self.sleep_s * x.shape[0] / self.expected_rows
+        scale = torch.repeat_interleave(self.scale, torch.tensor(counts)).unsqueeze(-1)
+        return _Stall.apply(x, stall) * scale.to(x.dtype)
+
+
+class _Stall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, seconds: float) -> Tensor:
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _synced(step: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        dist.barrier()
+        step()
+    return run
+
+
+def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: int | None) -> dict[str, Any]:
+    """Under torchrun: every (r, d, a2a) setting side by side, auto's choice, the per-rank floor."""
+    from flexmoe.parallel import candidates
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    extra: dict[str, Any] = {"group": dist.group.WORLD, "ranks_per_node": ranks_per_node}
+    if sleep_ms is not None:
+        if cfg.experts % world:
+            raise ValueError(f"--sleep-ms needs whole experts per rank: --experts must be a multiple of {world}")
+        expected = cfg.tokens * cfg.k  # rows one rank computes when the load is even
+        extra["experts"] = SleepyExperts(cfg.experts // world, sleep_ms / 1e3, expected)
+    layer = build_layer(cfg, **extra)
+    x, grad = _inputs(cfg, cfg.seed + 1 + rank)  # each rank its own tokens
+    settings = candidates(layer._ep.valid_r(), world, layer.ranks_per_node)
+    cases = {str(s): _synced(_fwd_bwd(lambda s=s: layer(x, r=s.r, overlap_degree=s.overlap_degree, a2a=s.a2a,
+                                                          ranks_per_node=s.ranks_per_node), grad, layer))
+             for s in settings}
+    # Exposed communication of one extra step per setting (the calling thread's time in exchanges).
+    comm_share = {}
+    for s in settings:
+        layer._ep.stats.reset()
+        start = time.perf_counter()
+        cases[str(s)]()
+        comm_share[str(s)] = layer._ep.stats.seconds / (time.perf_counter() - start)
+    if sleep_ms is None:
+        with torch.no_grad():
+            layer(x)
+        local = _local_counts(layer, layer._ep.gather_counts(layer.last_plan.counts))
+        floor_step, _ = _floor_case(layer, local, cfg)
+        cases["floor (1 rank, same per-rank rows)"] = _synced(floor_step)
+    times = time_side_by_side(cases, cfg.steps, cfg.warmup, sync=_slowest)
+    medians = {name: statistics.median(v) for name, v in times.items()}
+
+    auto_layer = build_layer(cfg, parallel="auto", **extra)
+    auto_layer.load_state_dict(layer.state_dict())
+    auto_step = _fwd_bwd(lambda: auto_layer(x), grad, auto_layer)
+    while not auto_layer.auto_decisions:  # tuning: each candidate is tried, then one is kept
+        auto_step()
+    auto_times = time_side_by_side({"auto": _synced(auto_step), "best static": _synced(
+        cases[min((str(s) for s in settings), key=medians.get)])}, cfg.steps, cfg.warmup, sync=_slowest)
+    decision = auto_layer.auto_decisions[0]
+    floor = medians.get("floor (1 rank, same per-rank rows)")
+    return {
+        "config": asdict(cfg), "world_size": world, "ranks_per_node": layer.ranks_per_node,
+        "sleep_ms": sleep_ms, "threads_per_rank": torch.get_num_threads(),
+        "settings": [{"setting": str(s), "seconds": medians[str(s)], "comm_share": comm_share[str(s)],
+                      "x_floor": None if floor is None else medians[str(s)] / floor} for s in settings],
+        "floor_seconds": floor,
+        "auto": {"choice": str(decision.choice), "seconds": statistics.median(auto_times["auto"]),
+                 "best_static_seconds": statistics.median(auto_times["best static"]),
+                 "tuning": decision.describe()},
+        "rank": rank,
+    }
+
+
+def _local_counts(layer: MoELayer, all_counts: list[list[int]]) -> list[int]:
+    """Rows per local expert that this rank computes with r = 1 (every source's rows of its experts)."""
+    experts = layer.layout.experts_of_rank(dist.get_rank())
+    return [sum(row[e] for row in all_counts) for e in experts]
+
+
+def format_distributed(report: dict[str, Any]) -> str:
+    cfg = BenchConfig(**report["config"])
+    stall = f", experts stall {report['sleep_ms']:g} ms (no CPU)" if report["sleep_ms"] is not None else ""
+    lines = [f"flexmoe bench: {report['world_size']} ranks x {cfg.describe()} per rank, "
+             f"{report['threads_per_rank']} thread(s) per rank{stall}; median of {cfg.steps} steps, "
+             f"slowest rank",
+             f"{'setting':<24}{'ms/step':>10}{'a2a share':>11}{'x floor':>9}"]
+    for row in report["settings"]:
+        ratio = "" if row["x_floor"] is None else f"{row['x_floor']:>9.3f}"
+        lines.append(f"{row['setting']:<24}{row['seconds'] * 1e3:>10.1f}{row['comm_share']:>10.0%} {ratio}")
+    if report["floor_seconds"] is not None:
+        lines.append(f"{'floor (per-rank rows)':<24}{report['floor_seconds'] * 1e3:>10.1f}")
+    auto = report["auto"]
+    lines.append(f"auto chose {auto['choice']}: {auto['seconds'] * 1e3:.1f} ms vs best static "
+                 f"{auto['best_static_seconds'] * 1e3:.1f} ms ({auto['seconds'] / auto['best_static_seconds']:.3f}x)")
+    lines.append(f"auto tuning: {auto['tuning']}")
+    if report["sleep_ms"] is not None:
+        by = {row["setting"]: row["seconds"] for row in report["settings"]}
+        d1 = next((v for k, v in by.items() if k.startswith("r=1 d=1 a2a=flat")), None)
+        best = min(by.values())
+        if d1:
+            lines.append(f"pipelining: best setting {best / d1:.3f}x the time of d=1 "
+                         f"({(d1 - best) * 1e3:.1f} ms of communication hidden per step)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- the command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = BenchConfig()
+    a = parser.add_argument
+    a("--tokens", type=int, default=d.tokens, help="tokens per step (per rank under torchrun)")
+    a("--model-dim", type=int, default=d.model_dim)
+    a("--hidden-dim", type=int, default=d.hidden_dim)
+    a("--experts", type=int, default=d.experts)
+    a("--k", type=int, default=d.k)
+    a("--capacity-factor", type=float, default=d.capacity_factor, help="0: dropless, < 0: adaptive")
+    a("--dtype", choices=sorted(_DTYPES), default=d.dtype)
+    a("--glu", action="store_true", help="gated (SwiGLU-style) experts")
+    a("--steps", type=int, default=d.steps, help="timed steps per case (median reported)")
+    a("--warmup", type=int, default=d.warmup)
+    a("--seed", type=int, default=d.seed)
+    a("--threads", type=int, default=None, help="torch threads (default: all cores, shared by local ranks)")
+    a("--no-peers", action="store_true", help="skip DeepSpeed / fairscale / Tutel even when importable")
+    a("--memory", action="store_true", help="also report activation memory, and E=64 at equal T, k, H")
+    a("--suite", action="store_true", help="run the foundation issue's target configurations")
+    a("--nproc", type=int, default=1, help="launch N local ranks with torchrun (gloo on 127.0.0.1)")
+    a("--ranks-per-node", type=int, default=None, help="for the 2-D hierarchical all-to-all (default: torchrun's)")
+    a("--sleep-ms", type=float, default=None,
+      help="distributed: experts that stall this long per pass without using the CPU (overlap check)")
+    a("--json", action="store_true", help="print the report as JSON")
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    for name in ("tokens", "model_dim", "hidden_dim", "experts", "k", "steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if not math.isfinite(args.capacity_factor):
+        raise ValueError(f"--capacity-factor must be finite, got {args.capacity_factor}")
+    return BenchConfig(args.tokens, args.model_dim, args.hidden_dim, args.experts, args.k, args.capacity_factor,
+                       args.dtype, args.glu, args.steps, args.warmup, args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nproc > 1 and not under_torchrun():
+        argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else []
+        return relaunch(args.nproc, "bench", _without_nproc(argv))
+    try:
+        cfg = _config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if under_torchrun():
+        return _run_distributed(cfg, args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.suite:
+        result = run_suite(cfg, peers=not args.no_peers)
+        summary = [f"{r['label']:<30} flexmoe {r['x_floor']:.3f}x floor, target <= {r['target']}: "
+                   f"{'met' if r['met'] else 'NOT met'}" for r in result["suite"]]
+        mem = result["suite"][0]["report"].get("memory")
+        if mem:
+            summary.append(f"{'memory E=64 / E=8':<30} flexmoe {mem['flexmoe_e64_over_e8']:.2f}x, target <= 1.2: "
+                           f"{'met' if mem['flexmoe_e64_over_e8'] <= 1.2 else 'NOT met'} (gshard-einsum "
+                           f"{mem['gshard_einsum_e64_over_e8']:.2f}x)")
+        print(json.dumps(result, indent=1) if args.json else "\n".join(summary))
+        return 0
+    report = bench_single(cfg, peers=not args.no_peers, memory=args.memory)
+    print(json.dumps(report, indent=1) if args.json else format_single(report))
+    return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--nproc":
+            skip = True
+        elif not item.startswith("--nproc="):
+            out.append(item)
+    return out
+
+
+def _run_distributed(cfg: BenchConfig, args: argparse.Namespace) -> int:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun, like RANK and WORLD_SIZE
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        report = bench_distributed(cfg, args.sleep_ms, args.ranks_per_node)
+        if report["rank"] == 0:
+            print(json.dumps(report, indent=1) if args.json else format_distributed(report), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,88 @@
+"""The benchmark's references and measurements: the dense-einsum layer and the floor compute what the layer
+computes, the activation-memory probe counts what autograd keeps, and the command runs end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flexmoe import MoELayer
+from flexmoe.baselines import expert_floor, gshard_einsum_forward
+from flexmoe.bench import saved_activation_bytes, time_side_by_side
+
+
+@pytest.mark.parametrize("cf", [2.0, 0.5, 0.0])
+def test_gshard_einsum_reference_equals_layer(cf: float) -> None:
+    torch.manual_seed(0)
+    moe = MoELayer(16, 6, 24, k=2, capacity_factor=cf, dtype=torch.float64, glu=cf == 0.5)
+    x = torch.randn(40, 16, dtype=torch.float64)
+    y = moe(x)
+    assert (moe.last_plan.num_dropped > 0) == (cf == 0.5)
+    torch.testing.assert_close(gshard_einsum_forward(moe, x), y, rtol=1e-12, atol=1e-12)
+
+
+def test_floor_is_each_expert_on_its_rows() -> None:
+    torch.manual_seed(1)
+    moe = MoELayer(8, 3, 12, k=1, dtype=torch.float64)
+    counts = [4, 0, 5]
+    rows = torch.randn(9, 8, dtype=torch.float64)
+    e = moe.experts
+    expected = []
+    for expert, n in enumerate(counts):
+        for row in rows[sum(counts[:expert]): sum(counts[:expert]) + n]:
+            h = torch.nn.functional.gelu(row @ e.w1[expert] + e.b1[expert])
+            expected.append(h @ e.w2[expert] + e.b2[expert])
+    torch.testing.assert_close(expert_floor(e, rows, counts), torch.stack(expected))
+
+
+def test_saved_activation_bytes_counts_saved_tensors_once_without_parameters() -> None:
+    w = torch.nn.Parameter(torch.randn(32, 32))
+    x = torch.randn(100, 32, requires_grad=True)
+    # x @ w saves x (and w, a parameter: not counted); tanh saves its output (100 x 32 floats).
+    nbytes = saved_activation_bytes(lambda: torch.tanh(x @ w), [w])
+    assert nbytes == 2 * 100 * 32 * 4
+
+
+def test_time_side_by_side_takes_turns() -> None:
+    calls: list[str] = []
+    times = time_side_by_side({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, steps=3, warmup=1)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert [len(v) for v in times.values()] == [3, 3]
+
+
+def test_bench_command_json() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "flexmoe", "bench", "--tokens", "64", "--model-dim", "16", "--hidden-dim", "32",
+         "--steps", "2", "--warmup", "0", "--capacity-factor", "0", "--memory", "--no-peers", "--json"],
+        capture_output=True, text=True, timeout=120, check=True)
+    report = json.loads(out.stdout)
+    cases = {row["case"]: row for row in report["rows"]}
+    assert set(cases) == {"floor", "flexmoe", "gshard-einsum"}
+    assert cases["floor"]["x_floor"] == 1.0
+    assert all(row["seconds"] > 0 for row in report["rows"])
+    assert report["plan"]["rows_computed"] == sum(report["plan"]["tokens_per_expert"]) == 128
+    assert report["memory"]["flexmoe_bytes"] > 0
+
+
+def test_bench_rejects_bad_flags() -> None:
+    out = subprocess.run([sys.executable, "-m", "flexmoe", "bench", "--tokens", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "--tokens must be >= 1" in out.stderr
+
+
+@pytest.mark.slow
+def test_distributed_bench_two_ranks() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "flexmoe", "bench", "--nproc", "2", "--tokens", "128", "--model-dim", "32",
+         "--hidden-dim", "64", "--experts", "4", "--steps", "2", "--warmup", "1", "--json"],
+        capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(out.stdout[out.stdout.index("{"):])
+    assert report["world_size"] == 2
+    names = [row["setting"] for row in report["settings"]]
+    assert "r=1 d=1 a2a=flat" in names and "r=0 d=1 a2a=flat" in names
+    assert report["auto"]["choice"] in names
+    assert all(0 <= row["comm_share"] <= 1 for row in report["settings"])
