@@ -453,3 +453,14 @@ def test_expert_choice_with_explicit_capacity_accepts_any_capacity_factor() -> N
     moe = MoELayer(M, 4, H, router="expert_choice", capacity_factor=0.0, capacity=2)
     moe(torch.randn(6, M))
     assert moe.last_plan.counts == [2] * 4
+
+
+# --- expert parallelism (2 gloo processes, tests/routing_worker.py) -----------------------------------------
+
+def test_bias_uses_global_load_and_routers_match_one_process_under_expert_parallelism(tmp_path) -> None:
+    from routing_worker import failures_of, run_group
+
+    reports = run_group("ep", 2, tmp_path)
+    failures = failures_of(reports)
+    assert not failures, "\n".join(failures[:20])
+    assert any(rep["bias_differs_from_local_rule"] for rep in reports), "the global load made no difference"
