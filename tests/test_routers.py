@@ -464,3 +464,30 @@ def test_bias_uses_global_load_and_routers_match_one_process_under_expert_parall
     failures = failures_of(reports)
     assert not failures, "\n".join(failures[:20])
     assert any(rep["bias_differs_from_local_rule"] for rep in reports), "the global load made no difference"
+
+
+def test_bias_with_topology_gate_and_random_second_expert_together() -> None:
+    """build_plan's changed-pairs path: select by p + bias, re-route past the cross-node budget (by p + bias),
+    weigh by p; the 2nd choices then thinned at random (in training)."""
+    from flexmoe.routing.build import build_plan
+    from flexmoe.routing.topology import TopologyGate
+    from test_topology_gate import reference_limit
+
+    g = torch.Generator().manual_seed(30)
+    logits = torch.randn(40, 6, generator=g, dtype=torch.float64)
+    bias = torch.tensor([0.3, 0.0, -0.2, 0.1, 0.0, 0.05], dtype=torch.float64)
+    gate = TopologyGate((0, 0, 0, 1, 1, 1), 0, 0.25)
+    for training in (False, True):
+        torch.manual_seed(31)
+        plan = build_plan(logits, kind="topk", k=2, capacity_factor=0.0, capacity=None, training=training,
+                          selection_bias=bias, second_expert="random", topology=gate)
+        probs = torch.stack([ref_softmax(logits[t]) for t in range(40)])
+        scores = probs + bias
+        chosen = torch.tensor([ref_top_k([float(v) for v in scores[t]], 2) for t in range(40)])
+        want = reference_limit(scores, chosen, torch.tensor(gate.expert_node), 0, int(0.25 * 40 * 2))
+        assert plan.expert_index.tolist() == want.tolist()
+        for t in range(40):
+            p = [float(probs[t, e]) for e in want[t].tolist()]
+            assert plan.weight[t].tolist() == pytest.approx([v / sum(p) for v in p], abs=1e-12)
+        assert (plan.num_skipped > 0) == training
+        assert sum(plan.counts) == 80 - plan.num_skipped and plan.num_dropped == 0

@@ -93,7 +93,8 @@ class MoELayer(nn.Module):
             probabilities to *select* experts only (combine weights stay unbiased); after every training
             forward ``expert_bias[e] += bias_update_rate * sign(mean load - load[e])``, the loads (pairs per
             expert before drops) summed over the expert-parallel group.
-        bias_update_rate: the step of that update (default 1e-3).
+        bias_update_rate: the step of that update (default 1e-3). The bias has ``router_dtype``; keep it out of
+            bf16/fp16 (use autocast rather than ``.to(torch.bfloat16)``), whose spacing near 0.25 exceeds 1e-3.
         second_expert: "top" (default) or "random" (GShard, k=2 only): in training a token's 2nd choice is
             dispatched with probability ``min(1, 2 * p2 / (p1 + p2))`` (torch's generator), skipped pairs are
             counted in ``last_plan.num_skipped``; at evaluation every choice is dispatched.

@@ -19,6 +19,12 @@ epsilon-complementary slackness holds, so the total score is within ``T * E * ep
 phase uses ``eps = 1e-9 * (score range) / (T * E)``, optimal for all practical purposes (the tests compare with
 exhaustive search).
 
+Cost: every round is a few ``[T, E]`` tensor operations (a top-C per expert, a top-(E-k) per token); a solve
+takes hundreds to a few thousand rounds, which on a 2-core CPU is about 1 s for T=512, E=8 and tens of seconds
+for T=4096, E=8 (the middle epsilon phases dominate, with long chains of displaced bidders). That is slow next
+to the expert math; a faster solver (e.g. an expert-side auction with a round limit as in fairseq, which gives
+up exact optimality) is future work.
+
 At inference BASE routes every token to its best expert, without balancing (the paper's test-time rule): the
 layer then builds the ordinary top-k plan, dropless unless an explicit capacity is given.
 """
