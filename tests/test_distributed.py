@@ -1,14 +1,13 @@
 """Multi-rank training and checkpoints with real gloo processes on 127.0.0.1 (torch.distributed.run).
 
 * A 2-rank training step equals the single-process step over the same global batch (one micro-batch per
-  rank's rows), so data parallelism (and expert parallelism, where MoELayer has ``group=``) changes nothing.
+  rank's rows), so data parallelism (and expert parallelism) changes nothing.
 * A checkpoint written by 2 ranks loads on 1 and on 4 ranks (directly, and after ``flexmoe reshard``) and the
   model gives the same outputs.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import socket
@@ -20,7 +19,6 @@ import pytest
 import torch
 
 from flexmoe.checkpoint import load_checkpoint, read_checkpoint, reshard_checkpoint
-from flexmoe.layer import MoELayer
 from flexmoe.models import GPT, GPTConfig
 
 TINY_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--num-experts", "4",
@@ -37,13 +35,12 @@ TRAIN_RUNNER = (
 # Loads each checkpoint given on the command line at the launched world size and saves every rank's output
 # on a fixed input: under expert parallelism each rank's output equals a single process running its tokens.
 EVAL_RUNNER = (
-    "import inspect, sys, torch, torch.distributed as dist\n"
+    "import sys, torch, torch.distributed as dist\n"
     "from safetensors.torch import save_file\n"
     "from flexmoe.checkpoint import load_checkpoint, read_checkpoint\n"
-    "from flexmoe.layer import MoELayer\n"
     "from flexmoe.models import GPT, GPTConfig\n"
     "dist.init_process_group('gloo')\n"
-    "group = dist.group.WORLD if 'group' in inspect.signature(MoELayer.__init__).parameters else None\n"
+    "group = dist.group.WORLD\n"
     "out = {}\n"
     "for i, path in enumerate(sys.argv[2:]):\n"
     "    model = GPT(GPTConfig.from_dict(read_checkpoint(path).meta['config'], group=group)).eval()\n"
@@ -82,10 +79,6 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _expert_parallel() -> bool:
-    return "group" in inspect.signature(MoELayer.__init__).parameters
-
-
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory) -> tuple[Path, Path]:
     """The same 3 steps trained by 1 process (2 micro-batches) and by 2 ranks (1 micro-batch each)."""
@@ -106,7 +99,7 @@ def test_two_rank_step_equals_single_process_step(two_rank_run) -> None:
         assert rb["expert_load"] == ra["expert_load"]  # the same routing, summed over ranks
     ckpt_a, ckpt_b = read_checkpoint(single / "checkpoints" / "step_000003"), \
         read_checkpoint(two / "checkpoints" / "step_000003")
-    assert ckpt_b.meta["layout"]["trained_world_size"] == (2 if _expert_parallel() else 1)
+    assert ckpt_b.meta["layout"]["trained_world_size"] == 2
     for name, t in ckpt_a.model.items():
         torch.testing.assert_close(ckpt_b.model[name], t, rtol=1e-4, atol=1e-5, msg=name)
 
@@ -132,19 +125,17 @@ def test_checkpoint_from_two_ranks_loads_on_one_and_four(two_rank_run, tmp_path:
         got = load_file(str(outdir / f"rank{rank}.safetensors"))
         for i in range(3):
             torch.testing.assert_close(got[f"out{i}"], expected, rtol=1e-5, atol=1e-6)
-            local = w1[rank : rank + 1] if _expert_parallel() else w1
+            local = w1[rank : rank + 1]
             assert torch.equal(got[f"w1_{i}"], local)  # rank r holds global expert r (E = W = 4)
 
 
 # Checkpoint gather/scatter under an expert-parallel layout, at the state level: each rank's MoE layers hold
 # only its experts (built as the layout says), the checkpoint must hold the global tensors, and loading must
-# give each rank its slice back. This runs whether or not MoELayer(group=...) exists.
+# give each rank its slice back.
 STATE_RUNNER = (
-    "import inspect, sys, torch, torch.distributed as dist\n"
+    "import sys, torch, torch.distributed as dist\n"
     "from safetensors.torch import save_file\n"
-    "from flexmoe.layer import MoELayer\n"
     "from flexmoe.checkpoint import global_state_dict, load_checkpoint, load_global_state_dict, save_checkpoint\n"
-    "from flexmoe.experts import FeedForwardExperts\n"
     "from flexmoe.models import GPT, GPTConfig\n"
     "from flexmoe.parallel.layout import ExpertLayout\n"
     "from flexmoe.train import TrainConfig, build_optimizer\n"
@@ -153,17 +144,9 @@ STATE_RUNNER = (
     "out, experts = sys.argv[1], int(sys.argv[2])\n"
     "cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, num_experts=experts, expert_hidden=8)\n"
     "layout = ExpertLayout(experts, world, 8)\n"
-    "if 'group' in inspect.signature(MoELayer.__init__).parameters:\n"
-    "    torch.manual_seed(0)\n"
-    "    reference = GPT(GPTConfig.from_dict(cfg.to_dict(), group='single'))\n"
-    "    model = GPT(GPTConfig.from_dict(cfg.to_dict(), group=dist.group.WORLD))\n"
-    "else:  # a layer without expert parallelism: give each rank only its experts by hand\n"
-    "    torch.manual_seed(0)\n"
-    "    reference = GPT(cfg)\n"
-    "    model = GPT(cfg)\n"
-    "    model.cfg = GPTConfig.from_dict(cfg.to_dict(), group=dist.group.WORLD)\n"
-    "    for moe in model.moe_layers:\n"
-    "        moe.experts = FeedForwardExperts(layout.experts_per_rank, 16, layout.local_hidden_dim)\n"
+    "torch.manual_seed(0)\n"
+    "reference = GPT(GPTConfig.from_dict(cfg.to_dict(), group='single'))\n"
+    "model = GPT(GPTConfig.from_dict(cfg.to_dict(), group=dist.group.WORLD))\n"
     "assert model.moe_layers[0].experts.w1.shape == (layout.experts_per_rank, 16, layout.local_hidden_dim)\n"
     "load_global_state_dict(model, reference.state_dict(), source='reference')\n"
     "opt = build_optimizer(model, TrainConfig())\n"

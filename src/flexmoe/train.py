@@ -15,7 +15,6 @@ every other parameter is data-parallel. Each rank takes its own rows of the glob
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -42,6 +41,7 @@ from flexmoe.checkpoint import (
 )
 from flexmoe.data import TokenData
 from flexmoe.launch import relaunch, under_torchrun
+from flexmoe.parallel.ddp import wrap_ddp
 from flexmoe.layer import MoELayer
 from flexmoe.models.gpt import GPT, GPTConfig
 
@@ -202,19 +202,6 @@ def _init_distributed() -> tuple[int, int]:
 # Model, optimizer, gradients.
 
 
-def _layer_supports_group() -> bool:
-    return "group" in inspect.signature(MoELayer.__init__).parameters
-
-
-def _wrap_ddp():
-    """The distributed layer's DDP wrapper that keeps expert parameters out of the all-reduce, if present."""
-    try:
-        from flexmoe.parallel.ddp import wrap_ddp
-    except ImportError:
-        return None
-    return wrap_ddp
-
-
 def build_model(cfg: GPTConfig, seed: int) -> GPT:
     """The model, initialised from ``seed`` identically at every world size.
 
@@ -222,7 +209,7 @@ def build_model(cfg: GPTConfig, seed: int) -> GPT:
     then keeps its own slice of it, so a run's initial weights do not depend on the number of ranks.
     """
     torch.manual_seed(seed)
-    single = "single" if _layer_supports_group() and dist.is_initialized() else None  # one process, all experts
+    single = "single" if dist.is_initialized() else None  # one process holding all experts
     reference = GPT(GPTConfig.from_dict(cfg.to_dict(), group=single))
     if cfg.group is None or cfg.dense:
         return reference
@@ -255,31 +242,6 @@ def lr_at(step: int, tcfg: TrainConfig) -> float:
         return tcfg.lr * (step + 1) / tcfg.warmup
     progress = (step - tcfg.warmup) / max(tcfg.steps - tcfg.warmup, 1)
     return tcfg.min_lr + 0.5 * (tcfg.lr - tcfg.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def sync_gradients(model: GPT, world: int) -> None:
-    """Average gradients over the data-parallel ranks, leaving spread expert gradients out of the all-reduce.
-
-    Used when :func:`flexmoe.parallel.wrap_ddp` is not available (it does the same inside DDP). Each rank's
-    loss is the mean over its own rows and the global loss the mean over ranks, so replicated parameters take
-    the all-reduced mean. A spread expert lives on one rank (or one hidden shard per rank) and its gradient
-    already sums every rank's tokens through the all-to-all: it is only divided by the world size.
-    """
-    if world == 1:
-        return
-    experts = _spread_experts(model)
-    dense = [p.grad for n, p in model.named_parameters() if n not in experts and p.grad is not None]
-    if dense:
-        flat = torch.cat([g.reshape(-1) for g in dense])
-        dist.all_reduce(flat)
-        flat /= world
-        offset = 0
-        for g in dense:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-    for n, p in model.named_parameters():
-        if n in experts and p.grad is not None:
-            p.grad /= world
 
 
 def clip_gradients(model: GPT, max_norm: float, world: int) -> float:
@@ -375,10 +337,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
     out = Path(out)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if world > 1 and not mcfg.dense:
-        if _layer_supports_group():
-            mcfg = GPTConfig.from_dict(mcfg.to_dict(), group=dist.group.WORLD)
-        elif rank == 0:
-            print("note: MoELayer has no group= yet; experts are replicated and data-parallel", flush=True)
+        mcfg = GPTConfig.from_dict(mcfg.to_dict(), group=dist.group.WORLD)
     label = "dense" if mcfg.dense else "moe"
     if tcfg.batch_size % (world * tcfg.micro_batches):
         raise ValueError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
@@ -386,8 +345,9 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
     data = TokenData.from_file(tcfg.data, block_size=mcfg.block_size)
     model = build_model(mcfg, tcfg.seed)
     optimizer = build_optimizer(model, tcfg)
-    wrap_ddp = _wrap_ddp() if world > 1 else None
-    ddp = wrap_ddp(model) if wrap_ddp is not None else None
+    # Replicated parameters are all-reduced by DDP; spread experts are left out (their gradients already
+    # hold every rank's tokens through the all-to-all).
+    ddp = wrap_ddp(model) if world > 1 else None
     torch.manual_seed(tcfg.seed + 1)  # training-time randomness (dropout, router noise), same at any world size
 
     metrics_path = out / "metrics.jsonl"
@@ -446,8 +406,6 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
                 bal_sum += model.balance_loss()
                 drop_sum += model.drop_rate()
                 loads.append(torch.tensor(model.expert_load(), dtype=torch.float64))
-            if ddp is None:
-                sync_gradients(model, world)
             clip_gradients(model, tcfg.grad_clip, world)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
