@@ -20,9 +20,8 @@ phase uses ``eps = 1e-9 * (score range) / (T * E)``, optimal for all practical p
 exhaustive search).
 
 Cost: every round is a few ``[T, E]`` tensor operations (a top-C per expert, a top-(E-k) per token); a solve
-takes hundreds to a few thousand rounds, which on a 2-core CPU is about 1 s for T=512, E=8 and tens of seconds
-for T=4096, E=8 (the middle epsilon phases dominate, with long chains of displaced bidders). That is slow next
-to the expert math; a faster solver (e.g. an expert-side auction with a round limit as in fairseq, which gives
+takes hundreds to a thousand rounds, which on a 2-core CPU is about 0.2 s for T=512, E=8 and about 6 s for
+T=4096, E=8, k=2 (long chains of displaced bidders dominate). That is slow next to the expert math; a faster solver (e.g. an expert-side auction with a round limit as in fairseq, which gives
 up exact optimality) is future work.
 
 At inference BASE routes every token to its best expert, without balancing (the paper's test-time rule): the
@@ -135,7 +134,9 @@ def balanced_assignment(scores: Tensor, k: int = 1, *, final_eps: float | None =
         final_eps = 1e-9 * spread / persons
     price_e = a.new_zeros(num_experts)
     price_t = a.new_zeros(a.shape[0])
-    eps = spread / 4
+    # Start fine: a coarse first phase inflates prices that later phases then climb out of in tiny steps (with
+    # spread / 4 some inputs took 10x more rounds than with spread / 512 in our measurements).
+    eps = spread / 512
     while True:
         eps = max(eps, final_eps)
         hold_e = _auction_phase(a, price_e, price_t, expert_slots, token_slots, eps, max_rounds)
