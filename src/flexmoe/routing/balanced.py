@@ -21,8 +21,9 @@ exhaustive search).
 
 Cost: every round is a few ``[T, E]`` tensor operations (a top-C per expert, a top-(E-k) per token); a solve
 takes hundreds to a thousand rounds, which on a 2-core CPU is about 0.2 s for T=512, E=8 and about 6 s for
-T=4096, E=8, k=2 (long chains of displaced bidders dominate). That is slow next to the expert math; a faster solver (e.g. an expert-side auction with a round limit as in fairseq, which gives
-up exact optimality) is future work.
+T=4096, E=8, k=2 (long chains of displaced bidders dominate). That is slow next to the expert math; a faster
+solver (e.g. an expert-side auction with a round limit as in fairseq, which gives up exact optimality) is
+future work.
 
 At inference BASE routes every token to its best expert, without balancing (the paper's test-time rule): the
 layer then builds the ordinary top-k plan, dropless unless an explicit capacity is given.
