@@ -1,8 +1,19 @@
-"""Routing: routers (logits), the routing plan (experts, slots, weights) and the router losses."""
+"""Routing: routers (logits), the routing plan (experts, slots, weights) and the router losses.
 
+:func:`build_plan` is the entry point the layer uses: it picks the plan builder for the layer's options
+(top-k with its variants, expert choice, BASE).
+"""
+
+from flexmoe.routing.balanced import balanced_assignment, make_base_plan
+from flexmoe.routing.bias_balance import bias_update, load_imbalance
+from flexmoe.routing.build import build_plan, check_routing_options, selection_kind
+from flexmoe.routing.expert_choice import expert_choice_capacity, make_expert_choice_plan
 from flexmoe.routing.losses import load_balancing_loss, router_z_loss
+from flexmoe.routing.pairs import plan_from_pairs
 from flexmoe.routing.plan import RoutingPlan, assign_slots, make_plan, resolve_capacity, top_k
+from flexmoe.routing.random_routing import sample_second_expert, second_expert_keep_probability
 from flexmoe.routing.routers import CosineRouter, LinearRouter, build_router, route
+from flexmoe.routing.topology import TopologyGate, expert_nodes, limit_cross_node, remote_pair_budget
 
 __all__ = [
     "RoutingPlan",
@@ -10,6 +21,22 @@ __all__ = [
     "resolve_capacity",
     "top_k",
     "assign_slots",
+    "plan_from_pairs",
+    "build_plan",
+    "check_routing_options",
+    "selection_kind",
+    "make_expert_choice_plan",
+    "expert_choice_capacity",
+    "balanced_assignment",
+    "make_base_plan",
+    "bias_update",
+    "load_imbalance",
+    "sample_second_expert",
+    "second_expert_keep_probability",
+    "TopologyGate",
+    "expert_nodes",
+    "limit_cross_node",
+    "remote_pair_budget",
     "load_balancing_loss",
     "router_z_loss",
     "LinearRouter",
