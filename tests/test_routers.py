@@ -223,7 +223,7 @@ def test_base_layer_training_matches_exhaustive_reference(k: int) -> None:
             for e in c:
                 load[e] += 1
         if all(n == num_tokens * k // num_experts for n in load):
-            total = sum(float(logits[t, e]) for t, c in enumerate(choice) for e in c)
+            total = sum(float(logits[t, e].detach()) for t, c in enumerate(choice) for e in c)
             if total > best:
                 best, best_choice = total, choice
     expert = ref_ffn_expert({n.split(".", 1)[1]: p for n, p in params.items() if n.startswith("experts.")})
