@@ -393,10 +393,10 @@ def test_random_second_expert_outputs_and_gradients() -> None:
     logits, probs = loop_probs(x64, params)
     expert = ref_ffn_expert({n.split(".", 1)[1]: p for n, p in params.items() if n.startswith("experts.")})
     cap = math.ceil(2 * 1.0 * num_tokens / 4)
-    chosen = [ref_top_k([float(v) for v in probs[t]], 2) for t in range(num_tokens)]
+    chosen = [ref_top_k([float(v) for v in probs[t].detach()], 2) for t in range(num_tokens)]
     active = []
     for t in range(num_tokens):
-        p1, p2 = float(probs[t, chosen[t][0]]), float(probs[t, chosen[t][1]])
+        p1, p2 = float(probs[t, chosen[t][0]].detach()), float(probs[t, chosen[t][1]].detach())
         active.append([True, min(1.0, 2 * p2 / (p1 + p2)) > float(u[t])])
     assert plan.num_skipped == sum(not a[1] for a in active)
     next_slot = [0] * 4
