@@ -50,13 +50,16 @@ def make_pair(E: int, k: int, cf: float, world: int, rank: int, skewed: bool, **
     return ref, ep, layout
 
 
-def inputs(world: int, skewed: bool):
+def inputs(world: int, skewed: bool, cold: bool = False):
+    """Each rank's tokens and output weights. skewed: feature 0 shifted by +1; cold: feature 0 >= 1."""
     xs, ws = [], []
     for j in range(world):
         g = torch.Generator().manual_seed(100 + j)
         x = torch.randn(T, M, generator=g, dtype=torch.float64)
         if skewed:
             x[:, 0] += 1.0
+        if cold:
+            x[:, 0] = x[:, 0].abs() + 1.0
         xs.append(x)
         ws.append(torch.randn(T, M, generator=g, dtype=torch.float64))
     return xs, ws
@@ -90,21 +93,24 @@ def compare(tag: str, got: torch.Tensor, want: torch.Tensor, failures: list[str]
 
 def gathered_grads(ep: MoELayer, layout: ExpertLayout, world: int) -> dict[str, torch.Tensor]:
     """Every rank's expert gradients, put back into global ``[E, ...]`` form."""
-    mine = {n: p.grad.detach().clone() for n, p in ep.experts.named_parameters()}
+    # A rank whose experts got no rows may have no gradient at all (None): that is zero.
+    mine = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p.detach()))
+            for n, p in ep.experts.named_parameters()}
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     return unshard_expert_states(every, layout)
 
 
-def check_case(tag, ref, ep, layout, rank, world, skewed, failures, **call) -> dict:
-    xs, ws = inputs(world, skewed)
+def check_case(tag, ref, ep, layout, rank, world, skewed, failures, x_grad=True, cold=False, **call) -> dict:
+    xs, ws = inputs(world, skewed, cold)
     want, total, counts = reference(ref, xs, ws, rank)
     ep.zero_grad(set_to_none=True)
-    x = xs[rank].clone().requires_grad_(True)
+    x = xs[rank].clone().requires_grad_(x_grad)
     y = ep(x, **call)
     (y * ws[rank]).sum().backward()
     compare(f"{tag} output", y.detach(), want["y"], failures)
-    compare(f"{tag} x.grad", x.grad, want["x.grad"], failures)
+    if x_grad:
+        compare(f"{tag} x.grad", x.grad, want["x.grad"], failures)
     for got, w in zip(ep.router.parameters(), want["router"]):
         compare(f"{tag} router.grad", got.grad, w, failures)
     for n, g in gathered_grads(ep, layout, world).items():
@@ -154,6 +160,23 @@ def scenario_equivalence(rank: int, world: int, out: dict) -> None:
                     except Exception:
                         failures.append(f"{tag} raised:\n{traceback.format_exc()}")
                     cases += 1
+    # The last rank's experts get no rows and the input needs no gradient: that rank's backward reaches the
+    # exchanges only through the other ranks' expert weights, and must still join them.
+    ref, ep, layout = make_pair(8, 2, 0.0, world, rank, True)
+    with torch.no_grad():
+        for model in (ref, ep):
+            model.router.weight[list(layout.experts_of_rank(world - 1)), 0] = -50.0
+    for name, call in (("plain", {}), ("shadow hot", dict(shadow=ShadowExperts(HOT))),
+                       ("shadow all of rank 0", dict(shadow=ShadowExperts(layout.experts_of_rank(0)))),
+                       ("pairwise", dict(schedule="pairwise"))):
+        tag = f"[W={world} cold last rank, x without grad, {name}]"
+        try:
+            info = check_case(tag, ref, ep, layout, rank, world, True, failures, x_grad=False, cold=True, **call)
+            if any(c[e] for c in info["counts"] for e in layout.experts_of_rank(world - 1)):
+                failures.append(f"{tag}: the last rank's experts got rows")
+        except Exception:
+            failures.append(f"{tag} raised:\n{traceback.format_exc()}")
+        cases += 1
     # Constructor-level options (not per call).
     ref, ep, layout = make_pair(2 * world, 2, 0.0, world, rank, True, shadow=ShadowExperts([0]),
                                 schedule="pairwise")

@@ -132,9 +132,13 @@ class ExpertParallel:
                 out = self.experts(local, route.local_counts[c])
             else:
                 out = expert_ffn(local, route.local_counts[c], **weights, activation=self.experts.activation)
-            if not out.requires_grad and received.requires_grad:
-                # No rows here: still join the gradient exchange (every rank must run the same collectives).
-                out = out + received[:0].sum()
+            if not out.requires_grad and torch.is_grad_enabled():
+                # No rows here: still join the gradient exchange (every rank must run the same collectives),
+                # also when the gradient reaches it only through the other ranks' expert weights (rows that
+                # need no gradient, e.g. an input without requires_grad).
+                anchor = received if received.requires_grad else _first_trainable(self.experts)
+                if anchor is not None:
+                    out = out + anchor.reshape(-1)[:0].sum().to(out.dtype)
             return out.index_select(0, route.from_expert_order[c])
 
         back = pipelined_exchange(send, route.splits, compute, [transpose(s) for s in route.splits],
@@ -258,6 +262,10 @@ class ExpertParallel:
                                      for e in range(lay.num_experts)], dim=0)
         keep = [flats[0]] + ([params["b2"]] if s > 1 and params["b2"] is not None else [])
         return _keep_in_graph(expert_ffn(rows, counts, **full, activation=self.experts.activation), keep)
+
+
+def _first_trainable(module: nn.Module) -> Tensor | None:
+    return next((p for p in module.parameters() if p.requires_grad), None)
 
 
 def _keep_in_graph(out: Tensor, tensors: list[Tensor]) -> Tensor:

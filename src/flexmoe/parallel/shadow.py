@@ -338,22 +338,23 @@ def run_shadowed(
     """rows ``[N, M]`` sorted by global expert -> ``[N, M]`` expert outputs, with ``shadowed`` experts computed
     here on broadcast weights and the other rows handed to ``run_rest(rows, counts, all_counts)`` (the usual
     expert-parallel path, which sees zero rows for the shadowed experts)."""
-    # The broadcast comes first so that its backward (the reduce) runs after the exchange's backward on
-    # every rank: autograd runs later-created nodes first, and all ranks must order collectives alike.
     weights = broadcast_experts(experts, eg, layout, shadowed)
     shadow = set(shadowed)
     rest_index, shadow_index = split_rows(counts, shadowed)
     rest_counts = [0 if e in shadow else n for e, n in enumerate(counts)]
     rest_all = [[0 if e in shadow else n for e, n in enumerate(row)] for row in all_counts]
-    rest_out = run_rest(rows.index_select(0, rest_index), rest_counts, rest_all)
+    rest_rows = rows.index_select(0, rest_index)
+    w1 = weights["w1"]
+    if w1 is not None and w1.requires_grad and torch.is_grad_enabled():
+        # Tie the remaining rows to the broadcast weights (adding an empty sum: the values do not change).
+        # Then every rank's backward runs the exchange's backward, even a rank whose rows need no gradient,
+        # and only after it the reduce of the shadowed gradients: a data dependency, so every rank issues
+        # these collectives in the same order.
+        rest_rows = rest_rows + w1.reshape(-1)[:0].sum().to(rest_rows.dtype)
+    rest_out = run_rest(rest_rows, rest_counts, rest_all)
     shadow_out = expert_ffn(rows.index_select(0, shadow_index), [counts[e] for e in shadowed], **weights,
                             activation=experts.activation)
     order = torch.cat([rest_index, shadow_index])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())
-    out = torch.cat([rest_out.to(rows.dtype), shadow_out.to(rows.dtype)]).index_select(0, inverse)
-    # A rank without rows of a shadowed expert must still run the broadcast's backward (the reduce).
-    w1 = weights["w1"]
-    if w1 is not None and w1.requires_grad and torch.is_grad_enabled():
-        out = out + w1.reshape(-1)[:0].sum().to(out.dtype)
-    return out
+    return torch.cat([rest_out.to(rows.dtype), shadow_out.to(rows.dtype)]).index_select(0, inverse)
