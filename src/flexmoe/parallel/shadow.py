@@ -248,55 +248,50 @@ def rows_per_rank(all_counts: Sequence[Sequence[int]], layout: ExpertLayout, sha
 
 
 class _BroadcastExperts(torch.autograd.Function):
-    """Forward: each shadowed expert's weights broadcast from its owner. Backward: their gradients reduced
-    (summed) onto the owner's local parameters. Outputs: per parameter, ``[S, ...]`` for the S experts."""
+    """Forward: each shadowed expert's weights broadcast from its owner, as one flat row per expert
+    ``[S, P]`` (P: the numbers in one expert's parameters). Backward: each row's gradient reduced (summed) onto
+    the owner's local parameters. One flat buffer, so no per-parameter copies on either side."""
 
     @staticmethod
     def forward(ctx, eg: ExpertGroup, layout: ExpertLayout, shadowed: list[int],  # type: ignore[override]
-                *params: Tensor) -> tuple[Tensor, ...]:
+                *params: Tensor) -> Tensor:
         ctx.eg, ctx.layout, ctx.shadowed = eg, layout, shadowed
         ctx.local_shapes = [p.shape for p in params]
-        shapes = [p.shape[1:] for p in params]
-        sizes = [math.prod(s) for s in shapes]
-        flats, works = [], []
-        for x in shadowed:
+        sizes = [math.prod(p.shape[1:]) for p in params]
+        flat = params[0].new_empty(len(shadowed), sum(sizes))
+        works = []
+        for s, x in enumerate(shadowed):
             owner = layout.owner_of_expert(x)
             if owner == eg.rank:
                 j = x - layout.experts_of_rank(owner).start
-                flat = torch.cat([p[j].reshape(-1) for p in params])
-            else:
-                flat = params[0].new_empty(sum(sizes))
-            works.append(eg.call("shadowed-expert broadcast", lambda f=flat, o=owner: dist.broadcast(
-                f, src=eg.global_ranks[o], group=eg.group, async_op=True)))
-            flats.append(flat)
+                torch.cat([p[j].reshape(-1) for p in params], out=flat[s])
+            works.append(eg.call("shadowed-expert broadcast", lambda row=flat[s], o=owner: dist.broadcast(
+                row, src=eg.global_ranks[o], group=eg.group, async_op=True)))
         for work in works:
             eg.call("shadowed-expert broadcast", work.wait)
-        per_expert = [flat.split(sizes) for flat in flats]
-        return tuple(torch.stack([pieces[i].view(shapes[i]) for pieces in per_expert])
-                     for i in range(len(params)))
+        return flat
 
     @staticmethod
-    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
         eg, layout = ctx.eg, ctx.layout
-        flats, works = [], []
+        grad = grad.contiguous().clone()  # reduce writes into it; autograd's buffer is not ours to change
+        works = []
         for s, x in enumerate(ctx.shadowed):
-            flat = torch.cat([g[s].reshape(-1) for g in grads])  # a fresh buffer: reduce writes into it
             dst = eg.global_ranks[layout.owner_of_expert(x)]
-            works.append(eg.call("shadowed-expert gradient reduce", lambda f=flat, d=dst: dist.reduce(
-                f, dst=d, group=eg.group, async_op=True)))
-            flats.append(flat)
+            works.append(eg.call("shadowed-expert gradient reduce", lambda row=grad[s], d=dst: dist.reduce(
+                row, dst=d, group=eg.group, async_op=True)))
         for work in works:
             eg.call("shadowed-expert gradient reduce", work.wait)
-        param_grads: list[Tensor | None] = [None] * len(grads)
+        param_grads: list[Tensor | None] = [None] * len(ctx.local_shapes)
         sizes = [math.prod(shape[1:]) for shape in ctx.local_shapes]
-        for x, flat in zip(ctx.shadowed, flats):
+        for s, x in enumerate(ctx.shadowed):
             if layout.owner_of_expert(x) != eg.rank:
                 continue  # only the owner's buffer holds the sum
             j = x - layout.experts_of_rank(eg.rank).start
-            for i, piece in enumerate(flat.split(sizes)):
+            for i, piece in enumerate(grad[s].split(sizes)):
                 if param_grads[i] is None:
-                    param_grads[i] = grads[i].new_zeros(ctx.local_shapes[i])
-                param_grads[i][j] += piece.view(ctx.local_shapes[i][1:])
+                    param_grads[i] = grad.new_zeros(ctx.local_shapes[i])
+                param_grads[i][j] = piece.view(ctx.local_shapes[i][1:])
         return (None, None, None, *param_grads)
 
 
@@ -305,9 +300,13 @@ def broadcast_experts(experts: FeedForwardExperts, eg: ExpertGroup, layout: Expe
     """The weights of the shadowed experts on every rank: name -> ``[S, ...]`` (None for absent parameters),
     in the order of ``shadowed``. Differentiable: gradients go back to the owners' parameters."""
     names = [n for n in _PARAMS if getattr(experts, n, None) is not None]
-    stacked = _BroadcastExperts.apply(eg, layout, shadowed, *(getattr(experts, n) for n in names))
+    params = [getattr(experts, n) for n in names]
+    flat = _BroadcastExperts.apply(eg, layout, shadowed, *params)  # [S, P]
+    # Views of the flat rows (split along dim 1 keeps each expert's piece contiguous): no copies.
+    pieces = flat.split([math.prod(p.shape[1:]) for p in params], dim=1)
     out: dict[str, Tensor | None] = {n: None for n in _PARAMS}
-    out.update(zip(names, stacked))
+    for n, p, piece in zip(names, params, pieces):
+        out[n] = piece.view(len(shadowed), *p.shape[1:])
     return out
 
 
@@ -350,7 +349,7 @@ def run_shadowed(
         # Then every rank's backward runs the exchange's backward, even a rank whose rows need no gradient,
         # and only after it the reduce of the shadowed gradients: a data dependency, so every rank issues
         # these collectives in the same order.
-        rest_rows = rest_rows + w1.reshape(-1)[:0].sum().to(rest_rows.dtype)
+        rest_rows = rest_rows + w1[:0].sum().to(rest_rows.dtype)
     rest_out = run_rest(rest_rows, rest_counts, rest_all)
     shadow_out = expert_ffn(rows.index_select(0, shadow_index), [counts[e] for e in shadowed], **weights,
                             activation=experts.activation)
