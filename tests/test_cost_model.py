@@ -120,6 +120,21 @@ def test_layer_time_single_rank_is_compute_only() -> None:
     assert predict(p, replace(cfg, dispatch="dense")) > b.total
 
 
+def test_shared_host_slowdown() -> None:
+    from flexmoe.tuning.cost_model import slowdown_at
+
+    measured = {"2": 1.5, "4": 3.0}
+    assert slowdown_at(measured, 1) == 1.0
+    assert slowdown_at(measured, 2) == 1.5 and slowdown_at(measured, 3) == pytest.approx(2.25)
+    assert slowdown_at(measured, 8) == pytest.approx(6.0)  # past the last point: proportional to the ranks
+    # The layer's compute slows by the host's measured factor; grouping ranks as 2DH nodes changes nothing.
+    p = toy_profile(ranks_per_node=1 << 16, compute_slots_per_node=2, rank_slowdown=measured)
+    cfg = LayerConfig(tokens=512, model_dim=64, hidden_dim=128, experts=4, ranks=4)
+    assert layer_time(p, cfg).details["contention"] == 3.0
+    assert layer_time(p, replace(cfg, a2a="2dh", ranks_per_node=2)).details["contention"] == 3.0
+    assert layer_time(replace(p, rank_slowdown={}), cfg).details["contention"] == 2.0  # 4 ranks / 2 slots
+
+
 def test_config_validation_and_capacity() -> None:
     cfg = LayerConfig(tokens=1000, model_dim=8, hidden_dim=8, experts=8, k=2, capacity_factor=1.25)
     assert cfg.capacity() == math.ceil(2 * 1.25 * 1000 / 8)
@@ -172,6 +187,11 @@ def test_calibration_fits() -> None:
           for w in (2, 4) for s in (1e4, 1e6, 1e7)]
     alpha, bw = calibrate.fit_alpha_beta(ab)
     assert alpha == pytest.approx(1e-4, rel=1e-6) and bw == pytest.approx(1e9, rel=1e-6)
+    # Compute slots from GEMM slow-downs: 2 ranks at full speed and 4 ranks at half speed mean 2 cores free.
+    assert calibrate.compute_slots({2: 1.0, 4: 2.0}, cores=2) == 2.0
+    assert calibrate.compute_slots({2: 1.8, 4: 3.6}, cores=2) == pytest.approx(2 / 1.8)  # a shared machine
+    assert calibrate.compute_slots({2: 1.01}, cores=8) == 2.0  # no slow-down: at least as many slots as ranks
+    assert calibrate.compute_slots({2: 9.0}, cores=2) == 1.0  # never below one rank's worth
 
 
 # -------------------------------------------------------------------------------------------------- choosers
@@ -328,3 +348,70 @@ def test_validate_single_rank_quick() -> None:
     assert len(result["rows"]) == 2 and result["median_abs_error"] is not None
     for row in result["rows"]:
         assert row["measured_s"] > 0 and row["predicted_s"] > 0
+
+
+# ------------------------------------------------------------------------------ real processes (slow step)
+
+_AUTO_RANK = """
+import json, sys
+import torch
+import torch.distributed as dist
+from flexmoe import MoELayer
+from flexmoe.parallel import ModelGuidedChooser
+
+rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+chooser = ModelGuidedChooser("a100-ndv4", keep=2, trials=1)
+torch.manual_seed(0)
+auto = MoELayer(32, 4, 64, k=2, parallel="auto", chooser=chooser)
+static = MoELayer(32, 4, 64, k=2)
+static.load_state_dict(auto.state_dict())
+torch.manual_seed(1 + rank)
+x = torch.randn(64, 32)
+for _ in range(4):
+    y = auto(x)
+    y.sum().backward()
+decision = auto.auto_decisions[0]
+shortlist = [str(s) for _, s in chooser.predictions[0][1][:2]]
+json.dump({"measured": sorted(map(str, decision.seconds)), "shortlist": sorted(shortlist),
+           "choice": str(decision.choice), "exact": bool(torch.allclose(auto(x), static(x), atol=1e-6)),
+           "options": len(chooser.predictions[0][1])}, open(f"{out}.{rank}", "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_layer_auto_times_only_the_models_short_list(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    port = str(calibrate.free_port())
+    out = str(tmp_path / "auto")
+    procs = [subprocess.Popen([sys.executable, "-c", _AUTO_RANK, str(rank), "2", port, out],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+    reports = [json.loads((tmp_path / f"auto.{rank}").read_text()) for rank in range(2)]
+    assert reports[0] == reports[1]  # the ranks agree on the short list and the choice
+    report = reports[0]
+    assert report["options"] == 4  # r=0, and r=1 with d = 1, 2, 4 (flat)
+    assert report["measured"] == report["shortlist"]  # only the model's two best were timed
+    assert report["choice"] in report["shortlist"] and report["exact"]
+
+
+@pytest.mark.slow
+def test_calibrate_then_validate_1_2_and_4_ranks(tmp_path) -> None:
+    from flexmoe.tuning.validate import validate
+
+    profile = calibrate.calibrate(worlds=(2,), quick=True)
+    path = profile.save(tmp_path / "local.json")
+    assert Profile.load(path) == profile  # a real calibration round-trips through JSON
+    assert profile.compute["float32"].peak_flops > 1e8 and profile.intra.a2a_bandwidth_Bps > 1e6
+    small = {"tokens": 256, "model_dim": 64, "hidden_dim": 128, "experts": 4, "k": 2, "capacity_factor": 1.25}
+    configs = [small, {**small, "ranks": 2}, {**small, "ranks": 4, "a2a": "2dh", "ranks_per_node": 2}]
+    result = validate(profile, configs, steps=2, warmup=1)
+    assert not result["skipped"], result["skipped"]
+    assert [row["ranks"] for row in result["rows"]] == [1, 2, 4]
+    assert all(row["measured_s"] > 0 and row["predicted_s"] > 0 for row in result["rows"])

@@ -1,14 +1,19 @@
 """``flexmoe calibrate``: measure this machine and write a JSON profile the cost model reuses.
 
-Micro-benchmarks, each timed as the median of a few repetitions (the 2-core machine is shared, so single
-samples are noisy):
+Micro-benchmarks, each timed as the median of a few repetitions. On a shared machine other processes take
+their share of the cores; a median sees the same share a layer's step will see (a minimum would catch the
+rare quiet moments of a short benchmark and be too optimistic for a long step). ``validate-model`` times the
+layer the same way:
 
 * GEMM throughput per dtype over a range of shapes, fitted to a roofline with a bent compute roof
   (``overhead + flops / (peak * d / (d + d_half))``, d the smallest dimension);
 * streaming memory bandwidth, row gather (``index_select``) and scatter-add (``index_add``) bandwidth, and the
   fixed cost of one autograd op;
 * point-to-point and all-to-all latency and bandwidth over gloo on 127.0.0.1, with real processes at 2 and 4
-  ranks, fitted to alpha-beta; and how much of an asynchronous all-to-all hides behind a GEMM.
+  ranks, fitted to alpha-beta; and how much of an asynchronous all-to-all hides behind a GEMM;
+* compute slow-down with 2 and 4 ranks busy at once (the same GEMM timed by one rank alone, then by every rank
+  together), kept per rank count (``rank_slowdown``) and summed up as compute slots. On a dedicated machine
+  the slots are the cores; on a shared one, what the other processes leave, which is what the layer gets too.
 
 Every rank runs single-threaded (``threads_per_rank = 1``), the setting ``validate-model`` measures the layer in.
 """
@@ -33,7 +38,8 @@ __all__ = ["add_arguments", "run", "calibrate", "fit_roofline", "fit_alpha_beta"
 
 # (rows, in, out): expert-like shapes, from thin (few rows per expert) to large.
 GEMM_SHAPES = [(m, k, n) for m in (32, 128, 512, 2048) for k, n in ((128, 256), (512, 1024), (512, 2048), (1024, 512))]
-QUICK_GEMM_SHAPES = [(32, 128, 256), (128, 512, 1024), (512, 512, 2048), (2048, 1024, 512)]
+# Quick (tests): small enough for bf16 on a CPU without bf16 units (~1-3 GFLOP/s), still thin to square.
+QUICK_GEMM_SHAPES = [(32, 128, 256), (128, 512, 1024), (512, 256, 512), (1024, 512, 256)]
 
 
 def free_port() -> int:
@@ -43,14 +49,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
+def _median_time(fn: Callable[[], Any], reps: int, warmup: int = 1, budget_s: float = 3.0) -> float:
+    """Median seconds of ``reps`` calls of ``fn`` after ``warmup`` untimed ones.
+
+    Slow calls stop early once ``budget_s`` is spent (after two timed calls at least): a bf16 GEMM that
+    takes seconds on a CPU without bf16 units needs no five repetitions to be told apart from noise.
+    """
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(reps):
+    samples: list[float] = []
+    spent = 0.0
+    while len(samples) < reps and (len(samples) < 2 or spent < budget_s):
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
+        spent += samples[-1]
     return statistics.median(samples)
 
 
@@ -200,6 +213,7 @@ def _comm_worker(rank: int, world: int, port: int, out_path: str, quick: bool) -
         for _ in range(5):
             dist.all_to_all_single(torch.empty_like(warm), warm)
             dist.barrier()
+        results["gemm_alone_s"], results["gemm_together_s"] = _concurrent_gemm(rank, reps)
         if world == 2:
             for nbytes in (1 << 10, 1 << 16, 1 << 20, 1 << 22):
                 buf = torch.zeros(nbytes // 4)
@@ -256,13 +270,47 @@ def _comm_worker(rank: int, world: int, port: int, out_path: str, quick: bool) -
         hidden = (comm_s + compute_s - both_s) / max(min(comm_s, compute_s), 1e-12)
         results["overlap"] = {"comm_s": comm_s, "compute_s": compute_s, "both_s": both_s,
                               "efficiency": min(max(hidden, 0.0), 1.0)}
-        # Every rank's medians, so rank 0 can report the slowest (the all-to-all waits for it).
+        # Every rank's timings, so rank 0 can report the slowest (the all-to-all waits for it).
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, results)
         if rank == 0:
             Path(out_path).write_text(json.dumps(gathered))
     finally:
         dist.destroy_process_group()
+
+
+def _concurrent_gemm(rank: int, reps: int) -> tuple[float, float]:
+    """(seconds on rank 0 alone, seconds with every rank at once) of one expert-sized GEMM, forward + backward."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.randn(512, 512, requires_grad=True)
+    w = torch.randn(512, 1024, requires_grad=True)
+    grad = torch.randn(512, 1024)
+
+    def step() -> None:
+        x.grad = w.grad = None
+        (x @ w).backward(grad)
+
+    dist.barrier()
+    alone = _median_time(step, reps) if rank == 0 else 0.0  # the others wait in the barrier, blocked on a socket
+    dist.barrier()
+    together = _median_time(step, reps)
+    dist.barrier()
+    return alone, together
+
+
+def compute_slots(samples: dict[int, float], cores: int) -> float:
+    """Ranks that compute at once at full speed, from {world: slow-down of a GEMM with world ranks at once}.
+
+    A summary of ``rank_slowdown`` (the model's fallback slow-down is ``max(1, ranks / slots)``): each world
+    that slowed down by more than noise (5%) gives ``world / slow-down``; the median of those, between 1 and the core count. None slowed: every rank
+    had its own core, so the largest world measured (capped by the cores).
+    """
+    estimates = [world / slow for world, slow in samples.items() if slow > 1.05]
+    if not estimates:
+        return float(min(max(samples, default=cores), cores))
+    return float(min(max(statistics.median(estimates), 1.0), cores))
 
 
 def measure_comm(world: int, quick: bool = False, timeout: float = 120.0) -> list[dict[str, Any]]:
@@ -300,7 +348,7 @@ def measure_comm(world: int, quick: bool = False, timeout: float = 120.0) -> lis
 
 
 def _merge_ranks(per_rank: list[dict[str, Any]], key: str) -> list[dict[str, float]]:
-    """Per sample, the slowest rank's median (collectives finish when the last rank does)."""
+    """Per sample, the slowest rank's time (collectives finish when the last rank does)."""
     merged = []
     for i, sample in enumerate(per_rank[0][key]):
         worst = max(rank[key][i]["seconds"] for rank in per_rank)
@@ -321,24 +369,32 @@ def calibrate(worlds: tuple[int, ...] = (2, 4), quick: bool = False, log: Callab
     overlap: dict[int, float] = {}
     raw_overlap = {}
     cores = os.cpu_count() or 1
+    measured_comm = {}
+    slowdown = {}
     for world in worlds:
         say(f"communication: gloo on 127.0.0.1 with {world} ranks")
         per_rank = measure_comm(world, quick)
-        contention = max(1.0, world / cores)
+        measured_comm[world] = per_rank
+        slowdown[world] = max(r["gemm_together_s"] for r in per_rank) / per_rank[0]["gemm_alone_s"]
+    slots = compute_slots(slowdown, cores)
+    for world, per_rank in measured_comm.items():
+        # The loopback copies run on the same shared cores: divide that slow-down out of the fit.
+        contention = max(1.0, slowdown[world])
         p2p += [{**s, "contention": contention} for s in _merge_ranks(per_rank, "p2p")] if per_rank[0]["p2p"] else []
         a2a += [{**s, "contention": contention} for s in _merge_ranks(per_rank, "a2a")]
         overlap[world] = statistics.median(rank["overlap"]["efficiency"] for rank in per_rank)
         raw_overlap[str(world)] = per_rank[0]["overlap"]
-    # Overlap needs a free core for the transport: measure it where ranks do not outnumber cores (the model
-    # itself turns overlap off when they do).
-    fitting = [eff for world, eff in overlap.items() if world <= cores] or list(overlap.values())
+    # Overlap needs a free core for the transport: measure it where ranks do not outnumber the compute slots
+    # (the model itself turns overlap off when they do).
+    fitting = [eff for world, eff in overlap.items() if world <= slots] or list(overlap.values())
     p2p_alpha, p2p_bw = fit_alpha_beta(p2p) if p2p else fit_alpha_beta(a2a)
     a2a_alpha, a2a_bw = fit_alpha_beta(a2a)
     link = LinkSpec(name="gloo-loopback", alpha_s=p2p_alpha, bandwidth_Bps=p2p_bw, a2a_alpha_s=a2a_alpha,
                     a2a_bandwidth_Bps=a2a_bw)
     profile = Profile(
         name="local",
-        description=f"this machine: {cores} CPU cores, one thread per rank, gloo over 127.0.0.1 "
+        description=f"this machine: {cores} CPU cores ({slots:.2f} free for compute), one thread per rank, "
+                    f"gloo over 127.0.0.1 "
                     f"(calibrated {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC)",
         compute=compute,
         memory_bandwidth_Bps=comp["memory_bandwidth_Bps"],
@@ -349,13 +405,15 @@ def calibrate(worlds: tuple[int, ...] = (2, 4), quick: bool = False, log: Callab
         intra=link,
         inter=link,  # every rank shares one host: both levels are the same loopback
         ranks_per_node=1 << 16,
-        compute_slots_per_node=cores,
+        compute_slots_per_node=slots,
+        rank_slowdown={str(w): max(x, 1.0) for w, x in slowdown.items()},
         overlap_efficiency=statistics.median(fitting) if fitting else 0.0,
         comm_uses_compute=True,
         threads_per_rank=1,
         sources=["measured by `flexmoe calibrate` (flexmoe.tuning.calibrate) on this machine"],
         assumptions=[
-            "ranks run one thread each; more ranks than cores slow compute and loopback copies by ranks/cores",
+            "ranks run one thread each; more ranks than compute slots slow compute and loopback copies by "
+            "ranks/slots",
             "overlap of communication with compute needs a free core: none when ranks outnumber cores",
             "all-to-all: messages of one rank on one link level are serialized (alpha-beta per message)",
             "medians of repeated timings; the slowest rank's median for collectives",
@@ -388,7 +446,8 @@ def summarize(profile: Profile) -> str:
     link = profile.intra
     lines.append(f"  p2p  alpha {link.alpha_s * 1e6:7.1f} us  bandwidth {link.bandwidth_Bps / 1e9:.2f} GB/s")
     lines.append(f"  a2a  alpha {link.a2a_alpha_s * 1e6:7.1f} us  bandwidth {link.a2a_bandwidth_Bps / 1e9:.2f} GB/s per message")
-    lines.append(f"  overlap efficiency {profile.overlap_efficiency:.2f}  compute slots {profile.compute_slots_per_node}")
+    lines.append(f"  overlap efficiency {profile.overlap_efficiency:.2f}  "
+                 f"compute slots {profile.compute_slots_per_node:.2f}  slow-down by ranks {profile.rank_slowdown}")
     return "\n".join(lines)
 
 

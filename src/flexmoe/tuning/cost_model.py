@@ -44,6 +44,7 @@ __all__ = [
     "expert_rows",
     "valid_r",
     "layer_time",
+    "slowdown_at",
     "predict",
     "score_candidates",
     "rank_candidates",
@@ -343,14 +344,35 @@ def expert_rows(config: LayerConfig) -> list[float]:
 
 
 def _ranks_per_node(profile: Profile, config: LayerConfig) -> int:
+    """G of the all-to-all: the ranks grouped as one node (the config's, for 2DH, else the machine's)."""
     g = config.ranks_per_node or profile.ranks_per_node
     return max(1, min(g, config.ranks))
 
 
 def _contention(profile: Profile, config: LayerConfig) -> float:
-    """Compute slow-down when more ranks share a node than it has compute slots (CPU ranks on few cores)."""
-    on_node = _ranks_per_node(profile, config)
-    return max(1.0, on_node / max(profile.compute_slots_per_node, 1))
+    """Compute slow-down when more ranks share a machine than it has compute slots (CPU ranks on few cores).
+
+    Physical, so the profile's ranks per node, not the config's: grouping 4 ranks of one 2-core host as
+    2 x 2 for a 2-D all-to-all does not give them more cores.
+    """
+    on_host = max(1, min(profile.ranks_per_node, config.ranks))
+    if profile.rank_slowdown:
+        return slowdown_at(profile.rank_slowdown, on_host)
+    return max(1.0, on_host / max(profile.compute_slots_per_node, 1))
+
+
+def slowdown_at(measured: dict[str, float], ranks: int) -> float:
+    """Compute slow-down of ``ranks`` busy ranks on one host from the calibrated points (1 rank: 1).
+
+    Linear between measured rank counts; past the largest one every extra rank shares the same cores, so
+    the slow-down grows in proportion to the ranks.
+    """
+    points = sorted([(1, 1.0)] + [(int(n), max(float(x), 1.0)) for n, x in measured.items() if int(n) > 1])
+    for (n0, x0), (n1, x1) in zip(points, points[1:]):
+        if ranks <= n1:
+            return x0 + (x1 - x0) * (ranks - n0) / (n1 - n0)
+    n_max, x_max = points[-1]
+    return x_max * ranks / n_max
 
 
 def _router_plan_time(profile: Profile, config: LayerConfig) -> float:

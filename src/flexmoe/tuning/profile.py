@@ -28,13 +28,9 @@ __all__ = [
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 
-def _default_local_path() -> Path:
-    # A cache file, not the working directory: `validate-model` and `simulate --profile local` reuse it.
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "flexmoe" / "profile-local.json"
-
-
-LOCAL_PROFILE_PATH = _default_local_path()
+# Where `flexmoe calibrate` writes and `--profile local` / ModelGuidedChooser("local") read this machine's
+# profile: one documented place in the user's cache directory, not the working directory.
+LOCAL_PROFILE_PATH = Path.home() / ".cache" / "flexmoe" / "profile-local.json"
 
 
 @dataclass(frozen=True)
@@ -81,10 +77,12 @@ class Profile:
         means the memory bandwidth over two (one read, one write).
     intra / inter: the link inside a node and the link between nodes.
     ranks_per_node: ranks sharing a node (and its fast link) by default.
-    compute_slots_per_node: ranks that can compute at once without slowing each other (GPUs per node; CPU
-        cores when ranks are single-threaded CPU processes).
+    compute_slots_per_node: ranks that can compute at once without slowing each other (GPUs per node; for
+        single-threaded CPU ranks the cores, as measured: a shared machine may leave fewer than it has).
     overlap_efficiency: fraction of overlappable communication actually hidden behind compute (1 when
         transfers run on separate engines; lower when they share the cores with compute).
+    rank_slowdown: measured compute slow-down with n ranks busy on one host at once, ``{"2": 1.3, "4": 2.6}``
+        (string keys for JSON; empty: ``max(1, n / compute_slots_per_node)``). The model interpolates it.
     comm_uses_compute: transfers are copies run by the same cores that compute (gloo on one host), so when
         ranks outnumber compute slots, communication slows down like compute does.
     threads_per_rank: CPU threads each rank used when calibrated (0: not a CPU profile).
@@ -102,9 +100,10 @@ class Profile:
     intra: LinkSpec
     inter: LinkSpec
     ranks_per_node: int
-    compute_slots_per_node: int
+    compute_slots_per_node: float
     grad_stack_bandwidth_Bps: float = 0.0
     overlap_efficiency: float = 1.0
+    rank_slowdown: dict[str, float] = field(default_factory=dict)
     comm_uses_compute: bool = False
     threads_per_rank: int = 0
     sources: list[str] = field(default_factory=list)
