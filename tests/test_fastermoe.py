@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from flexmoe.parallel import (
     CostModelShadowPolicy,
@@ -85,7 +86,7 @@ def test_shadowing_and_pairwise_equal_single_process(world: int, tmp_path: Path)
 
 def _context(world: int = 4, experts: int = 8) -> ShadowContext:
     return ShadowContext(ExpertLayout(experts, world, 1024), model_dim=512, hidden_dim=1024, k=2,
-                         dtype=__import__("torch").float32)
+                         dtype=torch.float32)
 
 
 def _counts(world: int, per_expert: list[int]) -> list[list[int]]:

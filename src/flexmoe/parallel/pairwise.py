@@ -200,7 +200,7 @@ class _PairwiseRun:
         def compute(src: int, piece_grad: Tensor) -> Tensor:
             if src not in self.pieces:
                 return piece_grad
-            leaf, out = self.pieces.pop(src)
+            leaf, out = self.pieces[src]  # kept: a second backward then fails loudly, never silently
             got = torch.autograd.grad(out, [leaf] + self.params, piece_grad, allow_unused=True)
             for i, g in enumerate(got[1:]):
                 if g is not None:

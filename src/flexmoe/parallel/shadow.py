@@ -11,6 +11,8 @@ waits for it (the all-to-all back is as slow as the busiest rank). Shadowing an 
 Which experts to shadow is a :class:`ShadowPolicy`, asked at every forward with the all-gathered per-expert
 counts ``all_counts[src][e]`` (rows that rank ``src`` routes to global expert ``e``). Every rank must get the
 same answer, so a policy must be a deterministic function of ``all_counts`` and the :class:`ShadowContext`.
+The layer's own policy is part of its configuration check; a policy passed to one ``forward`` call is not
+checked, so pass the same one on every rank.
 
 * :class:`CostModelShadowPolicy` (``shadow=True``): FasterMoE's rule, via
   :func:`flexmoe.tuning.cost_model.choose_shadowed`: shadow the hottest experts while the straggler time saved
