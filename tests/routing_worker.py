@@ -9,8 +9,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -18,46 +16,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from multiproc import failures_of, run_ranks  # noqa: F401  (failures_of: for the tests)
 
 M, H = 8, 8
 TIMEOUT_S = 20.0
 
 
-# --- the launcher (used by the tests) -------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_group(scenario: str, world: int, tmp_path: Path, timeout: float = 150) -> list[dict]:
-    """Run ``scenario`` on ``world`` ranks; returns each rank's report (a missing one carries the rank's log)."""
-    port = str(_free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    outs = [tmp_path / f"{scenario}{world}_rank{r}.json" for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, __file__, scenario, str(r), str(world), port, str(outs[r])],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    reports = []
-    for r, path in enumerate(outs):
-        if path.exists():
-            reports.append(json.loads(path.read_text()))
-        else:
-            reports.append({"rank": r, "failures": [f"no report:\n{logs[r][-3000:] if r < len(logs) else ''}"]})
-    return reports
-
-
-def failures_of(reports: list[dict]) -> list[str]:
-    return [f"rank {rep['rank']}: {f}" for rep in reports for f in rep.get("failures", [])]
+    """Run ``scenario`` of this worker on ``world`` ranks (used by the tests); each rank's report."""
+    return run_ranks(__file__, scenario, world, tmp_path, timeout)
 
 
 # --- the scenarios (run inside each rank) --------------------------------------------------------------------

@@ -7,15 +7,11 @@ uniform routing. The shadowing policies are also unit-tested here without proces
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from multiproc import run_ranks
 
 from flexmoe.parallel import (
     CostModelShadowPolicy,
@@ -32,35 +28,9 @@ from flexmoe.tuning import load_profile
 WORKER = Path(__file__).with_name("fastermoe_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_group(scenarios: str, world: int, tmp_path: Path, timeout: float = 120) -> list[dict]:
     """Run the comma-separated ``scenarios`` in one process group of ``world`` ranks; each rank's report."""
-    port = str(_free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    outs = [tmp_path / f"fastermoe{world}_rank{r}.json" for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenarios, str(r), str(world), port, str(outs[r])],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    reports = []
-    for r, path in enumerate(outs):
-        if path.exists():
-            reports.append(json.loads(path.read_text()))
-        else:
-            reports.append({"rank": r, "failures": [f"no report:\n{logs[r][-3000:] if r < len(logs) else ''}"]})
-    return reports
+    return run_ranks(WORKER, scenarios, world, tmp_path, timeout)
 
 
 @pytest.mark.parametrize("world", [2, 4])
