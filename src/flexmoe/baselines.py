@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmoe.experts import FeedForwardExperts
+from flexmoe.experts import FeedForwardExperts, expert_ffn
 from flexmoe.layer import MoELayer
 from flexmoe.routing.plan import make_plan
 from flexmoe.routing.routers import route
@@ -24,20 +24,10 @@ __all__ = ["expert_floor", "gshard_einsum_forward"]
 
 
 def expert_floor(experts: FeedForwardExperts, rows: Tensor, counts: list[int]) -> Tensor:
-    """rows: ``[N, M]`` sorted by expert, counts: rows per expert -> ``[N, M]``: each expert's FFN on its rows."""
-    act = experts.activation
-    outs = []
-    per_expert = zip(rows.split(counts), experts.w1.unbind(0), experts.w2.unbind(0),
-                     *(p.unbind(0) if p is not None else [None] * len(counts)
-                       for p in (experts.b1, experts.b2, experts.w3, experts.b3)))
-    for x, w1, w2, b1, b2, w3, b3 in per_expert:
-        if x.shape[0] == 0:
-            continue
-        h = act(torch.addmm(b1, x, w1) if b1 is not None else x @ w1)
-        if w3 is not None:
-            h = h * (torch.addmm(b3, x, w3) if b3 is not None else x @ w3)
-        outs.append(torch.addmm(b2, h, w2) if b2 is not None else h @ w2)
-    return torch.cat(outs)
+    """rows: ``[N, M]`` sorted by expert, counts: rows per expert -> ``[N, M]``: each expert's FFN on its rows
+    (:func:`flexmoe.experts.expert_ffn` on the experts' weights, with no routing around it)."""
+    e = experts
+    return expert_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation)
 
 
 def gshard_einsum_forward(layer: MoELayer, x: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["FeedForwardExperts", "resolve_activation"]
+__all__ = ["FeedForwardExperts", "expert_ffn", "resolve_activation"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -79,35 +79,54 @@ class FeedForwardExperts(nn.Module):
             if b is not None:
                 nn.init.uniform_(b, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
 
-    def _per_expert(self, p: Tensor | None) -> list[Tensor | None]:
-        # unbind, not p[e]: indexing inside the loop writes each slice's gradient into a full-size zero tensor.
-        return list(p.unbind(0)) if p is not None else [None] * self.num_experts
-
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
         """x: ``[N, M]`` rows sorted by expert, counts: ``[E]`` rows per expert -> ``[N, M]``."""
         if len(counts) != self.num_experts:
             raise ValueError(f"counts must have {self.num_experts} entries (one per expert), got {len(counts)}")
-        outputs = []
-        params = zip(
-            x.split(counts),
-            *(self._per_expert(p) for p in (self.w1, self.b1, self.w2, self.b2, self.w3, self.b3)),
-        )
-        for rows, w1, b1, w2, b2, w3, b3 in params:
-            if rows.shape[0] == 0:
-                continue
-            h = self.activation(_linear(rows, w1, b1))
-            if w3 is not None:
-                h = h * _linear(rows, w3, b3)
-            outputs.append(_linear(h, w2, b2))
-        if not outputs:
-            return x.new_zeros(x.shape[0], self.model_dim)
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        return expert_ffn(x, counts, self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation)
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, model_dim={self.model_dim}, hidden_dim={self.hidden_dim}, "
             f"glu={self.glu}, bias={self.b1 is not None}"
         )
+
+
+def expert_ffn(
+    rows: Tensor,
+    counts: list[int],
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    w3: Tensor | None,
+    b3: Tensor | None,
+    activation: Callable[[Tensor], Tensor],
+) -> Tensor:
+    """The experts' FFN on explicit weights: each expert's rows through its own two (or, GLU, three) matmuls.
+
+    rows: ``[N, M]`` sorted by expert, counts: ``[E]``; w1, w3: ``[E, M, H]``, w2: ``[E, H, M]``, biases
+    ``[E, H]`` / ``[E, M]`` or None -> ``[N, M]``. H may be a hidden shard (expert parallelism), the result then
+    a partial sum. One ``addmm`` pair per expert over ``w.unbind(0)``: on CPU this runs at the batched-matmul
+    floor, while indexing ``w[e]`` in the loop would write each slice's gradient into a full-size zero tensor.
+    """
+    num_experts = len(counts)
+
+    def per_expert(p: Tensor | None) -> list[Tensor | None]:
+        return list(p.unbind(0)) if p is not None else [None] * num_experts
+
+    outputs = []
+    for x, a1, c1, a2, c2, a3, c3 in zip(rows.split(counts), per_expert(w1), per_expert(b1), per_expert(w2),
+                                         per_expert(b2), per_expert(w3), per_expert(b3)):
+        if x.shape[0] == 0:
+            continue
+        h = activation(_linear(x, a1, c1))
+        if a3 is not None:
+            h = h * _linear(x, a3, c3)
+        outputs.append(_linear(h, a2, c2))
+    if not outputs:
+        return rows.new_zeros(rows.shape[0], w2.shape[-1])
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
 def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

@@ -36,10 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flexmoe.experts import FeedForwardExperts
 from flexmoe.parallel.groups import ExpertGroup
 from flexmoe.parallel.layout import ExpertLayout
-from flexmoe.parallel.weights import expert_ffn
+from flexmoe.experts import FeedForwardExperts, expert_ffn
 
 __all__ = [
     "ShadowContext",

@@ -7,15 +7,13 @@ relation is symmetric (rank a gathers from b iff b gathers from a), which keeps 
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from flexmoe.parallel.groups import ExpertGroup
 
-__all__ = ["gather_from_peers", "replica_grad", "expert_ffn"]
+__all__ = ["gather_from_peers", "replica_grad"]
 
 
 def _peer_all_to_all(eg: ExpertGroup, x: Tensor, peers: list[int], what: str) -> Tensor:
@@ -68,37 +66,3 @@ def replica_grad(x: Tensor, eg: ExpertGroup, peers: list[int]) -> Tensor:
     gradient, so the copies stay equal under any optimizer.
     """
     return _ReplicaGrad.apply(x, eg, peers)
-
-
-def expert_ffn(
-    rows: Tensor,
-    counts: list[int],
-    w1: Tensor,
-    b1: Tensor | None,
-    w2: Tensor,
-    b2: Tensor | None,
-    w3: Tensor | None,
-    b3: Tensor | None,
-    activation: Callable[[Tensor], Tensor],
-) -> Tensor:
-    """The FFN of :class:`flexmoe.experts.FeedForwardExperts` on explicit weights.
-
-    rows: ``[N, M]`` sorted by expert, counts: ``[E]``; w1: ``[E, M, H]``, w2: ``[E, H, M]`` (H may be a
-    hidden shard, then the result is a partial sum and ``b2`` is None on all but one shard) -> ``[N, M]``.
-    """
-    E = len(counts)
-
-    def per(p: Tensor | None) -> list[Tensor | None]:
-        return list(p.unbind(0)) if p is not None else [None] * E
-
-    outputs = []
-    for x, a1, c1, a2, c2, a3, c3 in zip(rows.split(counts), per(w1), per(b1), per(w2), per(b2), per(w3), per(b3)):
-        if x.shape[0] == 0:
-            continue
-        h = activation(torch.addmm(c1, x, a1) if c1 is not None else x @ a1)
-        if a3 is not None:
-            h = h * (torch.addmm(c3, x, a3) if c3 is not None else x @ a3)
-        outputs.append(torch.addmm(c2, h, a2) if c2 is not None else h @ a2)
-    if not outputs:
-        return rows.new_zeros(rows.shape[0], w2.shape[-1])
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
