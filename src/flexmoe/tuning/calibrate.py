@@ -182,8 +182,12 @@ def measure_compute(quick: bool = False) -> dict[str, Any]:
 
     # unbind's backward: per-expert weight gradients stacked into one fresh [E, M, H] gradient.
     pieces = [torch.randn(512, 1024) for _ in range(8)]
-    stack_s = _median_time(lambda: torch.stack(pieces), reps)
+    stack_s = _median_time(lambda: torch.stack(pieces), 3 * reps)
     stack_bw = sum(p.numel() for p in pieces) * 4 / stack_s
+
+    # First touch: a 64 MiB buffer (above glibc's mmap threshold) is mapped anew by every allocation.
+    fresh_bytes = 64 * 2**20
+    fresh_s = _median_time(lambda: torch.empty(fresh_bytes, dtype=torch.uint8).fill_(1), reps)
     return {
         "gemm": gemm,
         "gemm_timing": "forward + backward of addmm with autograd, per GEMM (time / 3)",
@@ -192,6 +196,7 @@ def measure_compute(quick: bool = False) -> dict[str, Any]:
         "scatter_bandwidth_Bps": moved / scatter_s,
         "op_overhead_s": op_s,
         "grad_stack_bandwidth_Bps": stack_bw,
+        "first_touch_bandwidth_Bps": fresh_bytes / fresh_s,
     }
 
 
@@ -292,12 +297,17 @@ def _concurrent_gemm(rank: int, reps: int) -> tuple[float, float]:
         x.grad = w.grad = None
         (x @ w).backward(grad)
 
+    # Alone and together take turns three times, so a burst of load from other processes does not land on
+    # one side only.
+    alone, together = [], []
+    for _ in range(3):
+        dist.barrier()
+        if rank == 0:  # the others wait in the barrier, blocked on a socket
+            alone.append(_median_time(step, reps))
+        dist.barrier()
+        together.append(_median_time(step, reps))
     dist.barrier()
-    alone = _median_time(step, reps) if rank == 0 else 0.0  # the others wait in the barrier, blocked on a socket
-    dist.barrier()
-    together = _median_time(step, reps)
-    dist.barrier()
-    return alone, together
+    return (statistics.median(alone) if alone else 0.0), statistics.median(together)
 
 
 def compute_slots(samples: dict[int, float], cores: int) -> float:
@@ -402,6 +412,7 @@ def calibrate(worlds: tuple[int, ...] = (2, 4), quick: bool = False, log: Callab
         scatter_bandwidth_Bps=comp["scatter_bandwidth_Bps"],
         op_overhead_s=comp["op_overhead_s"],
         grad_stack_bandwidth_Bps=comp["grad_stack_bandwidth_Bps"],
+        first_touch_bandwidth_Bps=comp["first_touch_bandwidth_Bps"],
         intra=link,
         inter=link,  # every rank shares one host: both levels are the same loopback
         ranks_per_node=1 << 16,
@@ -442,7 +453,8 @@ def summarize(profile: Profile) -> str:
                      f"  half-dim {spec.half_dim:g}")
     lines.append(f"  memory {profile.memory_bandwidth_Bps / 1e9:.2f} GB/s  gather {profile.gather_bandwidth_Bps / 1e9:.2f} GB/s"
                  f"  scatter-add {profile.scatter_bandwidth_Bps / 1e9:.2f} GB/s  op {profile.op_overhead_s * 1e6:.1f} us"
-                 f"  grad stack {profile.grad_stack_bandwidth_Bps / 1e9:.2f} GB/s")
+                 f"  grad stack {profile.grad_stack_bandwidth_Bps / 1e9:.2f} GB/s"
+                 f"  first touch {profile.first_touch_bandwidth_Bps / 1e9:.2f} GB/s")
     link = profile.intra
     lines.append(f"  p2p  alpha {link.alpha_s * 1e6:7.1f} us  bandwidth {link.bandwidth_Bps / 1e9:.2f} GB/s")
     lines.append(f"  a2a  alpha {link.a2a_alpha_s * 1e6:7.1f} us  bandwidth {link.a2a_bandwidth_Bps / 1e9:.2f} GB/s per message")

@@ -33,6 +33,7 @@ __all__ = [
     "Breakdown",
     "gemm_time",
     "memory_time",
+    "first_touch_time",
     "p2p_time",
     "a2a_flat_time",
     "a2a_2dh_time",
@@ -197,6 +198,19 @@ def gemm_time(spec: ComputeSpec, memory_bandwidth: float, m: int, n: int, k: int
 def memory_time(num_bytes: float, bandwidth: float, ops: int = 0, op_overhead: float = 0.0) -> float:
     """A memory-bound stage: bytes over bandwidth plus a fixed cost per op."""
     return num_bytes / bandwidth + ops * op_overhead
+
+
+# glibc's largest mmap threshold on 64-bit: buffers at least this large are mapped fresh at every allocation
+# (and unmapped when freed), so every one of their pages faults when first written; smaller ones are reused
+# from the heap.
+FRESH_MAPPING_BYTES = 32 * 2**20
+
+
+def first_touch_time(profile: Profile, buffer_bytes: float, count: int = 1) -> float:
+    """Page-fault cost of ``count`` freshly allocated buffers of ``buffer_bytes`` each (0 below the threshold)."""
+    if profile.first_touch_bandwidth_Bps <= 0 or buffer_bytes < FRESH_MAPPING_BYTES:
+        return 0.0
+    return count * buffer_bytes / profile.first_touch_bandwidth_Bps
 
 
 def ffn_times(profile: Profile, rows: float, model_dim: int, hidden_dim: int, dtype: str, glu: bool = False,
@@ -407,7 +421,9 @@ def _dense_dispatch_combine_time(profile: Profile, config: LayerConfig) -> float
     # forward: dispatch + combine; backward: dispatch's input grad, combine's expert-output and weight grads.
     gemms = 5 * one
     masks = 6 * t * ec * b / bw  # one-hot [T, E, C] built, cast, and read back for the weight gradient
-    return gemms + masks + OPS_DENSE_DISPATCH * profile.op_overhead_s
+    # Fresh [T, E, C] buffers every step: combine weights, dispatch mask, and the weights' gradient.
+    fresh = first_touch_time(profile, t * ec * b, count=3)
+    return gemms + masks + fresh + OPS_DENSE_DISPATCH * profile.op_overhead_s
 
 
 def _weight_bytes(config: LayerConfig) -> float:
@@ -492,7 +508,8 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
     if s > 1 and r > 0:
         local_weights = _weight_bytes(config) / s
     stack_bw = profile.grad_stack_bandwidth_Bps or profile.memory_bandwidth_Bps / 2
-    c_bwd += local_weights / stack_bw * slow
+    n_weights = 3 if config.glu else 2  # one stacked gradient [E_local, M, H] per weight tensor
+    c_bwd += (local_weights / stack_bw + first_touch_time(profile, local_weights / n_weights, n_weights)) * slow
     out.experts = c_fwd + c_bwd
 
     # ---- all-to-all volume of the straggler: what it sends, or receives if more (hot experts), per direction.

@@ -75,6 +75,9 @@ class Profile:
     grad_stack_bandwidth_Bps: bytes per second at which the per-expert weight gradients are gathered into the
         batched parameters' gradients (``unbind``'s backward stacks them into freshly allocated memory); 0
         means the memory bandwidth over two (one read, one write).
+    first_touch_bandwidth_Bps: bytes per second at which a freshly mapped large buffer is first written
+        (page faults: buffers above the C allocator's largest mmap threshold, 32 MiB, are mapped anew at every
+        allocation); 0 means no such cost (caching allocators, as on GPUs).
     intra / inter: the link inside a node and the link between nodes.
     ranks_per_node: ranks sharing a node (and its fast link) by default.
     compute_slots_per_node: ranks that can compute at once without slowing each other (GPUs per node; for
@@ -102,6 +105,7 @@ class Profile:
     ranks_per_node: int
     compute_slots_per_node: float
     grad_stack_bandwidth_Bps: float = 0.0
+    first_touch_bandwidth_Bps: float = 0.0
     overlap_efficiency: float = 1.0
     rank_slowdown: dict[str, float] = field(default_factory=dict)
     comm_uses_compute: bool = False

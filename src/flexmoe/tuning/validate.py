@@ -185,8 +185,22 @@ def _layer_class() -> Any:
 
 
 def measure_multi(cfg: dict[str, Any], steps: int = 5, warmup: int = 2, timeout: float = 180.0,
-                  ) -> tuple[float, list[int]]:
-    """Seconds of one forward + backward with ``cfg['ranks']`` gloo processes, and the global routed load."""
+                  attempts: int = 2) -> tuple[float, list[int]]:
+    """Seconds of one forward + backward with ``cfg['ranks']`` gloo processes, and the global routed load.
+
+    A group whose rank dies is started again once (``attempts``) before the configuration is given up: one
+    crashed process on a busy machine should not drop a row from the table; a second failure is reported.
+    """
+    for attempt in range(attempts):
+        try:
+            return _measure_multi_once(cfg, steps, warmup, timeout)
+        except RuntimeError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _measure_multi_once(cfg: dict[str, Any], steps: int, warmup: int, timeout: float) -> tuple[float, list[int]]:
     world = int(cfg["ranks"])
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -209,8 +223,12 @@ def measure_multi(cfg: dict[str, Any], steps: int = 5, warmup: int = 2, timeout:
                 raise RuntimeError(f"{world}-rank measurement did not finish in {timeout:.0f} s")
             if proc.returncode != 0:
                 errors.append(f"rank {rank}: {err[-3000:]}")
-        if errors:
+        finished = Path(out).exists()  # written after every rank handed in its timings
+        if errors and not finished:
             raise RuntimeError("multi-rank measurement failed:\n" + "\n".join(errors))
+        if errors:  # a crash while tearing down, after the measurement: keep it, but say so
+            print(f"validate-model: {world}-rank run measured, then a rank exited abnormally:\n"
+                  + "\n".join(e[-300:] for e in errors), file=sys.stderr)
         result = json.loads(Path(out).read_text())
         return float(result["seconds"]), list(result["load"])
 
@@ -239,30 +257,47 @@ def _label(cfg: dict[str, Any]) -> str:
 
 
 def validate(profile: Profile, configs: list[dict[str, Any]], steps: int = 5, warmup: int = 2,
-             log: Any = None) -> dict[str, Any]:
-    """Measure and predict every configuration; returns {"median_abs_error", "rows", "skipped"}."""
-    rows = []
-    skipped = []
+             log: Any = None, rounds: int = 1) -> dict[str, Any]:
+    """Measure and predict every configuration; returns {"median_abs_error", "rows", "skipped"}.
+
+    With ``rounds > 1`` the configurations are measured in turn, round after round, and each keeps the median
+    of its rounds: on a shared machine the load drifts over minutes, and taking turns spreads every
+    configuration over the same stretch of time instead of giving the first ones a quiet minute and the last
+    ones a busy one.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    cfgs = [{**_BASE, **cfg} for cfg in configs]
     multi_ok = distributed_layer_available()
-    for cfg in configs:
-        cfg = {**_BASE, **cfg}
+    samples: dict[int, list[float]] = {i: [] for i in range(len(cfgs))}
+    loads: dict[int, list[int]] = {}
+    failed: dict[int, str] = {}
+    for i, cfg in enumerate(cfgs):
         if cfg["ranks"] > 1 and not multi_ok:
-            skipped.append({**cfg, "reason": "MoELayer has no group= yet (expert-parallel layer not landed)"})
+            failed[i] = "MoELayer has no group= yet (expert-parallel layer not landed)"
+    for round_index in range(rounds):
+        for i, cfg in enumerate(cfgs):
+            if i in failed:
+                continue
+            if log:
+                log(f"round {round_index + 1}/{rounds}: measuring {_label(cfg)}")
+            try:
+                measure = measure_single if cfg["ranks"] == 1 else measure_multi
+                seconds, loads[i] = measure(cfg, steps, warmup)
+            except Exception as exc:  # a configuration the layer refuses must not hide the others
+                failed[i] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+                continue
+            samples[i].append(seconds)
+    rows = []
+    for i, cfg in enumerate(cfgs):
+        if i in failed:
             continue
-        if log:
-            log(f"measuring {_label(cfg)}")
-        try:
-            if cfg["ranks"] == 1:
-                measured, load = measure_single(cfg, steps, warmup)
-            else:
-                measured, load = measure_multi(cfg, steps, warmup)
-        except Exception as exc:  # a configuration the layer refuses must not hide the others
-            skipped.append({**cfg, "reason": f"{type(exc).__name__}: {str(exc)[-300:]}"})
-            continue
-        predicted = predict(profile, model_config(cfg, load))
+        measured = statistics.median(samples[i])
+        predicted = predict(profile, model_config(cfg, loads[i]))
         rows.append({**cfg, "label": _label(cfg), "predicted_s": predicted, "measured_s": measured,
-                     "error": (predicted - measured) / measured})
+                     "error": (predicted - measured) / measured, "rounds_s": samples[i]})
     errors = [abs(r["error"]) for r in rows]
+    skipped = [{**cfgs[i], "reason": reason} for i, reason in sorted(failed.items())]
     return {"profile": profile.name, "median_abs_error": statistics.median(errors) if errors else None,
             "rows": rows, "skipped": skipped}
 
@@ -290,6 +325,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recalibrate", action="store_true", help="calibrate again before validating")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="measure every configuration this many times, in turn, and keep the median "
+                             "(default 2: a shared machine's load drifts over minutes)")
     parser.add_argument("--max-ranks", type=int, default=4, help="skip configurations with more ranks")
     parser.add_argument("--json", action="store_true", help="print {median_abs_error, rows} as JSON")
 
@@ -302,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
         calibrate(log=log).save(LOCAL_PROFILE_PATH)
     profile = load_profile(args.profile)
     configs = [c for c in DEFAULT_CONFIGS if c.get("ranks", 1) <= args.max_ranks]
-    result = validate(profile, configs, steps=args.steps, warmup=args.warmup, log=log)
+    result = validate(profile, configs, steps=args.steps, warmup=args.warmup, log=log, rounds=args.rounds)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
