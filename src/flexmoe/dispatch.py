@@ -41,15 +41,29 @@ def _gather_pairs(plan: RoutingPlan) -> bool:
     return plan.num_tokens * plan.k <= _MAX_PAIRS_PER_ROW * max(plan.row_token.numel(), 1)
 
 
-def _take(src: Tensor, index: Tensor) -> Tensor:
-    """``src`` with a zero row appended (row ``len(src)``), gathered by ``index``: ``[len(index), M]``."""
-    if bool((index == src.shape[0]).any()):
-        src = torch.cat([src, src.new_zeros(1, src.shape[-1])])
-    return src.index_select(0, index)
+def _sum_pair_rows(rows: Tensor, pairs: Tensor, pair_weight: Tensor | None) -> Tensor:
+    """``out[t] = sum_j pair_weight[t, j] * rows[pairs[t, j]]`` (rows past the end count as zeros): ``[T, M]``.
+
+    One choice at a time, so every temporary is ``[T, M]``: a single ``[T * k, M]`` buffer would be large
+    enough for the allocator to map fresh pages (and take their page faults) on every call.
+    """
+    num_rows = rows.shape[0]
+    out = None
+    for j in range(pairs.shape[1]):
+        index = pairs[:, j]
+        missing = index == num_rows
+        has_missing = bool(missing.any())
+        part = rows.index_select(0, index.masked_fill(missing, 0) if has_missing else index)
+        if has_missing:
+            part.masked_fill_(missing.unsqueeze(-1), 0)
+        if pair_weight is not None:
+            part.mul_(pair_weight[:, j : j + 1])
+        out = part if out is None else out.add_(part)
+    return out
 
 
-class _RowsOfTokens(torch.autograd.Function):
-    """Forward ``x[row_token]`` ``[N, M]``; backward sums each token's row gradients by a gather over its pairs."""
+class _Dispatch(torch.autograd.Function):
+    """Forward ``x[row_token]`` ``[N, M]``; backward: each token's row gradients summed by gathers."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, row_token: Tensor, pairs: Tensor) -> Tensor:
@@ -59,23 +73,25 @@ class _RowsOfTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         (pairs,) = ctx.saved_tensors
-        num_tokens, k = pairs.shape
-        g = _take(grad, pairs.reshape(-1)).view(num_tokens, k, -1)
-        return (g[:, 0] if k == 1 else g.sum(1)), None, None
+        return _sum_pair_rows(grad, pairs, None), None, None
 
 
-class _PairsOfRows(torch.autograd.Function):
-    """Forward ``[T, k, M]``: each pair's row (zeros where it has none); backward: the inverse gather."""
-
-    @staticmethod
-    def forward(ctx: Any, rows: Tensor, pairs: Tensor, pair_of_row: Tensor) -> Tensor:
-        ctx.save_for_backward(pair_of_row)
-        return _take(rows, pairs.reshape(-1)).view(*pairs.shape, rows.shape[-1])
+class _Combine(torch.autograd.Function):
+    """Forward ``y[t] = sum over t's rows of row_weight[r] * rows[r]`` ``[T, M]``, by gathers; backward by
+    one gather of ``grad_y`` per row (and a batched dot product for the weights' gradient)."""
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        (pair_of_row,) = ctx.saved_tensors
-        return grad.reshape(-1, grad.shape[-1]).index_select(0, pair_of_row), None, None
+    def forward(ctx: Any, rows: Tensor, row_weight: Tensor, row_token: Tensor, pairs: Tensor) -> Tensor:
+        ctx.save_for_backward(rows, row_weight, row_token)
+        weight_of_pair = torch.cat([row_weight, row_weight.new_zeros(1)])[pairs]  # [T, k], 0 where no row
+        return _sum_pair_rows(rows, pairs, weight_of_pair)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        rows, row_weight, row_token = ctx.saved_tensors
+        grad_of_row = grad.index_select(0, row_token)  # [N, M]
+        grad_weight = torch.bmm(grad_of_row.unsqueeze(1), rows.unsqueeze(-1)).view(-1)  # row-wise dot products
+        return grad_of_row.mul_(row_weight.unsqueeze(-1)), grad_weight, None, None
 
 
 def dispatch(x: Tensor, plan: RoutingPlan, *, scale: bool = False) -> Tensor:
@@ -85,7 +101,7 @@ def dispatch(x: Tensor, plan: RoutingPlan, *, scale: bool = False) -> Tensor:
     With ``scale`` each row is multiplied by its combine weight (``score_at="dispatch"``).
     """
     if _gather_pairs(plan) and torch.is_grad_enabled() and x.requires_grad:
-        rows = _RowsOfTokens.apply(x, plan.row_token, pair_rows(plan))
+        rows = _Dispatch.apply(x, plan.row_token, pair_rows(plan))
     else:
         rows = x.index_select(0, plan.row_token)
     if scale:
@@ -99,15 +115,10 @@ def combine(expert_output: Tensor, plan: RoutingPlan, *, weighted: bool = True) 
     expert_output: ``[N, M]`` -> ``[T, M]``. With ``weighted`` each row is multiplied by its combine weight
     first (``score_at="combine"``). Tokens whose every choice was dropped come out as zeros.
     """
+    weight = plan.row_weight.to(expert_output.dtype) if weighted else None
     if not _gather_pairs(plan):
-        rows = expert_output
-        if weighted:
-            rows = rows * plan.row_weight.to(rows.dtype).unsqueeze(-1)
+        rows = expert_output if weight is None else expert_output * weight.unsqueeze(-1)
         return rows.new_zeros(plan.num_tokens, rows.shape[-1]).index_add(0, plan.row_token, rows)
-    pairs = pair_rows(plan)
-    pair_of_row = plan.row_token * plan.k + plan.row_choice
-    per_pair = _PairsOfRows.apply(expert_output, pairs, pair_of_row)  # [T, k, M]
-    if not weighted:
-        return per_pair.sum(1)
-    weight = _take(plan.row_weight.to(expert_output.dtype).unsqueeze(-1), pairs.reshape(-1))
-    return torch.bmm(weight.view(plan.num_tokens, 1, plan.k), per_pair).squeeze(1)  # [T, 1, k] @ [T, k, M]
+    if weight is None:
+        weight = expert_output.new_ones(expert_output.shape[0])
+    return _Combine.apply(expert_output, weight, plan.row_token, pair_rows(plan))
