@@ -78,11 +78,12 @@ def test_bench_rejects_bad_flags() -> None:
 def test_distributed_bench_two_ranks() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "flexmoe", "bench", "--nproc", "2", "--tokens", "128", "--model-dim", "32",
-         "--hidden-dim", "64", "--experts", "4", "--steps", "2", "--warmup", "1", "--json"],
+         "--hidden-dim", "64", "--experts", "4", "--steps", "2", "--warmup", "1", "--profile", "a100-ndv4", "--json"],
         capture_output=True, text=True, timeout=300, check=True)
     report = json.loads(out.stdout[out.stdout.index("{"):])
     assert report["world_size"] == 2
     names = [row["setting"] for row in report["settings"]]
     assert "r=1 d=1 a2a=flat" in names and "r=0 d=1 a2a=flat" in names
-    assert report["auto"]["choice"] in names
+    assert len(report["auto"]) == 2  # measuring every candidate, and steered by the cost model
+    assert all(auto["choice"] in names for auto in report["auto"])
     assert all(0 <= row["comm_share"] <= 1 for row in report["settings"])

@@ -365,8 +365,10 @@ def _synced(step: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
-def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: int | None) -> dict[str, Any]:
-    """Under torchrun: every (r, d, a2a) setting side by side, auto's choice, the per-rank floor."""
+def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: int | None,
+                      profile: str | None = None) -> dict[str, Any]:
+    """Under torchrun: every (r, d, a2a) setting side by side, auto's choice (also steered by the cost model
+    with ``profile``), the per-rank floor."""
     from flexmoe.parallel import candidates
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -398,24 +400,34 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
     times = time_side_by_side(cases, cfg.steps, cfg.warmup, sync=_slowest)
     medians = {name: statistics.median(v) for name, v in times.items()}
 
-    auto_layer = build_layer(cfg, parallel="auto", **extra)
-    auto_layer.load_state_dict(layer.state_dict())
-    auto_step = _fwd_bwd(lambda: auto_layer(x), grad, auto_layer)
-    while not auto_layer.auto_decisions:  # tuning: each candidate is tried, then one is kept
-        auto_step()
-    auto_times = time_side_by_side({"auto": _synced(auto_step), "best static": _synced(
-        cases[min((str(s) for s in settings), key=medians.get)])}, cfg.steps, cfg.warmup, sync=_slowest)
-    decision = auto_layer.auto_decisions[0]
+    best_static = min((str(s) for s in settings), key=medians.get)
+    autos = {"auto": build_layer(cfg, parallel="auto", **extra)}
+    if profile is not None:
+        from flexmoe.parallel.auto import ModelGuidedChooser
+
+        autos[f"auto (model {profile}, keep 3)"] = build_layer(
+            cfg, parallel="auto", chooser=ModelGuidedChooser(profile, keep=3), **extra)
+    auto_cases = {}
+    for name, auto_layer in autos.items():
+        auto_layer.load_state_dict(layer.state_dict())
+        auto_step = _fwd_bwd(lambda m=auto_layer: m(x), grad, auto_layer)
+        while not auto_layer.auto_decisions:  # tuning: each candidate is tried, then one is kept
+            auto_step()
+        auto_cases[name] = _synced(auto_step)
+    auto_times = time_side_by_side({**auto_cases, "best static": cases[best_static]}, cfg.steps, cfg.warmup,
+                                   sync=_slowest)
     floor = medians.get("floor (1 rank, same per-rank rows)")
+    auto_report = [{"name": name, "choice": str(m.auto_decisions[0].choice),
+                    "seconds": statistics.median(auto_times[name]),
+                    "tuning": m.auto_decisions[0].describe()} for name, m in autos.items()]
     return {
         "config": asdict(cfg), "world_size": world, "ranks_per_node": layer.ranks_per_node,
         "sleep_ms": sleep_ms, "threads_per_rank": torch.get_num_threads(),
         "settings": [{"setting": str(s), "seconds": medians[str(s)], "comm_share": comm_share[str(s)],
                       "x_floor": None if floor is None else medians[str(s)] / floor} for s in settings],
         "floor_seconds": floor,
-        "auto": {"choice": str(decision.choice), "seconds": statistics.median(auto_times["auto"]),
-                 "best_static_seconds": statistics.median(auto_times["best static"]),
-                 "tuning": decision.describe()},
+        "auto": auto_report, "best_static": best_static,
+        "best_static_seconds": statistics.median(auto_times["best static"]),
         "rank": rank,
     }
 
@@ -438,10 +450,11 @@ def format_distributed(report: dict[str, Any]) -> str:
         lines.append(f"{row['setting']:<24}{row['seconds'] * 1e3:>10.1f}{row['comm_share']:>10.0%} {ratio}")
     if report["floor_seconds"] is not None:
         lines.append(f"{'floor (per-rank rows)':<24}{report['floor_seconds'] * 1e3:>10.1f}")
-    auto = report["auto"]
-    lines.append(f"auto chose {auto['choice']}: {auto['seconds'] * 1e3:.1f} ms vs best static "
-                 f"{auto['best_static_seconds'] * 1e3:.1f} ms ({auto['seconds'] / auto['best_static_seconds']:.3f}x)")
-    lines.append(f"auto tuning: {auto['tuning']}")
+    best = report["best_static_seconds"]
+    for auto in report["auto"]:
+        lines.append(f"{auto['name']} chose {auto['choice']}: {auto['seconds'] * 1e3:.1f} ms vs best static "
+                     f"{report['best_static']} {best * 1e3:.1f} ms ({auto['seconds'] / best:.3f}x)")
+        lines.append(f"  tuning: {auto['tuning']}")
     if report["sleep_ms"] is not None:
         by = {row["setting"]: row["seconds"] for row in report["settings"]}
         d1 = next((v for k, v in by.items() if k.startswith("r=1 d=1 a2a=flat")), None)
@@ -477,6 +490,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--ranks-per-node", type=int, default=None, help="for the 2-D hierarchical all-to-all (default: torchrun's)")
     a("--sleep-ms", type=float, default=None,
       help="distributed: experts that stall this long per pass without using the CPU (overlap check)")
+    a("--profile", default=None,
+      help="distributed: also run parallel='auto' steered by this cost-model profile ('local', 'a100-ndv4', a path)")
     a("--json", action="store_true", help="print the report as JSON")
 
 
@@ -538,7 +553,7 @@ def _run_distributed(cfg: BenchConfig, args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        report = bench_distributed(cfg, args.sleep_ms, args.ranks_per_node)
+        report = bench_distributed(cfg, args.sleep_ms, args.ranks_per_node, args.profile)
         if report["rank"] == 0:
             print(json.dumps(report, indent=1) if args.json else format_distributed(report), flush=True)
     finally:
