@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: setup train bench test test-slow
 setup: $(VENV)/.installed
 
-# The main job: train the MoE GPT on the embedded tiny Shakespeare (about 3 minutes on 2 cores) into runs/default.
+# The main job: train the MoE GPT on the embedded tiny Shakespeare (about 3.5 minutes on 2 cores) into runs/default.
 train: setup
 	$(VENV)/bin/flexmoe train --out runs/default
 
