@@ -366,7 +366,7 @@ def _synced(step: Callable[[], None]) -> Callable[[], None]:
 
 
 def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: int | None,
-                      profile: str | None = None) -> dict[str, Any]:
+                      profile: str | None = None, degrees: tuple[int, ...] = (1, 2, 4)) -> dict[str, Any]:
     """Under torchrun: every (r, d, a2a) setting side by side, auto's choice (also steered by the cost model
     with ``profile``), the per-rank floor."""
     from flexmoe.parallel import candidates
@@ -380,7 +380,7 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
         extra["experts"] = SleepyExperts(cfg.experts // world, sleep_ms / 1e3, expected)
     layer = build_layer(cfg, **extra)
     x, grad = _inputs(cfg, cfg.seed + 1 + rank)  # each rank its own tokens
-    settings = candidates(layer._ep.valid_r(), world, layer.ranks_per_node)
+    settings = candidates(layer._ep.valid_r(), world, layer.ranks_per_node, degrees)
     cases = {str(s): _synced(_fwd_bwd(lambda s=s: layer(x, r=s.r, overlap_degree=s.overlap_degree, a2a=s.a2a,
                                                           ranks_per_node=s.ranks_per_node), grad, layer))
              for s in settings}
@@ -490,9 +490,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--ranks-per-node", type=int, default=None, help="for the 2-D hierarchical all-to-all (default: torchrun's)")
     a("--sleep-ms", type=float, default=None,
       help="distributed: experts that stall this long per pass without using the CPU (overlap check)")
+    a("--degrees", type=_degrees, default=(1, 2, 4), help="distributed: overlap degrees to time (default 1,2,4)")
     a("--profile", default=None,
       help="distributed: also run parallel='auto' steered by this cost-model profile ('local', 'a100-ndv4', a path)")
     a("--json", action="store_true", help="print the report as JSON")
+
+
+def _degrees(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,4, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"overlap degrees must be >= 1, got {text!r}")
+    return values
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
@@ -553,7 +564,7 @@ def _run_distributed(cfg: BenchConfig, args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        report = bench_distributed(cfg, args.sleep_ms, args.ranks_per_node, args.profile)
+        report = bench_distributed(cfg, args.sleep_ms, args.ranks_per_node, args.profile, args.degrees)
         if report["rank"] == 0:
             print(json.dumps(report, indent=1) if args.json else format_distributed(report), flush=True)
     finally:
