@@ -369,7 +369,7 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
                       profile: str | None = None, degrees: tuple[int, ...] = (1, 2, 4)) -> dict[str, Any]:
     """Under torchrun: every (r, d, a2a) setting side by side, auto's choice (also steered by the cost model
     with ``profile``), the per-rank floor."""
-    from flexmoe.parallel import candidates
+    from flexmoe.parallel import ParallelSetting, candidates
 
     rank, world = dist.get_rank(), dist.get_world_size()
     extra: dict[str, Any] = {"group": dist.group.WORLD, "ranks_per_node": ranks_per_node}
@@ -381,16 +381,19 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
     layer = build_layer(cfg, **extra)
     x, grad = _inputs(cfg, cfg.seed + 1 + rank)  # each rank its own tokens
     settings = candidates(layer._ep.valid_r(), world, layer.ranks_per_node, degrees)
-    cases = {str(s): _synced(_fwd_bwd(lambda s=s: layer(x, r=s.r, overlap_degree=s.overlap_degree, a2a=s.a2a,
-                                                          ranks_per_node=s.ranks_per_node), grad, layer))
-             for s in settings}
-    # Exposed communication of one extra step per setting (the calling thread's time in exchanges).
-    comm_share = {}
-    for s in settings:
-        layer._ep.stats.reset()
-        start = time.perf_counter()
-        cases[str(s)]()
-        comm_share[str(s)] = layer._ep.stats.seconds / (time.perf_counter() - start)
+    exposed: dict[str, list[float]] = {str(s): [] for s in settings}  # seconds waiting on exchanges, per step
+
+    def timed_setting(s: ParallelSetting) -> Callable[[], None]:
+        step = _synced(_fwd_bwd(lambda: layer(x, r=s.r, overlap_degree=s.overlap_degree, a2a=s.a2a,
+                                              ranks_per_node=s.ranks_per_node), grad, layer))
+
+        def run() -> None:
+            layer._ep.stats.reset()
+            step()
+            exposed[str(s)].append(layer._ep.stats.seconds)
+        return run
+
+    cases = {str(s): timed_setting(s) for s in settings}
     if sleep_ms is None:
         with torch.no_grad():
             layer(x)
@@ -399,6 +402,9 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
         cases["floor (1 rank, same per-rank rows)"] = _synced(floor_step)
     times = time_side_by_side(cases, cfg.steps, cfg.warmup, sync=_slowest)
     medians = {name: statistics.median(v) for name, v in times.items()}
+    # The calling thread's time inside exchanges (launching or waiting): the exposed communication, median
+    # over the timed steps (warm-up steps dropped) as a share of the median step.
+    comm_share = {name: statistics.median(v[cfg.warmup:]) / medians[name] for name, v in exposed.items()}
 
     best_static = min((str(s) for s in settings), key=medians.get)
     autos = {"auto": build_layer(cfg, parallel="auto", **extra)}
@@ -444,10 +450,12 @@ def format_distributed(report: dict[str, Any]) -> str:
     lines = [f"flexmoe bench: {report['world_size']} ranks x {cfg.describe()} per rank, "
              f"{report['threads_per_rank']} thread(s) per rank{stall}; median of {cfg.steps} steps, "
              f"slowest rank",
-             f"{'setting':<24}{'ms/step':>10}{'a2a share':>11}{'x floor':>9}"]
+             f"{'setting':<24}{'ms/step':>10}{'a2a wait':>10}{'share':>7}{'x floor':>9}"]
     for row in report["settings"]:
         ratio = "" if row["x_floor"] is None else f"{row['x_floor']:>9.3f}"
-        lines.append(f"{row['setting']:<24}{row['seconds'] * 1e3:>10.1f}{row['comm_share']:>10.0%} {ratio}")
+        wait_ms = row["comm_share"] * row["seconds"] * 1e3
+        lines.append(f"{row['setting']:<24}{row['seconds'] * 1e3:>10.1f}{wait_ms:>10.1f}{row['comm_share']:>7.0%}"
+                     f"{ratio}")
     if report["floor_seconds"] is not None:
         lines.append(f"{'floor (per-rank rows)':<24}{report['floor_seconds'] * 1e3:>10.1f}")
     best = report["best_static_seconds"]
