@@ -60,3 +60,10 @@ def test_stalled_rank_times_out_with_clear_error(tmp_path: Path) -> None:
     failures = failures_of(reports, ranks=[0])
     assert not failures, "\n".join(failures)
     assert reports[0]["seconds"] < 6.0 + 5.0, reports[0]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_exchanges_are_freed_after_backward(world: int, tmp_path: Path) -> None:
+    reports = run_group("no_leak", world, tmp_path)
+    failures = failures_of(reports)
+    assert not failures, "\n".join(failures)

@@ -252,7 +252,7 @@ class _Start(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _grad_token: Tensor):  # type: ignore[override]
-        pending = ctx.ticket.backward
+        pending, ctx.ticket.backward = ctx.ticket.backward, None
         return pending.finish(), None
 
 
@@ -260,7 +260,10 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token: Tensor, ticket: Ticket) -> Tensor:  # type: ignore[override]
         ctx.ticket = ticket
-        return ticket.forward.finish()
+        # Let go of the exchange once it has delivered: the ticket lives in this node's ctx, and a ctx that
+        # (through the exchange) referenced the node's own output would form a cycle that is never freed.
+        pending, ticket.forward = ticket.forward, None
+        return pending.finish()
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
