@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from flexmoe.routing.pairs import plan_from_pairs
-from flexmoe.routing.plan import RoutingPlan, top_k
+from flexmoe.routing.plan import RoutingPlan, check_logits, top_k
 
 __all__ = ["balanced_loads", "balanced_assignment", "make_base_plan"]
 
@@ -156,13 +156,7 @@ def make_base_plan(logits: Tensor, k: int = 1, *, normalize_weights: bool = True
     ``capacity`` is ``ceil(T*k/E)`` and ``load == tokens_per_expert`` is exactly balanced. ``aux_loss`` is a
     differentiable zero (the assignment is balanced by construction); ``z_loss`` as usual.
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [tokens, experts], got shape {tuple(logits.shape)}")
-    num_tokens, num_experts = logits.shape
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
-    if not torch.isfinite(logits).all():
-        raise ValueError("router logits contain NaN or infinity; check the layer input and the router weights")
+    num_tokens, num_experts = check_logits(logits, k)
     assigned = balanced_assignment(logits, k)
     probs = torch.softmax(logits, dim=-1)
     _, expert_index = top_k(probs.detach().masked_fill(~assigned, -1.0), k)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from flexmoe.routing.losses import router_z_loss
-from flexmoe.routing.plan import RoutingPlan
+from flexmoe.routing.plan import RoutingPlan, check_logits
 
 __all__ = ["expert_choice_capacity", "make_expert_choice_plan"]
 
@@ -62,13 +62,7 @@ def make_expert_choice_plan(
     capacity: int | None = None,
 ) -> RoutingPlan:
     """The expert-choice plan for router logits ``[T, E]`` (see the module docstring for its fields)."""
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [tokens, experts], got shape {tuple(logits.shape)}")
-    num_tokens, num_experts = logits.shape
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
-    if not torch.isfinite(logits).all():
-        raise ValueError("router logits contain NaN or infinity; check the layer input and the router weights")
+    num_tokens, num_experts = check_logits(logits, k)
     cap = expert_choice_capacity(num_tokens, num_experts, k, capacity_factor, capacity)
     taken = min(cap, num_tokens)
     device = logits.device

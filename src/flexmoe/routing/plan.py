@@ -169,6 +169,18 @@ def assign_slots(
     return slot.view(num_tokens, k), load, flat_pair
 
 
+def check_logits(logits: Tensor, k: int) -> tuple[int, int]:
+    """Every plan builder's input check: logits ``[T, E]``, finite, and 1 <= k <= E. Returns ``(T, E)``."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [tokens, experts], got shape {tuple(logits.shape)}")
+    num_tokens, num_experts = logits.shape
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
+    if not torch.isfinite(logits).all():
+        raise ValueError("router logits contain NaN or infinity; check the layer input and the router weights")
+    return num_tokens, num_experts
+
+
 def make_plan(
     logits: Tensor,
     k: int,
@@ -187,15 +199,9 @@ def make_plan(
 
     Raises ``ValueError`` for non-finite logits, a k out of range, or a negative capacity.
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [tokens, experts], got shape {tuple(logits.shape)}")
-    num_tokens, num_experts = logits.shape
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
     if capacity is not None and capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    if not torch.isfinite(logits).all():
-        raise ValueError("router logits contain NaN or infinity; check the layer input and the router weights")
+    num_tokens, num_experts = check_logits(logits, k)
 
     probs = torch.softmax(logits, dim=-1)
     scores = probs if selection_bias is None else probs.detach() + selection_bias.to(probs.dtype)
