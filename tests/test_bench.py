@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from flexmoe import MoELayer
-from flexmoe.baselines import expert_floor, gshard_einsum_forward
-from flexmoe.bench import saved_activation_bytes, time_side_by_side
+from flexmoe.apps.baselines import expert_floor, gshard_einsum_forward
+from flexmoe.apps.bench import saved_activation_bytes, time_side_by_side
 
 
 @pytest.mark.parametrize("cf", [2.0, 0.5, 0.0])

@@ -16,9 +16,9 @@ from flexmoe.checkpoint import (
     reshard_checkpoint,
     save_checkpoint,
 )
-from flexmoe.models import GPT, GPTConfig
+from flexmoe.apps.models import GPT, GPTConfig
 from flexmoe.parallel.layout import ExpertLayout, shard_expert_state
-from flexmoe.train import TrainConfig, build_optimizer
+from flexmoe.apps.train import TrainConfig, build_optimizer
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, num_experts=4, expert_hidden=32, k=2)
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from flexmoe.tuning import calibrate, simulate
+from flexmoe.apps import calibrate, simulate
 from flexmoe.tuning.cost_model import (
     LayerConfig,
     a2a_2dh_time,
@@ -354,7 +354,7 @@ def test_simulate_command_json_and_plot(tmp_path, capsys) -> None:
 
 
 def test_validate_single_rank_quick() -> None:
-    from flexmoe.tuning.validate import validate
+    from flexmoe.apps.validate import validate
 
     cfg = {"tokens": 256, "model_dim": 64, "hidden_dim": 128, "experts": 4, "k": 2, "capacity_factor": 1.25}
     result = validate(toy_profile(), [cfg, {**cfg, "dispatch": "dense"}], steps=2, warmup=1)
@@ -418,7 +418,7 @@ def test_layer_auto_times_only_the_models_short_list(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_calibrate_then_validate_1_2_and_4_ranks(tmp_path) -> None:
-    from flexmoe.tuning.validate import validate
+    from flexmoe.apps.validate import validate
 
     profile = calibrate.calibrate(worlds=(2,), quick=True)
     path = profile.save(tmp_path / "local.json")

@@ -7,8 +7,8 @@ import hashlib
 import pytest
 import torch
 
-from flexmoe import data as data_mod
-from flexmoe.data import CORPUS_BYTES, CORPUS_MD5, CorpusError, TokenData, decode, encode, load_corpus
+from flexmoe.apps import data as data_mod
+from flexmoe.apps.data import CORPUS_BYTES, CORPUS_MD5, CorpusError, TokenData, decode, encode, load_corpus
 
 
 def test_embedded_corpus_is_tiny_shakespeare() -> None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from flexmoe.checkpoint import load_checkpoint, read_checkpoint, reshard_checkpoint
-from flexmoe.models import GPT, GPTConfig
+from flexmoe.apps.models import GPT, GPTConfig
 
 TINY_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--num-experts", "4",
               "--expert-hidden", "32", "--batch-size", "8", "--warmup", "2", "--lr", "1e-2", "--no-progress",
@@ -27,7 +27,7 @@ TINY_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size
 
 TRAIN_RUNNER = (
     "import argparse, sys\n"
-    "from flexmoe import train\n"
+    "from flexmoe.apps import train\n"
     "p = argparse.ArgumentParser(); train.add_arguments(p)\n"
     "sys.exit(train.run(p.parse_args(sys.argv[1:])))\n"
 )
@@ -38,7 +38,7 @@ EVAL_RUNNER = (
     "import sys, torch, torch.distributed as dist\n"
     "from safetensors.torch import save_file\n"
     "from flexmoe.checkpoint import load_checkpoint, read_checkpoint\n"
-    "from flexmoe.models import GPT, GPTConfig\n"
+    "from flexmoe.apps.models import GPT, GPTConfig\n"
     "dist.init_process_group('gloo')\n"
     "group = dist.group.WORLD\n"
     "out = {}\n"
@@ -136,9 +136,9 @@ STATE_RUNNER = (
     "import sys, torch, torch.distributed as dist\n"
     "from safetensors.torch import save_file\n"
     "from flexmoe.checkpoint import global_state_dict, load_checkpoint, load_global_state_dict, save_checkpoint\n"
-    "from flexmoe.models import GPT, GPTConfig\n"
+    "from flexmoe.apps.models import GPT, GPTConfig\n"
     "from flexmoe.parallel.layout import ExpertLayout\n"
-    "from flexmoe.train import TrainConfig, build_optimizer\n"
+    "from flexmoe.apps.train import TrainConfig, build_optimizer\n"
     "dist.init_process_group('gloo')\n"
     "rank, world = dist.get_rank(), dist.get_world_size()\n"
     "out, experts = sys.argv[1], int(sys.argv[2])\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexmoe import generate, reshard, train
+from flexmoe.apps import generate, reshard, train
 
 TINY_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--num-experts", "4",
               "--expert-hidden", "32", "--batch-size", "8", "--warmup", "5", "--lr", "1e-2", "--no-progress"]
@@ -31,7 +31,7 @@ def _one_thread():
 # Runs `flexmoe train` through the module's own add_arguments/run, as the CLI does.
 RUNNER = (
     "import argparse, sys\n"
-    "from flexmoe import train\n"
+    "from flexmoe.apps import train\n"
     "p = argparse.ArgumentParser(); train.add_arguments(p)\n"
     "sys.exit(train.run(p.parse_args(sys.argv[1:])))\n"
 )

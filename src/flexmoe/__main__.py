@@ -1,6 +1,6 @@
 """``python -m flexmoe`` is the ``flexmoe`` command (what ``torchrun -m flexmoe`` runs)."""
 
-from flexmoe.cli import main
+from flexmoe.apps.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -337,7 +337,7 @@ def measure_comm(world: int, quick: bool = False, timeout: float = 120.0) -> lis
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank
         procs = []
         for rank in range(world):
-            code = (f"from flexmoe.tuning.calibrate import _comm_worker; "
+            code = (f"from flexmoe.apps.calibrate import _comm_worker; "
                     f"_comm_worker({rank}, {world}, {port}, {out!r}, {quick!r})")
             procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
@@ -421,7 +421,7 @@ def calibrate(worlds: tuple[int, ...] = (2, 4), quick: bool = False, log: Callab
         overlap_efficiency=statistics.median(fitting) if fitting else 0.0,
         comm_uses_compute=True,
         threads_per_rank=1,
-        sources=["measured by `flexmoe calibrate` (flexmoe.tuning.calibrate) on this machine"],
+        sources=["measured by `flexmoe calibrate` (flexmoe.apps.calibrate) on this machine"],
         assumptions=[
             "ranks run one thread each; more ranks than compute slots slow compute and loopback copies by "
             "ranks/slots",

@@ -2,7 +2,7 @@
 
 Timings on a shared machine are noisy, so every number that matters is a ratio measured side by side in one
 run: the cases take turns step by step (the order rotates every step), and each reports the median of its
-steps. The cases (see :mod:`flexmoe.baselines`):
+steps. The cases (see :mod:`flexmoe.apps.baselines`):
 
 * ``floor``: the expert FFNs on exactly the rows the router sent them, nothing else;
 * ``flexmoe``: :class:`flexmoe.MoELayer`, router to combine;
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flexmoe.baselines import expert_floor, gshard_einsum_forward
+from flexmoe.apps.baselines import expert_floor, gshard_einsum_forward
 from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.layer import MoELayer
 

@@ -39,11 +39,11 @@ from flexmoe.checkpoint import (
     load_global_state_dict,
     save_checkpoint,
 )
-from flexmoe.data import TokenData
+from flexmoe.apps.data import TokenData
 from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.parallel.ddp import wrap_ddp
 from flexmoe.layer import MoELayer
-from flexmoe.models.gpt import GPT, GPTConfig
+from flexmoe.apps.models.gpt import GPT, GPTConfig
 
 __all__ = ["TrainConfig", "add_arguments", "run", "train", "build_model"]
 
@@ -489,7 +489,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
 
 
 def write_plots(out: Path, label: str) -> None:
-    from flexmoe.plots import plot_expert_load, plot_losses, read_metrics
+    from flexmoe.apps.plots import plot_expert_load, plot_losses, read_metrics
 
     records = read_metrics(out / "metrics.jsonl")
     plot_losses(records, out / "loss.png", title=f"{label}: loss")
@@ -498,7 +498,7 @@ def write_plots(out: Path, label: str) -> None:
 
 def write_comparison(out: Path, results: dict[str, RunResult]) -> None:
     """compare.png (both curves), compare.md (a table) and compare.json (each model's final numbers)."""
-    from flexmoe.plots import plot_compare, read_metrics
+    from flexmoe.apps.plots import plot_compare, read_metrics
 
     runs = {"moe": read_metrics(out / "metrics.jsonl"), "dense": read_metrics(out / "dense" / "metrics.jsonl")}
     plot_compare(runs, out / "compare.png")

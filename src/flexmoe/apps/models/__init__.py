@@ -1,5 +1,5 @@
 """Models built on :class:`flexmoe.MoELayer`: a GPT-style language model and its dense twin."""
 
-from flexmoe.models.gpt import GPT, GPTConfig
+from flexmoe.apps.models.gpt import GPT, GPTConfig
 
 __all__ = ["GPT", "GPTConfig"]

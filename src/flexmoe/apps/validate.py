@@ -26,7 +26,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from flexmoe.tuning.calibrate import calibrate, free_port
+from flexmoe.apps.calibrate import calibrate, free_port
 from flexmoe.tuning.cost_model import LayerConfig, predict
 from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, Profile, load_profile
 
@@ -208,7 +208,7 @@ def _measure_multi_once(cfg: dict[str, Any], steps: int, warmup: int, timeout: f
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = []
         for rank in range(world):
-            code = (f"from flexmoe.tuning.validate import _rank_worker; "
+            code = (f"from flexmoe.apps.validate import _rank_worker; "
                     f"_rank_worker({rank}, {world}, {port}, {json.dumps(cfg)!r}, {out!r}, {steps}, {warmup})")
             procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))

@@ -9,13 +9,13 @@ import sys
 
 # name -> (module, one-line help). The module is imported only when its command runs or help is shown.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("flexmoe.bench", "time one MoE layer against the compute floor and reference layers"),
-    "train": ("flexmoe.train", "train the MoE GPT (or its dense twin) on tiny Shakespeare or any text file"),
-    "generate": ("flexmoe.generate", "sample text from a training run's checkpoint"),
-    "reshard": ("flexmoe.reshard", "rewrite a checkpoint for another number of expert-parallel ranks"),
-    "calibrate": ("flexmoe.tuning.calibrate", "measure this machine and write the cost model's JSON profile"),
-    "validate-model": ("flexmoe.tuning.validate", "measure the layer, compare with the cost model, print the error"),
-    "simulate": ("flexmoe.tuning.simulate", "predict single-layer throughput from 8 to 2,048 GPUs from a profile"),
+    "bench": ("flexmoe.apps.bench", "time one MoE layer against the compute floor and reference layers"),
+    "train": ("flexmoe.apps.train", "train the MoE GPT (or its dense twin) on tiny Shakespeare or any text file"),
+    "generate": ("flexmoe.apps.generate", "sample text from a training run's checkpoint"),
+    "reshard": ("flexmoe.apps.reshard", "rewrite a checkpoint for another number of expert-parallel ranks"),
+    "calibrate": ("flexmoe.apps.calibrate", "measure this machine and write the cost model's JSON profile"),
+    "validate-model": ("flexmoe.apps.validate", "measure the layer, compare with the cost model, print the error"),
+    "simulate": ("flexmoe.apps.simulate", "predict single-layer throughput from 8 to 2,048 GPUs from a profile"),
 }
 
 
