@@ -80,33 +80,41 @@ class RanksFailed(RuntimeError):
         self.results = results
 
 
-# The child's side: import the function, call it, write its return value as JSON, and leave without the
-# interpreter's teardown (a dead peer can make a process group's destructor wait for a long time).
-_CHILD = """\
-import importlib, importlib.util, json, os, sys, traceback
-module, name, args_path, out_path, extra_path = sys.argv[1:6]
-if extra_path:
-    sys.path.insert(0, extra_path)
-try:
-    if module.endswith(".py"):  # the caller's script, imported under another name: its main guard stays shut
-        spec = importlib.util.spec_from_file_location("__rank_main__", module)
-        fn = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(fn)
-    else:
-        fn = importlib.import_module(module)
-    for part in name.split("."):
-        fn = getattr(fn, part)
-    value = fn(*json.loads(open(args_path).read()))
-    with open(out_path, "w") as f:
-        json.dump(value, f)
-    code = 0
-except BaseException:
-    traceback.print_exc()
+def _rank_child(module: str, name: str, args_path: str, out_path: str, extra_path: str) -> None:
+    """The child's side of :func:`spawn_ranks`: import the function, call it, write its return value as JSON,
+    and leave without the interpreter's teardown (a dead peer can make a process group's destructor wait)."""
+    import importlib
+    import importlib.util
+    import traceback
+
+    if extra_path:
+        sys.path.insert(0, extra_path)
     code = 1
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
-"""
+    try:
+        if module.endswith(".py"):  # the caller's script, imported under another name: its main guard stays shut
+            spec = importlib.util.spec_from_file_location("__rank_main__", module)
+            assert spec is not None and spec.loader is not None, module
+            target: Any = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(target)
+        else:
+            target = importlib.import_module(module)
+        for part in name.split("."):
+            target = getattr(target, part)
+        value = target(*json.loads(Path(args_path).read_text()))
+        Path(out_path).write_text(json.dumps(value))
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# This file loaded by its path, not as flexmoe.launch: importing the flexmoe package would import torch, seconds
+# a rank of a torch-free target need not pay.
+_CHILD = (f"import importlib.util as u, sys; spec = u.spec_from_file_location('flexmoe_launch', {__file__!r}); "
+          f"launch = sys.modules['flexmoe_launch'] = u.module_from_spec(spec); spec.loader.exec_module(launch); "
+          f"launch._rank_child(*sys.argv[1:])")
 
 
 def _function_command(fn: Callable[..., Any], args: Sequence[Any], tmp: Path, rank: int) -> list[str]:
@@ -119,15 +127,17 @@ def _function_command(fn: Callable[..., Any], args: Sequence[Any], tmp: Path, ra
         raise ValueError(f"spawn_ranks: target must be a module-level function of a module or script, "
                          f"got {fn.__qualname__} of {module}")
     root = ""
-    if module == "__main__":
-        module = str(Path(source).resolve())
-    elif source is not None:
-        root = str(Path(source).resolve().parents[module.count(".")])
+    if source is not None:
+        path = Path(source).resolve()
+        if module == "__main__":
+            module = str(path)
+        else:
+            depth = module.count(".") + (path.name == "__init__.py")
+            root = str(path.parents[depth])
     args_path = tmp / "args.json"
     if not args_path.exists():
         args_path.write_text(json.dumps(list(args)))
-    return [sys.executable, "-c", _CHILD, module, fn.__qualname__, str(args_path),
-            str(tmp / f"rank{rank}.json"), root]
+    return [sys.executable, "-c", _CHILD, module, fn.__qualname__, str(args_path), str(tmp / f"rank{rank}.json"), root]
 
 
 def _tail(path: Path, chars: int = 3000) -> str:
@@ -181,8 +191,8 @@ def spawn_ranks(world: int, target: Callable[..., Any] | Sequence[str], args: Se
             first = next((r for r in failed if r.exit_code is not None), failed[0])
             cause = (f"did not finish in {timeout:.0f} s" if timed_out else
                      f"failed: rank {first.rank} exited with {first.exit_code}")
-            raise RanksFailed(f"{what or f'{world} ranks'} {cause}; stderr of rank {first.rank}:\n{first.stderr[-2000:]}",
-                              results)
+            group = what or f"{world} ranks"
+            raise RanksFailed(f"{group} {cause}; stderr of rank {first.rank}:\n{first.stderr[-2000:]}", results)
     return results
 
 
