@@ -19,8 +19,9 @@ pytest puts ``tests/`` on ``sys.path``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -94,7 +95,8 @@ def ref_cosine_logits(x: Tensor, weight: Tensor, log_temperature: Tensor, min_te
     for t in range(x.shape[0]):
         row = []
         for e in range(weight.shape[0]):
-            cos = torch.dot(x[t], weight[e]) / (torch.sqrt(torch.dot(x[t], x[t])) * torch.sqrt(torch.dot(weight[e], weight[e])))
+            norms = torch.sqrt(torch.dot(x[t], x[t])) * torch.sqrt(torch.dot(weight[e], weight[e]))
+            cos = torch.dot(x[t], weight[e]) / norms
             row.append(cos / tau)
         rows.append(torch.stack(row))
     return torch.stack(rows)
@@ -266,23 +268,19 @@ def reference_for_layer(
     moe: torch.nn.Module,
     x: Tensor,
     *,
-    k: int,
-    capacity_factor: float = 1.25,
-    capacity: int | None = None,
-    normalize_weights: bool = True,
-    batch_prioritized: bool = False,
-    score_at: str = "combine",
     activation: str = "gelu",
     glu: bool = False,
     router: str = "topk",
     expert: Callable[[dict[str, Tensor]], ExpertFn] | None = None,
+    **routing: Any,
 ) -> tuple[RefResult, Tensor, dict[str, Tensor]]:
     """Run the reference with float64 copies of a flexmoe layer's weights (read, never its computation).
 
     x: ``[..., M]`` of any dtype. Returns ``(result, x64 [T, M] leaf, params)`` where params are the float64
     leaves keyed as in ``moe.named_parameters()`` (e.g. ``"router.weight"``, ``"experts.w1"``), so a test can
     backpropagate through ``result.y`` and compare each ``.grad``. The router and expert settings are the
-    test's own (passed in), not read from the layer. ``expert`` builds a custom expert function from params.
+    test's own (passed in), not read from the layer. ``expert`` builds a custom expert function from params;
+    ``routing``: the keyword options of :func:`reference_moe` (``k`` and the routing contract's settings).
     """
     params = layer_params_f64(moe)
     x64 = x.detach().reshape(-1, x.shape[-1]).to(torch.float64).clone().requires_grad_(True)
@@ -298,8 +296,5 @@ def reference_for_layer(
         expert_fn = ref_ffn_expert(expert_params, activation, glu)
     else:
         expert_fn = expert(params)
-    result = reference_moe(
-        x64, logits, expert_fn, k=k, capacity_factor=capacity_factor, capacity=capacity,
-        normalize_weights=normalize_weights, batch_prioritized=batch_prioritized, score_at=score_at,
-    )
+    result = reference_moe(x64, logits, expert_fn, **routing)
     return result, x64, params

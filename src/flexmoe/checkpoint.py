@@ -28,6 +28,7 @@ import random
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,24 +144,28 @@ def _split_by_layer(tensors: dict[str, Tensor], experts: dict[str, str]) -> dict
     return layers
 
 
-def _to_global(tensors: dict[str, Tensor], experts: dict[str, str], layout: ExpertLayout | None, group: Any):
+def _convert_experts(tensors: dict[str, Tensor], experts: dict[str, str],
+                     convert: Callable[[dict[str, Tensor]], dict[str, Tensor]]) -> dict[str, Tensor]:
+    """``tensors`` with each MoE layer's expert entries ({kind: tensor}) replaced by ``convert`` of them."""
     out = dict(tensors)
-    if layout is None:
-        return out
-    for prefix, local in _split_by_layer(tensors, experts).items():
-        for kind, t in _gather_experts(local, layout, group).items():
+    for prefix, layer in _split_by_layer(tensors, experts).items():
+        for kind, t in convert(layer).items():
             out[prefix + kind] = t
     return out
 
 
-def _to_local(tensors: dict[str, Tensor], experts: dict[str, str], layout: ExpertLayout | None, rank: int):
-    out = dict(tensors)
+def _to_global(tensors: dict[str, Tensor], experts: dict[str, str], layout: ExpertLayout | None,
+               group: Any) -> dict[str, Tensor]:
     if layout is None:
-        return out
-    for prefix, full in _split_by_layer(tensors, experts).items():
-        for kind, t in shard_expert_state(full, layout, rank).items():
-            out[prefix + kind] = t
-    return out
+        return dict(tensors)
+    return _convert_experts(tensors, experts, lambda local: _gather_experts(local, layout, group))
+
+
+def _to_local(tensors: dict[str, Tensor], experts: dict[str, str], layout: ExpertLayout | None,
+              rank: int) -> dict[str, Tensor]:
+    if layout is None:
+        return dict(tensors)
+    return _convert_experts(tensors, experts, lambda full: shard_expert_state(full, layout, rank))
 
 
 def global_state_dict(model: nn.Module) -> dict[str, Tensor]:

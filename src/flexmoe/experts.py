@@ -8,7 +8,7 @@ passed to ``MoELayer(experts=...)``.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

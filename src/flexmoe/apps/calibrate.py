@@ -25,8 +25,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from flexmoe.launch import spawn_ranks
 from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, ComputeSpec, LinkSpec, Profile
@@ -305,7 +306,8 @@ def compute_slots(samples: dict[int, float], cores: int) -> float:
     """Ranks that compute at once at full speed, from {world: slow-down of a GEMM with world ranks at once}.
 
     A summary of ``rank_slowdown`` (the model's fallback slow-down is ``max(1, ranks / slots)``): each world
-    that slowed down by more than noise (5%) gives ``world / slow-down``; the median of those, between 1 and the core count. None slowed: every rank
+    that slowed down by more than noise (5%) gives ``world / slow-down``; the median of those, between 1 and the
+    core count. None slowed: every rank
     had its own core, so the largest world measured (capped by the cores).
     """
     estimates = [world / slow for world, slow in samples.items() if slow > 1.05]
@@ -412,15 +414,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def summarize(profile: Profile) -> str:
     lines = [f"profile {profile.name}: {profile.description}"]
     for name, spec in profile.compute.items():
-        lines.append(f"  GEMM {name:9s} peak {spec.peak_flops / 1e9:8.1f} GFLOP/s  overhead {spec.overhead_s * 1e6:6.1f} us"
-                     f"  half-dim {spec.half_dim:g}")
-    lines.append(f"  memory {profile.memory_bandwidth_Bps / 1e9:.2f} GB/s  gather {profile.gather_bandwidth_Bps / 1e9:.2f} GB/s"
-                 f"  scatter-add {profile.scatter_bandwidth_Bps / 1e9:.2f} GB/s  op {profile.op_overhead_s * 1e6:.1f} us"
+        lines.append(f"  GEMM {name:9s} peak {spec.peak_flops / 1e9:8.1f} GFLOP/s"
+                     f"  overhead {spec.overhead_s * 1e6:6.1f} us  half-dim {spec.half_dim:g}")
+    lines.append(f"  memory {profile.memory_bandwidth_Bps / 1e9:.2f} GB/s"
+                 f"  gather {profile.gather_bandwidth_Bps / 1e9:.2f} GB/s"
+                 f"  scatter-add {profile.scatter_bandwidth_Bps / 1e9:.2f} GB/s"
+                 f"  op {profile.op_overhead_s * 1e6:.1f} us"
                  f"  grad stack {profile.grad_stack_bandwidth_Bps / 1e9:.2f} GB/s"
                  f"  first touch {profile.first_touch_bandwidth_Bps / 1e9:.2f} GB/s")
     link = profile.intra
     lines.append(f"  p2p  alpha {link.alpha_s * 1e6:7.1f} us  bandwidth {link.bandwidth_Bps / 1e9:.2f} GB/s")
-    lines.append(f"  a2a  alpha {link.a2a_alpha_s * 1e6:7.1f} us  bandwidth {link.a2a_bandwidth_Bps / 1e9:.2f} GB/s per message")
+    lines.append(f"  a2a  alpha {link.a2a_alpha_s * 1e6:7.1f} us"
+                 f"  bandwidth {link.a2a_bandwidth_Bps / 1e9:.2f} GB/s per message")
     lines.append(f"  overlap efficiency {profile.overlap_efficiency:.2f}  "
                  f"compute slots {profile.compute_slots_per_node:.2f}  slow-down by ranks {profile.rank_slowdown}")
     return "\n".join(lines)

@@ -30,20 +30,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from flexmoe.apps.data import TokenData
+from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.checkpoint import (
     CheckpointError,
     expert_param_names,
+    expert_placement,
     latest_checkpoint,
     load_checkpoint,
-    expert_placement,
     load_global_state_dict,
     save_checkpoint,
 )
-from flexmoe.apps.data import TokenData
 from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.parallel.ddp import wrap_ddp
-from flexmoe.layer import MoELayer
-from flexmoe.apps.models.gpt import GPT, GPTConfig
 
 __all__ = ["TrainConfig", "add_arguments", "run", "train", "build_model"]
 

@@ -22,8 +22,9 @@ None of the papers' speed-ups is written in: they follow from message counts and
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from flexmoe.tuning.profile import ComputeSpec, LinkSpec, Profile
 
@@ -231,8 +232,10 @@ def ffn_times(profile: Profile, rows: float, model_dim: int, hidden_dim: int, dt
     down = gemm_time(spec, bw, rows_i, model_dim, hidden_dim, b)  # h @ w2: [rows, H] x [H, M]
     n_up = 2 if glu else 1
     # Backward of x@w1: grad_x [rows,H]x[H,M] and grad_w1 [M,rows]x[rows,H]; of h@w2: grad_h and grad_w2.
-    up_bwd = gemm_time(spec, bw, rows_i, model_dim, hidden_dim, b) + gemm_time(spec, bw, model_dim, hidden_dim, rows_i, b)
-    down_bwd = gemm_time(spec, bw, rows_i, hidden_dim, model_dim, b) + gemm_time(spec, bw, hidden_dim, model_dim, rows_i, b)
+    up_bwd = (gemm_time(spec, bw, rows_i, model_dim, hidden_dim, b)
+              + gemm_time(spec, bw, model_dim, hidden_dim, rows_i, b))
+    down_bwd = (gemm_time(spec, bw, rows_i, hidden_dim, model_dim, b)
+                + gemm_time(spec, bw, hidden_dim, model_dim, rows_i, b))
     act_elems = rows_i * hidden_dim
     act_fwd = memory_time(2 * act_elems * b * (2 if glu else 1), bw)
     act_bwd = memory_time(3 * act_elems * b * (2 if glu else 1) + 2 * act_elems * b, bw)  # + bias-grad reduce
