@@ -197,8 +197,9 @@ def _check_expert_count(state: dict[str, Tensor], experts: dict[str, str], layou
                 f"{source}: tensor {name!r} holds {state[name].shape[0]} experts, the model has "
                 f"{layout.num_experts} (num_experts differs)"
             )
-        if name in state and HIDDEN_DIM[experts[name]] is not None:
-            h = state[name].shape[HIDDEN_DIM[experts[name]]]
+        hidden_axis = HIDDEN_DIM[experts[name]]
+        if name in state and hidden_axis is not None:
+            h = state[name].shape[hidden_axis]
             if h != layout.hidden_dim:
                 raise CheckpointError(
                     f"{source}: tensor {name!r} has expert hidden size {h}, the model has {layout.hidden_dim}"
@@ -256,7 +257,7 @@ def _load_optimizer(
     model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], groups: list, source: str
 ) -> None:
     params = dict(model.named_parameters())
-    index = {}
+    index: dict[int, int] = {}
     for g in optimizer.param_groups:
         for p in g["params"]:
             index[id(p)] = len(index)
@@ -450,7 +451,7 @@ def save_checkpoint(
     meta = {
         "format": FORMAT,
         "step": int(step),
-        "config": model.cfg.to_dict(),
+        "config": model.cfg.to_dict(),  # type: ignore[union-attr,operator]  # a model with a cfg (GPT)
         "rng": {"python": [py_state[0], list(py_state[1]), py_state[2]]},
         "optimizer": None if optimizer is None else {"class": type(optimizer).__name__, "param_groups": groups},
         "num_experts": None if layout is None else layout.num_experts,

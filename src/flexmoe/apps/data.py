@@ -40,7 +40,7 @@ class CorpusError(RuntimeError):
 
 def load_corpus() -> bytes:
     """The embedded tiny Shakespeare, decompressed and verified (size and md5)."""
-    resource = resources.files("flexmoe.apps").joinpath("corpus", CORPUS_NAME)
+    resource = resources.files("flexmoe.apps").joinpath("corpus").joinpath(CORPUS_NAME)
     try:
         raw = resource.read_bytes()
     except (FileNotFoundError, OSError) as exc:

@@ -458,9 +458,13 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
     out = Breakdown()
 
     # Rows this rank sends out through the all-to-all (and gathers/scatters locally).
-    local_rows = t * k if config.dispatch == "index" and config.capacity_factor == 0 else None
-    if local_rows is None:
-        local_rows = sum(min(t * k * sh, cap) for sh in shares) if config.dispatch == "index" else e * cap
+    local_rows: float
+    if config.dispatch == "index" and config.capacity_factor == 0:
+        local_rows = t * k
+    elif config.dispatch == "index":
+        local_rows = sum(min(t * k * sh, cap) for sh in shares)
+    else:
+        local_rows = e * cap
     out.router_plan = _router_plan_time(profile, config) * slow
     if config.dispatch == "dense":
         out.dispatch_combine = _dense_dispatch_combine_time(profile, config) * slow
@@ -521,6 +525,8 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
     elif s == 1:
         per_rank = config.experts_per_rank
         mine = range(straggler * per_rank, (straggler + 1) * per_rank)
+        send_rows: float
+        recv_rows: float
         if config.padded_a2a and config.capacity_factor != 0 or config.dispatch == "dense":
             send_rows = sum(cap for x in range(e) if x not in shadowed)
             recv_rows = w * cap * sum(1 for x in mine if x not in shadowed)
