@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexmoe.apps.baselines import expert_floor, gshard_einsum_forward
-from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.experts import FeedForwardExperts
+from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.layer import MoELayer
 
 __all__ = ["BenchConfig", "add_arguments", "run", "time_side_by_side", "saved_activation_bytes", "bench_single"]
