@@ -1,13 +1,13 @@
 """A plain reference MoE layer, written for the tests, that shares no code with flexmoe.
 
 Everything is float64 and written as Python loops over tokens and their choices, so that each step of the
-routing contract (DESIGN.md section 3) can be read off directly:
+routing contract (docs/architecture.md) can be read off directly:
 
 1. softmax of the router logits, one token at a time;
 2. top-k, ties broken towards the lower expert index;
 3. slots handed out in priority order: every token's 1st choice before any 2nd choice; within one choice by
    token order, or by descending top-1 probability (token order among equals) when batch-prioritized;
-4. the capacity C of DESIGN.md section 3; a (token, choice) whose slot >= C is dropped;
+4. the capacity C of the routing contract; a (token, choice) whose slot >= C is dropped;
 5. combine: ``y[t] = sum over kept choices of w * expert(x[t])`` (``score_at="combine"``) or
    ``expert(w * x[t])`` (``score_at="dispatch"``); dropped weights are not renormalized away.
 
@@ -116,7 +116,8 @@ def ref_top_k(probs_row: list[float], k: int) -> list[int]:
 
 def ref_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, capacity: int | None,
                  load: list[int]) -> int:
-    """DESIGN.md section 3: explicit C; cf > 0: ceil(k cf T / E); cf == 0: dropless; cf < 0: min(max load, ...)."""
+    """The routing contract's capacity C: explicit C; cf > 0: ceil(k cf T / E); cf == 0: dropless;
+    cf < 0: min(max load, ...)."""
     if capacity is not None:
         return capacity
     max_load = max(load) if load else 0
