@@ -168,16 +168,22 @@ def spawn_ranks(world: int, target: Callable[..., Any] | Sequence[str], args: Se
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="flexmoe-ranks-") as tmp_name:
         tmp = Path(tmp_name)
-        procs = []
-        for rank in range(world):
-            if callable(target):
-                cmd = _function_command(target, args, tmp, rank)
-            else:
-                cmd = [sys.executable, *target]
-            with open(tmp / f"rank{rank}.out", "w") as out, open(tmp / f"rank{rank}.err", "w") as err:
-                procs.append(subprocess.Popen(cmd, env=rank_env(rank, world, port, threads), stdout=out,
-                                              stderr=err, stdin=subprocess.DEVNULL))
-        timed_out, killed = _wait(procs, time.monotonic() + timeout, grace)
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank in range(world):
+                if callable(target):
+                    cmd = _function_command(target, args, tmp, rank)
+                else:
+                    cmd = [sys.executable, *target]
+                with open(tmp / f"rank{rank}.out", "w") as out, open(tmp / f"rank{rank}.err", "w") as err:
+                    procs.append(subprocess.Popen(cmd, env=rank_env(rank, world, port, threads), stdout=out,
+                                                  stderr=err, stdin=subprocess.DEVNULL))
+            timed_out, killed = _wait(procs, time.monotonic() + timeout, grace)
+        finally:  # the caller interrupted (Ctrl-C) or a rank failed to start: leave no rank behind
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         results = []
         for rank, proc in enumerate(procs):
             value_path = tmp / f"rank{rank}.json"
