@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import os
-import socket
 import statistics
 import time
+from contextlib import redirect_stdout
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flexmoe import MoELayer
+from flexmoe.launch import spawn_ranks
 from flexmoe.parallel import CostModelShadowPolicy, ShadowExperts, rows_per_rank
 
 HOT = (0, 1)
@@ -93,10 +94,12 @@ def step(moe: MoELayer, x: torch.Tensor, w: torch.Tensor, call: dict) -> float:
     return seconds.item()
 
 
-def worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(options: dict) -> str | None:
+    """One rank (started by flexmoe.launch.spawn_ranks); rank 0 returns the report."""
+    args = argparse.Namespace(**options)
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank = dist.get_rank()
     policy = CostModelShadowPolicy()  # this machine's calibrated profile if any, else the published default
     moe, x, w = skewed_layer(args, rank)
     modes = {
@@ -119,10 +122,14 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     every = [torch.empty_like(counts) for _ in range(args.world)]
     dist.all_gather(every, counts)
     all_counts = [c.tolist() for c in every]
+    text = None
     if rank == 0:
-        report(args, policy, moe, times, shadowed, all_counts)
+        with redirect_stdout(io.StringIO()) as out:
+            report(args, policy, moe, times, shadowed, all_counts)
+        text = out.getvalue()
     dist.barrier()
     dist.destroy_process_group()
+    return text
 
 
 def report(args, policy, moe, times, shadowed, all_counts) -> None:
@@ -149,16 +156,12 @@ def report(args, policy, moe, times, shadowed, all_counts) -> None:
         print(f"  {name + ':':33s} {after}  max {max(after)} ({max(after) / max(before):.2f}x)")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     args = parse_args()
     t0 = time.perf_counter()
-    mp.spawn(worker, args=(args, free_port()), nprocs=args.world, join=True)
+    ranks = spawn_ranks(args.world, worker, [vars(args)], timeout=3600, threads=args.threads,
+                        what=f"FasterMoE benchmark with {args.world} ranks")
+    print(ranks[0].value, end="")
     print(f"\n(wall time {time.perf_counter() - t0:.0f} s)")
 
 

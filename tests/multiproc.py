@@ -1,56 +1,80 @@
-"""Running a test worker script as W real processes (gloo on 127.0.0.1, a free port per launch).
+"""The distributed test harness: a multi-rank scenario of tests/scenario_worker.py run as W real processes
+(gloo on 127.0.0.1, a free port per run, started by :func:`flexmoe.launch.spawn_ranks`).
 
-A worker is ``python WORKER SCENARIO RANK WORLD PORT OUT_JSON``: it joins the group, runs the scenario and
-writes its report (``{"rank": r, "failures": [...], ...}``) to OUT_JSON. Many cases run inside one launch,
-because starting a process (importing torch) costs seconds.
+Every rank runs :func:`rank_main`, the one worker entry point: it joins the group, runs the scenario and returns
+its report (``{"rank": r, "failures": [...], ...}``). The named pytest cases are in tests/test_expert_parallel.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
+import datetime
+import time
+import traceback
+from dataclasses import dataclass
+
+from flexmoe.launch import RankResult, spawn_ranks
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass(frozen=True)
+class Scenario:
+    """One multi-rank case: ``scenario_worker.SCENARIOS[name]`` on ``world`` ranks.
+
+    collective_timeout: seconds a collective may wait for a peer (short, so a broken group fails fast).
+    teardown: destroy the process group at the end (not when a peer is gone on purpose: that would wait).
+    ranks: whose failures count (None: every rank's).
+    """
+
+    name: str
+    world: int
+    claim: str  # what the case shows, the start of its assertion message
+    collective_timeout: float = 6.0
+    timeout: float = 150.0
+    teardown: bool = True
+    ranks: tuple[int, ...] | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}-w{self.world}"
 
 
-def run_ranks(worker: Path | str, scenario: str, world: int, tmp_path: Path, timeout: float = 150) -> list[dict]:
-    """Run ``scenario`` of ``worker`` on ``world`` ranks; each rank's report. A rank that wrote none (it
-    crashed or was killed at the timeout) gets ``{"rank": r, "missing": True, "failures": [its log]}``."""
-    port = str(free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    name = Path(worker).stem
-    outs = [tmp_path / f"{name}-{scenario}{world}_rank{r}.json" for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(worker), scenario, str(r), str(world), port, str(outs[r])],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    logs = []
+def rank_main(name: str, collective_timeout: float, teardown: bool) -> dict:
+    """One rank of a scenario (run by spawn_ranks, rendezvous in the environment); its report."""
+    import torch
+    import torch.distributed as dist
+
+    from scenario_worker import SCENARIOS
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=collective_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {"rank": rank}
+    t0 = time.perf_counter()
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    reports = []
-    for r, path in enumerate(outs):
-        if path.exists():
-            reports.append(json.loads(path.read_text()))
-        else:
-            log = logs[r][-3000:] if r < len(logs) else ""
-            reports.append({"rank": r, "missing": True, "failures": [f"wrote no report:\n{log}"]})
-    return reports
+        SCENARIOS[name](rank, world, out)
+    except Exception:
+        out["failures"] = [*out.get("failures", []), traceback.format_exc()]
+    out.setdefault("seconds", time.perf_counter() - t0)
+    if teardown:
+        dist.destroy_process_group()
+    return out
 
 
-def failures_of(reports: list[dict], ranks: list[int] | None = None) -> list[str]:
+def run_scenario(case: Scenario) -> list[dict]:
+    """Every rank's report. A rank that returned none (it crashed, exited early or was killed at the timeout)
+    gets ``{"rank": r, "missing": True, "failures": [its exit code and stderr]}``."""
+    ranks = spawn_ranks(case.world, rank_main, [case.name, case.collective_timeout, case.teardown],
+                        timeout=case.timeout, check=False, what=f"scenario {case.id}")
+    return [r.value if r.value is not None else {"rank": r.rank, "missing": True, "failures": [_no_report(r, case)]}
+            for r in ranks]
+
+
+def _no_report(rank: RankResult, case: Scenario) -> str:
+    how = (f"exited with {rank.exit_code}" if rank.exit_code is not None else
+           f"was killed (the case's {case.timeout:.0f} s were up, or a peer had failed)")
+    return f"returned no report: it {how}; its output:\n{rank.stdout[-1500:]}{rank.stderr[-3000:]}"
+
+
+def failures_of(reports: list[dict], ranks: tuple[int, ...] | None = None) -> list[str]:
     """Every failure line of the reports (of ``ranks`` only, if given), prefixed with its rank."""
     return [f"rank {rep['rank']}: {f}" for rep in reports if ranks is None or rep["rank"] in ranks
             for f in rep.get("failures", [])]

@@ -1,13 +1,13 @@
 """A plain reference MoE layer, written for the tests, that shares no code with flexmoe.
 
 Everything is float64 and written as Python loops over tokens and their choices, so that each step of the
-routing contract (DESIGN.md section 3) can be read off directly:
+routing contract (docs/architecture.md) can be read off directly:
 
 1. softmax of the router logits, one token at a time;
 2. top-k, ties broken towards the lower expert index;
 3. slots handed out in priority order: every token's 1st choice before any 2nd choice; within one choice by
    token order, or by descending top-1 probability (token order among equals) when batch-prioritized;
-4. the capacity C of DESIGN.md section 3; a (token, choice) whose slot >= C is dropped;
+4. the capacity C of the routing contract; a (token, choice) whose slot >= C is dropped;
 5. combine: ``y[t] = sum over kept choices of w * expert(x[t])`` (``score_at="combine"``) or
    ``expert(w * x[t])`` (``score_at="dispatch"``); dropped weights are not renormalized away.
 
@@ -19,8 +19,9 @@ pytest puts ``tests/`` on ``sys.path``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -94,7 +95,8 @@ def ref_cosine_logits(x: Tensor, weight: Tensor, log_temperature: Tensor, min_te
     for t in range(x.shape[0]):
         row = []
         for e in range(weight.shape[0]):
-            cos = torch.dot(x[t], weight[e]) / (torch.sqrt(torch.dot(x[t], x[t])) * torch.sqrt(torch.dot(weight[e], weight[e])))
+            norms = torch.sqrt(torch.dot(x[t], x[t])) * torch.sqrt(torch.dot(weight[e], weight[e]))
+            cos = torch.dot(x[t], weight[e]) / norms
             row.append(cos / tau)
         rows.append(torch.stack(row))
     return torch.stack(rows)
@@ -114,7 +116,8 @@ def ref_top_k(probs_row: list[float], k: int) -> list[int]:
 
 def ref_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, capacity: int | None,
                  load: list[int]) -> int:
-    """DESIGN.md section 3: explicit C; cf > 0: ceil(k cf T / E); cf == 0: dropless; cf < 0: min(max load, ...)."""
+    """The routing contract's capacity C: explicit C; cf > 0: ceil(k cf T / E); cf == 0: dropless;
+    cf < 0: min(max load, ...)."""
     if capacity is not None:
         return capacity
     max_load = max(load) if load else 0
@@ -266,23 +269,19 @@ def reference_for_layer(
     moe: torch.nn.Module,
     x: Tensor,
     *,
-    k: int,
-    capacity_factor: float = 1.25,
-    capacity: int | None = None,
-    normalize_weights: bool = True,
-    batch_prioritized: bool = False,
-    score_at: str = "combine",
     activation: str = "gelu",
     glu: bool = False,
     router: str = "topk",
     expert: Callable[[dict[str, Tensor]], ExpertFn] | None = None,
+    **routing: Any,
 ) -> tuple[RefResult, Tensor, dict[str, Tensor]]:
     """Run the reference with float64 copies of a flexmoe layer's weights (read, never its computation).
 
     x: ``[..., M]`` of any dtype. Returns ``(result, x64 [T, M] leaf, params)`` where params are the float64
     leaves keyed as in ``moe.named_parameters()`` (e.g. ``"router.weight"``, ``"experts.w1"``), so a test can
     backpropagate through ``result.y`` and compare each ``.grad``. The router and expert settings are the
-    test's own (passed in), not read from the layer. ``expert`` builds a custom expert function from params.
+    test's own (passed in), not read from the layer. ``expert`` builds a custom expert function from params;
+    ``routing``: the keyword options of :func:`reference_moe` (``k`` and the routing contract's settings).
     """
     params = layer_params_f64(moe)
     x64 = x.detach().reshape(-1, x.shape[-1]).to(torch.float64).clone().requires_grad_(True)
@@ -298,8 +297,5 @@ def reference_for_layer(
         expert_fn = ref_ffn_expert(expert_params, activation, glu)
     else:
         expert_fn = expert(params)
-    result = reference_moe(
-        x64, logits, expert_fn, k=k, capacity_factor=capacity_factor, capacity=capacity,
-        normalize_weights=normalize_weights, batch_prioritized=batch_prioritized, score_at=score_at,
-    )
+    result = reference_moe(x64, logits, expert_fn, **routing)
     return result, x64, params

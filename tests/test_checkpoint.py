@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexmoe.apps.models import GPT, GPTConfig
+from flexmoe.apps.train import TrainConfig, build_optimizer
 from flexmoe.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -16,19 +18,12 @@ from flexmoe.checkpoint import (
     reshard_checkpoint,
     save_checkpoint,
 )
-from flexmoe.apps.models import GPT, GPTConfig
 from flexmoe.parallel.layout import ExpertLayout, shard_expert_state
-from flexmoe.apps.train import TrainConfig, build_optimizer
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, num_experts=4, expert_hidden=32, k=2)
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and do not fight other processes for the two cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny models run fastest on one thread (the fixture one_thread of tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 

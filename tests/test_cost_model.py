@@ -188,8 +188,7 @@ def test_published_profiles_name_their_sources(name: str) -> None:
 
 def test_calibration_fits() -> None:
     # Exact data from a known roofline is recovered.
-    spec = ComputeSpec(peak_flops=2e11, overhead_s=2e-5, half_dim=16.0)
-    samples = []
+    samples = []  # seconds of ComputeSpec(peak_flops=2e11, overhead_s=2e-5, half_dim=16.0)
     for m, n, k in [(16, 256, 512), (64, 512, 1024), (256, 512, 1024), (1024, 1024, 512), (2048, 256, 256)]:
         d = min(m, n, k)
         samples.append({"m": m, "n": n, "k": k, "seconds": 2e-5 + 2 * m * n * k / (2e11 * d / (d + 16))})
@@ -372,9 +371,10 @@ import torch.distributed as dist
 from flexmoe import MoELayer
 from flexmoe.parallel import ModelGuidedChooser
 
-rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+out = sys.argv[1]
 torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
 chooser = ModelGuidedChooser("a100-ndv4", keep=2, trials=1)
 torch.manual_seed(0)
 auto = MoELayer(32, 4, 64, k=2, parallel="auto", chooser=chooser)
@@ -396,18 +396,13 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_layer_auto_times_only_the_models_short_list(tmp_path) -> None:
-    import subprocess
-    import sys
+    from flexmoe.launch import spawn_ranks
 
-    port = str(calibrate.free_port())
     out = str(tmp_path / "auto")
-    procs = [subprocess.Popen([sys.executable, "-c", _AUTO_RANK, str(rank), "2", port, out],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    for proc in procs:
-        _, err = proc.communicate(timeout=120)
+    for rank in spawn_ranks(2, ["-c", _AUTO_RANK, out], timeout=120, check=False):
         # Reports are written before teardown. An abort while the process exits (gloo threads at interpreter
         # exit, seen intermittently with every multi-rank layer here, chooser or not) does not void them.
-        assert proc.returncode == 0 or "terminate called without an active exception" in err, err[-2000:]
+        assert rank.ok or "terminate called without an active exception" in rank.stderr, rank.stderr[-2000:]
     reports = [json.loads((tmp_path / f"auto.{rank}").read_text()) for rank in range(2)]
     assert reports[0] == reports[1]  # the ranks agree on the short list and the choice
     report = reports[0]

@@ -1,4 +1,4 @@
-"""Multi-rank training and checkpoints with real gloo processes on 127.0.0.1 (torch.distributed.run).
+"""Multi-rank training and checkpoints with real gloo processes on 127.0.0.1 (flexmoe.launch.spawn_ranks).
 
 * A 2-rank training step equals the single-process step over the same global batch (one micro-batch per
   rank's rows), so data parallelism (and expert parallelism) changes nothing.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexmoe.checkpoint import load_checkpoint, read_checkpoint, reshard_checkpoint
 from flexmoe.apps.models import GPT, GPTConfig
+from flexmoe.checkpoint import load_checkpoint, read_checkpoint, reshard_checkpoint
+from flexmoe.launch import spawn_ranks
 
 TINY_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--num-experts", "4",
               "--expert-hidden", "32", "--batch-size", "8", "--warmup", "2", "--lr", "1e-2", "--no-progress",
@@ -52,27 +52,14 @@ EVAL_RUNNER = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
 def _python(script: str, argv: list[str], nproc: int = 1) -> None:
-    """Run ``script`` in one process, or in ``nproc`` gloo processes under torch.distributed.run."""
+    """Run ``script`` in one process, or in ``nproc`` gloo ranks (flexmoe.launch.spawn_ranks)."""
     if nproc == 1:
-        cmd = [sys.executable, "-c", script, *argv]
+        proc = subprocess.run([sys.executable, "-c", script, *argv], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     else:
-        path = Path(argv[argv.index("--out") + 1] if "--out" in argv else argv[0]).parent / f"runner{nproc}.py"
-        path.write_text(script)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(path), *argv]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        spawn_ranks(nproc, ["-c", script, *argv], timeout=240)  # raises, naming the failed rank and its stderr
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -1,69 +1,86 @@
-"""Expert parallelism with real processes (gloo on 127.0.0.1, a free port per test).
+"""Every multi-rank scenario of the layer, one named pytest case each (gloo on 127.0.0.1, a free port per case).
 
-Each test starts W processes of tests/ep_worker.py, which run many cases inside one process group (starting
-processes costs seconds) and report their failures. The reference is one process holding all experts with
-the same global weights, running each rank's tokens as its own batch (DESIGN.md section 3).
+Each case starts W processes running one scenario of tests/scenario_worker.py through the harness of
+tests/multiproc.py; a scenario checks many settings inside one process group (starting processes costs seconds)
+and reports what differs. The reference is one process holding all experts with the same global weights,
+running each rank's tokens as its own batch (docs/architecture.md, the expert layout over ranks).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
-from multiproc import failures_of, run_ranks
 
-WORKER = Path(__file__).with_name("ep_worker.py")
-
-
-def run_group(scenario: str, world: int, tmp_path: Path, timeout: float = 150) -> list[dict]:
-    return run_ranks(WORKER, scenario, world, tmp_path, timeout)
+from multiproc import Scenario, failures_of, run_scenario
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_outputs_and_gradients_equal_single_process(world: int, tmp_path: Path) -> None:
-    """k=1,2; capacity and dropless; E>W and E<W (sharded); every valid r; d in {1,2,4}; flat and 2dh."""
-    reports = run_group("equivalence", world, tmp_path)
-    failures = failures_of(reports)
-    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:30])
-    assert all(rep["cases"] > 20 for rep in reports)
+def _many_cases(minimum: int) -> Callable[[list[dict]], None]:
+    def check(reports: list[dict]) -> None:
+        cases = [rep.get("cases") for rep in reports]
+        assert all(c is not None and c >= minimum for c in cases), f"expected >= {minimum} cases per rank, ran {cases}"
+    return check
 
 
-def test_auto_chooses_and_stays_exact(tmp_path: Path) -> None:
-    reports = run_group("auto", 2, tmp_path)
-    failures = failures_of(reports)
-    assert not failures, "\n".join(failures[:30])
-    assert len({rep["choice"] for rep in reports}) == 1, "ranks chose different settings"
-    assert reports[0]["decisions"]
+def _auto_agrees(reports: list[dict]) -> None:
+    assert len({rep["choice"] for rep in reports}) == 1, f"ranks chose different settings: {reports}"
+    assert reports[0]["decisions"], "auto made no decision"
 
 
-def test_ddp_step_equals_single_process_step(tmp_path: Path) -> None:
-    reports = run_group("ddp", 2, tmp_path)
-    failures = failures_of(reports)
-    assert not failures, "\n".join(failures[:30])
+def _fails_fast(reports: list[dict]) -> None:
+    assert reports[0]["seconds"] < 6.0 + 5.0, f"rank 0 took too long to fail: {reports[0]}"
 
 
-def test_mismatched_config_fails_on_every_rank(tmp_path: Path) -> None:
-    reports = run_group("mismatch", 2, tmp_path)
-    failures = failures_of(reports)
-    assert not failures, "\n".join(failures)
+def _shadowing_balances(reports: list[dict]) -> None:
+    _many_cases(40)(reports[:1])
+    report = reports[0]
+    # The skewed router really is skewed: the two hot experts get about half of the routed rows.
+    for share in report["hot_share"].values():
+        assert 0.4 <= share <= 0.6, f"the skewed router is not skewed: hot share {report['hot_share']}"
+    # Shadowing the hot experts lowers the busiest rank's load (both hot ones live on rank 0).
+    load = report["load"]["E=8"]
+    assert max(load["after"]) < max(load["before"]), f"shadowing did not lower the busiest rank's rows: {load}"
 
 
-def test_rank_that_exits_early_gives_clear_error(tmp_path: Path) -> None:
-    reports = run_group("dead_rank", 2, tmp_path, timeout=60)
-    failures = failures_of(reports, ranks=[0])
-    assert not failures, "\n".join(failures)
-    assert reports[0]["seconds"] < 6.0 + 5.0, reports[0]
+def _global_bias_matters(reports: list[dict]) -> None:
+    assert any(rep["bias_differs_from_local_rule"] for rep in reports), "the global load made no difference"
 
 
-def test_stalled_rank_times_out_with_clear_error(tmp_path: Path) -> None:
-    reports = run_group("stalled_rank", 2, tmp_path, timeout=60)
-    failures = failures_of(reports, ranks=[0])
-    assert not failures, "\n".join(failures)
-    assert reports[0]["seconds"] < 6.0 + 5.0, reports[0]
+def _bound_binds(reports: list[dict]) -> None:
+    remote = [rep["remote"]["0.25"] for rep in reports]
+    assert all(r[0] == r[1] == 20 for r in remote), f"share 0.25: [remote, budget, wanted] per rank {remote}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_exchanges_are_freed_after_backward(world: int, tmp_path: Path) -> None:
-    reports = run_group("no_leak", world, tmp_path)
-    failures = failures_of(reports)
-    assert not failures, "\n".join(failures)
+# (scenario, a check of the reports beyond "no rank reported a failure")
+CASES: list[tuple[Scenario, Callable[[list[dict]], None] | None]] = [
+    *[(Scenario("ep_equivalence", w, "outputs and gradients equal one process (k=1,2; capacity and dropless; "
+                "E>W and E<W sharded; every valid r; d in 1,2,4; flat and 2dh)", timeout=240), _many_cases(21))
+      for w in (2, 4)],
+    (Scenario("auto", 2, "parallel='auto' chooses one setting on every rank and stays exact"), _auto_agrees),
+    (Scenario("ddp", 2, "a 2-rank DDP step equals the single-process step on the global batch"), None),
+    (Scenario("mismatch", 2, "a mismatched config fails on every rank naming the option and the rank"), None),
+    (Scenario("dead_rank", 2, "a rank that exits early gives rank 0 a clear timeout error", teardown=False,
+              timeout=60, ranks=(0,)), _fails_fast),
+    (Scenario("stalled_rank", 2, "a stalled rank gives rank 0 a clear error within the timeout", teardown=False,
+              timeout=60, ranks=(0,)), _fails_fast),
+    *[(Scenario("no_leak", w, "no exchange stays alive after forward + backward"), None) for w in (2, 4)],
+    *[(Scenario("fastermoe_equivalence", w, "shadowing and the pairwise schedule equal one process (outputs, "
+                "global expert gradients, skewed and uniform routing)", timeout=240), _shadowing_balances)
+      for w in (2, 4)],
+    *[(Scenario("fastermoe_errors", w, "unsupported shadowing/pairwise combinations raise clear ValueErrors",
+                timeout=150), None) for w in (2, 4)],
+    (Scenario("routing_ep", 2, "balance='bias' uses the global load; expert choice, BASE and shared experts equal "
+              "one process", collective_timeout=20.0), _global_bias_matters),
+    (Scenario("topology", 4, "4 ranks as 2 nodes: each rank sends at most floor(s*T*k) pairs to the other node, "
+              "re-routed as the plain loop of tests/test_topology_gate.py does", collective_timeout=20.0),
+     _bound_binds),
+]
+
+
+@pytest.mark.parametrize("case,check", CASES, ids=[case.id for case, _ in CASES])
+def test_scenario(case: Scenario, check: Callable[[list[dict]], None] | None) -> None:
+    reports = run_scenario(case)
+    failures = failures_of(reports, case.ranks)
+    assert not failures, f"{case.id}: {case.claim}: {len(failures)} failures:\n" + "\n".join(failures[:30])
+    if check is not None:
+        check(reports)

@@ -1,17 +1,14 @@
 """FasterMoE's shadowing and smart schedule (issue 5).
 
-Multi-rank: W real processes of tests/fastermoe_worker.py (gloo on 127.0.0.1, a free port per test, a short
-collective timeout) check outputs and gradients against one process holding all experts, with skewed and
-uniform routing. The shadowing policies are also unit-tested here without processes.
+The shadowing policies, unit-tested without processes. The multi-rank cases (outputs and gradients against one
+process holding all experts, skewed and uniform routing, the error cases) are the ``fastermoe_*`` scenarios of
+tests/test_expert_parallel.py.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from multiproc import run_ranks
 
 from flexmoe.parallel import (
     CostModelShadowPolicy,
@@ -24,32 +21,6 @@ from flexmoe.parallel import (
 )
 from flexmoe.parallel.shadow import resolve_shadow
 from flexmoe.tuning import load_profile
-
-WORKER = Path(__file__).with_name("fastermoe_worker.py")
-
-
-def run_group(scenarios: str, world: int, tmp_path: Path, timeout: float = 120) -> list[dict]:
-    """Run the comma-separated ``scenarios`` in one process group of ``world`` ranks; each rank's report."""
-    return run_ranks(WORKER, scenarios, world, tmp_path, timeout)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_shadowing_and_pairwise_equal_single_process(world: int, tmp_path: Path) -> None:
-    """Forced and default shadowing, the pairwise schedule and both together, skewed and uniform routing:
-    outputs and gradients (input, router, every expert parameter in global form) equal the reference;
-    unsupported combinations raise clear ValueErrors."""
-    reports = run_group("equivalence,errors", world, tmp_path)
-    failures = [f"rank {rep['rank']}: {f}" for rep in reports for f in rep.get("failures", [])]
-    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
-    eq = reports[0]["equivalence"]
-    assert eq["cases"] >= 40
-    # The skewed router really is skewed: the two hot experts get about half of the routed rows.
-    for share in eq["hot_share"].values():
-        assert 0.4 <= share <= 0.6, eq["hot_share"]
-    # Shadowing the hot experts lowers the busiest rank's load (both hot ones live on rank 0).
-    load = eq["load"]["E=8"]
-    assert max(load["after"]) < max(load["before"]), load
-
 
 # ------------------------------------------------------------------------------------- policies (no processes)
 

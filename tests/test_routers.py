@@ -455,15 +455,8 @@ def test_expert_choice_with_explicit_capacity_accepts_any_capacity_factor() -> N
     assert moe.last_plan.counts == [2] * 4
 
 
-# --- expert parallelism (2 gloo processes, tests/routing_worker.py) -----------------------------------------
-
-def test_bias_uses_global_load_and_routers_match_one_process_under_expert_parallelism(tmp_path) -> None:
-    from routing_worker import failures_of, run_group
-
-    reports = run_group("ep", 2, tmp_path)
-    failures = failures_of(reports)
-    assert not failures, "\n".join(failures[:20])
-    assert any(rep["bias_differs_from_local_rule"] for rep in reports), "the global load made no difference"
+# The multi-rank case (bias from the global load; expert choice, BASE and shared experts under expert
+# parallelism) is the scenario routing_ep of tests/test_expert_parallel.py.
 
 
 def test_bias_with_topology_gate_and_random_second_expert_together() -> None:

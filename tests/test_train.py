@@ -12,20 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from flexmoe.apps import generate, reshard, train
 
 TINY_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--num-experts", "4",
               "--expert-hidden", "32", "--batch-size", "8", "--warmup", "5", "--lr", "1e-2", "--no-progress"]
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and do not fight other processes for the two cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny models run fastest on one thread (the fixture one_thread of tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # Runs `flexmoe train` through the module's own add_arguments/run, as the CLI does.

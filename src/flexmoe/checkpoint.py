@@ -28,6 +28,7 @@ import random
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,24 +144,28 @@ def _split_by_layer(tensors: dict[str, Tensor], experts: dict[str, str]) -> dict
     return layers
 
 
-def _to_global(tensors: dict[str, Tensor], experts: dict[str, str], layout: ExpertLayout | None, group: Any):
+def _convert_experts(tensors: dict[str, Tensor], experts: dict[str, str],
+                     convert: Callable[[dict[str, Tensor]], dict[str, Tensor]]) -> dict[str, Tensor]:
+    """``tensors`` with each MoE layer's expert entries ({kind: tensor}) replaced by ``convert`` of them."""
     out = dict(tensors)
-    if layout is None:
-        return out
-    for prefix, local in _split_by_layer(tensors, experts).items():
-        for kind, t in _gather_experts(local, layout, group).items():
+    for prefix, layer in _split_by_layer(tensors, experts).items():
+        for kind, t in convert(layer).items():
             out[prefix + kind] = t
     return out
 
 
-def _to_local(tensors: dict[str, Tensor], experts: dict[str, str], layout: ExpertLayout | None, rank: int):
-    out = dict(tensors)
+def _to_global(tensors: dict[str, Tensor], experts: dict[str, str], layout: ExpertLayout | None,
+               group: Any) -> dict[str, Tensor]:
     if layout is None:
-        return out
-    for prefix, full in _split_by_layer(tensors, experts).items():
-        for kind, t in shard_expert_state(full, layout, rank).items():
-            out[prefix + kind] = t
-    return out
+        return dict(tensors)
+    return _convert_experts(tensors, experts, lambda local: _gather_experts(local, layout, group))
+
+
+def _to_local(tensors: dict[str, Tensor], experts: dict[str, str], layout: ExpertLayout | None,
+              rank: int) -> dict[str, Tensor]:
+    if layout is None:
+        return dict(tensors)
+    return _convert_experts(tensors, experts, lambda full: shard_expert_state(full, layout, rank))
 
 
 def global_state_dict(model: nn.Module) -> dict[str, Tensor]:
@@ -192,8 +197,9 @@ def _check_expert_count(state: dict[str, Tensor], experts: dict[str, str], layou
                 f"{source}: tensor {name!r} holds {state[name].shape[0]} experts, the model has "
                 f"{layout.num_experts} (num_experts differs)"
             )
-        if name in state and HIDDEN_DIM[experts[name]] is not None:
-            h = state[name].shape[HIDDEN_DIM[experts[name]]]
+        hidden_axis = HIDDEN_DIM[experts[name]]
+        if name in state and hidden_axis is not None:
+            h = state[name].shape[hidden_axis]
             if h != layout.hidden_dim:
                 raise CheckpointError(
                     f"{source}: tensor {name!r} has expert hidden size {h}, the model has {layout.hidden_dim}"
@@ -251,7 +257,7 @@ def _load_optimizer(
     model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], groups: list, source: str
 ) -> None:
     params = dict(model.named_parameters())
-    index = {}
+    index: dict[int, int] = {}
     for g in optimizer.param_groups:
         for p in g["params"]:
             index[id(p)] = len(index)
@@ -445,7 +451,7 @@ def save_checkpoint(
     meta = {
         "format": FORMAT,
         "step": int(step),
-        "config": model.cfg.to_dict(),
+        "config": model.cfg.to_dict(),  # type: ignore[union-attr,operator]  # a model with a cfg (GPT)
         "rng": {"python": [py_state[0], list(py_state[1]), py_state[2]]},
         "optimizer": None if optimizer is None else {"class": type(optimizer).__name__, "param_groups": groups},
         "num_experts": None if layout is None else layout.num_experts,

@@ -59,6 +59,7 @@ def _sum_pair_rows(rows: Tensor, pairs: Tensor, pair_weight: Tensor | None) -> T
         if pair_weight is not None:
             part.mul_(pair_weight[:, j : j + 1])
         out = part if out is None else out.add_(part)
+    assert out is not None, "pairs has no column (k >= 1)"
     return out
 
 

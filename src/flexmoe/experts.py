@@ -8,7 +8,7 @@ passed to ``MoELayer(experts=...)``.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,16 +58,19 @@ class FeedForwardExperts(nn.Module):
         self.hidden_dim = hidden_dim
         self.glu = glu
         self.activation = resolve_activation(activation)
-        factory = {"device": device, "dtype": dtype}
-        self.w1 = nn.Parameter(torch.empty(num_experts, model_dim, hidden_dim, **factory))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, model_dim, **factory))
-        self.w3 = nn.Parameter(torch.empty(num_experts, model_dim, hidden_dim, **factory)) if glu else None
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
+
+        self.w1 = param(num_experts, model_dim, hidden_dim)
+        self.w2 = param(num_experts, hidden_dim, model_dim)
+        self.w3 = param(num_experts, model_dim, hidden_dim) if glu else None
+        self.b1: nn.Parameter | None = None
+        self.b2: nn.Parameter | None = None
+        self.b3: nn.Parameter | None = None
         if bias:
-            self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim, **factory))
-            self.b2 = nn.Parameter(torch.empty(num_experts, model_dim, **factory))
-            self.b3 = nn.Parameter(torch.empty(num_experts, hidden_dim, **factory)) if glu else None
-        else:
-            self.b1 = self.b2 = self.b3 = None
+            self.b1 = param(num_experts, hidden_dim)
+            self.b2 = param(num_experts, model_dim)
+            self.b3 = param(num_experts, hidden_dim) if glu else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -1,21 +1,38 @@
-"""Starting N local ranks: ``flexmoe train --nproc N`` and ``flexmoe bench --nproc N`` re-run themselves under
-``torch.distributed.run`` (torchrun) on a free port of 127.0.0.1."""
+"""Starting N local ranks on 127.0.0.1, the one way the library, its applications, benchmarks and tests do it.
+
+* :func:`relaunch`: ``flexmoe train --nproc N`` and ``flexmoe bench --nproc N`` re-run themselves under
+  ``torch.distributed.run`` (torchrun).
+* :func:`spawn_ranks`: N plain subprocesses, each running a module-level function (or ``python ARGS...``) with
+  the environment ``torch.distributed``'s ``env://`` rendezvous reads (MASTER_ADDR, MASTER_PORT, RANK,
+  WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); it collects each rank's return value, and ends every rank when the
+  time is up or shortly after one of them fails, so a broken group never hangs its caller.
+
+Plain subprocesses rather than multiprocessing's spawn: spawn re-imports the caller's ``__main__``, which breaks
+when the caller is a script without a ``__main__`` guard or ``python -c``.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-__all__ = ["free_port", "under_torchrun", "relaunch"]
+__all__ = ["free_port", "under_torchrun", "relaunch", "rank_env", "spawn_ranks", "RankResult", "RanksFailed"]
 
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nobody listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def under_torchrun() -> bool:
@@ -29,3 +46,176 @@ def relaunch(nproc: int, command: str, argv: list[str]) -> int:
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "flexmoe", command, *argv]
     print("launching:", " ".join(cmd), flush=True)
     return subprocess.call(cmd)
+
+
+def rank_env(rank: int, world: int, port: int, threads: int = 1) -> dict[str, str]:
+    """The environment of one local rank: this process's, plus the ``env://`` rendezvous on 127.0.0.1:port and
+    ``threads`` OpenMP threads (ranks share the cores)."""
+    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+            "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": str(threads)}
+
+
+@dataclass
+class RankResult:
+    """What one rank left behind. ``exit_code`` is None if the rank was killed (timeout, or a peer failed);
+    ``value`` is what the function returned (JSON round-tripped), None if it did not return."""
+
+    rank: int
+    exit_code: int | None
+    value: Any
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class RanksFailed(RuntimeError):
+    """A rank of :func:`spawn_ranks` failed or the group did not finish in time; ``results`` has every rank."""
+
+    def __init__(self, message: str, results: list[RankResult]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+def _rank_child(module: str, name: str, args_path: str, out_path: str, extra_path: str) -> None:
+    """The child's side of :func:`spawn_ranks`: import the function, call it, write its return value as JSON,
+    and leave without the interpreter's teardown (a dead peer can make a process group's destructor wait)."""
+    import importlib
+    import importlib.util
+    import traceback
+
+    if extra_path:
+        sys.path.insert(0, extra_path)
+    code = 1
+    try:
+        if module.endswith(".py"):  # the caller's script, imported under another name: its main guard stays shut
+            spec = importlib.util.spec_from_file_location("__rank_main__", module)
+            assert spec is not None and spec.loader is not None, module
+            target: Any = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(target)
+        else:
+            target = importlib.import_module(module)
+        for part in name.split("."):
+            target = getattr(target, part)
+        value = target(*json.loads(Path(args_path).read_text()))
+        Path(out_path).write_text(json.dumps(value))
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# This file loaded by its path, not as flexmoe.launch: importing the flexmoe package would import torch, seconds
+# a rank of a torch-free target need not pay.
+_CHILD = (f"import importlib.util as u, sys; spec = u.spec_from_file_location('flexmoe_launch', {__file__!r}); "
+          f"launch = sys.modules['flexmoe_launch'] = u.module_from_spec(spec); spec.loader.exec_module(launch); "
+          f"launch._rank_child(*sys.argv[1:])")
+
+
+def _function_command(fn: Callable[..., Any], args: Sequence[Any], tmp: Path, rank: int) -> list[str]:
+    """``python -c _CHILD ...`` calling the module-level ``fn(*args)``. The module's root goes on sys.path, so a
+    module that is not installed (a test helper beside the tests) imports too; a function of the running script
+    (``__main__``) is found by the script's path."""
+    module = fn.__module__
+    source = getattr(sys.modules.get(module), "__file__", None)
+    if "<locals>" in fn.__qualname__ or (module == "__main__" and source is None):
+        raise ValueError(f"spawn_ranks: target must be a module-level function of a module or script, "
+                         f"got {fn.__qualname__} of {module}")
+    root = ""
+    if source is not None:
+        path = Path(source).resolve()
+        if module == "__main__":
+            module = str(path)
+        else:
+            depth = module.count(".") + (path.name == "__init__.py")
+            root = str(path.parents[depth])
+    args_path = tmp / "args.json"
+    if not args_path.exists():
+        args_path.write_text(json.dumps(list(args)))
+    return [sys.executable, "-c", _CHILD, module, fn.__qualname__, str(args_path), str(tmp / f"rank{rank}.json"), root]
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return text[-chars:]
+
+
+def spawn_ranks(world: int, target: Callable[..., Any] | Sequence[str], args: Sequence[Any] = (), *,
+                timeout: float = 120.0, threads: int = 1, grace: float = 5.0, check: bool = True,
+                what: str = "") -> list[RankResult]:
+    """Run ``world`` ranks on 127.0.0.1 (a free port) and wait for all of them; each rank's result, by rank.
+
+    target: a module-level function, called in every rank as ``target(*args)`` (args: JSON values) with the
+    rendezvous in the environment (``torch.distributed.init_process_group("gloo")`` joins it); its return value
+    (JSON-able) is the rank's ``value``. Or a list of ``python`` arguments (``["-c", code, ...]``,
+    ``["-m", module, ...]``, ``[script, ...]``), run as is in every rank.
+    timeout: seconds for the whole group; then every rank still running is killed.
+    grace: seconds the other ranks get to finish once one rank exited with an error; then they are killed (a
+    collective with a dead peer would otherwise wait for its own, longer timeout).
+    check: raise :class:`RanksFailed` (naming the first failed rank, with its stderr tail) unless every rank
+    exited with 0; with ``check=False`` the caller reads the exit codes itself.
+    what: the group's name in error messages (``"gloo calibration with 4 ranks"``; default ``"4 ranks"``).
+    """
+    if world < 1:
+        raise ValueError(f"spawn_ranks: world must be >= 1, got {world}")
+    if timeout <= 0:
+        raise ValueError(f"spawn_ranks: timeout must be > 0 seconds, got {timeout}")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="flexmoe-ranks-") as tmp_name:
+        tmp = Path(tmp_name)
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank in range(world):
+                if callable(target):
+                    cmd = _function_command(target, args, tmp, rank)
+                else:
+                    cmd = [sys.executable, *target]
+                with open(tmp / f"rank{rank}.out", "w") as out, open(tmp / f"rank{rank}.err", "w") as err:
+                    procs.append(subprocess.Popen(cmd, env=rank_env(rank, world, port, threads), stdout=out,
+                                                  stderr=err, stdin=subprocess.DEVNULL))
+            timed_out, killed = _wait(procs, time.monotonic() + timeout, grace)
+        finally:  # the caller interrupted (Ctrl-C) or a rank failed to start: leave no rank behind
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        results = []
+        for rank, proc in enumerate(procs):
+            value_path = tmp / f"rank{rank}.json"
+            value = json.loads(value_path.read_text()) if value_path.exists() else None
+            exit_code = None if rank in killed else proc.returncode
+            results.append(RankResult(rank, exit_code, value, _tail(tmp / f"rank{rank}.out"),
+                                      _tail(tmp / f"rank{rank}.err")))
+    if check:
+        failed = [r for r in results if not r.ok]
+        if failed:
+            first = next((r for r in failed if r.exit_code is not None), failed[0])
+            cause = (f"did not finish in {timeout:.0f} s" if timed_out else
+                     f"failed: rank {first.rank} exited with {first.exit_code}")
+            group = what or f"{world} ranks"
+            raise RanksFailed(f"{group} {cause}; stderr of rank {first.rank}:\n{first.stderr[-2000:]}", results)
+    return results
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], deadline: float, grace: float) -> tuple[bool, set[int]]:
+    """Wait for every process; kill those still running at the deadline, or ``grace`` s after the first one
+    exited non-zero. Returns (whether the deadline was hit, the ranks killed)."""
+    failed_by: float | None = None  # when the ranks left after a failure are killed
+    while True:
+        running = [i for i, p in enumerate(procs) if p.poll() is None]
+        if not running:
+            return False, set()
+        now = time.monotonic()
+        if failed_by is None and any(p.returncode not in (None, 0) for p in procs):
+            failed_by = now + grace
+        if now >= min(deadline, failed_by if failed_by is not None else deadline):
+            for i in running:
+                procs[i].kill()
+                procs[i].wait()
+            return failed_by is None or deadline <= failed_by, set(running)
+        time.sleep(0.05)

@@ -32,14 +32,17 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexmoe.apps.baselines import expert_floor, gshard_einsum_forward
+from flexmoe.experts import FeedForwardExperts
 from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.layer import MoELayer
 
@@ -101,7 +104,7 @@ def time_side_by_side(cases: dict[str, Callable[[], None]], steps: int, warmup: 
     return times
 
 
-def saved_activation_bytes(step: Callable[[], Tensor], params: list[Tensor]) -> int:
+def saved_activation_bytes(step: Callable[[], Tensor], params: Sequence[Tensor]) -> int:
     """Bytes of the tensors autograd keeps for the backward of ``step()`` (storages counted once, parameters
     excluded): the activation memory of a forward + backward beyond parameters and their gradients."""
     param_storages = {p.untyped_storage().data_ptr() for p in params}
@@ -145,7 +148,9 @@ def _floor_case(layer: MoELayer, counts: list[int], cfg: BenchConfig) -> tuple[C
     gen = torch.Generator().manual_seed(cfg.seed + 7)
     rows = torch.randn(sum(counts), cfg.model_dim, generator=gen).to(_DTYPES[cfg.dtype]).requires_grad_()
     grad = torch.randn(rows.shape, generator=gen).to(rows.dtype)
-    forward = lambda: expert_floor(layer.experts, rows, counts)  # noqa: E731
+    experts = layer.experts
+    assert isinstance(experts, FeedForwardExperts), "the floor times the built-in FFN experts"
+    forward = partial(expert_floor, experts, rows, counts)
     return _fwd_bwd(forward, grad, layer.experts), forward
 
 
@@ -165,7 +170,7 @@ def _peer_cases(cfg: BenchConfig, x: Tensor, grad: Tensor) -> tuple[dict[str, Ca
         except Exception as exc:  # a peer that is missing or fails to build is reported, never fatal
             skipped.append(f"{name}: skipped ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
             continue
-        cases[name] = _fwd_bwd(lambda f=forward: f(x), grad, module)
+        cases[name] = _fwd_bwd(partial(forward, x), grad, module)
     return cases, skipped
 
 
@@ -236,6 +241,7 @@ def bench_single(cfg: BenchConfig, *, peers: bool = True, reference: bool = True
     with torch.no_grad():
         layer(x)
     plan = layer.last_plan
+    assert plan is not None  # set by the forward above
     floor_step, floor_forward = _floor_case(layer, plan.counts, cfg)
     cases: dict[str, Callable[[], None]] = {
         "floor": floor_step,
@@ -266,7 +272,7 @@ def bench_single(cfg: BenchConfig, *, peers: bool = True, reference: bool = True
 
 def _memory_report(cfg: BenchConfig, layer: MoELayer, x: Tensor, floor_forward: Callable) -> dict[str, Any]:
     params = list(layer.parameters())
-    out = {
+    out: dict[str, float] = {
         "floor_bytes": saved_activation_bytes(floor_forward, params),
         "flexmoe_bytes": saved_activation_bytes(lambda: layer(x), params),
         "gshard_einsum_bytes": saved_activation_bytes(lambda: gshard_einsum_forward(layer, x), params),
@@ -380,7 +386,9 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
         extra["experts"] = SleepyExperts(cfg.experts // world, sleep_ms / 1e3, expected)
     layer = build_layer(cfg, **extra)
     x, grad = _inputs(cfg, cfg.seed + 1 + rank)  # each rank its own tokens
-    settings = candidates(layer._ep.valid_r(), world, layer.ranks_per_node, degrees)
+    ep = layer._ep
+    assert ep is not None  # a layer over a process group
+    settings = candidates(ep.valid_r(), world, layer.ranks_per_node, degrees)
     exposed: dict[str, list[float]] = {str(s): [] for s in settings}  # seconds waiting on exchanges, per step
 
     def timed_setting(s: ParallelSetting) -> Callable[[], None]:
@@ -388,16 +396,17 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
                                               ranks_per_node=s.ranks_per_node), grad, layer))
 
         def run() -> None:
-            layer._ep.stats.reset()
+            ep.stats.reset()
             step()
-            exposed[str(s)].append(layer._ep.stats.seconds)
+            exposed[str(s)].append(ep.stats.seconds)
         return run
 
     cases = {str(s): timed_setting(s) for s in settings}
     if sleep_ms is None:
         with torch.no_grad():
             layer(x)
-        local = _local_counts(layer, layer._ep.gather_counts(layer.last_plan.counts))
+        assert layer.last_plan is not None  # set by the forward above
+        local = _local_counts(layer, ep.gather_counts(layer.last_plan.counts))
         floor_step, _ = _floor_case(layer, local, cfg)
         cases["floor (1 rank, same per-rank rows)"] = _synced(floor_step)
     times = time_side_by_side(cases, cfg.steps, cfg.warmup, sync=_slowest)
@@ -406,7 +415,7 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
     # over the timed steps (warm-up steps dropped) as a share of the median step.
     comm_share = {name: statistics.median(v[cfg.warmup:]) / medians[name] for name, v in exposed.items()}
 
-    best_static = min((str(s) for s in settings), key=medians.get)
+    best_static = min((str(s) for s in settings), key=lambda name: medians[name])
     autos = {"auto": build_layer(cfg, parallel="auto", **extra)}
     if profile is not None:
         from flexmoe.parallel.auto import ModelGuidedChooser
@@ -416,7 +425,7 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
     auto_cases = {}
     for name, auto_layer in autos.items():
         auto_layer.load_state_dict(layer.state_dict())
-        auto_step = _fwd_bwd(lambda m=auto_layer: m(x), grad, auto_layer)
+        auto_step = _fwd_bwd(partial(auto_layer, x), grad, auto_layer)
         while not auto_layer.auto_decisions:  # tuning: each candidate is tried, then one is kept
             auto_step()
         auto_cases[name] = _synced(auto_step)

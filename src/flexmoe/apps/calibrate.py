@@ -21,32 +21,23 @@ Every rank runs single-threaded (``threads_per_rank = 1``), the setting ``valida
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from flexmoe.launch import spawn_ranks
 from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, ComputeSpec, LinkSpec, Profile
 
-__all__ = ["add_arguments", "run", "calibrate", "fit_roofline", "fit_alpha_beta", "free_port"]
+__all__ = ["add_arguments", "run", "calibrate", "fit_roofline", "fit_alpha_beta"]
 
 # (rows, in, out): expert-like shapes, from thin (few rows per expert) to large.
 GEMM_SHAPES = [(m, k, n) for m in (32, 128, 512, 2048) for k, n in ((128, 256), (512, 1024), (512, 2048), (1024, 512))]
 # Quick (tests): small enough for bf16 on a CPU without bf16 units (~1-3 GFLOP/s), still thin to square.
 QUICK_GEMM_SHAPES = [(32, 128, 256), (128, 512, 1024), (512, 256, 512), (1024, 512, 256)]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody is listening on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _median_time(fn: Callable[[], Any], reps: int, warmup: int = 1, budget_s: float = 3.0) -> float:
@@ -203,13 +194,15 @@ def measure_compute(quick: bool = False) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------- multi-rank
 
 
-def _comm_worker(rank: int, world: int, port: int, out_path: str, quick: bool) -> None:
-    """One gloo rank: ping-pong between ranks 0 and 1, all-to-all at several sizes, then a2a/GEMM overlap."""
+def _comm_worker(quick: bool) -> list[dict[str, Any]] | None:
+    """One gloo rank (started by :func:`flexmoe.launch.spawn_ranks`): ping-pong between ranks 0 and 1,
+    all-to-all at several sizes, then a2a/GEMM overlap. Rank 0 returns every rank's measurements."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     reps = 5 if quick else 9
     results: dict[str, Any] = {"p2p": [], "a2a": []}
     try:
@@ -278,8 +271,7 @@ def _comm_worker(rank: int, world: int, port: int, out_path: str, quick: bool) -
         # Every rank's timings, so rank 0 can report the slowest (the all-to-all waits for it).
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, results)
-        if rank == 0:
-            Path(out_path).write_text(json.dumps(gathered))
+        return gathered if rank == 0 else None
     finally:
         dist.destroy_process_group()
 
@@ -314,7 +306,8 @@ def compute_slots(samples: dict[int, float], cores: int) -> float:
     """Ranks that compute at once at full speed, from {world: slow-down of a GEMM with world ranks at once}.
 
     A summary of ``rank_slowdown`` (the model's fallback slow-down is ``max(1, ranks / slots)``): each world
-    that slowed down by more than noise (5%) gives ``world / slow-down``; the median of those, between 1 and the core count. None slowed: every rank
+    that slowed down by more than noise (5%) gives ``world / slow-down``; the median of those, between 1 and the
+    core count. None slowed: every rank
     had its own core, so the largest world measured (capped by the cores).
     """
     estimates = [world / slow for world, slow in samples.items() if slow > 1.05]
@@ -324,37 +317,9 @@ def compute_slots(samples: dict[int, float], cores: int) -> float:
 
 
 def measure_comm(world: int, quick: bool = False, timeout: float = 120.0) -> list[dict[str, Any]]:
-    """Start ``world`` gloo processes on 127.0.0.1 and return every rank's measurements.
-
-    Plain subprocesses rather than multiprocessing's spawn: spawn re-imports the caller's main module, which
-    breaks when calibration is called from a script without a ``__main__`` guard.
-    """
-    import subprocess
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "comm.json")
-        port = free_port()
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank
-        procs = []
-        for rank in range(world):
-            code = (f"from flexmoe.apps.calibrate import _comm_worker; "
-                    f"_comm_worker({rank}, {world}, {port}, {out!r}, {quick!r})")
-            procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
-        failures = []
-        deadline = time.monotonic() + timeout
-        for rank, proc in enumerate(procs):
-            try:
-                _, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"gloo calibration with {world} ranks did not finish in {timeout:.0f} s")
-            if proc.returncode != 0:
-                failures.append(f"rank {rank} exited with {proc.returncode}: {err[-1500:]}")
-        if failures:
-            raise RuntimeError("gloo calibration failed:\n" + "\n".join(failures))
-        return json.loads(Path(out).read_text())
+    """Start ``world`` gloo processes on 127.0.0.1 and return every rank's measurements."""
+    ranks = spawn_ranks(world, _comm_worker, [quick], timeout=timeout, what=f"gloo calibration with {world} ranks")
+    return list(ranks[0].value)
 
 
 def _merge_ranks(per_rank: list[dict[str, Any]], key: str) -> list[dict[str, float]]:
@@ -449,15 +414,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def summarize(profile: Profile) -> str:
     lines = [f"profile {profile.name}: {profile.description}"]
     for name, spec in profile.compute.items():
-        lines.append(f"  GEMM {name:9s} peak {spec.peak_flops / 1e9:8.1f} GFLOP/s  overhead {spec.overhead_s * 1e6:6.1f} us"
-                     f"  half-dim {spec.half_dim:g}")
-    lines.append(f"  memory {profile.memory_bandwidth_Bps / 1e9:.2f} GB/s  gather {profile.gather_bandwidth_Bps / 1e9:.2f} GB/s"
-                 f"  scatter-add {profile.scatter_bandwidth_Bps / 1e9:.2f} GB/s  op {profile.op_overhead_s * 1e6:.1f} us"
+        lines.append(f"  GEMM {name:9s} peak {spec.peak_flops / 1e9:8.1f} GFLOP/s"
+                     f"  overhead {spec.overhead_s * 1e6:6.1f} us  half-dim {spec.half_dim:g}")
+    lines.append(f"  memory {profile.memory_bandwidth_Bps / 1e9:.2f} GB/s"
+                 f"  gather {profile.gather_bandwidth_Bps / 1e9:.2f} GB/s"
+                 f"  scatter-add {profile.scatter_bandwidth_Bps / 1e9:.2f} GB/s"
+                 f"  op {profile.op_overhead_s * 1e6:.1f} us"
                  f"  grad stack {profile.grad_stack_bandwidth_Bps / 1e9:.2f} GB/s"
                  f"  first touch {profile.first_touch_bandwidth_Bps / 1e9:.2f} GB/s")
     link = profile.intra
     lines.append(f"  p2p  alpha {link.alpha_s * 1e6:7.1f} us  bandwidth {link.bandwidth_Bps / 1e9:.2f} GB/s")
-    lines.append(f"  a2a  alpha {link.a2a_alpha_s * 1e6:7.1f} us  bandwidth {link.a2a_bandwidth_Bps / 1e9:.2f} GB/s per message")
+    lines.append(f"  a2a  alpha {link.a2a_alpha_s * 1e6:7.1f} us"
+                 f"  bandwidth {link.a2a_bandwidth_Bps / 1e9:.2f} GB/s per message")
     lines.append(f"  overlap efficiency {profile.overlap_efficiency:.2f}  "
                  f"compute slots {profile.compute_slots_per_node:.2f}  slow-down by ranks {profile.rank_slowdown}")
     return "\n".join(lines)

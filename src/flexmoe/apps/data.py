@@ -40,7 +40,7 @@ class CorpusError(RuntimeError):
 
 def load_corpus() -> bytes:
     """The embedded tiny Shakespeare, decompressed and verified (size and md5)."""
-    resource = resources.files("flexmoe.apps").joinpath("corpus", CORPUS_NAME)
+    resource = resources.files("flexmoe.apps").joinpath("corpus").joinpath(CORPUS_NAME)
     try:
         raw = resource.read_bytes()
     except (FileNotFoundError, OSError) as exc:
@@ -92,7 +92,7 @@ class TokenData:
     source: str
 
     @classmethod
-    def from_file(cls, path: str | Path | None, *, block_size: int, val_fraction: float = 0.1) -> "TokenData":
+    def from_file(cls, path: str | Path | None, *, block_size: int, val_fraction: float = 0.1) -> TokenData:
         raw = load_text_bytes(path)
         tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         n_val = int(len(tokens) * val_fraction)

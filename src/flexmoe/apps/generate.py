@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from flexmoe.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint
 from flexmoe.apps.data import decode, encode
 from flexmoe.apps.models.gpt import GPT, GPTConfig
+from flexmoe.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint
 
 __all__ = ["add_arguments", "run", "load_model"]
 

@@ -30,6 +30,24 @@ def _curves(records: list[dict[str, Any]]) -> tuple[list[int], list[float], list
     return [s for s, _ in train], [v for _, v in train], [s for s, _ in val], [v for _, v in val]
 
 
+def _save(fig: Any, path: str | Path) -> Path:
+    """Write the figure as a PNG and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return Path(path)
+
+
+def _save_loss_axes(fig: Any, ax: Any, title: str, path: str | Path) -> Path:
+    """Label the loss-against-step axes, then save the figure."""
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
 def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str = "training") -> Path:
     """Train and validation loss against step."""
     plt = _plt()
@@ -38,15 +56,7 @@ def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str = "t
     ax.plot(ts, tl, label="train", alpha=0.7)
     if vs:
         ax.plot(vs, vl, "o-", label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    return _save_loss_axes(fig, ax, title, path)
 
 
 def plot_expert_load(records: list[dict[str, Any]], path: str | Path) -> Path | None:
@@ -71,10 +81,7 @@ def plot_expert_load(records: list[dict[str, Any]], path: str | Path) -> Path | 
         fig.colorbar(im, ax=ax, label="share of tokens")
     axes[-1][0].set_xlabel("step")
     fig.suptitle("expert load per layer (uniform = 1/E)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, path)
 
 
 def plot_compare(runs: dict[str, list[dict[str, Any]]], path: str | Path) -> Path:
@@ -87,12 +94,4 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], path: str | Path) -> Pat
         ax.plot(ts, tl, color=color, alpha=0.3, label=f"{name} train")
         if vs:
             ax.plot(vs, vl, "o-", color=color, label=f"{name} validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / byte)")
-    ax.set_title("MoE vs dense twin (equal active compute)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    return _save_loss_axes(fig, ax, "MoE vs dense twin (equal active compute)", path)

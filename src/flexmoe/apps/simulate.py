@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -76,7 +75,8 @@ def simulate(profile_name: str, gpus: list[int], tokens: int = 4096, model_dim: 
                            capacity_factor=capacity_factor, dtype=dtype, ranks=w)
         s = base.shards
         settings: dict[str, tuple[LayerConfig, dict[str, Any]]] = {
-            "gshard-baseline": (replace(base, dispatch="dense", r=1 if s > 1 else None), {"r": 1, "d": 1, "a2a": "flat"}),
+            "gshard-baseline": (replace(base, dispatch="dense", r=1 if s > 1 else None),
+                                {"r": 1, "d": 1, "a2a": "flat"}),
             "flat": (replace(base, r=1 if s > 1 else None), {"r": 1, "d": 1, "a2a": "flat"}),
             "2dh": (replace(base, a2a="2dh", r=1 if s > 1 else None), {"r": 1, "d": 1, "a2a": "2dh"}),
             "2dh r=s": (replace(base, a2a="2dh", r=s), {"r": s, "d": 1, "a2a": "2dh"}),

@@ -30,20 +30,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from flexmoe.apps.data import TokenData
+from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.checkpoint import (
     CheckpointError,
     expert_param_names,
+    expert_placement,
     latest_checkpoint,
     load_checkpoint,
-    expert_placement,
     load_global_state_dict,
     save_checkpoint,
 )
-from flexmoe.apps.data import TokenData
 from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.parallel.ddp import wrap_ddp
-from flexmoe.layer import MoELayer
-from flexmoe.apps.models.gpt import GPT, GPTConfig
 
 __all__ = ["TrainConfig", "add_arguments", "run", "train", "build_model"]
 
@@ -228,7 +227,8 @@ def _spread_experts(model: GPT) -> dict[str, str]:
 
 def build_optimizer(model: nn.Module, tcfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not biases, norms or expert biases)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         is_bias = p.dim() < 2 or name.rsplit(".", 1)[-1] in ("b1", "b2", "b3")
         (no_decay if is_bias else decay).append(p)
@@ -260,12 +260,14 @@ def clip_gradients(model: GPT, max_norm: float, world: int) -> float:
             continue
         sq = p.grad.double().square().sum()
         if n in experts:
+            assert placement is not None  # a model with spread experts has their placement
             if experts[n] == "b2" and placement.layout.shard_of_rank(placement.rank) != 0:
                 continue
             expert_sq += sq
         else:
             dense_sq += sq
     if experts:
+        assert placement is not None
         dist.all_reduce(expert_sq, group=placement.group)
     norm = float((dense_sq + expert_sq).sqrt())
     if max_norm > 0 and norm > max_norm:

@@ -16,17 +16,13 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
-from flexmoe.apps.calibrate import calibrate, free_port
+from flexmoe.apps.calibrate import calibrate
+from flexmoe.launch import RanksFailed, spawn_ranks
 from flexmoe.tuning.cost_model import LayerConfig, predict
 from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, Profile, load_profile
 
@@ -142,14 +138,15 @@ def measure_single(cfg: dict[str, Any], steps: int = 5, warmup: int = 2, seed: i
         torch.set_num_threads(threads)
 
 
-def _rank_worker(rank: int, world: int, port: int, cfg_json: str, out_path: str, steps: int, warmup: int) -> None:
-    """One rank of a multi-rank measurement: the expert-parallel MoELayer over the gloo world group."""
+def _rank_worker(cfg: dict[str, Any], steps: int, warmup: int) -> dict[str, Any] | None:
+    """One rank of a multi-rank measurement (started by :func:`flexmoe.launch.spawn_ranks`): the expert-parallel
+    MoELayer over the gloo world group. Rank 0 returns ``{"seconds", "load"}`` of the whole group."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    cfg = json.loads(cfg_json)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     try:
         torch.manual_seed(1234 + rank)  # each rank its own tokens
         extra: dict[str, Any] = {"group": dist.group.WORLD}
@@ -173,7 +170,8 @@ def _rank_worker(rank: int, world: int, port: int, cfg_json: str, out_path: str,
         if rank == 0:
             per_step = [max(step) for step in zip(*times)]
             total = [sum(col) for col in zip(*loads)]
-            Path(out_path).write_text(json.dumps({"seconds": statistics.median(per_step), "load": total}))
+            return {"seconds": statistics.median(per_step), "load": total}
+        return None
     finally:
         dist.destroy_process_group()
 
@@ -202,35 +200,18 @@ def measure_multi(cfg: dict[str, Any], steps: int = 5, warmup: int = 2, timeout:
 
 def _measure_multi_once(cfg: dict[str, Any], steps: int, warmup: int, timeout: float) -> tuple[float, list[int]]:
     world = int(cfg["ranks"])
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        port = free_port()
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs = []
-        for rank in range(world):
-            code = (f"from flexmoe.apps.validate import _rank_worker; "
-                    f"_rank_worker({rank}, {world}, {port}, {json.dumps(cfg)!r}, {out!r}, {steps}, {warmup})")
-            procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
-        deadline = time.monotonic() + timeout
-        errors = []
-        for rank, proc in enumerate(procs):
-            try:
-                _, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"{world}-rank measurement did not finish in {timeout:.0f} s")
-            if proc.returncode != 0:
-                errors.append(f"rank {rank}: {err[-3000:]}")
-        finished = Path(out).exists()  # written after every rank handed in its timings
-        if errors and not finished:
-            raise RuntimeError("multi-rank measurement failed:\n" + "\n".join(errors))
-        if errors:  # a crash while tearing down, after the measurement: keep it, but say so
-            print(f"validate-model: {world}-rank run measured, then a rank exited abnormally:\n"
-                  + "\n".join(e[-300:] for e in errors), file=sys.stderr)
-        result = json.loads(Path(out).read_text())
-        return float(result["seconds"]), list(result["load"])
+    try:
+        ranks = spawn_ranks(world, _rank_worker, [cfg, steps, warmup], timeout=timeout,
+                            what=f"{world}-rank measurement")
+    except RanksFailed as e:
+        ranks = e.results
+        if ranks[0].value is None:  # rank 0 hands in the result after every rank handed in its timings
+            raise
+        # A crash while tearing down, after the measurement: keep it, but say so.
+        print(f"validate-model: {world}-rank run measured, then a rank exited abnormally:\n"
+              + "\n".join(f"rank {r.rank}: {r.stderr[-300:]}" for r in ranks if not r.ok), file=sys.stderr)
+    result = ranks[0].value
+    return float(result["seconds"]), list(result["load"])
 
 
 # ---------------------------------------------------------------------------------------------- predicting

@@ -22,8 +22,9 @@ None of the papers' speed-ups is written in: they follow from message counts and
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from flexmoe.tuning.profile import ComputeSpec, LinkSpec, Profile
 
@@ -231,8 +232,10 @@ def ffn_times(profile: Profile, rows: float, model_dim: int, hidden_dim: int, dt
     down = gemm_time(spec, bw, rows_i, model_dim, hidden_dim, b)  # h @ w2: [rows, H] x [H, M]
     n_up = 2 if glu else 1
     # Backward of x@w1: grad_x [rows,H]x[H,M] and grad_w1 [M,rows]x[rows,H]; of h@w2: grad_h and grad_w2.
-    up_bwd = gemm_time(spec, bw, rows_i, model_dim, hidden_dim, b) + gemm_time(spec, bw, model_dim, hidden_dim, rows_i, b)
-    down_bwd = gemm_time(spec, bw, rows_i, hidden_dim, model_dim, b) + gemm_time(spec, bw, hidden_dim, model_dim, rows_i, b)
+    up_bwd = (gemm_time(spec, bw, rows_i, model_dim, hidden_dim, b)
+              + gemm_time(spec, bw, model_dim, hidden_dim, rows_i, b))
+    down_bwd = (gemm_time(spec, bw, rows_i, hidden_dim, model_dim, b)
+                + gemm_time(spec, bw, hidden_dim, model_dim, rows_i, b))
     act_elems = rows_i * hidden_dim
     act_fwd = memory_time(2 * act_elems * b * (2 if glu else 1), bw)
     act_bwd = memory_time(3 * act_elems * b * (2 if glu else 1) + 2 * act_elems * b, bw)  # + bias-grad reduce
@@ -455,9 +458,13 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
     out = Breakdown()
 
     # Rows this rank sends out through the all-to-all (and gathers/scatters locally).
-    local_rows = t * k if config.dispatch == "index" and config.capacity_factor == 0 else None
-    if local_rows is None:
-        local_rows = sum(min(t * k * sh, cap) for sh in shares) if config.dispatch == "index" else e * cap
+    local_rows: float
+    if config.dispatch == "index" and config.capacity_factor == 0:
+        local_rows = t * k
+    elif config.dispatch == "index":
+        local_rows = sum(min(t * k * sh, cap) for sh in shares)
+    else:
+        local_rows = e * cap
     out.router_plan = _router_plan_time(profile, config) * slow
     if config.dispatch == "dense":
         out.dispatch_combine = _dense_dispatch_combine_time(profile, config) * slow
@@ -518,6 +525,8 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
     elif s == 1:
         per_rank = config.experts_per_rank
         mine = range(straggler * per_rank, (straggler + 1) * per_rank)
+        send_rows: float
+        recv_rows: float
         if config.padded_a2a and config.capacity_factor != 0 or config.dispatch == "dense":
             send_rows = sum(cap for x in range(e) if x not in shadowed)
             recv_rows = w * cap * sum(1 for x in mine if x not in shadowed)

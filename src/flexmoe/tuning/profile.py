@@ -127,7 +127,7 @@ class Profile:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Profile":
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
         data = dict(data)
         data["compute"] = {k: ComputeSpec(**v) for k, v in data["compute"].items()}
         data["intra"] = LinkSpec(**data["intra"])
@@ -142,7 +142,7 @@ class Profile:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
     @classmethod
-    def from_json(cls, text: str) -> "Profile":
+    def from_json(cls, text: str) -> Profile:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -154,7 +154,7 @@ class Profile:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "Profile":
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
         return cls.from_json(Path(path).read_text())
 
 

@@ -73,7 +73,7 @@ class GPTConfig:
         return out
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], **overrides: Any) -> "GPTConfig":
+    def from_dict(cls, values: dict[str, Any], **overrides: Any) -> GPTConfig:
         """Build from :meth:`to_dict` output; unknown keys are an error (a config from another version)."""
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - names)
@@ -81,7 +81,7 @@ class GPTConfig:
             raise ValueError(f"unknown GPTConfig fields {unknown}")
         return cls(**{**values, **overrides})
 
-    def dense_twin(self) -> "GPTConfig":
+    def dense_twin(self) -> GPTConfig:
         """The same model with dense MLPs of equal active compute."""
         return GPTConfig.from_dict({**self.to_dict(), "dense": True}, group=None)
 
@@ -96,14 +96,14 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[B, L, D]`` -> ``[B, L, D]``."""
-        b, l, d = x.shape
+        b, seq, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=2)
         # [B, L, D] -> [B, heads, L, D/heads]
-        q, k, v = (t.view(b, l, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(b, seq, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).reshape(b, l, d))
+        return self.proj(y.transpose(1, 2).reshape(b, seq, d))
 
 
 class DenseMLP(nn.Module):
@@ -181,10 +181,10 @@ class GPT(nn.Module):
 
         The returned loss is the language-model loss only; add :meth:`aux_loss` for training.
         """
-        b, l = idx.shape
-        if l > self.cfg.block_size:
-            raise ValueError(f"sequence length {l} exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(l, device=idx.device)
+        seq = idx.shape[1]
+        if seq > self.cfg.block_size:
+            raise ValueError(f"sequence length {seq} exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(seq, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)

@@ -1,0 +1,66 @@
+"""flexmoe.launch.spawn_ranks with real processes: per-rank results, a failing rank, a hanging group.
+
+The rank functions are in tests/launch_worker.py: module-level, so the spawned ranks import them (its folder
+goes on their sys.path), and torch-free, so a launch costs no torch import.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from flexmoe.launch import RanksFailed, free_port, rank_env, spawn_ranks
+from launch_worker import last_rank_fails, report_env, sleep_long
+
+
+def test_free_port_can_be_bound() -> None:
+    port = free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", port))
+    assert rank_env(1, 4, port)["RANK"] == "1"
+
+
+def test_every_rank_gets_its_environment_and_returns_its_value() -> None:
+    ranks = spawn_ranks(3, report_env, ["x"], timeout=60)
+    assert [r.rank for r in ranks] == [0, 1, 2] and all(r.ok for r in ranks)
+    ports = {r.value["MASTER_PORT"] for r in ranks}
+    assert len(ports) == 1, f"the ranks got different ports: {ports}"
+    port = ports.pop()
+    for r in ranks:
+        assert r.value == {"tag": "x", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r.rank),
+                           "WORLD_SIZE": "3", "LOCAL_RANK": str(r.rank), "LOCAL_WORLD_SIZE": "3",
+                           "OMP_NUM_THREADS": "1"}, f"rank {r.rank}: {r.value}"
+
+
+def test_a_python_command_runs_as_every_rank() -> None:
+    ranks = spawn_ranks(2, ["-c", "import os, sys; print(os.environ['RANK'], sys.argv[1])", "hello"], timeout=60)
+    assert [r.stdout for r in ranks] == ["0 hello\n", "1 hello\n"]
+    assert [r.value for r in ranks] == [None, None]
+
+
+def test_a_failing_rank_ends_the_group_with_its_stderr() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RanksFailed, match=r"(?s)3 ranks failed: rank 2 exited with 1.*about to fail.*the last rank is"):
+        spawn_ranks(3, last_rank_fails, timeout=50, grace=1.0)
+    assert time.monotonic() - t0 < 30, "the other ranks were not killed soon after the failure"
+    results = spawn_ranks(3, last_rank_fails, timeout=50, grace=1.0, check=False)
+    assert [r.exit_code for r in results] == [None, None, 1]  # None: killed
+
+
+def test_a_hanging_group_is_killed_at_the_timeout() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RanksFailed, match="sleepers did not finish in 2 s"):
+        spawn_ranks(2, sleep_long, timeout=2, what="sleepers")
+    assert time.monotonic() - t0 < 20
+
+
+def test_bad_arguments() -> None:
+    def local() -> None:
+        pass
+
+    with pytest.raises(ValueError, match="module-level function"):
+        spawn_ranks(2, local)
+    with pytest.raises(ValueError, match="world must be >= 1"):
+        spawn_ranks(0, sleep_long)
