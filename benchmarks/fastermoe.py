@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flexmoe import MoELayer
-from flexmoe.parallel import CostModelShadowPolicy, ShadowExperts, rows_per_rank
+from flexmoe.parallel import ShadowExperts, rows_per_rank
+from flexmoe.tuning import CostModelShadowPolicy
 
 HOT = (0, 1)
 

@@ -14,7 +14,6 @@ import torch
 from multiproc import run_ranks
 
 from flexmoe.parallel import (
-    CostModelShadowPolicy,
     ExpertLayout,
     ShadowContext,
     ShadowExperts,
@@ -22,8 +21,7 @@ from flexmoe.parallel import (
     pairwise_peers,
     rows_per_rank,
 )
-from flexmoe.parallel.shadow import resolve_shadow
-from flexmoe.tuning import load_profile
+from flexmoe.tuning import CostModelShadowPolicy, load_profile, resolve_shadow
 
 WORKER = Path(__file__).with_name("fastermoe_worker.py")
 
