@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from flexmoe import MoELayer
 from flexmoe.launch import spawn_ranks
-from flexmoe.parallel import CostModelShadowPolicy, ShadowExperts, rows_per_rank
+from flexmoe.parallel import ShadowExperts, rows_per_rank
+from flexmoe.tuning import CostModelShadowPolicy
 
 HOT = (0, 1)
 

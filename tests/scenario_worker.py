@@ -485,6 +485,7 @@ def scenario_routing_ep(rank: int, world: int, out: dict) -> None:
     x = torch.randn(num_tokens, M, generator=g)
     x[:, 0] += 3.0 * rank  # the ranks see differently skewed tokens
     moe(x)
+    moe.update_expert_bias()  # once per optimizer step; the all-reduce of the load happens here
     loads = [torch.zeros(num_experts, dtype=torch.long) for _ in range(world)]
     dist.all_gather(loads, moe.last_plan.load.clone())
     total = torch.stack(loads).sum(0).double()

@@ -246,7 +246,8 @@ def _auto_context(world: int, experts: int, rows_per_expert: int, **shape: objec
 
 
 def test_model_guided_chooser_times_only_the_models_best() -> None:
-    from flexmoe.parallel.auto import MeasuringChooser, ModelGuidedChooser, candidates, workload_config
+    from flexmoe.parallel.auto import MeasuringChooser, candidates
+    from flexmoe.tuning import ModelGuidedChooser, workload_config
 
     p = load_profile("a100-ndv4")
     context = _auto_context(world=64, experts=8, rows_per_expert=1024)  # 8 experts sharded 8 ways over 8 nodes
@@ -287,7 +288,8 @@ def test_model_guided_chooser_times_only_the_models_best() -> None:
 def test_model_guided_chooser_keeps_all_without_a_roofline_for_the_dtype() -> None:
     import torch
 
-    from flexmoe.parallel.auto import ModelGuidedChooser, candidates
+    from flexmoe.parallel.auto import candidates
+    from flexmoe.tuning import ModelGuidedChooser
 
     options = candidates([0, 1, 2], 4, 2)
     chooser = ModelGuidedChooser(toy_profile(), keep=2, trials=1)
@@ -369,7 +371,7 @@ import json, sys
 import torch
 import torch.distributed as dist
 from flexmoe import MoELayer
-from flexmoe.parallel import ModelGuidedChooser
+from flexmoe.tuning import ModelGuidedChooser
 
 out = sys.argv[1]
 torch.set_num_threads(1)

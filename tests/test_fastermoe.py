@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from flexmoe.parallel import (
-    CostModelShadowPolicy,
     ExpertLayout,
     ShadowContext,
     ShadowExperts,
@@ -19,8 +18,7 @@ from flexmoe.parallel import (
     pairwise_peers,
     rows_per_rank,
 )
-from flexmoe.parallel.shadow import resolve_shadow
-from flexmoe.tuning import load_profile
+from flexmoe.tuning import CostModelShadowPolicy, load_profile, resolve_shadow
 
 # ------------------------------------------------------------------------------------- policies (no processes)
 

@@ -278,6 +278,7 @@ def test_bias_balancing_reduces_imbalance_and_keeps_unbiased_weights() -> None:
         bias_before = moe.expert_bias.clone()
         x = skewed_input(step)
         moe(x)
+        moe.update_expert_bias()  # once per (optimizer) step
         plan = moe.last_plan
         history.append(imbalance(plan.load.tolist()))
         if step in (0, 49):
@@ -309,7 +310,86 @@ def test_bias_balancing_reduces_imbalance_and_keeps_unbiased_weights() -> None:
     frozen = moe.expert_bias.clone()
     moe.eval()
     moe(skewed_input(50))
+    moe.update_expert_bias()
     assert torch.equal(moe.expert_bias, frozen)
+
+
+def hand_load(moe: MoELayer, x: torch.Tensor, bias: torch.Tensor, k: int = 2) -> list[int]:
+    """Pairs per expert of one batch, selected by hand: the k largest ``p + bias`` per token (dropless)."""
+    with torch.no_grad():
+        _, probs = loop_probs(x, layer_params_f64(moe))
+    load = [0] * moe.num_experts
+    for t in range(x.shape[0]):
+        for e in ref_top_k([float(probs[t, e] + bias[e]) for e in range(moe.num_experts)], k):
+            load[e] += 1
+    return load
+
+
+def sign_rule(bias: torch.Tensor, load: list[int], rate: float) -> torch.Tensor:
+    mean = sum(load) / len(load)
+    return torch.tensor([float(bias[e]) + rate * ((mean > n) - (mean < n)) for e, n in enumerate(load)],
+                        dtype=torch.float64)
+
+
+def test_bias_is_updated_once_per_step_from_the_load_summed_over_micro_batches() -> None:
+    """Two micro-batches, then one update: the sign rule on the summed load, counted by hand. Forward alone
+    never moves the bias."""
+    moe = skewed_layer("bias").train()
+    moe.expert_bias.copy_(torch.tensor([0.01, -0.02, 0.0, 0.03, 0.0, 0.0, -0.01, 0.02]))
+    before = moe.expert_bias.clone()
+    other = make_input(64, seed=101)
+    other[:, 0] -= 1.5  # skewed away from experts 0 and 1
+    micro = [skewed_input(100), other]
+    want_load = [0] * 8
+    for x in micro:
+        moe(x).sum().backward()
+        assert torch.equal(moe.expert_bias, before), "forward moved the bias"
+        want_load = [a + b for a, b in zip(want_load, hand_load(moe, x, before))]
+    assert moe.pending_load.tolist() == want_load
+    # The summed load gives another update than the last micro-batch's alone (else the test proves little).
+    last_only = sign_rule(before, hand_load(moe, micro[1], before), RATE)
+    assert not torch.allclose(last_only, sign_rule(before, want_load, RATE))
+    moe.update_expert_bias()
+    assert_close(moe.expert_bias, sign_rule(before, want_load, RATE), "bias after one update")
+    assert moe.pending_load.tolist() == [0] * 8
+    # A second update with no forward in between leaves the bias (no load: every sign is 0).
+    after = moe.expert_bias.clone()
+    moe.update_expert_bias()
+    assert torch.equal(moe.expert_bias, after)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_bias_load_is_counted_once_under_activation_checkpointing(reentrant: bool) -> None:
+    """The recomputation in backward does not count the micro-batch again."""
+    from torch.utils.checkpoint import checkpoint
+
+    moe = skewed_layer("bias").train()
+    before = moe.expert_bias.clone()
+    x = skewed_input(7).requires_grad_(True)
+    checkpoint(moe, x, use_reentrant=reentrant).sum().backward()
+    assert x.grad is not None
+    want_load = hand_load(moe, x.detach(), before)
+    assert moe.pending_load.tolist() == want_load
+    moe.update_expert_bias()
+    assert_close(moe.expert_bias, sign_rule(before, want_load, RATE), "bias after checkpointed step")
+
+
+def test_update_expert_biases_updates_every_bias_layer_of_a_model() -> None:
+    from flexmoe import update_expert_biases
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(skewed_layer("bias"), skewed_layer("aux"), torch.nn.Sequential(skewed_layer("bias")))
+    model.train()
+    x = skewed_input(3)
+    before = [m.expert_bias.clone() for m in (model[0], model[2][0])]
+    loads = [hand_load(model[0], x, before[0])]
+    h = model[0](x)
+    h = model[1](h)
+    loads.append(hand_load(model[2][0], h.detach(), before[1]))
+    model[2](h)
+    assert update_expert_biases(model) == 2
+    for layer, b, load in zip((model[0], model[2][0]), before, loads):
+        assert_close(layer.expert_bias, sign_rule(b, load, RATE), "bias of each layer")
 
 
 # --- shared experts -----------------------------------------------------------------------------------------
@@ -462,6 +542,7 @@ def test_expert_choice_with_explicit_capacity_accepts_any_capacity_factor() -> N
 def test_bias_with_topology_gate_and_random_second_expert_together() -> None:
     """build_plan's changed-pairs path: select by p + bias, re-route past the cross-node budget (by p + bias),
     weigh by p; the 2nd choices then thinned at random (in training)."""
+    from flexmoe.routing import RoutingOptions
     from flexmoe.routing.build import build_plan
     from flexmoe.routing.topology import TopologyGate
     from test_topology_gate import reference_limit
@@ -472,8 +553,8 @@ def test_bias_with_topology_gate_and_random_second_expert_together() -> None:
     gate = TopologyGate((0, 0, 0, 1, 1, 1), 0, 0.25)
     for training in (False, True):
         torch.manual_seed(31)
-        plan = build_plan(logits, kind="topk", k=2, capacity_factor=0.0, capacity=None, training=training,
-                          selection_bias=bias, second_expert="random", topology=gate)
+        plan = build_plan(logits, RoutingOptions(k=2, capacity_factor=0.0, capacity=None, second_expert="random"),
+                          training=training, selection_bias=bias, topology=gate)
         probs = torch.stack([ref_softmax(logits[t]) for t in range(40)])
         scores = probs + bias
         chosen = torch.tensor([ref_top_k([float(v) for v in scores[t]], 2) for t in range(40)])

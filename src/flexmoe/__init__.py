@@ -2,15 +2,19 @@
 
 The layer is :class:`MoELayer`; its stages stand alone for users who build their own layer:
 ``route`` (tokens -> logits), ``make_plan`` (logits -> :class:`RoutingPlan`), ``dispatch`` (tokens, plan ->
-expert input), the experts, and ``combine`` (expert output, plan -> tokens).
+expert input), the experts, and ``combine`` (expert output, plan -> tokens). Its options live in
+:class:`RoutingOptions`, :class:`ExpertOptions` and :class:`ParallelOptions`; with ``balance="bias"`` call
+:func:`update_expert_biases` once per optimizer step. docs/architecture.md describes the whole.
 """
 
 from flexmoe.dispatch import combine, dispatch
-from flexmoe.experts import FeedForwardExperts
-from flexmoe.layer import MoELayer
+from flexmoe.experts import ExpertOptions, FeedForwardExperts
+from flexmoe.layer import MoELayer, update_expert_biases
+from flexmoe.parallel import ParallelOptions
 from flexmoe.routing import (
     CosineRouter,
     LinearRouter,
+    RoutingOptions,
     RoutingPlan,
     load_balancing_loss,
     make_plan,
@@ -23,6 +27,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MoELayer",
+    "RoutingOptions",
+    "ExpertOptions",
+    "ParallelOptions",
+    "update_expert_biases",
     "RoutingPlan",
     "make_plan",
     "resolve_capacity",

@@ -7,14 +7,19 @@ passed to ``MoELayer(experts=...)``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["FeedForwardExperts", "expert_ffn", "resolve_activation"]
+from flexmoe.validation import check_int, describe_value
+
+__all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "resolve_activation"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -30,6 +35,39 @@ def resolve_activation(activation: str | Callable[[Tensor], Tensor]) -> Callable
     if activation in _ACTIVATIONS:
         return _ACTIVATIONS[activation]
     raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)} or a callable, got {activation!r}")
+
+
+@dataclass(frozen=True)
+class ExpertOptions:
+    """The built-in experts of a layer (model_dim, num_experts and hidden_dim are the layer's arguments).
+
+    activation: "gelu" (exact), "relu", "silu" or a callable applied elementwise.
+    glu: gated experts (a third matrix ``w3``, SwiGLU-style with activation="silu").
+    bias: the experts' linear layers have biases.
+    shared_experts: N >= 0 dense experts every token passes through (DeepSeek-MoE), same shape as the routed
+        ones, replicated on every rank.
+    """
+
+    activation: Union[str, Callable[[Tensor], Tensor]] = "gelu"
+    glu: bool = False
+    bias: bool = True
+    shared_experts: int = 0
+
+    def __post_init__(self) -> None:
+        resolve_activation(self.activation)
+        object.__setattr__(self, "glu", bool(self.glu))
+        object.__setattr__(self, "bias", bool(self.bias))
+        check_int("shared_experts", self.shared_experts, 0)
+
+    def describe(self) -> dict[str, Any]:
+        """Every field as a value that compares equal across processes (callables by name)."""
+        return {f.name: describe_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def build(self, num_experts: int, model_dim: int, hidden_dim: int, *, device: torch.device | str | None = None,
+              dtype: torch.dtype | None = None) -> "FeedForwardExperts":
+        """``num_experts`` experts of these options (the layer's local experts, or its shared experts)."""
+        return FeedForwardExperts(num_experts, model_dim, hidden_dim, activation=self.activation, glu=self.glu,
+                                  bias=self.bias, device=device, dtype=dtype)
 
 
 class FeedForwardExperts(nn.Module):

@@ -1,66 +1,43 @@
-"""MoELayer: validates its configuration and composes router -> plan -> dispatch -> experts -> combine."""
+"""MoELayer: router -> RoutingPlan -> dispatch -> experts -> combine (docs/architecture.md, "The data path").
+
+The layer's options live in three frozen dataclasses, each validated once when it is made:
+:class:`~flexmoe.routing.RoutingOptions`, :class:`~flexmoe.experts.ExpertOptions` and
+:class:`~flexmoe.parallel.ParallelOptions`. The keyword constructor routes every keyword to the dataclass with
+a field of that name, so a new option is one field (and its docstring line) in one of them.
+"""
 
 from __future__ import annotations
 
-import math
-from typing import Callable
+import dataclasses
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexmoe.dispatch import combine, dispatch
-from flexmoe.experts import FeedForwardExperts
-from flexmoe.parallel.auto import AutoContext, Chooser, MeasuringChooser, StageTimer, candidates, capacity_bucket
+from flexmoe.experts import ExpertOptions
+from flexmoe.parallel.auto import MeasuringChooser
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
 from flexmoe.parallel.groups import check_config_agreement, default_ranks_per_node, resolve_group
 from flexmoe.parallel.layout import ExpertLayout
-from flexmoe.parallel.pairwise import check_pairwise, check_schedule, run_pairwise
-from flexmoe.parallel.shadow import (
-    ShadowContext,
-    ShadowPolicy,
-    check_shadow_supported,
-    choose_experts,
-    describe_shadow,
-    resolve_shadow,
-    run_shadowed,
-)
+from flexmoe.parallel.options import ParallelOptions
+from flexmoe.parallel.strategy import ExpertStrategy, LayerShape, build_strategy, check_parallel_options
 from flexmoe.routing.bias_balance import bias_update
-from flexmoe.routing.build import build_plan, check_routing_options, selection_kind
+from flexmoe.routing.build import build_plan
+from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan
-from flexmoe.routing.topology import TopologyGate, expert_nodes
 from flexmoe.routing.routers import build_router, route
+from flexmoe.routing.topology import topology_gate
+from flexmoe.tuning.policies import resolve_shadow
+from flexmoe.validation import FLOAT_DTYPES, check_int, describe_value
 
-__all__ = ["MoELayer"]
+__all__ = ["MoELayer", "update_expert_biases"]
 
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_float(name: str, value: object, minimum: float | None = None, maximum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
-    return value
-
-
-def _check_capacity(capacity: object) -> int | None:
-    if capacity is None:
-        return None
-    return _check_int("capacity", capacity, 0)
+_OPTION_CLASSES = {"routing_options": RoutingOptions, "expert_options": ExpertOptions,
+                   "parallel_options": ParallelOptions}
+# What one forward call may override: the capacity (routing) and every parallel option but the chooser.
+_CALL_ROUTING = ("capacity", "capacity_factor")
+_CALL_PARALLEL = tuple(f.name for f in dataclasses.fields(ParallelOptions) if f.name != "chooser")
 
 
 class MoELayer(nn.Module):
@@ -69,79 +46,52 @@ class MoELayer(nn.Module):
     ``y = moe(x)`` with ``x: [..., model_dim]`` returns ``[..., model_dim]`` in x's dtype. Each token goes to
     ``k`` of ``num_experts`` expert FFNs (``model_dim -> hidden_dim -> model_dim``), weighted by the router.
 
-    Routing (DESIGN.md section 3):
-        k: choices per token, 1 <= k <= num_experts.
-        capacity_factor: > 0 fixed capacity ``ceil(k * cf * T / E)``; 0 dropless; < 0 adaptive, at most
-            ``ceil(k * |cf| * T / E)`` and never more than the largest load.
-        capacity: an explicit per-expert capacity (int >= 0) that overrides ``capacity_factor``.
-        router: "topk" (linear, no bias), "cosine" (SwinV2-MoE), or a module ``[T, M] -> [T, E]``.
-        router_dtype: dtype of the routing math (default float32, whatever the model's dtype).
-        normalize_weights: divide the k weights of a token by their sum (k > 1).
-        batch_prioritized: hand out slots by descending top-1 probability instead of token order.
-        score_at: "combine" weights expert outputs when combining; "dispatch" scales expert inputs.
-        jitter, gate_noise, router_input_dropout: exploration, active only in training.
+    Every option is a keyword, e.g. ``MoELayer(512, 8, 1024, k=2, capacity_factor=1.25, r=1)``, or comes in
+    its dataclass: ``MoELayer(512, 8, 1024, routing_options=RoutingOptions(k=1), parallel_options=...)``
+    (keywords given as well are applied on top with ``dataclasses.replace``). The dataclasses' docstrings
+    list every option; the main ones:
 
-    Routers beyond top-k and balancing (:mod:`flexmoe.routing.build`):
-        router="expert_choice": each expert takes its top-C tokens (C from ``capacity``, else
-            ``ceil(k * cf * T / E)`` with cf > 0); every expert's load is exactly ``min(C, T)``, a token gets
-            0..E experts, weighted by its unrenormalized probability. router="base": BASE layers; in training
-            every expert gets exactly ``T*k/E`` tokens (``T*k mod E`` of them one more), the assignment with the
-            largest total router logit, solved by an auction; at evaluation each token goes to its k best
-            experts, dropless unless ``capacity`` is given. Both use the linear gate; ``aux_loss`` is 0.
-        balance: "aux" (default: the balance loss in ``aux_loss``, for the training loop to add) or "bias"
-            (DeepSeek-V3, top-k routers): a per-expert bias, the buffer ``expert_bias``, is added to the
-            probabilities to *select* experts only (combine weights stay unbiased); after every training
-            forward ``expert_bias[e] += bias_update_rate * sign(mean load - load[e])``, the loads (pairs per
-            expert before drops) summed over the expert-parallel group.
-        bias_update_rate: the step of that update (default 1e-3). The bias has ``router_dtype``; keep it out of
-            bf16/fp16 (use autocast rather than ``.to(torch.bfloat16)``), whose spacing near 0.25 exceeds 1e-3.
-        second_expert: "top" (default) or "random" (GShard, k=2 only): in training a token's 2nd choice is
-            dispatched with probability ``min(1, 2 * p2 / (p1 + p2))`` (torch's generator), skipped pairs are
-            counted in ``last_plan.num_skipped``; at evaluation every choice is dispatched.
-        shared_experts: N >= 0 dense FFN experts (module ``shared``; same hidden_dim, activation, glu and bias
-            as the built-in experts) that every token passes through, their outputs added to the routed
-            output (DeepSeek-MoE). Replicated on every rank (data-parallel), never spread over ranks.
-        cross_node_share: FasterMoE's topology-aware gate (top-k routers; None: off): this rank sends at most
-            ``floor(share * T * k)`` pairs to experts on other nodes, the rest go to the best expert of its own
-            node not chosen yet. Nodes are ``ranks_per_node`` consecutive ranks; an expert sits on the node of
-            the rank(s) holding it per the expert layout.
+    Routing (:class:`~flexmoe.routing.RoutingOptions`; docs/architecture.md, "The routing contract"):
+        k, capacity_factor (> 0 fixed, 0 dropless, < 0 adaptive), capacity, router ("topk", "cosine",
+        "expert_choice", "base" or a module), router_dtype, normalize_weights, batch_prioritized,
+        score_at ("combine" / "dispatch"), jitter, gate_noise, router_input_dropout, second_expert
+        ("random": GShard's, k=2), cross_node_share (FasterMoE's topology-aware gate, needs ranks_per_node).
+        router="expert_choice": each expert takes its top-C tokens; router="base": BASE layers' balanced
+        assignment in training, the k best experts (dropless unless ``capacity``) at evaluation.
+        balance: "aux" (the balance loss in ``aux_loss``, for the training loop to add) or "bias"
+            (DeepSeek-V3, top-k routers): the buffer ``expert_bias`` is added to the probabilities to *select*
+            experts only (combine weights stay unbiased). Each training forward adds its load (pairs per
+            expert before drops) to ``pending_load``; :meth:`update_expert_bias` (or
+            :func:`flexmoe.update_expert_biases` for a whole model), called once per optimizer step, applies
+            ``expert_bias[e] += bias_update_rate * sign(mean load - load[e])`` to the load summed since the last
+            update and over the expert-parallel group. Keep the bias out of bf16/fp16 (use autocast rather
+            than ``.to(torch.bfloat16)``): their spacing near 0.25 exceeds the default rate 1e-3.
 
-    Experts:
-        activation ("gelu", "relu", "silu" or a callable), glu (gated expert with ``w3``), bias; or
-        ``experts=`` a module ``forward(x: [N, M], counts: list[int]) -> [N, M]`` used instead.
+    Experts (:class:`~flexmoe.experts.ExpertOptions`): activation ("gelu", "relu", "silu" or a callable),
+        glu, bias, shared_experts (N dense experts every token passes through, replicated on every rank);
+        or ``experts=`` a module ``forward(x: [N, M], counts: list[int]) -> [N, M]`` used instead.
 
-    Expert parallelism (DESIGN.md section 4; :mod:`flexmoe.parallel`):
+    Expert parallelism (:class:`~flexmoe.parallel.ParallelOptions`; docs/architecture.md, "Experts over
+    ranks"):
         group: the ``torch.distributed`` process group the experts are spread over (default: the world when
-            torch.distributed is initialized, else one process). ``num_experts`` stays global; this rank keeps
-            its experts per :class:`~flexmoe.parallel.ExpertLayout` (``E % W == 0``: E/W whole experts;
-            ``W % E == 0``: a hidden-dim shard of one expert). Each rank's output equals one process holding
-            all experts running this rank's tokens as its own batch. The ranks check at construction that
-            they agree on the configuration.
-        r: adaptive parallelism (0: gather all experts everywhere, no all-to-all; 1..s, dividing the s
-            shards per expert: how many ranks share one expert's work; 1 with whole experts).
-        overlap_degree: d chunks whose all-to-all overlaps the previous chunk's expert compute.
-        a2a: "flat" or "2dh" (2-D hierarchical over nodes of ``ranks_per_node`` ranks; defaults to
-            torchrun's LOCAL_WORLD_SIZE, read once here).
-        parallel: "static" (use r, overlap_degree, a2a) or "auto" (time the candidate settings for the
-            first steps of each capacity bucket, keep the fastest; ``last_choice`` says which ran,
-            ``auto_decisions`` lists the decisions).
-        chooser: what ``parallel="auto"`` decides with (default :class:`~flexmoe.parallel.MeasuringChooser`,
-            timing every candidate); ``ModelGuidedChooser("local")`` lets the cost model shortlist them.
-        Each of these five is also a keyword of ``forward`` that applies to that call only.
+            torch.distributed is initialized, else one process; "single": one process holding every expert).
+            ``num_experts`` stays global; this rank keeps its experts per
+            :class:`~flexmoe.parallel.ExpertLayout`. Each rank's output equals one process holding all experts
+            running this rank's tokens as its own batch. The ranks check at construction that they agree on
+            the options.
+        r, overlap_degree, a2a ("flat" / "2dh"), ranks_per_node (default torchrun's LOCAL_WORLD_SIZE),
+        parallel ("static" / "auto": time the candidates per capacity bucket, keep the fastest; ``last_choice``
+        and ``auto_decisions`` say what ran), chooser (default :class:`~flexmoe.parallel.MeasuringChooser`;
+        :class:`flexmoe.tuning.ModelGuidedChooser` lets the cost model shortlist).
+        FasterMoE, changing speed, never results: shadow (False, True: the cost model's
+        :class:`flexmoe.tuning.CostModelShadowPolicy`, or a :class:`~flexmoe.parallel.ShadowPolicy`;
+        ``last_shadowed`` lists the shadowed experts), schedule ("a2a" / "pairwise").
+        How the experts run is a strategy object from :mod:`flexmoe.parallel.strategy`, chosen here.
 
-    FasterMoE's dynamic techniques (DESIGN.md section 4), off by default; they change speed, never results:
-        shadow: False, True (:class:`~flexmoe.parallel.CostModelShadowPolicy`: shadow the hot experts when
-            the cost model says the straggler time saved beats the weight broadcast + gradient reduce) or any
-            :class:`~flexmoe.parallel.ShadowPolicy`. Each step the chosen experts' weights are broadcast, every
-            rank computes its own rows of them, and their gradients are reduced back to the owners;
-            ``last_shadowed`` lists them. Built-in experts, whole (E % W == 0) only.
-        schedule: "a2a" (default) or "pairwise": the exchange as W-1 pairwise steps, each arrived piece
-            computed at once while the next travels (:mod:`flexmoe.parallel.pairwise`). Needs whole experts,
-            r=1, overlap_degree=1, a2a="flat" and parallel="static".
-        Both are also keywords of ``forward`` for that call only.
-
-    After each forward: ``aux_loss`` (balance loss, differentiable), ``z_loss`` and ``last_plan`` (the
-    :class:`~flexmoe.routing.RoutingPlan`: ``tokens_per_expert``, ``capacity``, ``dropped_fraction``, ...).
+    ``forward`` takes ``capacity``, ``capacity_factor`` and every parallel option but ``chooser`` as keywords
+    for that call only. After each forward: ``aux_loss`` (balance loss, differentiable), ``z_loss`` and
+    ``last_plan`` (the :class:`~flexmoe.routing.RoutingPlan`: ``tokens_per_expert``, ``capacity``,
+    ``dropped_fraction``, ...).
     """
 
     def __init__(
@@ -150,83 +100,37 @@ class MoELayer(nn.Module):
         num_experts: int,
         hidden_dim: int,
         *,
-        k: int = 2,
-        capacity_factor: float = 1.25,
-        capacity: int | None = None,
-        router: str | nn.Module = "topk",
-        router_dtype: torch.dtype = torch.float32,
-        normalize_weights: bool = True,
-        batch_prioritized: bool = False,
-        score_at: str = "combine",
-        jitter: float = 0.0,
-        gate_noise: float = 0.0,
-        router_input_dropout: float = 0.0,
-        balance: str = "aux",
-        bias_update_rate: float = 1e-3,
-        second_expert: str = "top",
-        shared_experts: int = 0,
-        cross_node_share: float | None = None,
-        activation: str | Callable[[Tensor], Tensor] = "gelu",
-        glu: bool = False,
-        bias: bool = True,
         experts: nn.Module | None = None,
+        group: object | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        group: object | None = None,
-        r: int = 1,
-        overlap_degree: int = 1,
-        a2a: str = "flat",
-        ranks_per_node: int | None = None,
-        parallel: str = "static",
-        shadow: bool | ShadowPolicy = False,
-        schedule: str = "a2a",
-        chooser: Chooser | None = None,
+        routing_options: RoutingOptions | None = None,
+        expert_options: ExpertOptions | None = None,
+        parallel_options: ParallelOptions | None = None,
+        **options: Any,
     ) -> None:
         super().__init__()
-        shadow_policy = resolve_shadow(shadow)  # its description (e.g. the cost profile) is checked below
-        # First of all, so that ranks built with different configurations all fail here, naming the difference.
+        given = {"routing_options": routing_options, "expert_options": expert_options,
+                 "parallel_options": parallel_options}
+        chosen = _options_from_keywords(given, options)  # every option validated here, once
+        routing, expert, parallel = chosen["routing_options"], chosen["expert_options"], chosen["parallel_options"]
+        self.model_dim = check_int("model_dim", model_dim, 1)
+        self.num_experts = check_int("num_experts", num_experts, 1)
+        self.hidden_dim = check_int("hidden_dim", hidden_dim, 1)
+        if routing.k > num_experts:
+            raise ValueError(f"k must be in [1, num_experts={num_experts}], got {routing.k}")
+        if experts is not None and not isinstance(experts, nn.Module):
+            raise TypeError(f"experts must be an nn.Module, got {type(experts).__name__}")
         self.ep_group = resolve_group(group)
-        check_config_agreement(self.ep_group, {
-            "model_dim": model_dim, "num_experts": num_experts, "hidden_dim": hidden_dim, "k": k,
-            "capacity_factor": capacity_factor, "capacity": capacity, "router": _describe(router),
-            "router_dtype": str(router_dtype), "normalize_weights": normalize_weights,
-            "batch_prioritized": batch_prioritized, "score_at": score_at, "activation": _describe(activation),
-            "balance": balance, "bias_update_rate": bias_update_rate, "second_expert": second_expert,
-            "shared_experts": shared_experts, "cross_node_share": cross_node_share,
-            "glu": glu, "bias": bias, "experts": _describe(experts), "dtype": str(dtype), "r": r,
-            "overlap_degree": overlap_degree, "a2a": a2a, "ranks_per_node": ranks_per_node, "parallel": parallel,
-            "shadow": describe_shadow(shadow_policy), "schedule": schedule,
-            "chooser": _describe(chooser),
-        })
-        self.model_dim = _check_int("model_dim", model_dim, 1)
-        self.num_experts = _check_int("num_experts", num_experts, 1)
-        self.hidden_dim = _check_int("hidden_dim", hidden_dim, 1)
-        self.k = _check_int("k", k, 1)
-        if k > num_experts:
-            raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
-        self.capacity_factor = _check_float("capacity_factor", capacity_factor)
-        self.capacity = _check_capacity(capacity)
-        if router_dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"router_dtype must be a floating dtype, got {router_dtype}")
-        self.router_dtype = router_dtype
-        self.normalize_weights = bool(normalize_weights)
-        self.batch_prioritized = bool(batch_prioritized)
-        if score_at not in ("combine", "dispatch"):
-            raise ValueError(f"score_at must be 'combine' or 'dispatch', got {score_at!r}")
-        self.score_at = score_at
-        self.jitter = _check_float("jitter", jitter, 0.0, 1.0)
-        self.gate_noise = _check_float("gate_noise", gate_noise, 0.0)
-        self.router_input_dropout = _check_float("router_input_dropout", router_input_dropout, 0.0, 1.0)
-        check_routing_options(
-            router=router, k=k, capacity_factor=self.capacity_factor, capacity=self.capacity, balance=balance,
-            bias_update_rate=bias_update_rate, second_expert=second_expert, cross_node_share=cross_node_share,
+        parallel = dataclasses.replace(
+            parallel,
+            ranks_per_node=default_ranks_per_node() if parallel.ranks_per_node is None else parallel.ranks_per_node,
+            shadow=resolve_shadow(parallel.shadow) or False,
+            chooser=parallel.chooser if parallel.chooser is not None else MeasuringChooser(),
         )
-        self.selection = selection_kind(router)  # "topk", "expert_choice" or "base": how experts are picked
-        self.balance = balance
-        self.bias_update_rate = float(bias_update_rate)
-        self.second_expert = second_expert
-        self.num_shared_experts = _check_int("shared_experts", shared_experts, 0)
-        self.cross_node_share = None if cross_node_share is None else float(cross_node_share)
+        self.routing_options, self.expert_options, self.parallel_options = routing, expert, parallel
+        # Before anything is built, so that ranks built with different options all fail here, naming them.
+        check_config_agreement(self.ep_group, self._describe_options(experts, dtype))
 
         self.layout = ExpertLayout(num_experts, self.ep_group.world_size, hidden_dim)
         if experts is not None and self.layout.shards_per_expert > 1:
@@ -234,235 +138,163 @@ class MoELayer(nn.Module):
                 f"a custom experts module cannot be sharded: num_experts={num_experts} must be a multiple of "
                 f"the expert-parallel world size {self.ep_group.world_size}"
             )
-
-        self.router = build_router(router, model_dim, num_experts)
-        if isinstance(router, str):
+        self.router = build_router(routing.router, model_dim, num_experts)
+        if isinstance(routing.router, str):
             self.router.to(device=device, dtype=dtype)
-        if experts is not None:
-            if not isinstance(experts, nn.Module):
-                raise TypeError(f"experts must be an nn.Module, got {type(experts).__name__}")
-            self.experts = experts
-        else:
-            # Only this rank's experts (or its hidden shard of one); see flexmoe.parallel.layout.
-            self.experts = FeedForwardExperts(
-                self.layout.experts_per_rank, model_dim, self.layout.local_hidden_dim, activation=activation,
-                glu=glu, bias=bias, device=device, dtype=dtype,
-            )
+        # Only this rank's experts (or its hidden shard of one); see flexmoe.parallel.layout.
+        self.experts = experts if experts is not None else expert.build(
+            self.layout.experts_per_rank, model_dim, self.layout.local_hidden_dim, device=device, dtype=dtype)
         # Shared experts see all of this rank's tokens: replicated like any dense layer, never spread over ranks.
-        self.shared = FeedForwardExperts(
-            self.num_shared_experts, model_dim, hidden_dim, activation=activation, glu=glu, bias=bias,
-            device=device, dtype=dtype,
-        ) if self.num_shared_experts else None
-        # A buffer, not a parameter: saved and moved with the layer, changed only by the load rule, never by
-        # the optimizer.
-        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=router_dtype, device=device)
-                             if balance == "bias" else None)
-        self._ep = ExpertParallel(self.ep_group, self.layout, self.experts) if self.ep_group.distributed else None
-        self.r = r
-        self.overlap_degree = overlap_degree
-        self.a2a = a2a
-        self.ranks_per_node = default_ranks_per_node() if ranks_per_node is None else ranks_per_node
-        self.parallel = _check_parallel(parallel)
-        self.schedule = check_schedule(schedule)
-        if self.schedule == "pairwise":
-            check_pairwise(self.layout, r, overlap_degree, a2a, self.parallel)
-        if shadow_policy is not None:
-            check_shadow_supported(self.layout, self.experts)
-        self.shadow: ShadowPolicy | None = shadow_policy
-        self.last_shadowed: list[int] = []
-        if self._ep is not None:
-            self._ep.check(self._setting(None, None, None, None))
-        self.chooser: Chooser = chooser if chooser is not None else MeasuringChooser()
-        self.last_choice: ParallelSetting | None = None
-        self._pending_timer: StageTimer | None = None
+        self.shared = expert.build(expert.shared_experts, model_dim, hidden_dim, device=device, dtype=dtype) \
+            if expert.shared_experts else None
+        # Buffers, not parameters: moved with the layer, changed by the load rule, never by the optimizer.
+        # expert_bias is saved with the model; pending_load (this step's load so far) is not.
+        uses_bias = routing.balance == "bias"
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=routing.router_dtype, device=device)
+                             if uses_bias else None)
+        self.register_buffer("pending_load", torch.zeros(num_experts, dtype=torch.long, device=device)
+                             if uses_bias else None, persistent=False)
+        self.topology = None if routing.cross_node_share is None else topology_gate(
+            self.layout.expert_holders(), self.ep_group.rank, self.ep_group.world_size, parallel.ranks_per_node,
+            routing.k, routing.cross_node_share)
 
+        self._ep = ExpertParallel(self.ep_group, self.layout, self.experts) if self.ep_group.distributed else None
+        check_parallel_options(parallel, self.layout, self.experts, self._ep)
+        self._shape = LayerShape(model_dim, hidden_dim, num_experts, routing.k, expert.glu)
+        self._strategies: dict[tuple[str, str], Any] = {}  # unwrapped strategies by (schedule, parallel)
+        self.strategy: ExpertStrategy = self._strategy_for(parallel)
+        self.last_choice: ParallelSetting | None = None
+        self.last_shadowed: list[int] = []
         self.aux_loss: Tensor | None = None
         self.z_loss: Tensor | None = None
         self.last_plan: RoutingPlan | None = None
-        self._topology = None if self.cross_node_share is None else _topology_gate(
-            self.layout, self.ep_group.rank, self.ranks_per_node, self.k, self.cross_node_share)
+
+    # ---- the data path ----------------------------------------------------------------------------------
+
+    def forward(self, x: Tensor, **call_options: Any) -> Tensor:
+        """x: ``[..., model_dim]`` -> ``[..., model_dim]``, same dtype.
+
+        ``call_options`` override the layer's for this call only: ``capacity`` and ``capacity_factor``
+        (``capacity=0`` drops every token, and ``last_plan`` says so), and ``r``, ``overlap_degree``, ``a2a``,
+        ``ranks_per_node``, ``parallel`` (with ``parallel="auto"``, the ones given restrict the candidates),
+        ``shadow`` and ``schedule``. None means "the layer's".
+        """
+        self._check_input(x)
+        routing, parallel, pinned = self._call_options(call_options)
+        tokens = x.reshape(-1, self.model_dim)  # [T, M]
+
+        logits = route(self.router, tokens, dtype=routing.router_dtype, training=self.training,
+                       jitter=routing.jitter, gate_noise=routing.gate_noise,
+                       input_dropout=routing.router_input_dropout)  # [T, E]
+        plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
+                          topology=self.topology)
+        expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
+        expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned)  # [N, M]
+        y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
+        if self.shared is not None:
+            y = y + self._shared_output(tokens).to(y.dtype)
+
+        if self.pending_load is not None and self.training and not _in_backward():
+            # Counted once per forward; a recomputation under activation checkpointing runs inside backward.
+            self.pending_load += plan.load.detach()
+        self.aux_loss, self.z_loss, self.last_plan = plan.aux_loss, plan.z_loss, plan
+        return y.to(x.dtype).reshape(x.shape)
 
     def _check_input(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in _FLOAT_DTYPES:
+        if x.dtype not in FLOAT_DTYPES:
             raise TypeError(f"x must be float64, float32, bfloat16 or float16, got {x.dtype}")
         if x.dim() < 1 or x.shape[-1] != self.model_dim:
             raise ValueError(f"x must have shape [..., model_dim={self.model_dim}], got {tuple(x.shape)}")
 
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        capacity: int | None = None,
-        capacity_factor: float | None = None,
-        r: int | None = None,
-        overlap_degree: int | None = None,
-        a2a: str | None = None,
-        ranks_per_node: int | None = None,
-        parallel: str | None = None,
-        shadow: bool | ShadowPolicy | None = None,
-        schedule: str | None = None,
-    ) -> Tensor:
-        """x: ``[..., model_dim]`` -> ``[..., model_dim]``, same dtype.
+    def _call_options(self, call_options: dict[str, Any]) -> tuple[RoutingOptions, ParallelOptions, frozenset[str]]:
+        """This call's routing and parallel options: the layer's, with the call's non-None keywords replaced."""
+        given = {name: value for name, value in call_options.items() if value is not None}
+        unknown = sorted(set(given) - set(_CALL_ROUTING) - set(_CALL_PARALLEL))
+        if unknown:
+            raise TypeError(f"MoELayer.forward() got unexpected keyword argument(s) {unknown}; a call may override "
+                            f"{list(_CALL_ROUTING) + list(_CALL_PARALLEL)}")
+        routing, parallel = self.routing_options, self.parallel_options
+        routing_given = {n: v for n, v in given.items() if n in _CALL_ROUTING}
+        if routing_given:
+            routing = dataclasses.replace(routing, **routing_given)
+        parallel_given = {n: v for n, v in given.items() if n in _CALL_PARALLEL}
+        if parallel_given:
+            if "shadow" in parallel_given:
+                parallel_given["shadow"] = resolve_shadow(parallel_given["shadow"]) or False
+            parallel = dataclasses.replace(parallel, **parallel_given)
+        return routing, parallel, frozenset(parallel_given)
 
-        ``capacity`` and ``capacity_factor`` override the layer's for this call only (``capacity=0`` drops
-        every token, and ``last_plan`` says so). So do ``r``, ``overlap_degree``, ``a2a``, ``ranks_per_node``
-        and ``parallel`` (with ``parallel="auto"``, the ones given restrict the candidates), ``shadow`` and
-        ``schedule``.
-        """
-        self._check_input(x)
-        capacity = self.capacity if capacity is None else _check_capacity(capacity)
-        if capacity_factor is None:
-            capacity_factor = self.capacity_factor
+    def _run_experts(self, rows: Tensor, counts: list[int], options: ParallelOptions,
+                     pinned: frozenset[str]) -> Tensor:
+        """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype, by this call's strategy."""
+        strategy = self.strategy if options == self.parallel_options else self._strategy_for(options)
+        expert_dtype = _parameter_dtype(self.experts)
+        if expert_dtype is None or torch.is_autocast_enabled(rows.device.type) or expert_dtype == rows.dtype:
+            out = strategy.run(rows, counts, options, pinned)
         else:
-            capacity_factor = _check_float("capacity_factor", capacity_factor)
-
-        tokens = x.reshape(-1, self.model_dim)
-        logits = route(
-            self.router,
-            tokens,
-            dtype=self.router_dtype,
-            training=self.training,
-            jitter=self.jitter,
-            gate_noise=self.gate_noise,
-            input_dropout=self.router_input_dropout,
-        )
-        plan = build_plan(
-            logits,
-            kind=self.selection,
-            k=self.k,
-            capacity_factor=capacity_factor,
-            capacity=capacity,
-            normalize_weights=self.normalize_weights,
-            batch_prioritized=self.batch_prioritized,
-            training=self.training,
-            selection_bias=self.expert_bias,
-            second_expert=self.second_expert,
-            topology=self._topology,
-        )
-        expert_input = dispatch(tokens, plan, scale=self.score_at == "dispatch")
-        expert_output = self._run_experts(
-            expert_input, plan.counts, r=r, overlap_degree=overlap_degree, a2a=a2a,
-            ranks_per_node=ranks_per_node, parallel=parallel, shadow=shadow, schedule=schedule,
-        )
-        y = combine(expert_output, plan, weighted=self.score_at == "combine")
-        if self.shared is not None:
-            y = y + self._shared_output(tokens).to(y.dtype)
-        if self.expert_bias is not None and self.training:
-            self._update_expert_bias(plan.load)
-
-        self.aux_loss = plan.aux_loss
-        self.z_loss = plan.z_loss
-        self.last_plan = plan
-        return y.to(x.dtype).reshape(x.shape)
+            # A float32 layer fed bf16 activations (or the reverse) computes in its parameters' dtype.
+            out = strategy.run(rows.to(expert_dtype), counts, options, pinned).to(rows.dtype)
+        self.last_choice, self.last_shadowed = strategy.last_choice, list(strategy.last_shadowed)
+        return out
 
     def _shared_output(self, tokens: Tensor) -> Tensor:
         """tokens: ``[T, M]`` -> ``[T, M]``, the sum of the shared experts' outputs (every token through each)."""
-        n, num_tokens = self.num_shared_experts, tokens.shape[0]
+        n, num_tokens = self.expert_options.shared_experts, tokens.shape[0]
         rows = tokens.repeat(n, 1) if n > 1 else tokens  # [n*T, M]: all tokens for shared expert 0, then 1, ...
         dtype = _parameter_dtype(self.shared)
         if not torch.is_autocast_enabled(tokens.device.type) and dtype is not None and dtype != rows.dtype:
             rows = rows.to(dtype)  # as for the routed experts: compute in the parameters' dtype
         return self.shared(rows, [num_tokens] * n).view(n, num_tokens, self.model_dim).sum(0)
 
+    # ---- once per optimizer step ------------------------------------------------------------------------
+
     @torch.no_grad()
-    def _update_expert_bias(self, load: Tensor) -> None:
-        """balance="bias": move ``expert_bias`` against the observed load ``[E]`` (global under EP)."""
-        load = load.detach().clone()
+    def update_expert_bias(self) -> None:
+        """balance="bias": move ``expert_bias`` against the load of the training forwards since the last call
+        (summed over micro-batches and over the expert-parallel group), then start counting afresh.
+
+        Call it once per optimizer step on every rank (:func:`flexmoe.update_expert_biases` does it for every
+        layer of a model); a no-op for other balance modes. Under expert parallelism it is one all-reduce.
+        """
+        if self.expert_bias is None:
+            return
+        load = self.pending_load.clone()
         if self.ep_group.distributed:
             # Every rank applies the same update from the same global load, so the biases stay identical.
             self.ep_group.call("balance='bias' load all-reduce",
-                               lambda: dist.all_reduce(load, group=self.ep_group.group))
-        self.expert_bias.copy_(bias_update(self.expert_bias, load, self.bias_update_rate))
+                               lambda: torch.distributed.all_reduce(load, group=self.ep_group.group))
+        self.expert_bias.copy_(bias_update(self.expert_bias, load, self.routing_options.bias_update_rate))
+        self.pending_load.zero_()
 
-    def _run_experts(self, rows: Tensor, counts: list[int], **parallel_overrides) -> Tensor:
-        """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype."""
-        expert_dtype = _parameter_dtype(self.experts)
-        autocast_on = torch.is_autocast_enabled(rows.device.type)
-        if expert_dtype is None or autocast_on or expert_dtype == rows.dtype:
-            return self._expert_stage(rows, counts, **parallel_overrides)
-        # A float32 layer fed bf16 activations (or the reverse) computes in its parameters' dtype.
-        return self._expert_stage(rows.to(expert_dtype), counts, **parallel_overrides).to(rows.dtype)
+    # ---- construction helpers ---------------------------------------------------------------------------
 
-    def _expert_stage(self, rows: Tensor, counts: list[int], *, r: int | None, overlap_degree: int | None,
-                      a2a: str | None, ranks_per_node: int | None, parallel: str | None,
-                      shadow: bool | ShadowPolicy | None = None, schedule: str | None = None,
-                      all_counts: list[list[int]] | None = None) -> Tensor:
-        """The experts, here or spread over the expert-parallel group (transport + compute)."""
-        if self._ep is None:
-            return self.experts(rows, counts)
-        if all_counts is None:  # the outer call (shadowing calls back with the remaining rows and counts)
-            all_counts = self._ep.gather_counts(counts)
-            self.last_shadowed = self._shadowed(all_counts, shadow, r, overlap_degree, a2a, ranks_per_node)
-            if self.last_shadowed:
-                return run_shadowed(
-                    self.experts, self.ep_group, self.layout, rows, counts, all_counts, self.last_shadowed,
-                    lambda rest, rest_counts, rest_all: self._expert_stage(
-                        rest, rest_counts, r=r, overlap_degree=overlap_degree, a2a=a2a,
-                        ranks_per_node=ranks_per_node, parallel=parallel, schedule=schedule,
-                        all_counts=rest_all))
-        mode = self.parallel if parallel is None else _check_parallel(parallel)
-        if (self.schedule if schedule is None else check_schedule(schedule)) == "pairwise":
-            setting = self._setting(r, overlap_degree, a2a, ranks_per_node)
-            check_pairwise(self.layout, setting.r, setting.overlap_degree, setting.a2a, mode)
-            self.last_choice = setting
-            return run_pairwise(self.ep_group, self.layout, self.experts, rows, all_counts)
-        if mode == "static":
-            setting = self._setting(r, overlap_degree, a2a, ranks_per_node)
-            self._ep.check(setting)
-            self.last_choice = setting
-            return self._ep.run(rows, counts, all_counts, setting)
-        # auto: the per-call knobs that were given narrow the candidates.
-        if self._pending_timer is not None:
-            self._pending_timer.flush()
-        g = self.ranks_per_node if ranks_per_node is None else ranks_per_node
-        options = [s for s in candidates(self._ep.valid_r(), self.ep_group.world_size, g)
-                   if (r is None or s.r == r) and (overlap_degree is None or s.overlap_degree == overlap_degree)
-                   and (a2a is None or s.a2a == a2a)]
-        if not options:
-            raise ValueError(f"parallel='auto' has no candidate with r={r}, overlap_degree={overlap_degree}, "
-                             f"a2a={a2a!r}; valid r: {self._ep.valid_r()}")
-        bucket = (capacity_bucket(all_counts), torch.is_grad_enabled(), r, overlap_degree, a2a, g)
-        context = AutoContext(self.ep_group, all_counts, self.model_dim, self.hidden_dim, self.num_experts, self.k,
-                              rows.dtype, bool(getattr(self.experts, "glu", False)))
-        setting = self.chooser.choose(bucket, options, context)
-        self.last_choice = setting
-        timer = StageTimer(lambda seconds: self.chooser.record(bucket, setting, seconds))
-        self._pending_timer = timer
-        return timer.leave(self._ep.run(timer.enter(rows), counts, all_counts, setting))
+    def _strategy_for(self, options: ParallelOptions) -> ExpertStrategy:
+        return build_strategy(options, self._ep, self.experts, self._shape, options.chooser, self._strategies)
 
-    def _shadowed(self, all_counts: list[list[int]], shadow: bool | ShadowPolicy | None, r: int | None,
-                  overlap_degree: int | None, a2a: str | None, ranks_per_node: int | None) -> list[int]:
-        """The experts to shadow in this call (:mod:`flexmoe.parallel.shadow`); [] when off."""
-        policy = self.shadow if shadow is None else resolve_shadow(shadow)
-        if policy is None:
-            return []
-        check_shadow_supported(self.layout, self.experts)
-        setting = self._setting(r, overlap_degree, a2a, ranks_per_node)
-        if setting.r == 0:
-            return []  # r=0 already gives every rank every expert
-        context = ShadowContext(
-            self.layout, self.model_dim, self.hidden_dim, self.k, _parameter_dtype(self.experts) or torch.float32,
-            glu=bool(getattr(self.experts, "glu", False)), a2a=setting.a2a, ranks_per_node=setting.ranks_per_node,
-            overlap_degree=setting.overlap_degree,
-        )
-        return choose_experts(policy, all_counts, context)
-
-    def _setting(self, r: int | None, overlap_degree: int | None, a2a: str | None,
-                 ranks_per_node: int | None) -> ParallelSetting:
-        """The static setting of one call: the call's values where given, else the layer's."""
-        return ParallelSetting(
-            r=self.r if r is None else r,
-            overlap_degree=self.overlap_degree if overlap_degree is None else overlap_degree,
-            a2a=self.a2a if a2a is None else a2a,
-            ranks_per_node=self.ranks_per_node if ranks_per_node is None else ranks_per_node,
-        )
+    def _describe_options(self, experts: nn.Module | None, dtype: torch.dtype | None) -> dict[str, object]:
+        """The options as comparable values for the cross-rank agreement, one entry per field."""
+        described: dict[str, object] = {"model_dim": self.model_dim, "num_experts": self.num_experts,
+                                        "hidden_dim": self.hidden_dim, "experts": describe_value(experts),
+                                        "dtype": str(dtype)}
+        for options in (self.routing_options, self.expert_options, self.parallel_options):
+            described.update(options.describe())
+        return described
 
     @property
     def auto_decisions(self) -> list:
         """What ``parallel="auto"`` chose per capacity bucket, with every candidate's measured time."""
-        return list(getattr(self.chooser, "decisions", []))
+        return list(getattr(self.parallel_options.chooser, "decisions", []))
+
+    @property
+    def num_shared_experts(self) -> int:
+        return self.expert_options.shared_experts
+
+    @property
+    def selection(self) -> str:
+        """"topk", "expert_choice" or "base": how experts are picked."""
+        return self.routing_options.selection
 
     def extra_repr(self) -> str:
         return (
@@ -472,42 +304,56 @@ class MoELayer(nn.Module):
         )
 
 
-def _describe(value: object) -> object:
-    """A comparable stand-in for a config value (modules and callables by type / name)."""
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    if isinstance(value, nn.Module):
-        return type(value).__name__
-    return getattr(value, "__name__", type(value).__name__)
+def _expose_options(cls: type) -> None:
+    """Every option readable as a layer attribute (``moe.k``, ``moe.r``, ...), read-only: the options are
+    frozen. ``router`` is the router module itself; its option is ``moe.routing_options.router``."""
+    for holder, options_cls in _OPTION_CLASSES.items():
+        for f in dataclasses.fields(options_cls):
+            if f.name in ("router",) or hasattr(cls, f.name):
+                continue
+            setattr(cls, f.name, property(lambda self, h=holder, n=f.name: getattr(getattr(self, h), n),
+                                          doc=f"The layer's ``{f.name}`` (``{holder}.{f.name}``)."))
 
 
-def _topology_gate(layout: ExpertLayout, rank: int, ranks_per_node: int | None, k: int,
-                   share: float) -> TopologyGate:
-    """The topology-aware gate of ``rank``: nodes of ``ranks_per_node`` consecutive ranks, experts on the node
-    of the rank(s) holding them."""
-    world = layout.world_size
-    if ranks_per_node is None:
-        if world > 1:
-            raise ValueError("cross_node_share needs ranks_per_node (the ranks of one node) under expert parallelism")
-        ranks_per_node = 1
-    if ranks_per_node < 1 or world % ranks_per_node != 0:
-        raise ValueError(f"cross_node_share needs ranks_per_node dividing the world size {world}, got {ranks_per_node}")
-    holders: list[list[int]] = [[] for _ in range(layout.num_experts)]
-    for r in range(world):
-        for e in layout.experts_of_rank(r):
-            holders[e].append(r)
-    nodes = expert_nodes(holders, ranks_per_node)
-    for node in range(world // ranks_per_node):
-        if nodes.count(node) < k:
-            raise ValueError(f"cross_node_share: node {node} holds {nodes.count(node)} experts, fewer than k={k}; "
-                             "overflow pairs could not stay on the node")
-    return TopologyGate(tuple(nodes), rank // ranks_per_node, share)
+_expose_options(MoELayer)
 
 
-def _check_parallel(parallel: object) -> str:
-    if parallel not in ("static", "auto"):
-        raise ValueError(f"parallel must be 'static' or 'auto', got {parallel!r}")
-    return str(parallel)
+def update_expert_biases(model: nn.Module) -> int:
+    """Call :meth:`MoELayer.update_expert_bias` on every MoE layer of ``model`` (balance="bias"); returns how many
+    layers use the bias. Once per optimizer step, on every rank, e.g. just before ``optimizer.step()`` or as
+    ``optimizer.register_step_pre_hook(lambda *_: update_expert_biases(model))``."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.expert_bias is not None]
+    for layer in layers:
+        layer.update_expert_bias()
+    return len(layers)
+
+
+def _options_from_keywords(given: dict[str, Any], keywords: dict[str, Any]) -> dict[str, Any]:
+    """The three options objects: the given ones (or the defaults) with each keyword replaced in the dataclass
+    that has a field of its name."""
+    by_class: dict[str, dict[str, Any]] = {holder: {} for holder in _OPTION_CLASSES}
+    for name, value in keywords.items():
+        holder = next((h for h, c in _OPTION_CLASSES.items() if name in _field_names(c)), None)
+        if holder is None:
+            raise TypeError(f"MoELayer() got an unexpected keyword argument {name!r}")
+        by_class[holder][name] = value
+    chosen = {}
+    for holder, options_cls in _OPTION_CLASSES.items():
+        base = given[holder]
+        if base is not None and not isinstance(base, options_cls):
+            raise TypeError(f"{holder} must be a {options_cls.__name__}, got {type(base).__name__}")
+        chosen[holder] = options_cls(**by_class[holder]) if base is None else dataclasses.replace(
+            base, **by_class[holder])
+    return chosen
+
+
+def _field_names(options_cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(options_cls))
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. an activation-checkpointing recomputation)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _parameter_dtype(module: nn.Module) -> torch.dtype | None:

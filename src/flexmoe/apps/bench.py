@@ -418,7 +418,7 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
     best_static = min((str(s) for s in settings), key=lambda name: medians[name])
     autos = {"auto": build_layer(cfg, parallel="auto", **extra)}
     if profile is not None:
-        from flexmoe.parallel.auto import ModelGuidedChooser
+        from flexmoe.tuning import ModelGuidedChooser
 
         autos[f"auto (model {profile}, keep 3)"] = build_layer(
             cfg, parallel="auto", chooser=ModelGuidedChooser(profile, keep=3), **extra)

@@ -43,6 +43,7 @@ from flexmoe.checkpoint import (
 )
 from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.parallel.ddp import wrap_ddp
+from flexmoe.layer import MoELayer, update_expert_biases
 
 __all__ = ["TrainConfig", "add_arguments", "run", "train", "build_model"]
 
@@ -409,6 +410,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
                 drop_sum += model.drop_rate()
                 loads.append(torch.tensor(model.expert_load(), dtype=torch.float64))
             clip_gradients(model, tcfg.grad_clip, world)
+            update_expert_biases(model)  # balance="bias": once per optimizer step, from all micro-batches' load
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 

@@ -1,6 +1,11 @@
-"""Expert parallelism: the expert layout over ranks, process groups, all-to-all transports and overlap."""
+"""Expert parallelism: the expert layout over ranks, process groups, all-to-all transports and overlap, and the
+execution strategies that run a layer's experts (:mod:`flexmoe.parallel.strategy`).
 
-from flexmoe.parallel.layout import ExpertLayout, shard_expert_state, unshard_expert_states
+Nothing here imports :mod:`flexmoe.tuning`: the policies that need the cost model
+(:class:`flexmoe.tuning.ModelGuidedChooser`, :class:`flexmoe.tuning.CostModelShadowPolicy`) live beside it.
+"""
+
+from flexmoe.parallel.layout import ExpertLayout, shard_expert_state, unshard_expert_states, valid_r
 from flexmoe.parallel.groups import (
     SINGLE_PROCESS,
     CollectiveError,
@@ -9,20 +14,38 @@ from flexmoe.parallel.groups import (
     resolve_group,
 )
 from flexmoe.parallel.expert_parallel import ParallelSetting
-from flexmoe.parallel.auto import AutoContext, Chooser, MeasuringChooser, ModelGuidedChooser, candidates
+from flexmoe.parallel.auto import AutoContext, Chooser, MeasuringChooser, candidates
 from flexmoe.parallel.ddp import expert_parameter_names, wrap_ddp
 from flexmoe.parallel.pairwise import pairwise_peers
+from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.shadow import (
-    CostModelShadowPolicy,
     ShadowContext,
     ShadowExperts,
     ShadowPolicy,
     ShadowTopExperts,
     rows_per_rank,
 )
+from flexmoe.parallel.strategy import (
+    AllToAllExperts,
+    AutoExperts,
+    ExpertStrategy,
+    LocalExperts,
+    PairwiseExperts,
+    ShadowedExperts,
+    build_strategy,
+)
 
 __all__ = [
+    "ParallelOptions",
+    "ExpertStrategy",
+    "LocalExperts",
+    "AllToAllExperts",
+    "PairwiseExperts",
+    "AutoExperts",
+    "ShadowedExperts",
+    "build_strategy",
     "ExpertLayout",
+    "valid_r",
     "shard_expert_state",
     "unshard_expert_states",
     "SINGLE_PROCESS",
@@ -34,12 +57,10 @@ __all__ = [
     "AutoContext",
     "Chooser",
     "MeasuringChooser",
-    "ModelGuidedChooser",
     "candidates",
     "expert_parameter_names",
     "wrap_ddp",
     "pairwise_peers",
-    "CostModelShadowPolicy",
     "ShadowContext",
     "ShadowExperts",
     "ShadowPolicy",

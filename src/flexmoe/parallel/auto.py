@@ -8,9 +8,10 @@ The interface is two pieces a cost model can replace or wrap:
 
 :class:`MeasuringChooser` (the layer's default) tries every candidate for ``trials`` forward+backward passes in
 each capacity bucket, keeps the fastest, and uses it from then on. Its ``prune`` hook takes the candidate list
-(and the context) and returns the ones worth timing. :class:`ModelGuidedChooser` is that hook filled by the
-cost model (:mod:`flexmoe.tuning.cost_model`): the model ranks every candidate for the bucket's real load and
-only the ``keep`` best are timed, so the model picks the short list and the clock picks the winner.
+(and the context) and returns the ones worth timing. :class:`flexmoe.tuning.ModelGuidedChooser` is that hook
+filled by the cost model: the model ranks every candidate for the bucket's real load and only the ``keep`` best
+are timed, so the model picks the short list and the clock picks the winner. (The cost model lives in
+:mod:`flexmoe.tuning`, which may import this package, never the reverse.)
 
 The ranks agree on the choice: each candidate's time is the slowest rank's (one all-reduce at decision time),
 ties go to the earlier candidate, and a pruned short list is rank 0's (broadcast), so every rank picks the
@@ -19,10 +20,9 @@ same setting even if their profiles differed.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Hashable, Protocol, Sequence
+from typing import Callable, Hashable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,12 +31,7 @@ from torch import Tensor
 from flexmoe.parallel.expert_parallel import ParallelSetting
 from flexmoe.parallel.groups import ExpertGroup
 
-if TYPE_CHECKING:  # the cost model is imported when a ModelGuidedChooser is built, not with the layer
-    from flexmoe.tuning.cost_model import LayerConfig
-    from flexmoe.tuning.profile import Profile
-
-__all__ = ["candidates", "capacity_bucket", "AutoContext", "Chooser", "MeasuringChooser", "ModelGuidedChooser",
-           "workload_config", "StageTimer", "Decision"]
+__all__ = ["candidates", "capacity_bucket", "AutoContext", "Chooser", "MeasuringChooser", "StageTimer", "Decision"]
 
 DEFAULT_DEGREES = (1, 2, 4)
 
@@ -175,59 +170,6 @@ class MeasuringChooser:
             eg.call("auto-tuning agreement", lambda: dist.all_reduce(best, op=dist.ReduceOp.MAX, group=eg.group))
         i = int(torch.argmin(best))
         return Decision(bucket, state.options[i], dict(zip(state.options, best.tolist())))
-
-
-class ModelGuidedChooser(MeasuringChooser):
-    """``parallel="auto"`` steered by the cost model: rank every candidate, time only the ``keep`` best.
-
-    ``profile`` is a :class:`~flexmoe.tuning.profile.Profile` or a name for
-    :func:`~flexmoe.tuning.profile.load_profile` (``"local"``: the one ``flexmoe calibrate`` wrote;
-    ``"a100-ndv4"``; a JSON path). ``keep=1`` trusts the model outright (its best candidate runs from the
-    first step). Each short list's model view and predicted seconds per candidate, best first, are appended to
-    ``predictions`` so a report can show model and clock side by side. Like any chooser it keeps one layer's
-    decisions: give each layer its own.
-    """
-
-    def __init__(self, profile: "Profile | str", keep: int = 3, trials: int = 2) -> None:
-        from flexmoe.tuning.profile import Profile, load_profile
-
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
-        super().__init__(trials=trials, prune=self._rank)
-        self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
-        self.keep = keep
-        self.predictions: list[tuple[LayerConfig, list[tuple[float, ParallelSetting]]]] = []
-
-    def _rank(self, options: list[ParallelSetting], context: AutoContext) -> list[ParallelSetting]:
-        from flexmoe.tuning.cost_model import score_candidates
-
-        config = workload_config(context)
-        try:
-            self.profile.compute_for(config.dtype)
-        except KeyError:
-            return options  # the profile has no roofline for this dtype (float64): measure everything
-        scored = score_candidates(self.profile, config, options)
-        self.predictions.append((config, scored))
-        return [setting for _, setting in scored[: self.keep]]
-
-
-def workload_config(context: AutoContext) -> "LayerConfig":
-    """The cost model's view of one forward: the busiest rank's rows as its tokens, the global load per expert.
-
-    The counts are what was dispatched (capacity already applied), so the model sees a dropless layer
-    (``capacity_factor=0``) with ``tokens = rows / k`` and the measured shares per expert.
-    """
-    from flexmoe.tuning.cost_model import LayerConfig
-
-    counts = context.all_counts
-    rows = max((sum(row) for row in counts), default=0)
-    load = [float(sum(col)) for col in zip(*counts)] if counts else []
-    return LayerConfig(
-        tokens=max(1, math.ceil(rows / context.k)), model_dim=context.model_dim, hidden_dim=context.hidden_dim,
-        experts=context.num_experts, k=context.k, capacity_factor=0.0,
-        dtype=str(context.dtype).removeprefix("torch."), ranks=len(counts), glu=context.glu,
-        expert_shares=tuple(load) if sum(load) > 0 else None,
-    )
 
 
 class StageTimer:

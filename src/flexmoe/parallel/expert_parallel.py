@@ -4,7 +4,7 @@ Input: this rank's expert rows ``[N, M]`` sorted by global expert, with per-expe
 plan's ``counts``). Output: ``[N, M]``, row n being expert ``row_expert[n]`` applied to row n, exactly what a
 single process holding all experts computes. How the work is spread is a :class:`ParallelSetting`:
 
-* ``r`` (adaptive parallelism, DESIGN.md 4), with s = shards per expert and g = s / r:
+* ``r`` (adaptive parallelism, docs/architecture.md "Experts over ranks"), with s = shards per expert and g = s / r:
   - ``r = 0``: every rank gathers all experts' weights and computes its own rows; no all-to-all.
   - ``r >= 1`` (r divides s): the s ranks of an expert form g replica groups of r ranks; a group's ranks
     hold r hidden pieces of the expert (each gathered from g consecutive shards when g > 1). Source rank
@@ -83,10 +83,8 @@ class ExpertParallel:
     # ---- settings -------------------------------------------------------------------------------------
 
     def valid_r(self) -> list[int]:
-        """r = 0 (gather all; built-in experts only) and every divisor of s (1 alone for whole experts)."""
-        s = self.layout.shards_per_expert
-        divisors = [r for r in range(1, s + 1) if s % r == 0]
-        return ([0] if self.builtin else []) + divisors
+        """The r this group may run with (:func:`flexmoe.parallel.layout.valid_r`)."""
+        return self.layout.valid_r(self.builtin)
 
     def check(self, setting: ParallelSetting) -> None:
         if setting.r not in self.valid_r():

@@ -21,10 +21,18 @@ from dataclasses import dataclass
 from torch import Tensor
 import torch
 
-__all__ = ["HIDDEN_DIM", "ExpertLayout", "shard_expert_state", "unshard_expert_states"]
+__all__ = ["HIDDEN_DIM", "ExpertLayout", "valid_r", "shard_expert_state", "unshard_expert_states"]
 
 # Dimension of each expert parameter that runs along hidden_dim (None: replicated across shards).
 HIDDEN_DIM: dict[str, int | None] = {"w1": 2, "b1": 1, "w3": 2, "b3": 1, "w2": 1, "b2": None}
+
+
+def valid_r(shards_per_expert: int, world_size: int, builtin_experts: bool = True) -> list[int]:
+    """The r values of adaptive parallelism a layout allows: the divisors of the s shards of one expert (just 1
+    with whole experts), and r = 0 (gather every expert's weights everywhere) when there is more than one rank
+    to gather from and the experts are the built-in ones (flexmoe cannot gather a custom module's weights)."""
+    divisors = [r for r in range(1, shards_per_expert + 1) if shards_per_expert % r == 0]
+    return ([0] if world_size > 1 and builtin_experts else []) + divisors
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,18 @@ class ExpertLayout:
     @property
     def local_hidden_dim(self) -> int:
         return self.hidden_dim // self.shards_per_expert
+
+    def valid_r(self, builtin_experts: bool = True) -> list[int]:
+        """:func:`valid_r` of this layout."""
+        return valid_r(self.shards_per_expert, self.world_size, builtin_experts)
+
+    def expert_holders(self) -> list[list[int]]:
+        """``[E]`` the ranks holding each expert (one rank for whole experts, its s shards' ranks otherwise)."""
+        holders: list[list[int]] = [[] for _ in range(self.num_experts)]
+        for rank in range(self.world_size):
+            for e in self.experts_of_rank(rank):
+                holders[e].append(rank)
+        return holders
 
     def experts_of_rank(self, rank: int) -> range:
         """Global indices of the experts rank ``rank`` holds (whole or a shard of)."""

@@ -14,8 +14,8 @@ same answer, so a policy must be a deterministic function of ``all_counts`` and 
 The layer's own policy is part of its configuration check; a policy passed to one ``forward`` call is not
 checked, so pass the same one on every rank.
 
-* :class:`CostModelShadowPolicy` (``shadow=True``): FasterMoE's rule, via
-  :func:`flexmoe.tuning.cost_model.choose_shadowed`: shadow the hottest experts while the straggler time saved
+* :class:`flexmoe.tuning.CostModelShadowPolicy` (``shadow=True``, beside the cost model it needs): FasterMoE's
+  rule, via :func:`flexmoe.tuning.cost_model.choose_shadowed`: shadow the hottest experts while the straggler time saved
   exceeds the broadcast + reduce it costs.
 * :class:`ShadowExperts` (a fixed list) and :class:`ShadowTopExperts` (the n busiest): explicit choices, for
   tests and experiments.
@@ -27,7 +27,6 @@ a sharded expert is already spread over ranks).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
@@ -45,10 +44,6 @@ __all__ = [
     "ShadowPolicy",
     "ShadowExperts",
     "ShadowTopExperts",
-    "CostModelShadowPolicy",
-    "DEFAULT_PUBLISHED_PROFILE",
-    "resolve_shadow",
-    "describe_shadow",
     "check_shadow_supported",
     "choose_experts",
     "rows_per_rank",
@@ -56,9 +51,6 @@ __all__ = [
 ]
 
 _PARAMS = ("w1", "b1", "w2", "b2", "w3", "b3")
-
-#: The profile :class:`CostModelShadowPolicy` uses when none is given and this machine has no calibrated one.
-DEFAULT_PUBLISHED_PROFILE = "a100-ndv4"
 
 
 # ---------------------------------------------------------------------------------------------- policies
@@ -118,94 +110,6 @@ class ShadowTopExperts:
         counts = global_counts(all_counts)
         order = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
         return sorted(order[: self.n])
-
-
-def _default_profile():
-    # Imported here: the tuning package is only needed when the cost-model policy is actually used.
-    from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, load_profile
-
-    return load_profile("local" if LOCAL_PROFILE_PATH.exists() else DEFAULT_PUBLISHED_PROFILE)
-
-
-class CostModelShadowPolicy:
-    """FasterMoE's decision: shadow the hottest experts while it makes the layer faster (per the cost model).
-
-    profile: a :class:`~flexmoe.tuning.Profile`, a profile name for :func:`~flexmoe.tuning.load_profile`
-        (``"a100-ndv4"``, ``"local"``, a JSON path), or None: this machine's calibrated profile
-        (``flexmoe calibrate`` writes :data:`~flexmoe.tuning.profile.LOCAL_PROFILE_PATH`) when it exists, else
-        the published :data:`DEFAULT_PUBLISHED_PROFILE`. The profile's identity is part of the layer's
-        configuration check, so ranks that resolved different profiles fail at construction.
-    max_shadowed: at most this many experts per step (None: no limit).
-
-    The layer's counts are already after capacity, so the cost model sees them as a dropless layer whose
-    per-expert shares are this step's global counts.
-    """
-
-    def __init__(self, profile: object | None = None, max_shadowed: int | None = None) -> None:
-        from flexmoe.tuning.profile import Profile, load_profile
-
-        if profile is None:
-            profile = _default_profile()
-        elif not isinstance(profile, Profile):
-            profile = load_profile(profile)  # type: ignore[arg-type]
-        self.profile = profile
-        self.max_shadowed = max_shadowed
-
-    def describe(self) -> str:
-        digest = hashlib.sha1(self.profile.to_json().encode()).hexdigest()[:10]
-        return f"CostModelShadowPolicy(profile={self.profile.name}@{digest}, max_shadowed={self.max_shadowed})"
-
-    def choose(self, all_counts: Sequence[Sequence[int]], context: ShadowContext) -> list[int]:
-        from flexmoe.tuning.cost_model import LayerConfig, choose_shadowed
-
-        world = len(all_counts)
-        counts = global_counts(all_counts)
-        total = sum(counts)
-        if world == 1 or context.layout.shards_per_expert > 1 or total == 0:
-            return []
-        config = LayerConfig(
-            tokens=max(1, math.ceil(total / world / context.k)),  # mean tokens per rank
-            model_dim=context.model_dim,
-            hidden_dim=context.hidden_dim,
-            experts=len(counts),
-            k=context.k,
-            capacity_factor=0.0,  # the counts are the rows actually computed: nothing left to drop
-            dtype=self._cost_dtype(context.dtype),
-            ranks=world,
-            ranks_per_node=context.ranks_per_node,
-            overlap_degree=context.overlap_degree,
-            a2a=context.a2a,
-            glu=context.glu,
-        )
-        return choose_shadowed(self.profile, config, counts, self.max_shadowed)
-
-    def _cost_dtype(self, dtype: torch.dtype) -> str:
-        """The dtype name the profile can price (float64 is priced at float32 rates if the profile lacks it)."""
-        name = str(dtype).replace("torch.", "")
-        try:
-            self.profile.compute_for(name)
-            return name
-        except KeyError:
-            return "float32"
-
-
-def resolve_shadow(shadow: object) -> ShadowPolicy | None:
-    """``shadow=`` of the layer -> a policy, or None for no shadowing (False / None)."""
-    if shadow is None or shadow is False:
-        return None
-    if shadow is True:
-        return CostModelShadowPolicy()
-    if isinstance(shadow, ShadowPolicy):
-        return shadow
-    raise TypeError(f"shadow must be False, True or a ShadowPolicy (an object with choose()), got {shadow!r}")
-
-
-def describe_shadow(policy: ShadowPolicy | None) -> object:
-    """A comparable stand-in for the configuration check across ranks."""
-    if policy is None:
-        return False
-    describe = getattr(policy, "describe", None)
-    return describe() if callable(describe) else repr(policy)
 
 
 def check_shadow_supported(layout: ExpertLayout, experts: nn.Module) -> None:

@@ -1,29 +1,40 @@
 """Routing: routers (logits), the routing plan (experts, slots, weights) and the router losses.
 
-:func:`build_plan` is the entry point the layer uses: it picks the plan builder for the layer's options
-(top-k with its variants, expert choice, BASE).
+:class:`RoutingOptions` holds a layer's routing options; :func:`build_plan` is the entry point the layer uses:
+it picks the plan builder for those options (top-k with its variants, expert choice, BASE).
 """
 
 from flexmoe.routing.balanced import balanced_assignment, make_base_plan
 from flexmoe.routing.bias_balance import bias_update, load_imbalance
-from flexmoe.routing.build import build_plan, check_routing_options, selection_kind
+from flexmoe.routing.build import build_plan
 from flexmoe.routing.expert_choice import expert_choice_capacity, make_expert_choice_plan
 from flexmoe.routing.losses import load_balancing_loss, router_z_loss
-from flexmoe.routing.pairs import plan_from_pairs
-from flexmoe.routing.plan import RoutingPlan, assign_slots, make_plan, resolve_capacity, top_k
+from flexmoe.routing.options import RoutingOptions, selection_kind
+from flexmoe.routing.plan import (
+    RoutingPlan,
+    assign_slots,
+    check_logits,
+    make_plan,
+    normalize_topk,
+    plan_from_pairs,
+    resolve_capacity,
+    top_k,
+)
 from flexmoe.routing.random_routing import sample_second_expert, second_expert_keep_probability
 from flexmoe.routing.routers import CosineRouter, LinearRouter, build_router, route
-from flexmoe.routing.topology import TopologyGate, expert_nodes, limit_cross_node, remote_pair_budget
+from flexmoe.routing.topology import TopologyGate, expert_nodes, limit_cross_node, remote_pair_budget, topology_gate
 
 __all__ = [
+    "RoutingOptions",
     "RoutingPlan",
     "make_plan",
     "resolve_capacity",
     "top_k",
     "assign_slots",
+    "check_logits",
+    "normalize_topk",
     "plan_from_pairs",
     "build_plan",
-    "check_routing_options",
     "selection_kind",
     "make_expert_choice_plan",
     "expert_choice_capacity",
@@ -34,6 +45,7 @@ __all__ = [
     "sample_second_expert",
     "second_expert_keep_probability",
     "TopologyGate",
+    "topology_gate",
     "expert_nodes",
     "limit_cross_node",
     "remote_pair_budget",

@@ -34,8 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmoe.routing.pairs import plan_from_pairs
-from flexmoe.routing.plan import RoutingPlan, check_logits, top_k
+from flexmoe.routing.plan import RoutingPlan, check_logits, normalize_topk, plan_from_pairs, top_k
 
 __all__ = ["balanced_loads", "balanced_assignment", "make_base_plan"]
 
@@ -161,12 +160,9 @@ def make_base_plan(logits: Tensor, k: int = 1, *, normalize_weights: bool = True
     probs = torch.softmax(logits, dim=-1)
     _, expert_index = top_k(probs.detach().masked_fill(~assigned, -1.0), k)
     probs_topk = probs.gather(1, expert_index)
-    weight = probs_topk
-    if normalize_weights and k > 1:
-        weight = probs_topk / probs_topk.sum(dim=-1, keepdim=True)
     floor_load, remainder = balanced_loads(num_tokens, num_experts, k)
     return plan_from_pairs(
-        logits, expert_index, probs_topk, weight,
+        logits, expert_index, probs_topk, normalize_topk(probs_topk, normalize_weights),
         capacity=floor_load + (1 if remainder else 0),
         aux_loss=probs.sum() * 0.0,
         kind="base",

@@ -1,7 +1,7 @@
 """The routing plan: which expert and which slot every (token, choice) pair gets.
 
 Everything after the router reads a :class:`RoutingPlan`. It is built by pure functions from the router's
-logits, following the contract of DESIGN.md section 3:
+logits, following the routing contract (docs/architecture.md, "The routing contract"):
 
 * top-k picks the k largest probabilities of a token (ties: the lower expert index first);
 * slots are handed out in priority order: every token's 1st choice before any token's 2nd choice, and within
@@ -23,8 +23,11 @@ import torch
 from torch import Tensor
 
 from flexmoe.routing.losses import load_balancing_loss, router_z_loss
+from flexmoe.routing.random_routing import sample_second_expert
+from flexmoe.routing.topology import TopologyGate
 
-__all__ = ["RoutingPlan", "resolve_capacity", "top_k", "assign_slots", "make_plan"]
+__all__ = ["RoutingPlan", "resolve_capacity", "top_k", "normalize_topk", "assign_slots", "check_logits",
+           "plan_from_pairs", "make_plan"]
 
 
 @dataclass
@@ -105,7 +108,7 @@ def resolve_capacity(
     capacity: int | None,
     max_load: int | None = None,
 ) -> int:
-    """The per-expert capacity C of DESIGN.md section 3.
+    """The per-expert capacity C (docs/architecture.md, "The routing contract").
 
     ``capacity`` (an int) overrides everything. Otherwise ``capacity_factor > 0`` gives
     ``ceil(k * cf * T / E)``; ``== 0`` is dropless (C = the largest load); ``< 0`` gives
@@ -130,6 +133,14 @@ def top_k(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
     # A stable descending sort keeps equal values in index order; torch.topk makes no such promise.
     values, indices = torch.sort(probs, dim=-1, descending=True, stable=True)
     return values[:, :k], indices[:, :k]
+
+
+def normalize_topk(probs_topk: Tensor, normalize: bool) -> Tensor:
+    """The combine weights ``[T, k]`` of the chosen probabilities ``[T, k]``: divided by their sum per token
+    when ``normalize`` and k > 1, else the probabilities themselves."""
+    if normalize and probs_topk.shape[1] > 1:
+        return probs_topk / probs_topk.sum(dim=-1, keepdim=True)
+    return probs_topk
 
 
 def _priority_order(probs_topk: Tensor, batch_prioritized: bool) -> Tensor:
@@ -190,57 +201,103 @@ def make_plan(
     normalize_weights: bool = True,
     batch_prioritized: bool = False,
     selection_bias: Tensor | None = None,
+    topology: TopologyGate | None = None,
+    random_second: bool = False,
+    generator: torch.Generator | None = None,
 ) -> RoutingPlan:
-    """Build the :class:`RoutingPlan` for router logits.
+    """Build the top-k :class:`RoutingPlan` for router logits.
 
     logits: ``[T, E]`` in the routing dtype (float32 by default). ``k`` choices per token, 1 <= k <= E.
     ``selection_bias`` (``[E]``, optional) is added to the probabilities only to *select* experts (load
     balancing without an auxiliary loss); the combine weights stay the unbiased probabilities.
+    ``topology`` re-routes the pairs past a cross-node budget (:mod:`flexmoe.routing.topology`);
+    ``random_second`` dispatches each 2nd choice at random (GShard, k=2; :mod:`flexmoe.routing.random_routing`,
+    samples from ``generator``, default torch's global one).
 
     Raises ``ValueError`` for non-finite logits, a k out of range, or a negative capacity.
     """
     if capacity is not None and capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    num_tokens, num_experts = check_logits(logits, k)
+    check_logits(logits, k)
 
     probs = torch.softmax(logits, dim=-1)
-    scores = probs if selection_bias is None else probs.detach() + selection_bias.to(probs.dtype)
-    _, expert_index = top_k(scores.detach(), k)
+    scores = probs.detach() if selection_bias is None else probs.detach() + selection_bias.to(probs.dtype)
+    _, expert_index = top_k(scores, k)
+    if topology is not None:
+        expert_index = topology.apply(scores, expert_index)
     probs_topk = probs.gather(1, expert_index)
-    weight = probs_topk
-    if normalize_weights and k > 1:
-        weight = probs_topk / probs_topk.sum(dim=-1, keepdim=True)
+    return plan_from_pairs(
+        logits, expert_index, probs_topk, normalize_topk(probs_topk, normalize_weights),
+        active=sample_second_expert(probs_topk, generator) if random_second else None,
+        capacity_factor=capacity_factor,
+        capacity=capacity,
+        priority=_priority_order(probs_topk.detach(), batch_prioritized),
+        aux_loss=load_balancing_loss(probs, expert_index[:, 0]),
+    )
 
-    priority = _priority_order(probs_topk.detach(), batch_prioritized)
-    slot, load, order = assign_slots(expert_index, num_experts, priority)
+
+def plan_from_pairs(
+    logits: Tensor,
+    expert_index: Tensor,
+    probs_topk: Tensor,
+    weight: Tensor,
+    *,
+    active: Tensor | None = None,
+    capacity_factor: float = 0.0,
+    capacity: int | None = None,
+    priority: Tensor | None = None,
+    aux_loss: Tensor,
+    kind: str = "topk",
+) -> RoutingPlan:
+    """The plan for chosen pairs: the one place that assigns slots, applies the capacity and lays out rows.
+
+    logits: ``[T, E]`` (for the z-loss); expert_index, probs_topk, weight: ``[T, k]`` as in
+    :class:`RoutingPlan`; active: ``[T, k]`` bool, the pairs to dispatch (default all). Inactive pairs are
+    *skipped*: they claim no slot, get ``slot == -1``, are left out of ``load`` and counted in ``num_skipped``,
+    not in ``num_dropped``. Capacity as in :func:`resolve_capacity` over the active pairs' loads.
+    priority: ``[T]`` the token order within one choice (default token order).
+    """
+    num_tokens, num_experts = logits.shape
+    k = expert_index.shape[1]
+    device = logits.device
+    if priority is None:
+        priority = torch.arange(num_tokens, device=device)
+    if active is None:
+        slot, load, order = assign_slots(expert_index, num_experts, priority)
+        num_active = num_tokens * k
+    else:
+        # Skipped pairs go to a virtual expert E that sorts after every real one, so that assign_slots hands
+        # out the real slots in priority order among the active pairs only; the virtual expert is then cut off.
+        masked_index = torch.where(active, expert_index, torch.full_like(expert_index, num_experts))
+        slot, load_all, order = assign_slots(masked_index, num_experts + 1, priority)
+        load = load_all[:num_experts]
+        num_active = int(active.sum())
+        order = order[:num_active]
 
     load_list = load.tolist()  # the one host sync: row counts size every later tensor
     cap = resolve_capacity(num_tokens, num_experts, k, capacity_factor, capacity, max(load_list, default=0))
     counts = [min(n, cap) for n in load_list]
-    kept_sorted = slot.view(-1)[order] < cap
-    rows = order[kept_sorted]
-    slot = torch.where(slot < cap, slot, torch.full_like(slot, -1))
-    num_kept = sum(counts)
-    num_dropped = num_tokens * k - num_kept
-
-    row_token = torch.div(rows, k, rounding_mode="floor")
-    row_choice = rows % k
-    row_weight = weight.reshape(-1)[rows]
+    rows = order[slot.view(-1)[order] < cap]  # kept pairs, sorted by (expert, slot)
+    kept = slot < cap if active is None else active & (slot < cap)
+    slot = torch.where(kept, slot, torch.full_like(slot, -1))
+    num_dropped = num_active - sum(counts)
 
     return RoutingPlan(
         expert_index=expert_index,
         slot=slot,
         weight=weight,
         probs_topk=probs_topk,
-        row_token=row_token,
-        row_choice=row_choice,
-        row_weight=row_weight,
-        tokens_per_expert=torch.tensor(counts, dtype=torch.long, device=logits.device),
+        row_token=torch.div(rows, k, rounding_mode="floor"),
+        row_choice=rows % k,
+        row_weight=weight.reshape(-1)[rows],
+        tokens_per_expert=torch.tensor(counts, dtype=torch.long, device=device),
         load=load,
         counts=counts,
         capacity=cap,
         num_dropped=num_dropped,
         dropped_fraction=num_dropped / max(num_tokens * k, 1),
-        aux_loss=load_balancing_loss(probs, expert_index[:, 0]),
+        aux_loss=aux_loss,
         z_loss=router_z_loss(logits),
+        num_skipped=num_tokens * k - num_active,
+        kind=kind,
     )

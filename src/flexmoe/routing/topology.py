@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["remote_pair_budget", "limit_cross_node", "expert_nodes", "TopologyGate"]
+__all__ = ["remote_pair_budget", "limit_cross_node", "expert_nodes", "TopologyGate", "topology_gate"]
 
 
 def remote_pair_budget(num_tokens: int, k: int, cross_node_share: float) -> int:
@@ -97,3 +97,23 @@ class TopologyGate:
         expert_node = torch.tensor(self.expert_node, dtype=torch.long, device=expert_index.device)
         budget = remote_pair_budget(num_tokens, k, self.cross_node_share)
         return limit_cross_node(scores, expert_index, expert_node, self.node, budget)
+
+
+def topology_gate(expert_ranks: list[list[int]], rank: int, world_size: int, ranks_per_node: int | None, k: int,
+                  cross_node_share: float) -> TopologyGate:
+    """The gate of ``rank`` in a group of ``world_size`` ranks: nodes of ``ranks_per_node`` consecutive ranks,
+    ``expert_ranks[e]`` the ranks holding expert e (an expert sits on their node). Raises ``ValueError`` when
+    the nodes cannot be formed or a node holds fewer than k experts (its overflow pairs could not stay)."""
+    if ranks_per_node is None:
+        if world_size > 1:
+            raise ValueError("cross_node_share needs ranks_per_node (the ranks of one node) under expert parallelism")
+        ranks_per_node = 1
+    if ranks_per_node < 1 or world_size % ranks_per_node != 0:
+        raise ValueError(f"cross_node_share needs ranks_per_node dividing the world size {world_size}, "
+                         f"got {ranks_per_node}")
+    nodes = expert_nodes(expert_ranks, ranks_per_node)
+    for node in range(world_size // ranks_per_node):
+        if nodes.count(node) < k:
+            raise ValueError(f"cross_node_share: node {node} holds {nodes.count(node)} experts, fewer than k={k}; "
+                             "overflow pairs could not stay on the node")
+    return TopologyGate(tuple(nodes), rank // ranks_per_node, cross_node_share)

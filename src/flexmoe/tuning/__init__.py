@@ -3,6 +3,8 @@
 * :mod:`flexmoe.tuning.profile`: :class:`Profile` (JSON round trip), published profiles in ``profiles/``;
 * :mod:`flexmoe.tuning.cost_model`: :func:`predict` / :func:`layer_time` and the choosers
   :func:`rank_candidates` (for ``parallel="auto"``) and :func:`choose_shadowed` (FasterMoE shadowing);
+* :mod:`flexmoe.tuning.policies`: the decisions that need the model, plugged into the layer:
+  :class:`ModelGuidedChooser` (``parallel="auto"``) and :class:`CostModelShadowPolicy` (``shadow=True``);
 * commands: ``flexmoe calibrate``, ``flexmoe validate-model``, ``flexmoe simulate``.
 """
 
@@ -16,9 +18,21 @@ from flexmoe.tuning.cost_model import (
     rank_candidates,
     score_candidates,
 )
+from flexmoe.tuning.policies import (
+    DEFAULT_PUBLISHED_PROFILE,
+    CostModelShadowPolicy,
+    ModelGuidedChooser,
+    resolve_shadow,
+    workload_config,
+)
 from flexmoe.tuning.profile import ComputeSpec, LinkSpec, Profile, available_profiles, load_profile
 
 __all__ = [
+    "ModelGuidedChooser",
+    "CostModelShadowPolicy",
+    "DEFAULT_PUBLISHED_PROFILE",
+    "resolve_shadow",
+    "workload_config",
     "Breakdown",
     "ComputeSpec",
     "LayerConfig",

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from flexmoe.parallel.layout import valid_r as layout_valid_r
 from flexmoe.tuning.profile import ComputeSpec, LinkSpec, Profile
 
 __all__ = [
@@ -70,7 +71,7 @@ class LayerConfig:
     """One MoE layer on ``ranks`` expert-parallel ranks; ``tokens`` is the per-rank token count.
 
     experts: global experts E. With E >= W each rank holds E/W whole experts; with E < W each expert is sharded
-        over s = W/E ranks along the hidden dimension. ``r`` picks the parallel style (DESIGN.md section 4):
+        over s = W/E ranks along the hidden dimension. ``r`` picks the parallel style (docs/architecture.md, "Experts over ranks"):
         r = 0 gathers every expert on every rank (no all-to-all, any layout), 1 <= r <= s (r | s) keeps weights
         r-way sharded inside groups of r ranks and gathers them across the s/r groups (r = s: pure model
         parallel, no gather; r = 1 with whole experts: plain expert parallelism).
@@ -339,10 +340,9 @@ def pipelined_time(a2a_in: float, compute: float, a2a_out: float, chunks: int, o
 
 
 def valid_r(config: LayerConfig) -> list[int]:
-    """The r values the layout allows, as the layer's: 0 (gather every expert everywhere) on more than one
-    rank, and the divisors of s (just 1 with whole experts)."""
-    s = config.shards
-    return ([0] if config.ranks > 1 else []) + [d for d in range(1, s + 1) if s % d == 0]
+    """The r values the layer allows for this shape (built-in experts): the layout's own rule,
+    :func:`flexmoe.parallel.layout.valid_r`."""
+    return layout_valid_r(config.shards, config.ranks)
 
 
 def expert_rows(config: LayerConfig) -> list[float]:
@@ -612,7 +612,7 @@ def rank_candidates(profile: Profile, config: LayerConfig, candidates: Iterable[
 def prune_candidates(profile: Profile, config: LayerConfig, candidates: Iterable[Any], keep: int = 3) -> list[Any]:
     """The ``keep`` candidates the model ranks best: the short list ``parallel="auto"`` times.
 
-    :class:`flexmoe.parallel.auto.ModelGuidedChooser` does this for the layer (the model picks the short list,
+    :class:`flexmoe.tuning.ModelGuidedChooser` does this for the layer (the model picks the short list,
     the clock picks the winner, so a model error costs at most a slower runner-up).
     """
     if keep < 1:

@@ -1,0 +1,220 @@
+"""How a layer's experts run: one strategy object, chosen when the layer is built.
+
+Every strategy takes this rank's expert rows ``rows: [N, M]`` sorted by global expert with ``counts: [E]`` rows
+per expert, and returns ``[N, M]``: row n through expert ``row_expert[n]``, exactly what one process holding all
+experts computes.
+
+* :class:`LocalExperts`: one process holds every expert; the rows go straight through the expert module.
+* :class:`AllToAllExperts`: expert parallelism with a static :class:`ParallelSetting` (r, overlap degree,
+  all-to-all algorithm): :class:`~flexmoe.parallel.expert_parallel.ExpertParallel`.
+* :class:`PairwiseExperts`: FasterMoE's pairwise schedule (:mod:`flexmoe.parallel.pairwise`).
+* :class:`AutoExperts`: ``parallel="auto"``: a :class:`~flexmoe.parallel.auto.Chooser` picks the setting of
+  each call; the stage is timed so the chooser learns.
+* :class:`ShadowedExperts` wraps any of the three expert-parallel ones: the hot experts a
+  :class:`~flexmoe.parallel.ShadowPolicy` picks are computed locally on broadcast weights, the other rows go
+  through the wrapped strategy.
+
+:func:`build_strategy` picks one from :class:`~flexmoe.parallel.options.ParallelOptions`. A call's options may
+differ from the layer's (``moe(x, r=2)``); ``pinned`` names the options the call gave explicitly (with
+``parallel="auto"`` they narrow the candidates). A new transport is a new strategy class here plus its case in
+:func:`build_strategy` (docs/architecture.md, "Where new things go").
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import AbstractSet, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from flexmoe.parallel.auto import AutoContext, Chooser, MeasuringChooser, StageTimer, candidates, capacity_bucket
+from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
+from flexmoe.parallel.layout import ExpertLayout
+from flexmoe.parallel.options import ParallelOptions
+from flexmoe.parallel.pairwise import check_pairwise, run_pairwise
+from flexmoe.parallel.shadow import ShadowContext, ShadowPolicy, check_shadow_supported, choose_experts, run_shadowed
+
+__all__ = ["LayerShape", "ExpertStrategy", "LocalExperts", "AllToAllExperts", "PairwiseExperts", "AutoExperts",
+           "ShadowedExperts", "build_strategy", "check_parallel_options"]
+
+NOTHING_PINNED: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the choosers and shadow policies may know of the layer: its sizes (hidden_dim of a whole expert)."""
+
+    model_dim: int
+    hidden_dim: int
+    num_experts: int
+    k: int
+    glu: bool = False
+
+
+class ExpertStrategy(Protocol):
+    """Runs the experts of one call (see the module docstring)."""
+
+    last_choice: ParallelSetting | None
+    last_shadowed: list[int]
+
+    def run(self, rows: Tensor, counts: list[int], options: ParallelOptions,
+            pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor: ...
+
+
+class LocalExperts:
+    """Every expert in this process (no expert-parallel group): the parallel options have nothing to change."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        self.experts = experts
+        self.last_choice: ParallelSetting | None = None
+        self.last_shadowed: list[int] = []
+
+    def run(self, rows: Tensor, counts: list[int], options: ParallelOptions,
+            pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
+        return self.experts(rows, counts)
+
+
+class _GroupStrategy:
+    """A strategy over an expert-parallel group: gathers every rank's counts, then :meth:`run_counted`."""
+
+    def __init__(self, ep: ExpertParallel) -> None:
+        self.ep = ep
+        self.last_choice: ParallelSetting | None = None
+        self.last_shadowed: list[int] = []
+
+    def run(self, rows: Tensor, counts: list[int], options: ParallelOptions,
+            pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
+        return self.run_counted(rows, counts, self.ep.gather_counts(counts), options, pinned)
+
+    def run_counted(self, rows: Tensor, counts: list[int], all_counts: list[list[int]], options: ParallelOptions,
+                    pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
+        """rows and counts as :meth:`run`; all_counts: ``[W][E]`` every rank's counts (already gathered)."""
+        raise NotImplementedError
+
+
+class AllToAllExperts(_GroupStrategy):
+    """Expert parallelism with the static setting of the options (r, overlap_degree, a2a, ranks_per_node)."""
+
+    def run_counted(self, rows: Tensor, counts: list[int], all_counts: list[list[int]], options: ParallelOptions,
+                    pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
+        setting = options.setting
+        self.ep.check(setting)
+        self.last_choice = setting
+        return self.ep.run(rows, counts, all_counts, setting)
+
+
+class PairwiseExperts(_GroupStrategy):
+    """The exchange as W-1 pairwise steps overlapping the expert compute (FasterMoE's smart schedule)."""
+
+    def run_counted(self, rows: Tensor, counts: list[int], all_counts: list[list[int]], options: ParallelOptions,
+                    pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
+        check_pairwise(self.ep.layout, options.r, options.overlap_degree, options.a2a, options.parallel)
+        self.last_choice = options.setting
+        return run_pairwise(self.ep.eg, self.ep.layout, self.ep.experts, rows, all_counts)
+
+
+class AutoExperts(_GroupStrategy):
+    """``parallel="auto"``: the chooser picks each call's setting per capacity bucket; the options the call
+    pinned (r, overlap_degree, a2a) narrow the candidates."""
+
+    def __init__(self, ep: ExpertParallel, chooser: Chooser, shape: LayerShape) -> None:
+        super().__init__(ep)
+        self.chooser, self.shape = chooser, shape
+        self._pending_timer: StageTimer | None = None
+
+    def run_counted(self, rows: Tensor, counts: list[int], all_counts: list[list[int]], options: ParallelOptions,
+                    pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
+        if self._pending_timer is not None:
+            self._pending_timer.flush()
+        r = options.r if "r" in pinned else None
+        overlap_degree = options.overlap_degree if "overlap_degree" in pinned else None
+        a2a = options.a2a if "a2a" in pinned else None
+        g = options.ranks_per_node
+        valid = self.ep.valid_r()
+        settings = [s for s in candidates(valid, self.ep.eg.world_size, g)
+                    if (r is None or s.r == r) and (overlap_degree is None or s.overlap_degree == overlap_degree)
+                    and (a2a is None or s.a2a == a2a)]
+        if not settings:
+            raise ValueError(f"parallel='auto' has no candidate with r={r}, overlap_degree={overlap_degree}, "
+                             f"a2a={a2a!r}; valid r: {valid}")
+        bucket = (capacity_bucket(all_counts), torch.is_grad_enabled(), r, overlap_degree, a2a, g)
+        shape = self.shape
+        context = AutoContext(self.ep.eg, all_counts, shape.model_dim, shape.hidden_dim, shape.num_experts, shape.k,
+                              rows.dtype, shape.glu)
+        setting = self.chooser.choose(bucket, settings, context)
+        self.last_choice = setting
+        timer = StageTimer(lambda seconds: self.chooser.record(bucket, setting, seconds))
+        self._pending_timer = timer
+        return timer.leave(self.ep.run(timer.enter(rows), counts, all_counts, setting))
+
+
+class ShadowedExperts:
+    """Shadowing around another expert-parallel strategy: each call the policy picks hot experts, their owners
+    broadcast the weights, every rank computes its own rows of them, the rest goes through ``inner``."""
+
+    def __init__(self, inner: _GroupStrategy, policy: ShadowPolicy, shape: LayerShape) -> None:
+        check_shadow_supported(inner.ep.layout, inner.ep.experts)
+        self.inner, self.policy, self.shape = inner, policy, shape
+        self.last_shadowed: list[int] = []
+
+    @property
+    def last_choice(self) -> ParallelSetting | None:
+        return self.inner.last_choice
+
+    def run(self, rows: Tensor, counts: list[int], options: ParallelOptions,
+            pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
+        ep = self.inner.ep
+        all_counts = ep.gather_counts(counts)
+        self.last_shadowed = self._choose(all_counts, options)
+        if not self.last_shadowed:
+            return self.inner.run_counted(rows, counts, all_counts, options, pinned)
+        run_rest = functools.partial(self.inner.run_counted, options=options, pinned=pinned)
+        return run_shadowed(ep.experts, ep.eg, ep.layout, rows, counts, all_counts, self.last_shadowed, run_rest)
+
+    def _choose(self, all_counts: list[list[int]], options: ParallelOptions) -> list[int]:
+        if options.r == 0:
+            return []  # r=0 already gives every rank every expert
+        experts = self.inner.ep.experts
+        dtype = next((p.dtype for p in experts.parameters()), torch.float32)
+        context = ShadowContext(
+            self.inner.ep.layout, self.shape.model_dim, self.shape.hidden_dim, self.shape.k, dtype,
+            glu=self.shape.glu, a2a=options.a2a, ranks_per_node=options.ranks_per_node,
+            overlap_degree=options.overlap_degree,
+        )
+        return choose_experts(self.policy, all_counts, context)
+
+
+def check_parallel_options(options: ParallelOptions, layout: ExpertLayout, experts: nn.Module,
+                           ep: ExpertParallel | None) -> None:
+    """The checks that need the layout and the expert module (at construction, on every rank)."""
+    if options.schedule == "pairwise":
+        check_pairwise(layout, options.r, options.overlap_degree, options.a2a, options.parallel)
+    if options.shadow_policy is not None:
+        check_shadow_supported(layout, experts)
+    if ep is not None:
+        ep.check(options.setting)
+
+
+def build_strategy(options: ParallelOptions, ep: ExpertParallel | None, experts: nn.Module, shape: LayerShape,
+                   chooser: Chooser | None = None,
+                   reuse: dict[tuple[str, str], _GroupStrategy] | None = None) -> ExpertStrategy:
+    """The strategy for ``options``: local without a group, else pairwise / auto / all-to-all, wrapped for
+    shadowing when the options name a policy. ``reuse`` keeps the unwrapped strategies by (schedule, parallel)
+    so that a call switching back finds its state (the auto chooser's timings) again."""
+    if ep is None:
+        return LocalExperts(experts)
+    key = (options.schedule, options.parallel)
+    inner = None if reuse is None else reuse.get(key)
+    if inner is None:
+        if options.schedule == "pairwise":
+            inner = PairwiseExperts(ep)
+        elif options.parallel == "auto":
+            inner = AutoExperts(ep, chooser if chooser is not None else MeasuringChooser(), shape)
+        else:
+            inner = AllToAllExperts(ep)
+        if reuse is not None:
+            reuse[key] = inner
+    policy = options.shadow_policy
+    return inner if policy is None else ShadowedExperts(inner, policy, shape)

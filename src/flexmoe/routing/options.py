@@ -1,0 +1,134 @@
+"""The routing options of a layer: how tokens pick experts and how many each expert takes.
+
+One frozen dataclass, validated once when it is made. A new routing option is one field here plus its line in
+the docstring; :meth:`RoutingOptions.describe` (the cross-rank agreement) and the layer's keyword constructor
+pick it up from the field list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from flexmoe.validation import FLOAT_DTYPES, check_choice, check_float, check_int, check_optional_int, describe_value
+
+__all__ = ["RoutingOptions", "ROUTER_NAMES", "selection_kind"]
+
+ROUTER_NAMES = ("topk", "cosine", "expert_choice", "base")
+
+
+def selection_kind(router: object) -> str:
+    """How experts are picked for a ``router=`` value: "expert_choice", "base", or "topk" (anything else)."""
+    return router if router in ("expert_choice", "base") else "topk"
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """How a layer routes (see docs/architecture.md, "The routing contract").
+
+    k: choices per token, >= 1 (and <= num_experts, checked by the layer).
+    capacity_factor: > 0 fixed capacity ``ceil(k * cf * T / E)``; 0 dropless; < 0 adaptive, at most
+        ``ceil(k * |cf| * T / E)`` and never more than the largest load.
+    capacity: an explicit per-expert capacity (int >= 0) that overrides ``capacity_factor``.
+    router: "topk" (linear, no bias), "cosine" (SwinV2-MoE), "expert_choice", "base", or a module ``[T, M] -> [T, E]``.
+    router_dtype: dtype of the routing math (default float32, whatever the model's dtype).
+    normalize_weights: divide the k weights of a token by their sum (k > 1).
+    batch_prioritized: hand out slots by descending top-1 probability instead of token order.
+    score_at: "combine" weights expert outputs when combining; "dispatch" scales expert inputs.
+    jitter: multiplicative input noise in [0, 1], training only.
+    gate_noise: std of the noise added to the logits, >= 0, training only.
+    router_input_dropout: dropout on the router's input in [0, 1], training only.
+    balance: "aux" (balance loss in ``aux_loss``) or "bias" (a selection bias per expert, top-k routers only).
+    bias_update_rate: the step of the ``balance="bias"`` update, finite and >= 0.
+    second_expert: "top" or "random" (GShard's random 2nd expert in training, k=2 top-k routers only).
+    cross_node_share: FasterMoE's topology-aware gate: the share of pairs that may cross nodes, in [0, 1]
+        (None: off; top-k routers only).
+    """
+
+    k: int = 2
+    capacity_factor: float = 1.25
+    capacity: int | None = None
+    router: Union[str, nn.Module] = "topk"
+    router_dtype: torch.dtype = torch.float32
+    normalize_weights: bool = True
+    batch_prioritized: bool = False
+    score_at: str = "combine"
+    jitter: float = 0.0
+    gate_noise: float = 0.0
+    router_input_dropout: float = 0.0
+    balance: str = "aux"
+    bias_update_rate: float = 1e-3
+    second_expert: str = "top"
+    cross_node_share: float | None = None
+
+    def __post_init__(self) -> None:
+        check_int("k", self.k, 1)
+        self._set("capacity_factor", check_float("capacity_factor", self.capacity_factor))
+        check_optional_int("capacity", self.capacity, 0)
+        if self.router_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"router_dtype must be a floating dtype, got {self.router_dtype}")
+        self._set("normalize_weights", bool(self.normalize_weights))
+        self._set("batch_prioritized", bool(self.batch_prioritized))
+        check_choice("score_at", self.score_at, ("combine", "dispatch"))
+        self._set("jitter", check_float("jitter", self.jitter, 0.0, 1.0))
+        self._set("gate_noise", check_float("gate_noise", self.gate_noise, 0.0))
+        self._set("router_input_dropout", check_float("router_input_dropout", self.router_input_dropout, 0.0, 1.0))
+        self._check_selection()
+
+    def _check_selection(self) -> None:
+        """The options that depend on how experts are selected (which router, which balancing)."""
+        router = self.router
+        if isinstance(router, str):
+            if router not in ROUTER_NAMES:
+                raise ValueError(f"router must be one of {list(ROUTER_NAMES)} or an nn.Module, got {router!r}")
+        elif not isinstance(router, nn.Module):
+            raise TypeError(f"router must be a name or an nn.Module, got {type(router).__name__}")
+        check_choice("balance", self.balance, ("aux", "bias"))
+        rate = self.bias_update_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+            raise TypeError(f"bias_update_rate must be a number, got {type(rate).__name__}")
+        if not (math.isfinite(rate) and rate >= 0):
+            raise ValueError(f"bias_update_rate must be finite and >= 0, got {rate}")
+        self._set("bias_update_rate", float(rate))
+        check_choice("second_expert", self.second_expert, ("top", "random"))
+        share = self.cross_node_share
+        if share is not None:
+            if isinstance(share, bool) or not isinstance(share, (int, float)):
+                raise TypeError(f"cross_node_share must be a number or None, got {type(share).__name__}")
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"cross_node_share must be in [0, 1], got {share}")
+            self._set("cross_node_share", float(share))
+
+        kind = self.selection
+        if kind == "expert_choice" and self.capacity is None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"router='expert_choice' needs capacity_factor > 0 (each expert takes C = ceil(k * cf * T / E) "
+                f"tokens) or an explicit capacity, got capacity_factor={self.capacity_factor}"
+            )
+        if kind != "topk":
+            # These act on the k choices of each token, which expert choice and BASE do not make.
+            if self.balance == "bias":
+                raise ValueError(f"balance='bias' needs a top-k router; router={router!r} is balanced by construction")
+            if self.second_expert == "random":
+                raise ValueError(f"second_expert='random' needs a top-k router, got router={router!r}")
+            if self.cross_node_share is not None:
+                raise ValueError(f"cross_node_share needs a top-k router, got router={router!r}")
+        if self.second_expert == "random" and self.k != 2:
+            raise ValueError(f"second_expert='random' is GShard's rule for k=2 (a token's two choices), got k={self.k}")
+
+    @property
+    def selection(self) -> str:
+        """"topk", "expert_choice" or "base": how experts are picked (:func:`selection_kind`)."""
+        return selection_kind(self.router)
+
+    def describe(self) -> dict[str, Any]:
+        """Every field as a value that compares equal across processes (modules by class name)."""
+        return {f.name: describe_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)  # normalizing a field of the frozen instance during validation
