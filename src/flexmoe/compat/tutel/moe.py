@@ -186,6 +186,7 @@ class MOELayer(nn.Module):
             torch.manual_seed(seeds[2])
 
         self.l_aux: Tensor | None = None
+        self.last_plan = None
         self._layers: dict[tuple[int, torch.dtype], MoELayer] = {}  # plain dict: not submodules (see above)
         self._layer_for(self.gates[0].top_k, self._gate_dtype(self.gates[0]))
 
@@ -384,6 +385,7 @@ class MOELayer(nn.Module):
             chosen = noisy.gather(1, layer.last_plan.expert_index)
             l_aux = load_importance_loss(torch.softmax(logits, dim=1), chosen, self.num_global_experts,
                                          gate.gate_noise)
+        self.last_plan = layer.last_plan  # flexmoe's RoutingPlan of this call (capacity, drops, loads)
         y = y.view(*input.shape[:-1], self.model_dim).to(input.dtype)
         self.l_aux = y.l_aux = l_aux
         return self.result_func(y) if self.result_func is not None else y
