@@ -386,4 +386,4 @@ def test_system_and_net_single_process(tmp_path):
 def test_two_ranks_equal_one_process(tmp_path):
     reports = run_ranks(WORKER, "layer", 2, tmp_path)
     assert not failures_of(reports)
-    assert all(rep.get("checked", 0) >= 4 for rep in reports)
+    assert all(rep.get("checked", 0) == 7 for rep in reports)

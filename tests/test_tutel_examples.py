@@ -67,6 +67,14 @@ def test_examples_run_and_agree(ranks):
     assert len(amp) == 4 and all(abs(a - h) < 0.05 * abs(h) for a, h in zip(amp, hello))  # bf16 vs float32
 
 
+def test_sharded_expert_data_and_model_parallel_agree():
+    """Tutel's test_compare_data_model_parallel: one expert over 2 ranks, parallel_type data vs model."""
+    args = [*SMALL, "--hidden_size", "32", "--num_local_experts", "-2", "--num_steps", "3"]
+    data = run("helloworld.py", *args, "--parallel_type", "data", ranks=2)
+    model = run("helloworld.py", *args, "--parallel_type", "model", ranks=2)
+    assert len(data) == 3 and data == model
+
+
 def test_per_rank_checkpoint_converts(tmp_path):
     pattern = str(tmp_path / "ckpt" / "helloworld-{rank}-of-{size}.pt")
     run("helloworld.py", *SMALL, "--hidden_size", "32", "--num_steps", "1", "--checkpoint_path", pattern, ranks=2)

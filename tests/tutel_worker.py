@@ -27,15 +27,16 @@ def tokens(j: int) -> torch.Tensor:
 def check_layer(rank: int, world: int, standalone, failures: list[str], **case) -> None:
     from flexmoe.compat.tutel import convert, moe
 
-    k, cf, degree = case["k"], case["cf"], case.get("degree", 1)
-    experts = {"type": "ffn", "num_experts_per_device": 2, "hidden_size_per_expert": H,
+    k, cf, degree, local = case["k"], case["cf"], case.get("degree", 1), case.get("local", 2)
+    num_experts = local * world if local > 0 else world // -local
+    experts = {"type": "ffn", "num_experts_per_device": local, "hidden_size_per_expert": H,
                "activation_fn": lambda x: F.relu(x)}
     gate = {"type": "top", "k": k, "capacity_factor": cf}
     layer = moe.moe_layer(gate_type=gate, model_dim=M, experts=dict(experts), seeds=(1, rank + 1, 1),
                           a2a_ffn_overlap_degree=degree).double()
     states: list = [None] * world
     dist.all_gather_object(states, {n: t.clone() for n, t in layer.state_dict().items()})
-    ref = moe.moe_layer(gate_type=gate, model_dim=M, experts=dict(experts, num_experts_per_device=2 * world),
+    ref = moe.moe_layer(gate_type=gate, model_dim=M, experts=dict(experts, num_experts_per_device=num_experts),
                         group=standalone, a2a_ffn_overlap_degree=degree).double()
     ref.load_state_dict(convert.flexmoe_to_tutel(convert.tutel_to_flexmoe(states))[0])
 
@@ -62,9 +63,12 @@ def check_layer(rank: int, world: int, standalone, failures: list[str], **case) 
     differs("output", y, want_y)
     differs("l_aux", y.l_aux, want_aux)
     differs("gate grad", layer.gates[0].wg.weight.grad, want_gate_grad)
-    mine = slice(2 * rank, 2 * rank + 2)
+    # This rank's piece of the summed gradients, cut as Tutel lays the experts out (whole or hidden slices).
+    as_state = {"experts." + n: g for n, g in expert_grads.items()}
+    as_state.update({"gates.0.wg.weight": ref.gates[0].wg.weight, "_num_global_experts": torch.tensor(num_experts)})
+    mine = convert.flexmoe_to_tutel(convert.tutel_to_flexmoe(as_state), world)[rank]
     for n, p in layer.experts.named_parameters():
-        differs(f"expert grad {n}", p.grad, expert_grads[n][mine])
+        differs(f"expert grad {n}", p.grad, mine["experts." + n])
 
 
 def check_net(rank: int, world: int, failures: list[str]) -> None:
@@ -114,7 +118,8 @@ def main() -> None:
             failures.append(f"init_data_model_parallel gave rank {env.global_rank} of {env.global_size}")
         standalone = system.create_standalone_group()
         if scenario == "layer":
-            for case in (dict(k=2, cf=1.0), dict(k=2, cf=0.5), dict(k=1, cf=0.0), dict(k=2, cf=-0.5, degree=2)):
+            for case in (dict(k=2, cf=1.0), dict(k=2, cf=0.5), dict(k=1, cf=0.0), dict(k=2, cf=-0.5, degree=2),
+                         dict(k=1, cf=1.0, local=-world), dict(k=2, cf=0.5, local=-1), dict(k=1, cf=1.0, local=-1)):
                 check_layer(rank, world, standalone, failures, **case)
                 checked += 1
             check_net(rank, world, failures)

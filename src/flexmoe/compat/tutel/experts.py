@@ -127,3 +127,36 @@ class PaddedExperts(nn.Module):
             raise ValueError(f"custom expert module returned shape {tuple(out.shape)}, expected "
                              f"[{len(counts)}, {capacity}, ...]")
         return out[expert, slot]
+
+
+class GatheredExperts(nn.Module):
+    """Tutel's sharded experts (fewer experts than ranks): every rank gathers every expert whole and computes
+    its own rows, as Tutel's ``adaptive_r=0`` does; any r gives the same numbers, this is the one run here.
+
+    ``shards``: this rank's :class:`FusedExpertsNetwork` holding one hidden slice of one expert (ranks
+    ``e * s ... e * s + s - 1`` hold the s slices of expert e in order). The gather is
+    :func:`flexmoe.compat.tutel.net.zero_gather`, whose backward sums the ranks' gradients and hands each rank
+    its slice, so a shard's gradient covers every rank's tokens.
+    """
+
+    def __init__(self, shards: FusedExpertsNetwork, num_experts: int, group: Any) -> None:
+        super().__init__()
+        self.shards = shards
+        self.num_experts = num_experts
+        self.group = group
+
+    def forward(self, rows: Tensor, counts: list[int]) -> Tensor:
+        """rows: ``[N, M]`` sorted by global expert, counts: ``[E]`` -> ``[N, M]``."""
+        from flexmoe.compat.tutel.net import zero_gather  # net imports system; keep this module light
+
+        s, E = self.shards, self.num_experts
+        hidden, model_dim = s.hidden_size_per_expert, s.model_dim
+        fc1_w = zero_gather(s.batched_fc1_w, full_shape=[E, hidden, model_dim], group=self.group)
+        fc2_w = zero_gather(s.batched_fc2_w, full_shape=[E, hidden, model_dim], group=self.group)
+        fc1_b = fc2_b = None
+        if s.batched_fc1_bias is not None:
+            fc1_b = zero_gather(s.batched_fc1_bias, full_shape=[E, hidden], group=self.group)
+        if s.batched_fc2_bias is not None:
+            slices = zero_gather(s.batched_fc2_bias, group=self.group)  # [W, ceil(M / shards)]
+            fc2_b = slices.reshape(E, -1)[:, :model_dim]
+        return expert_ffn(rows, counts, fc1_w.transpose(1, 2), fc1_b, fc2_w, fc2_b, None, None, s.activation)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexmoe.compat.tutel import net
-from flexmoe.compat.tutel.experts import FusedExpertsNetwork, PaddedExperts
+from flexmoe.compat.tutel.experts import FusedExpertsNetwork, GatheredExperts, PaddedExperts
 from flexmoe.compat.tutel.gates import BUILTIN_GATES
 from flexmoe.compat.tutel.routing import alignment_of, load_importance_loss, tutel_capacity
 from flexmoe.layer import MoELayer
@@ -143,12 +143,6 @@ class MOELayer(nn.Module):
             self.num_local_experts = 1
         else:
             self.sharded_count = 1
-        if self.sharded_count > 1:
-            # MoELayer shards only its built-in experts over ranks, whose parameter layout is not Tutel's.
-            raise ValueError(
-                f"experts: {self.num_global_experts} expert(s) over {self.world_size} ranks (negative "
-                "num_experts_per_device) is not supported by flexmoe.compat.tutel yet; use whole experts "
-                "(num_experts_per_device >= 1), or flexmoe.MoELayer, which shards experts over ranks")
         self.valid_rs = [0] + [r for r in range(1, self.sharded_count + 1) if self.sharded_count % r == 0]
         self.adaptive_degree = self._parse_parallel_type(parallel_type)
         self.auto_parallel, self.use_model_parallel = False, True
@@ -210,7 +204,11 @@ class MOELayer(nn.Module):
         raise ValueError(f"parallel_type must be 'adaptive:<r>', 'data', 'model' or 'auto', got {parallel_type!r}")
 
     def _build_experts(self, spec: dict) -> tuple[nn.Module, nn.Module, int]:
-        """(the module under the name ``experts``, the module MoELayer runs, the hidden size for MoELayer)."""
+        """(the module under the name ``experts``, the module MoELayer runs, the hidden size for MoELayer).
+
+        Sharded ffn experts (fewer experts than ranks) run through :class:`GatheredExperts` in a MoELayer of
+        one process (``group="single"``): MoELayer shards only its own expert module over ranks.
+        """
         kind = spec.pop("type")
         options = {**spec, "model_dim": self.model_dim, "num_experts_per_device": self.num_local_experts,
                    "sharded_count": self.sharded_count}
@@ -222,8 +220,14 @@ class MOELayer(nn.Module):
                 module = FusedExpertsNetwork(**options)
             except TypeError as e:
                 raise TypeError(f"experts of type 'ffn': {e}") from None
-            return module, module, module.hidden_size_per_expert
+            runner = GatheredExperts(module, self.num_global_experts, self.group) if self.sharded_count > 1 else module
+            return module, runner, module.hidden_size_per_expert
         if kind == "custom":
+            if self.sharded_count > 1:
+                raise ValueError(
+                    f"experts: a custom expert module over {self.sharded_count} ranks per expert (negative "
+                    "num_experts_per_device) is not supported by flexmoe.compat.tutel; use num_experts_per_device "
+                    ">= 1, or the 'ffn' type, which shards")
             if "module" not in options:
                 raise TypeError("experts of type 'custom' need 'module': the expert module class")
             cls = options.pop("module")
@@ -286,7 +290,7 @@ class MOELayer(nn.Module):
                 router=_GivenLogits(), router_dtype=dtype, normalize_weights=self.normalize_gate,
                 batch_prioritized=self.batch_prioritized_routing,
                 score_at="combine" if self.is_postscore else "dispatch",
-                experts=self._expert_runner, group=self.group,
+                experts=self._expert_runner, group="single" if self.sharded_count > 1 else self.group,
                 overlap_degree=self.a2a_ffn_overlap_degree, a2a="2dh" if self.use_2dh else "flat",
             )
             self._layers[key] = layer
