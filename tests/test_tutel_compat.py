@@ -47,10 +47,12 @@ def make_input(tokens: int = 20, seed: int = 7) -> Tensor:
 
 def dense_reference(x: Tensor, wg: Tensor, fc1_w: Tensor, fc1_b: Tensor, fc2_w: Tensor, fc2_b: Tensor, *, k: int,
                     cf: float, batch_prioritized: bool = False, normalize: bool = True, postscore: bool = True,
-                    expert_fn=None) -> tuple[Tensor, Tensor, int]:
-    """(output [T, M], GShard l_aux, capacity): Tutel's routing and experts as plain loops."""
-    T, E_ = x.shape[0], wg.shape[0]
-    probs = torch.softmax(x @ wg.T, dim=1)
+                    expert_fn=None, logits: Tensor | None = None) -> tuple[Tensor, Tensor, int]:
+    """(output [T, M], GShard l_aux, capacity): Tutel's routing and experts as plain loops. The gate's logits
+    are ``x @ wg.T`` unless given."""
+    logits = x @ wg.T if logits is None else logits
+    T, E_ = logits.shape
+    probs = torch.softmax(logits, dim=1)
     p = probs.detach()
     choices = [sorted(range(E_), key=lambda e: (-float(p[t, e]), e))[:k] for t in range(T)]
     order = list(range(T))
@@ -164,6 +166,35 @@ def test_cosine_gate_equals_formula_and_converts():
                      router=CosineTopKGate(M, E).double())
     plain.load_state_dict(convert.tutel_to_flexmoe(layer.state_dict()))
     assert close(plain(x), layer(x))
+
+
+def test_swinv2_moe_configuration():
+    """SwinV2-MoE's MLP: cosine_top gate in fp32 with proj_dim/init_t and gate noise, count_per_node, GELU,
+    batch-prioritized routing, no gate normalization, the importance + load loss."""
+    layer = moe.moe_layer(
+        gate_type={"type": "cosine_top", "k": 2, "capacity_factor": 1.25, "gate_noise": 1.0, "fp32_gate": True,
+                   "proj_dim": 16, "init_t": 0.5},
+        model_dim=M, experts={"type": "ffn", "count_per_node": E, "hidden_size_per_expert": H,
+                              "activation_fn": lambda x: F.gelu(x)},
+        scan_expert_func=lambda name, param: setattr(param, "skip_allreduce", True), seeds=(1, 1, 1),
+        batch_prioritized_routing=True, normalize_gate=False, is_gshard_loss=False).double()
+    layer.experts.batched_fc2_bias.requires_grad = False
+    x = make_input(24).view(2, 12, M)
+    y = layer(x)  # training: noisy logits
+    (y.square().mean() + 0.01 * y.l_aux).backward()
+    for name, p in layer.gates.named_parameters():
+        assert p.grad is not None and float(p.grad.abs().sum()) > 0, name
+    assert all(hasattr(p, "skip_allreduce") for p in layer.experts.parameters())
+
+    layer.eval()
+    flat = x.reshape(-1, M)
+    ex = layer.experts
+    want, _, _ = dense_reference(
+        flat, None, None, None, None, None, k=2, cf=1.25, batch_prioritized=True, normalize=False,
+        logits=layer.gates[0](flat).detach(),
+        expert_fn=lambda e, v: F.gelu(v @ ex.batched_fc1_w[e].T + ex.batched_fc1_bias[e]) @ ex.batched_fc2_w[e]
+        + ex.batched_fc2_bias[e])
+    assert close(layer(x).reshape(-1, M), want)
 
 
 def test_load_importance_loss_by_hand():
