@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flexmoe.compat.tutel.net import zero_gather
 from flexmoe.experts import expert_ffn
 
-__all__ = ["FusedExpertsNetwork", "PaddedExperts"]
+__all__ = ["FusedExpertsNetwork", "PaddedExperts", "GatheredExperts"]
 
 
 class FusedExpertsNetwork(nn.Module):
@@ -147,8 +148,6 @@ class GatheredExperts(nn.Module):
 
     def forward(self, rows: Tensor, counts: list[int]) -> Tensor:
         """rows: ``[N, M]`` sorted by global expert, counts: ``[E]`` -> ``[N, M]``."""
-        from flexmoe.compat.tutel.net import zero_gather  # net imports system; keep this module light
-
         s, E = self.shards, self.num_experts
         hidden, model_dim = s.hidden_size_per_expert, s.model_dim
         fc1_w = zero_gather(s.batched_fc1_w, full_shape=[E, hidden, model_dim], group=self.group)
