@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["FeedForwardExperts", "expert_ffn", "resolve_activation"]
+__all__ = ["FeedForwardExperts", "expert_ffn", "gated_unit", "check_glu_limit", "resolve_activation"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -37,7 +37,8 @@ class FeedForwardExperts(nn.Module):
 
     Parameters: ``w1: [E, M, H]``, ``b1: [E, H]``, ``w2: [E, H, M]``, ``b2: [E, M]`` and, with ``glu``,
     ``w3: [E, M, H]``, ``b3: [E, H]``. Expert e computes ``act(x @ w1[e] + b1[e]) @ w2[e] + b2[e]``, or with
-    ``glu`` ``(act(x @ w1[e] + b1[e]) * (x @ w3[e] + b3[e])) @ w2[e] + b2[e]``.
+    ``glu`` ``(act(x @ w1[e] + b1[e]) * (x @ w3[e] + b3[e])) @ w2[e] + b2[e]`` (with ``glu_limit`` the gated unit
+    is GPT-OSS's clamped one, :func:`gated_unit`).
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class FeedForwardExperts(nn.Module):
         activation: str | Callable[[Tensor], Tensor] = "gelu",
         glu: bool = False,
         bias: bool = True,
+        glu_limit: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -58,6 +60,7 @@ class FeedForwardExperts(nn.Module):
         self.hidden_dim = hidden_dim
         self.glu = glu
         self.activation = resolve_activation(activation)
+        self.glu_limit = check_glu_limit(glu_limit, glu)
         factory = {"device": device, "dtype": dtype}
         self.w1 = nn.Parameter(torch.empty(num_experts, model_dim, hidden_dim, **factory))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, model_dim, **factory))
@@ -83,12 +86,14 @@ class FeedForwardExperts(nn.Module):
         """x: ``[N, M]`` rows sorted by expert, counts: ``[E]`` rows per expert -> ``[N, M]``."""
         if len(counts) != self.num_experts:
             raise ValueError(f"counts must have {self.num_experts} entries (one per expert), got {len(counts)}")
-        return expert_ffn(x, counts, self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation)
+        return expert_ffn(x, counts, self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,
+                          glu_limit=self.glu_limit)
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, model_dim={self.model_dim}, hidden_dim={self.hidden_dim}, "
             f"glu={self.glu}, bias={self.b1 is not None}"
+            + (f", glu_limit={self.glu_limit}" if self.glu_limit is not None else "")
         )
 
 
@@ -102,12 +107,13 @@ def expert_ffn(
     w3: Tensor | None,
     b3: Tensor | None,
     activation: Callable[[Tensor], Tensor],
+    glu_limit: float | None = None,
 ) -> Tensor:
     """The experts' FFN on explicit weights: each expert's rows through its own two (or, GLU, three) matmuls.
 
     rows: ``[N, M]`` sorted by expert, counts: ``[E]``; w1, w3: ``[E, M, H]``, w2: ``[E, H, M]``, biases
     ``[E, H]`` / ``[E, M]`` or None -> ``[N, M]``. H may be a hidden shard (expert parallelism), the result then
-    a partial sum. One ``addmm`` pair per expert over ``w.unbind(0)``: on CPU this runs at the batched-matmul
+    a partial sum. ``glu_limit``: GPT-OSS's clamped gated unit (:func:`gated_unit`). One ``addmm`` pair per expert over ``w.unbind(0)``: on CPU this runs at the batched-matmul
     floor, while indexing ``w[e]`` in the loop would write each slice's gradient into a full-size zero tensor.
     """
     num_experts = len(counts)
@@ -120,13 +126,38 @@ def expert_ffn(
                                          per_expert(b2), per_expert(w3), per_expert(b3)):
         if x.shape[0] == 0:
             continue
-        h = activation(_linear(x, a1, c1))
         if a3 is not None:
-            h = h * _linear(x, a3, c3)
+            h = gated_unit(_linear(x, a1, c1), _linear(x, a3, c3), activation, glu_limit)
+        else:
+            h = activation(_linear(x, a1, c1))
         outputs.append(_linear(h, a2, c2))
     if not outputs:
         return rows.new_zeros(rows.shape[0], w2.shape[-1])
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def gated_unit(gate: Tensor, up: Tensor, activation: Callable[[Tensor], Tensor], limit: float | None) -> Tensor:
+    """The GLU's hidden activations ``[n, H]`` from its two projections ``[n, H]``.
+
+    ``activation(gate) * up`` without a limit; with ``limit = L`` GPT-OSS's clamped form
+    ``activation(min(gate, L)) * (clamp(up, -L, L) + 1)`` (clamped values pass no gradient).
+    """
+    if limit is None:
+        return activation(gate) * up
+    return activation(gate.clamp(max=limit)) * (up.clamp(-limit, limit) + 1)
+
+
+def check_glu_limit(glu_limit: object, glu: bool) -> float | None:
+    """``glu_limit`` as a float > 0 (or None); only gated experts have a linear branch to clamp."""
+    if glu_limit is None:
+        return None
+    if isinstance(glu_limit, bool) or not isinstance(glu_limit, (int, float)):
+        raise TypeError(f"glu_limit must be a number or None, got {type(glu_limit).__name__}")
+    if not (math.isfinite(glu_limit) and glu_limit > 0):
+        raise ValueError(f"glu_limit must be finite and > 0, got {glu_limit}")
+    if not glu:
+        raise ValueError("glu_limit clamps the gated unit: it needs glu=True")
+    return float(glu_limit)
 
 
 def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

@@ -28,6 +28,8 @@ from flexmoe.parallel.shadow import (
 from flexmoe.routing.bias_balance import bias_update
 from flexmoe.routing.build import build_plan, check_routing_options, selection_kind
 from flexmoe.routing.plan import RoutingPlan
+from flexmoe.routing.families import check_family_options, num_sequences_of
+from flexmoe.shared import SharedExpertGate
 from flexmoe.routing.topology import TopologyGate, expert_nodes
 from flexmoe.routing.routers import build_router, route
 
@@ -181,6 +183,17 @@ class MoELayer(nn.Module):
         shadow: bool | ShadowPolicy = False,
         schedule: str = "a2a",
         chooser: Chooser | None = None,
+        # The open MoE families (issue 12; flexmoe.routing.families):
+        score_func: str = "softmax",
+        num_expert_groups: int | None = None,
+        num_limited_groups: int | None = None,
+        route_scale: float = 1.0,
+        router_bias: bool = False,
+        capacity_per: str = "call",
+        aux_loss_type: str = "switch",
+        shared_hidden_dim: int | None = None,
+        shared_gate: bool = False,
+        glu_limit: float | None = None,
     ) -> None:
         super().__init__()
         shadow_policy = resolve_shadow(shadow)  # its description (e.g. the cost profile) is checked below
@@ -197,6 +210,10 @@ class MoELayer(nn.Module):
             "overlap_degree": overlap_degree, "a2a": a2a, "ranks_per_node": ranks_per_node, "parallel": parallel,
             "shadow": describe_shadow(shadow_policy), "schedule": schedule,
             "chooser": _describe(chooser),
+            "score_func": score_func, "num_expert_groups": num_expert_groups,
+            "num_limited_groups": num_limited_groups, "route_scale": route_scale, "router_bias": router_bias,
+            "capacity_per": capacity_per, "aux_loss_type": aux_loss_type, "shared_hidden_dim": shared_hidden_dim,
+            "shared_gate": shared_gate, "glu_limit": glu_limit,
         })
         self.model_dim = _check_int("model_dim", model_dim, 1)
         self.num_experts = _check_int("num_experts", num_experts, 1)
@@ -227,6 +244,19 @@ class MoELayer(nn.Module):
         self.second_expert = second_expert
         self.num_shared_experts = _check_int("shared_experts", shared_experts, 0)
         self.cross_node_share = None if cross_node_share is None else float(cross_node_share)
+        # The open MoE families (issue 12):
+        check_family_options(
+            router=router, num_experts=num_experts, k=k, score_func=score_func, num_expert_groups=num_expert_groups,
+            num_limited_groups=num_limited_groups, route_scale=route_scale, router_bias=router_bias,
+            capacity_per=capacity_per, aux_loss_type=aux_loss_type, cross_node_share=cross_node_share,
+        )
+        self.score_func, self.route_scale = score_func, float(route_scale)
+        self.num_expert_groups, self.num_limited_groups = num_expert_groups, num_limited_groups
+        self.capacity_per, self.aux_loss_type = capacity_per, aux_loss_type
+        self.shared_hidden_dim = hidden_dim if shared_hidden_dim is None else _check_int(
+            "shared_hidden_dim", shared_hidden_dim, 1)
+        if glu_limit is not None and experts is not None:
+            raise ValueError("glu_limit applies to the built-in experts; a custom experts module has its own unit")
 
         self.layout = ExpertLayout(num_experts, self.ep_group.world_size, hidden_dim)
         if experts is not None and self.layout.shards_per_expert > 1:
@@ -235,7 +265,7 @@ class MoELayer(nn.Module):
                 f"the expert-parallel world size {self.ep_group.world_size}"
             )
 
-        self.router = build_router(router, model_dim, num_experts)
+        self.router = build_router(router, model_dim, num_experts, bias=router_bias)
         if isinstance(router, str):
             self.router.to(device=device, dtype=dtype)
         if experts is not None:
@@ -246,13 +276,16 @@ class MoELayer(nn.Module):
             # Only this rank's experts (or its hidden shard of one); see flexmoe.parallel.layout.
             self.experts = FeedForwardExperts(
                 self.layout.experts_per_rank, model_dim, self.layout.local_hidden_dim, activation=activation,
-                glu=glu, bias=bias, device=device, dtype=dtype,
+                glu=glu, bias=bias, glu_limit=glu_limit, device=device, dtype=dtype,
             )
         # Shared experts see all of this rank's tokens: replicated like any dense layer, never spread over ranks.
         self.shared = FeedForwardExperts(
-            self.num_shared_experts, model_dim, hidden_dim, activation=activation, glu=glu, bias=bias,
-            device=device, dtype=dtype,
+            self.num_shared_experts, model_dim, self.shared_hidden_dim, activation=activation, glu=glu, bias=bias,
+            glu_limit=glu_limit, device=device, dtype=dtype,
         ) if self.num_shared_experts else None
+        if shared_gate and not self.num_shared_experts:
+            raise ValueError("shared_gate gates the shared experts' output: it needs shared_experts >= 1")
+        self.shared_gate = SharedExpertGate(model_dim, device=device, dtype=dtype) if shared_gate else None
         # A buffer, not a parameter: saved and moved with the layer, changed only by the load rule, never by
         # the optimizer.
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=router_dtype, device=device)
@@ -340,6 +373,13 @@ class MoELayer(nn.Module):
             selection_bias=self.expert_bias,
             second_expert=self.second_expert,
             topology=self._topology,
+            score_func=self.score_func,
+            num_expert_groups=self.num_expert_groups,
+            num_limited_groups=self.num_limited_groups,
+            route_scale=self.route_scale,
+            capacity_per=self.capacity_per,
+            aux_loss_type=self.aux_loss_type,
+            num_sequences=num_sequences_of(x, self.model_dim, self.capacity_per, self.aux_loss_type),
         )
         expert_input = dispatch(tokens, plan, scale=self.score_at == "dispatch")
         expert_output = self._run_experts(
@@ -364,7 +404,8 @@ class MoELayer(nn.Module):
         dtype = _parameter_dtype(self.shared)
         if not torch.is_autocast_enabled(tokens.device.type) and dtype is not None and dtype != rows.dtype:
             rows = rows.to(dtype)  # as for the routed experts: compute in the parameters' dtype
-        return self.shared(rows, [num_tokens] * n).view(n, num_tokens, self.model_dim).sum(0)
+        out = self.shared(rows, [num_tokens] * n).view(n, num_tokens, self.model_dim).sum(0)
+        return out if self.shared_gate is None else self.shared_gate(tokens, out)
 
     @torch.no_grad()
     def _update_expert_bias(self, load: Tensor) -> None:

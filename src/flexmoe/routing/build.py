@@ -24,10 +24,12 @@ from torch import Tensor
 
 from flexmoe.routing.balanced import make_base_plan
 from flexmoe.routing.expert_choice import make_expert_choice_plan
-from flexmoe.routing.losses import load_balancing_loss
+from flexmoe.routing.families import is_plain_topk
+from flexmoe.routing.losses import balance_loss
 from flexmoe.routing.pairs import plan_from_pairs
-from flexmoe.routing.plan import RoutingPlan, _priority_order, make_plan, top_k
+from flexmoe.routing.plan import RoutingPlan, _priority_order, make_plan
 from flexmoe.routing.random_routing import sample_second_expert
+from flexmoe.routing.scores import routed_weights, router_scores, select_experts
 from flexmoe.routing.topology import TopologyGate
 
 __all__ = ["ROUTER_NAMES", "BALANCE_MODES", "SECOND_EXPERT_MODES", "selection_kind", "check_routing_options",
@@ -103,12 +105,21 @@ def build_plan(
     second_expert: str = "top",
     topology: TopologyGate | None = None,
     generator: torch.Generator | None = None,
+    # The open MoE families' options (flexmoe.routing.families):
+    score_func: str = "softmax",
+    num_expert_groups: int | None = None,
+    num_limited_groups: int | None = None,
+    route_scale: float = 1.0,
+    capacity_per: str = "call",
+    aux_loss_type: str = "switch",
+    num_sequences: int | None = None,
 ) -> RoutingPlan:
     """The :class:`RoutingPlan` for router logits ``[T, E]``.
 
     kind: "topk", "expert_choice" or "base" (:func:`selection_kind`). The other arguments are the layer's
     options (see the module docstring); ``generator`` feeds the random 2nd-expert decisions (default: torch's
-    global generator).
+    global generator). ``num_sequences``: B when the T tokens are B sequences (for ``capacity_per`` and
+    ``aux_loss_type`` "sequence").
     """
     if kind == "expert_choice":
         return make_expert_choice_plan(logits, k, capacity_factor=capacity_factor, capacity=capacity)
@@ -121,14 +132,17 @@ def build_plan(
     if kind != "topk":
         raise ValueError(f"kind must be 'topk', 'expert_choice' or 'base', got {kind!r}")
     random_second = second_expert == "random" and training
-    if not random_second and topology is None:
+    family = dict(score_func=score_func, num_expert_groups=num_expert_groups, route_scale=route_scale,
+                  capacity_per=capacity_per, aux_loss_type=aux_loss_type)
+    if not random_second and topology is None and is_plain_topk(**family):
         return make_plan(logits, k, capacity_factor=capacity_factor, capacity=capacity,
                          normalize_weights=normalize_weights, batch_prioritized=batch_prioritized,
                          selection_bias=selection_bias)
     return _topk_pairs_plan(logits, k, capacity_factor=capacity_factor, capacity=capacity,
                             normalize_weights=normalize_weights, batch_prioritized=batch_prioritized,
                             selection_bias=selection_bias, random_second=random_second, topology=topology,
-                            generator=generator)
+                            generator=generator, num_limited_groups=num_limited_groups,
+                            num_sequences=num_sequences, **family)
 
 
 def _topk_pairs_plan(
@@ -143,19 +157,25 @@ def _topk_pairs_plan(
     random_second: bool,
     topology: TopologyGate | None,
     generator: torch.Generator | None,
+    score_func: str = "softmax",
+    num_expert_groups: int | None = None,
+    num_limited_groups: int | None = None,
+    route_scale: float = 1.0,
+    capacity_per: str = "call",
+    aux_loss_type: str = "switch",
+    num_sequences: int | None = None,
 ) -> RoutingPlan:
-    """Top-k whose pairs are then changed (re-routed by the topology gate) or thinned (random 2nd expert)."""
+    """Top-k with the families' scores, groups and scaling (:mod:`flexmoe.routing.scores`), whose pairs may
+    then be changed (re-routed by the topology gate) or thinned (random 2nd expert)."""
     if not torch.isfinite(logits).all():
         raise ValueError("router logits contain NaN or infinity; check the layer input and the router weights")
-    probs = torch.softmax(logits, dim=-1)
-    scores = probs.detach() if selection_bias is None else probs.detach() + selection_bias.to(probs.dtype)
-    _, expert_index = top_k(scores, k)
+    probs = router_scores(logits, score_func)
+    expert_index, scores = select_experts(probs, k, selection_bias=selection_bias,
+                                          num_expert_groups=num_expert_groups, num_limited_groups=num_limited_groups)
     if topology is not None:
         expert_index = topology.apply(scores, expert_index)
-    probs_topk = probs.gather(1, expert_index)
-    weight = probs_topk
-    if normalize_weights and k > 1:
-        weight = probs_topk / probs_topk.sum(dim=-1, keepdim=True)
+    probs_topk, weight = routed_weights(probs, expert_index, normalize_weights=normalize_weights,
+                                        route_scale=route_scale)
     active = sample_second_expert(probs_topk, generator) if random_second else None
     return plan_from_pairs(
         logits, expert_index, probs_topk, weight,
@@ -163,6 +183,8 @@ def _topk_pairs_plan(
         capacity_factor=capacity_factor,
         capacity=capacity,
         priority=_priority_order(probs_topk.detach(), batch_prioritized),
-        aux_loss=load_balancing_loss(probs, expert_index[:, 0]),
+        aux_loss=balance_loss(aux_loss_type, probs, expert_index, score_func=score_func,
+                              num_sequences=num_sequences),
         kind="topk",
+        num_sequences=num_sequences if capacity_per == "sequence" else None,
     )

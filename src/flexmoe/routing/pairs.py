@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from flexmoe.routing.losses import router_z_loss
-from flexmoe.routing.plan import RoutingPlan, assign_slots, resolve_capacity
+from flexmoe.routing.capacity import assign_sequence_slots, kept_counts
+from flexmoe.routing.plan import RoutingPlan, resolve_capacity
 
 __all__ = ["plan_from_pairs"]
 
@@ -30,6 +31,7 @@ def plan_from_pairs(
     priority: Tensor | None = None,
     aux_loss: Tensor,
     kind: str = "topk",
+    num_sequences: int | None = None,
 ) -> RoutingPlan:
     """The plan for chosen pairs.
 
@@ -38,6 +40,8 @@ def plan_from_pairs(
     *skipped*: they claim no slot, get ``slot == -1``, are left out of ``load`` and counted in ``num_skipped``,
     not in ``num_dropped``. Capacity as in :func:`resolve_capacity` over the active pairs' loads.
     priority: ``[T]`` the token order within one choice (default token order).
+    num_sequences: B for ``capacity_per="sequence"`` (the T tokens are B sequences, each with its own capacity,
+    :mod:`flexmoe.routing.capacity`); None: one capacity over the call.
     """
     num_tokens, num_experts = logits.shape
     k = expert_index.shape[1]
@@ -49,14 +53,18 @@ def plan_from_pairs(
     # Skipped pairs go to a virtual expert E that sorts after every real one, so that assign_slots hands out
     # the real slots in priority order among the active pairs only; the virtual expert is then cut off.
     masked_index = torch.where(active, expert_index, torch.full_like(expert_index, num_experts))
-    slot, load_all, order = assign_slots(masked_index, num_experts + 1, priority)
-    load = load_all[:num_experts]
+    # capacity_per="sequence" (flexmoe.routing.capacity): slots and capacity per (expert, sequence) unit.
+    num_units = 1 if num_sequences is None else num_sequences
+    slot, unit_load, order = assign_sequence_slots(masked_index, num_experts + 1, priority, num_units)
+    unit_load = unit_load[:num_experts]
+    load = unit_load.sum(dim=1)
     num_active = int(active.sum())
     order = order[:num_active]
 
-    load_list = load.tolist()
-    cap = resolve_capacity(num_tokens, num_experts, k, capacity_factor, capacity, max(load_list, default=0))
-    counts = [min(n, cap) for n in load_list]
+    unit_list = unit_load.tolist()
+    cap = resolve_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity,
+                           max((n for row in unit_list for n in row), default=0))
+    counts = kept_counts(unit_list, cap)
     kept_sorted = slot.view(-1)[order] < cap
     rows = order[kept_sorted]
     slot = torch.where(active & (slot < cap), slot, torch.full_like(slot, -1))
