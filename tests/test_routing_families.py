@@ -347,3 +347,15 @@ def test_per_sequence_capacity_needs_sequences_and_differs_from_per_call() -> No
 def test_bad_family_options_are_rejected(kwargs, error, match) -> None:
     with pytest.raises(error, match=match):
         MoELayer(M, 8, H, k=2, group="single", **kwargs)
+
+
+def test_bench_families_times_both_routings_against_their_floors() -> None:
+    from flexmoe.apps.bench import BenchConfig
+    from flexmoe.apps.bench_families import bench_families, format_families
+
+    report = bench_families(BenchConfig(tokens=64, model_dim=16, hidden_dim=8, steps=1, warmup=0,
+                                        capacity_factor=0.0))
+    assert [r["routing"] for r in report["rows"]] == ["topk", "deepseek"]
+    assert all(r["rows_computed"] == 64 * 8 and r["dropped_fraction"] == 0 and r["x_floor"] > 0
+               for r in report["rows"])  # dropless: every (token, choice) pair computed
+    assert "E=64 k=8" in report["config"] and "deepseek x floor / topk x floor" in format_families(report)

@@ -108,6 +108,34 @@ class MoELayer(nn.Module):
             node not chosen yet. Nodes are ``ranks_per_node`` consecutive ranks; an expert sits on the node of
             the rank(s) holding it per the expert layout.
 
+    The open MoE families (:mod:`flexmoe.routing.families` says which options reproduce which family):
+        score_func: "softmax" (default) or "sigmoid" router scores (DeepSeek-V3). The combine weights are the
+            chosen experts' scores, divided by their sum with ``normalize_weights`` (k > 1), times ``route_scale``.
+        num_expert_groups, num_limited_groups: group-limited routing (None: off). The experts form G groups of
+            E/G consecutive experts; a group is rated by the sum of its two best selection scores (score + the
+            ``balance="bias"`` bias); only each token's best ``num_limited_groups`` groups are eligible for its
+            top-k. Needs ``k <= num_limited_groups * E / G``.
+        route_scale: a float > 0 multiplying the routed weights (default 1.0).
+        router_bias: the linear router gets a bias ``router.bias: [E]`` (default False).
+        ``balance="bias"`` works with both score functions; ``bias_update_rate=0`` keeps a loaded bias fixed.
+        shared_hidden_dim: hidden size of each shared expert (default ``hidden_dim``); shared_gate: True scales
+            the shared experts' summed output by ``sigmoid(x @ shared_gate.weight.T)``, ``shared_gate.weight``
+            ``[1, M]`` (Qwen2-MoE).
+        glu_limit: GPT-OSS's gated unit for ``glu=True`` experts (and shared experts),
+            ``activation(min(gate, L)) * (clamp(up, -L, L) + 1)`` with ``L = glu_limit`` (None: off).
+        capacity_per: "call" (default: capacity over all tokens of the call) or "sequence" (x ``[B, S, M]``:
+            each sequence has its own per-expert capacity, computed from S; :mod:`flexmoe.routing.capacity`).
+        aux_loss_type: "switch" (default: ``E * sum_e f_e P_e`` over the 1st choices), "all_choices" (the same
+            over all k choices, Hugging Face's Mixtral-family loss) or "sequence" (DeepSeek-V3's sequence-wise
+            loss, averaged over the B sequences of x ``[B, S, M]``). Sigmoid scores enter the losses divided
+            by their sum per token.
+
+    Ties: whenever scores are equal the lower expert index wins (and, between equally rated groups, the lower
+    group index): the selection is a stable descending sort. ``torch.topk`` makes no such promise (on CPU and
+    CUDA it may return either of two equal values, and may differ between devices or with ``sorted=False``),
+    so a model ported from code using ``torch.topk`` (e.g. Hugging Face's) can route a tied token differently;
+    exact ties are rare outside constant or quantized router weights.
+
     Experts:
         activation ("gelu", "relu", "silu" or a callable), glu (gated expert with ``w3``), bias; or
         ``experts=`` a module ``forward(x: [N, M], counts: list[int]) -> [N, M]`` used instead.
