@@ -113,8 +113,9 @@ def expert_ffn(
 
     rows: ``[N, M]`` sorted by expert, counts: ``[E]``; w1, w3: ``[E, M, H]``, w2: ``[E, H, M]``, biases
     ``[E, H]`` / ``[E, M]`` or None -> ``[N, M]``. H may be a hidden shard (expert parallelism), the result then
-    a partial sum. ``glu_limit``: GPT-OSS's clamped gated unit (:func:`gated_unit`). One ``addmm`` pair per expert over ``w.unbind(0)``: on CPU this runs at the batched-matmul
-    floor, while indexing ``w[e]`` in the loop would write each slice's gradient into a full-size zero tensor.
+    a partial sum. ``glu_limit``: GPT-OSS's clamped gated unit (:func:`gated_unit`). One ``addmm`` pair per
+    expert over ``w.unbind(0)``: on CPU this runs at the batched-matmul floor, while indexing ``w[e]`` in the
+    loop would write each slice's gradient into a full-size zero tensor.
     """
     num_experts = len(counts)
 

@@ -494,7 +494,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--no-peers", action="store_true", help="skip DeepSpeed / fairscale / Tutel even when importable")
     a("--memory", action="store_true", help="also report activation memory, and E=64 at equal T, k, H")
     a("--suite", action="store_true", help="run the foundation issue's target configurations")
-    a("--families", action="store_true", help="DeepSeek-style routing vs plain top-k at E=64 (8 groups), k=8 (overrides --experts, --k)")
+    a("--families", action="store_true",
+      help="DeepSeek-style routing vs plain top-k at E=64 (8 groups), k=8 (overrides --experts, --k)")
     a("--nproc", type=int, default=1, help="launch N local ranks with torchrun (gloo on 127.0.0.1)")
     a("--ranks-per-node", type=int, default=None, help="for the 2-D hierarchical all-to-all (default: torchrun's)")
     a("--sleep-ms", type=float, default=None,

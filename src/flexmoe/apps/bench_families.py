@@ -1,10 +1,10 @@
 """``flexmoe bench --families``: DeepSeek-style routing against plain top-k at the same shapes.
 
 Both layers have E=64 experts (DeepSeek-V3's shape: 8 groups of 8), k=8 and the bench's T, M, H, capacity
-factor and dtype (``--experts`` and ``--k`` are overridden). "deepseek" adds sigmoid scores, the group limit (the best 4 of 8 groups), the
-selection bias (``balance="bias"``), ``route_scale=2.5`` and one shared expert of hidden size H. Each layer is
-timed (forward + backward) side by side with its own floor: the routed experts alone on that layer's rows, plus
-for "deepseek" the shared expert on all T tokens. The ratios to the floor say what the routing costs on top of
+factor and dtype (``--experts`` and ``--k`` are overridden). "deepseek" adds sigmoid scores, the group limit (the
+best 4 of 8 groups), the selection bias (``balance="bias"``), ``route_scale=2.5`` and one shared expert of hidden
+size H. Each layer is timed (forward + backward) side by side with its own floor: the routed experts alone on that
+layer's rows, plus for "deepseek" the shared expert on all T tokens. The ratios to the floor say what the routing costs on top of
 the expert math; the extra routing steps should keep the DeepSeek layer's ratio close to plain top-k's.
 """
 
