@@ -27,7 +27,7 @@ TOL = dict(rtol=2e-5, atol=2e-6)  # for O(1) scalars (the balance losses)
 def _close(ours: Tensor, ref: Tensor, name: str) -> None:
     """Equal to float32 rounding: every element within 2e-5 relative, or 1e-5 of the tensor's largest element
     (sums of products of O(1) terms cancel, so a small element carries the rounding of the large ones)."""
-    torch.testing.assert_close(ours, ref, rtol=2e-5, atol=1e-5 * float(ref.abs().max()),
+    torch.testing.assert_close(ours, ref, rtol=2e-5, atol=1e-5 * float(ref.detach().abs().max()),
                                msg=lambda m: f"{name}: {m}")
 
 
@@ -91,7 +91,7 @@ def _hf_choices(router: nn.Module, x: Tensor) -> Tensor:
 def _diffs(pairs: dict[str, tuple[Tensor, Tensor]]) -> dict[str, float]:
     for name, (a, b) in pairs.items():
         _close(b, a, name)
-    return {name: float((a - b).abs().max()) for name, (a, b) in pairs.items()}
+    return {name: float((a - b).detach().abs().max()) for name, (a, b) in pairs.items()}
 
 
 def _same_choices(hf_router: nn.Module, layer: MoELayer) -> None:
