@@ -523,6 +523,124 @@ def scenario_routing_ep(rank: int, world: int, out: dict) -> None:
     out["failures"] = failures
 
 
+# --- the open MoE families' routing options (issue 12) -------------------------------------------------------
+
+FAMILY_B, FAMILY_S = 2, 6  # sequences and tokens per sequence on each rank (input [B, S, M])
+FAMILY_TOL = 1e-9
+
+FAMILY_CASES = {
+    "sigmoid": dict(E="many", k=2, score_func="sigmoid"),
+    "sigmoid groups + bias balance + scale": dict(E="many", k=3, score_func="sigmoid", num_expert_groups=4,
+                                                  num_limited_groups=2, route_scale=2.5, balance="bias",
+                                                  bias_update_rate=0.01, shared_experts=1, shared_hidden_dim=6),
+    "softmax bias balance": dict(E="many", k=2, balance="bias", bias_update_rate=0.02),
+    "shared gate + hidden": dict(E="many", k=2, shared_experts=2, shared_hidden_dim=5, shared_gate=True, glu=True),
+    "per-sequence capacity": dict(E="many", k=2, capacity_factor=0.75, capacity_per="sequence",
+                                  aux_loss_type="sequence", router_bias=True),
+    "glu_limit, sharded experts": dict(E="few", k=1, glu=True, glu_limit=0.4, score_func="sigmoid",
+                                       capacity_factor=0.0),
+}
+
+
+def _family_build(world: int, opts: dict) -> tuple[MoELayer, MoELayer, ExpertLayout]:
+    opts = dict(opts)
+    E = 8 if opts.pop("E") == "many" else max(world // 2, 1)  # "few": E < W, hidden-dim shards
+    opts.setdefault("capacity_factor", 0.0)
+    torch.manual_seed(1234)
+    ref = MoELayer(M, E, H, group="single", dtype=torch.float64, router_dtype=torch.float64,
+                   **{**opts, "bias_update_rate": 0.0})
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.7)
+        if ref.expert_bias is not None:
+            ref.expert_bias.copy_(torch.linspace(-0.1, 0.1, E, dtype=torch.float64))
+    ep = MoELayer(M, E, H, dtype=torch.float64, router_dtype=torch.float64, **opts)
+    layout = ExpertLayout(E, world, H)
+    local = shard_expert_state({n: p.detach() for n, p in ref.experts.named_parameters()}, layout,
+                               dist.get_rank())
+    ref_state = ref.state_dict()
+    with torch.no_grad():
+        for n, p in ep.named_parameters():
+            p.copy_(local[n.split(".", 1)[1]] if n.startswith("experts.") else ref_state[n])
+        if ep.expert_bias is not None:
+            ep.expert_bias.copy_(ref.expert_bias)
+    return ref, ep, layout
+
+
+def _family_inputs(world: int, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    xs, ws = [], []
+    for j in range(world):
+        g = torch.Generator().manual_seed(100 * step + j)
+        xs.append(torch.randn(FAMILY_B, FAMILY_S, M, generator=g, dtype=torch.float64))
+        ws.append(torch.randn(FAMILY_B, FAMILY_S, M, generator=g, dtype=torch.float64))
+    return xs, ws
+
+
+def _family_compare(tag: str, got: torch.Tensor | None, want: torch.Tensor | None, failures: list[str]) -> None:
+    if want is None:  # a parameter without gradient in the reference must have none here either
+        if got is not None:
+            failures.append(f"{tag}: a gradient where the reference has none")
+        return
+    compare(tag, got, want, failures, FAMILY_TOL)
+
+
+def _family_step(tag: str, ref: MoELayer, ep: MoELayer, layout: ExpertLayout, rank: int, world: int, step: int,
+                failures: list[str]) -> None:
+    xs, ws = _family_inputs(world, step)
+    total: dict[str, torch.Tensor] = {}
+    total_load = torch.zeros(ref.num_experts, dtype=torch.float64)
+    mine: dict = {}
+    for j in range(world):  # one process, each rank's tokens as their own batch
+        ref.zero_grad(set_to_none=True)
+        x = xs[j].clone().requires_grad_(True)
+        y = ref(x)
+        ((y * ws[j]).sum() + 0.3 * ref.aux_loss).backward()
+        total_load += ref.last_plan.load.double()
+        for n, p in ref.experts.named_parameters():
+            total[n] = total.get(n, 0) + p.grad
+        if j == rank:
+            mine = {"y": y.detach(), "x": x.grad, "aux": ref.aux_loss.detach(),
+                    "grads": {n: p.grad.clone() for n, p in ref.named_parameters() if not n.startswith("experts.")}}
+    bias_before = None if ep.expert_bias is None else ep.expert_bias.clone()
+    ep.zero_grad(set_to_none=True)
+    x = xs[rank].clone().requires_grad_(True)
+    y = ep(x)
+    ((y * ws[rank]).sum() + 0.3 * ep.aux_loss).backward()
+    ep.update_expert_bias()  # once per optimizer step: the load of this step, summed over the ranks
+    _family_compare(f"{tag} output", y.detach(), mine["y"], failures)
+    _family_compare(f"{tag} aux_loss", ep.aux_loss.detach(), mine["aux"], failures)
+    _family_compare(f"{tag} x.grad", x.grad, mine["x"], failures)
+    for n, p in ep.named_parameters():
+        if not n.startswith("experts."):
+            _family_compare(f"{tag} {n}.grad", p.grad, mine["grads"][n], failures)
+    local = shard_expert_state(total, layout, rank)
+    for n, p in ep.experts.named_parameters():
+        _family_compare(f"{tag} experts.{n}.grad", p.grad, local[n], failures)
+    if bias_before is not None:
+        # The rule written out: b += rate * sign(mean load - load), the load summed over every rank's batch.
+        want = bias_before + ep.bias_update_rate * torch.sign(total_load.mean() - total_load)
+        if not torch.equal(ep.expert_bias, want):
+            failures.append(f"{tag} expert_bias: {ep.expert_bias.tolist()} != {want.tolist()}")
+        if torch.equal(want, bias_before):
+            failures.append(f"{tag} expert_bias did not move: the case does not test the update")
+        with torch.no_grad():
+            ref.expert_bias.copy_(want)  # the next step's reference starts from the updated bias
+
+
+def scenario_families(rank: int, world: int, out: dict) -> None:
+    failures: list[str] = []
+    cases = 0
+    for name, opts in FAMILY_CASES.items():
+        try:
+            ref, ep, layout = _family_build(world, opts)
+            for step in range(2):
+                _family_step(f"[W={world} {name} step {step}]", ref, ep, layout, rank, world, step, failures)
+                cases += 1
+        except Exception:
+            failures.append(f"[{name}] raised:\n{traceback.format_exc()}")
+    out["failures"], out["cases"] = failures, cases
+
+
 SCENARIOS = {
     "ep_equivalence": scenario_ep_equivalence,
     "auto": scenario_auto,
@@ -535,4 +653,5 @@ SCENARIOS = {
     "fastermoe_errors": scenario_fastermoe_errors,
     "topology": scenario_topology,
     "routing_ep": scenario_routing_ep,
+    "families": scenario_families,
 }

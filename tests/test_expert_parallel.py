@@ -74,6 +74,10 @@ CASES: list[tuple[Scenario, Callable[[list[dict]], None] | None]] = [
     (Scenario("topology", 4, "4 ranks as 2 nodes: each rank sends at most floor(s*T*k) pairs to the other node, "
               "re-routed as the plain loop of tests/test_topology_gate.py does", collective_timeout=20.0),
      _bound_binds),
+    *[(Scenario("families", w, "the open MoE families' options (sigmoid, groups with bias and scale, shared gate and "
+                "hidden size, per-sequence capacity and loss, router bias, glu_limit on shards) equal one process, "
+                "and the bias moves by the global load", collective_timeout=20.0, timeout=240), _many_cases(12))
+      for w in (2, 4)],
 ]
 
 

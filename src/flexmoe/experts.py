@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from flexmoe.validation import check_int, describe_value
 
-__all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "resolve_activation"]
+__all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "gated_unit", "check_glu_limit", "resolve_activation"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -44,20 +44,35 @@ class ExpertOptions:
     activation: "gelu" (exact), "relu", "silu" or a callable applied elementwise.
     glu: gated experts (a third matrix ``w3``, SwiGLU-style with activation="silu").
     bias: the experts' linear layers have biases.
-    shared_experts: N >= 0 dense experts every token passes through (DeepSeek-MoE), same shape as the routed
-        ones, replicated on every rank.
+    shared_experts: N >= 0 dense experts every token passes through (DeepSeek-MoE), replicated on every rank.
+    shared_hidden_dim: hidden size of each shared expert (None: the layer's ``hidden_dim``; Qwen2-MoE and
+        DeepSeek-V3 use their own).
+    shared_gate: scale the shared experts' summed output by ``sigmoid(x @ shared_gate.weight.T)``, a learned
+        ``[1, M]`` gate (Qwen2-MoE); needs ``shared_experts >= 1``.
+    glu_limit: GPT-OSS's gated unit for ``glu=True`` experts (routed and shared),
+        ``activation(min(gate, L)) * (clamp(up, -L, L) + 1)`` with ``L = glu_limit`` (None: ``activation(gate) * up``).
     """
 
     activation: Union[str, Callable[[Tensor], Tensor]] = "gelu"
     glu: bool = False
     bias: bool = True
     shared_experts: int = 0
+    shared_hidden_dim: int | None = None
+    shared_gate: bool = False
+    glu_limit: float | None = None
 
     def __post_init__(self) -> None:
         resolve_activation(self.activation)
         object.__setattr__(self, "glu", bool(self.glu))
         object.__setattr__(self, "bias", bool(self.bias))
         check_int("shared_experts", self.shared_experts, 0)
+        if self.shared_hidden_dim is not None:
+            check_int("shared_hidden_dim", self.shared_hidden_dim, 1)
+        if not isinstance(self.shared_gate, bool):
+            raise TypeError(f"shared_gate must be a bool, got {type(self.shared_gate).__name__}")
+        if self.shared_gate and not self.shared_experts:
+            raise ValueError("shared_gate gates the shared experts' output: it needs shared_experts >= 1")
+        object.__setattr__(self, "glu_limit", check_glu_limit(self.glu_limit, self.glu))
 
     def describe(self) -> dict[str, Any]:
         """Every field as a value that compares equal across processes (callables by name)."""
@@ -67,7 +82,7 @@ class ExpertOptions:
               dtype: torch.dtype | None = None) -> "FeedForwardExperts":
         """``num_experts`` experts of these options (the layer's local experts, or its shared experts)."""
         return FeedForwardExperts(num_experts, model_dim, hidden_dim, activation=self.activation, glu=self.glu,
-                                  bias=self.bias, device=device, dtype=dtype)
+                                  bias=self.bias, glu_limit=self.glu_limit, device=device, dtype=dtype)
 
 
 class FeedForwardExperts(nn.Module):
@@ -75,7 +90,8 @@ class FeedForwardExperts(nn.Module):
 
     Parameters: ``w1: [E, M, H]``, ``b1: [E, H]``, ``w2: [E, H, M]``, ``b2: [E, M]`` and, with ``glu``,
     ``w3: [E, M, H]``, ``b3: [E, H]``. Expert e computes ``act(x @ w1[e] + b1[e]) @ w2[e] + b2[e]``, or with
-    ``glu`` ``(act(x @ w1[e] + b1[e]) * (x @ w3[e] + b3[e])) @ w2[e] + b2[e]``.
+    ``glu`` ``(act(x @ w1[e] + b1[e]) * (x @ w3[e] + b3[e])) @ w2[e] + b2[e]`` (with ``glu_limit`` the gated unit
+    is GPT-OSS's clamped one, :func:`gated_unit`).
     """
 
     def __init__(
@@ -87,6 +103,7 @@ class FeedForwardExperts(nn.Module):
         activation: str | Callable[[Tensor], Tensor] = "gelu",
         glu: bool = False,
         bias: bool = True,
+        glu_limit: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -96,6 +113,7 @@ class FeedForwardExperts(nn.Module):
         self.hidden_dim = hidden_dim
         self.glu = glu
         self.activation = resolve_activation(activation)
+        self.glu_limit = check_glu_limit(glu_limit, glu)
         def param(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
 
@@ -124,12 +142,14 @@ class FeedForwardExperts(nn.Module):
         """x: ``[N, M]`` rows sorted by expert, counts: ``[E]`` rows per expert -> ``[N, M]``."""
         if len(counts) != self.num_experts:
             raise ValueError(f"counts must have {self.num_experts} entries (one per expert), got {len(counts)}")
-        return expert_ffn(x, counts, self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation)
+        return expert_ffn(x, counts, self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,
+                          glu_limit=self.glu_limit)
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, model_dim={self.model_dim}, hidden_dim={self.hidden_dim}, "
             f"glu={self.glu}, bias={self.b1 is not None}"
+            + (f", glu_limit={self.glu_limit}" if self.glu_limit is not None else "")
         )
 
 
@@ -143,13 +163,15 @@ def expert_ffn(
     w3: Tensor | None,
     b3: Tensor | None,
     activation: Callable[[Tensor], Tensor],
+    glu_limit: float | None = None,
 ) -> Tensor:
     """The experts' FFN on explicit weights: each expert's rows through its own two (or, GLU, three) matmuls.
 
     rows: ``[N, M]`` sorted by expert, counts: ``[E]``; w1, w3: ``[E, M, H]``, w2: ``[E, H, M]``, biases
     ``[E, H]`` / ``[E, M]`` or None -> ``[N, M]``. H may be a hidden shard (expert parallelism), the result then
-    a partial sum. One ``addmm`` pair per expert over ``w.unbind(0)``: on CPU this runs at the batched-matmul
-    floor, while indexing ``w[e]`` in the loop would write each slice's gradient into a full-size zero tensor.
+    a partial sum. ``glu_limit``: GPT-OSS's clamped gated unit (:func:`gated_unit`). One ``addmm`` pair per
+    expert over ``w.unbind(0)``: on CPU this runs at the batched-matmul floor, while indexing ``w[e]`` in the
+    loop would write each slice's gradient into a full-size zero tensor.
     """
     num_experts = len(counts)
 
@@ -161,13 +183,38 @@ def expert_ffn(
                                          per_expert(b2), per_expert(w3), per_expert(b3)):
         if x.shape[0] == 0:
             continue
-        h = activation(_linear(x, a1, c1))
         if a3 is not None:
-            h = h * _linear(x, a3, c3)
+            h = gated_unit(_linear(x, a1, c1), _linear(x, a3, c3), activation, glu_limit)
+        else:
+            h = activation(_linear(x, a1, c1))
         outputs.append(_linear(h, a2, c2))
     if not outputs:
         return rows.new_zeros(rows.shape[0], w2.shape[-1])
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def gated_unit(gate: Tensor, up: Tensor, activation: Callable[[Tensor], Tensor], limit: float | None) -> Tensor:
+    """The GLU's hidden activations ``[n, H]`` from its two projections ``[n, H]``.
+
+    ``activation(gate) * up`` without a limit; with ``limit = L`` GPT-OSS's clamped form
+    ``activation(min(gate, L)) * (clamp(up, -L, L) + 1)`` (clamped values pass no gradient).
+    """
+    if limit is None:
+        return activation(gate) * up
+    return activation(gate.clamp(max=limit)) * (up.clamp(-limit, limit) + 1)
+
+
+def check_glu_limit(glu_limit: object, glu: bool) -> float | None:
+    """``glu_limit`` as a float > 0 (or None); only gated experts have a linear branch to clamp."""
+    if glu_limit is None:
+        return None
+    if isinstance(glu_limit, bool) or not isinstance(glu_limit, (int, float)):
+        raise TypeError(f"glu_limit must be a number or None, got {type(glu_limit).__name__}")
+    if not (math.isfinite(glu_limit) and glu_limit > 0):
+        raise ValueError(f"glu_limit must be finite and > 0, got {glu_limit}")
+    if not glu:
+        raise ValueError("glu_limit clamps the gated unit: it needs glu=True")
+    return float(glu_limit)
 
 
 def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

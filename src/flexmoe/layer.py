@@ -24,9 +24,12 @@ from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.strategy import ExpertStrategy, LayerShape, build_strategy, check_parallel_options
 from flexmoe.routing.bias_balance import bias_update
 from flexmoe.routing.build import build_plan
+from flexmoe.routing.families import num_sequences_of
 from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan
 from flexmoe.routing.routers import build_router, route
+from flexmoe.routing.scores import check_group_options
+from flexmoe.shared import SharedExpertGate
 from flexmoe.routing.topology import topology_gate
 from flexmoe.tuning.policies import resolve_shadow
 from flexmoe.validation import FLOAT_DTYPES, check_int, describe_value
@@ -67,8 +70,18 @@ class MoELayer(nn.Module):
             update and over the expert-parallel group. Keep the bias out of bf16/fp16 (use autocast rather
             than ``.to(torch.bfloat16)``): their spacing near 0.25 exceeds the default rate 1e-3.
 
+    The open MoE families (:mod:`flexmoe.routing.families` maps each model to its options):
+        score_func ("softmax" / "sigmoid"), num_expert_groups and num_limited_groups (DeepSeek-V3's
+        group-limited routing), route_scale, router_bias, capacity_per ("call" / "sequence": x ``[B, S, M]``,
+        a capacity per sequence), aux_loss_type ("switch", "all_choices", "sequence"); balance="bias" works with
+        both score functions (``bias_update_rate=0`` keeps a loaded bias fixed).
+        Ties: equal scores go to the lower expert index (and equally rated groups to the lower group), a stable
+        sort; ``torch.topk`` makes no such promise, so code ported from it may route an exact tie differently.
+
     Experts (:class:`~flexmoe.experts.ExpertOptions`): activation ("gelu", "relu", "silu" or a callable),
-        glu, bias, shared_experts (N dense experts every token passes through, replicated on every rank);
+        glu, bias, glu_limit (GPT-OSS's clamped gated unit), shared_experts (N dense experts every token passes
+        through, replicated on every rank) with shared_hidden_dim and shared_gate (Qwen2-MoE's sigmoid gate,
+        parameter ``shared_gate.weight`` ``[1, M]``);
         or ``experts=`` a module ``forward(x: [N, M], counts: list[int]) -> [N, M]`` used instead.
 
     Expert parallelism (:class:`~flexmoe.parallel.ParallelOptions`; docs/architecture.md, "Experts over
@@ -119,6 +132,9 @@ class MoELayer(nn.Module):
         self.hidden_dim = check_int("hidden_dim", hidden_dim, 1)
         if routing.k > num_experts:
             raise ValueError(f"k must be in [1, num_experts={num_experts}], got {routing.k}")
+        check_group_options(num_experts, routing.k, routing.num_expert_groups, routing.num_limited_groups)
+        if experts is not None and expert.glu_limit is not None:
+            raise ValueError("glu_limit applies to the built-in experts; a custom experts module has its own unit")
         if experts is not None and not isinstance(experts, nn.Module):
             raise TypeError(f"experts must be an nn.Module, got {type(experts).__name__}")
         self.ep_group = resolve_group(group)
@@ -138,15 +154,17 @@ class MoELayer(nn.Module):
                 f"a custom experts module cannot be sharded: num_experts={num_experts} must be a multiple of "
                 f"the expert-parallel world size {self.ep_group.world_size}"
             )
-        self.router = build_router(routing.router, model_dim, num_experts)
+        self.router = build_router(routing.router, model_dim, num_experts, bias=routing.router_bias)
         if isinstance(routing.router, str):
             self.router.to(device=device, dtype=dtype)
         # Only this rank's experts (or its hidden shard of one); see flexmoe.parallel.layout.
         self.experts = experts if experts is not None else expert.build(
             self.layout.experts_per_rank, model_dim, self.layout.local_hidden_dim, device=device, dtype=dtype)
         # Shared experts see all of this rank's tokens: replicated like any dense layer, never spread over ranks.
-        self.shared = expert.build(expert.shared_experts, model_dim, hidden_dim, device=device, dtype=dtype) \
+        shared_hidden_dim = hidden_dim if expert.shared_hidden_dim is None else expert.shared_hidden_dim
+        self.shared = expert.build(expert.shared_experts, model_dim, shared_hidden_dim, device=device, dtype=dtype) \
             if expert.shared_experts else None
+        self.shared_gate = SharedExpertGate(model_dim, device=device, dtype=dtype) if expert.shared_gate else None
         # Buffers, not parameters: moved with the layer, changed by the load rule, never by the optimizer.
         # expert_bias is saved with the model; pending_load (this step's load so far) is not.
         uses_bias = routing.balance == "bias"
@@ -187,7 +205,9 @@ class MoELayer(nn.Module):
                        jitter=routing.jitter, gate_noise=routing.gate_noise,
                        input_dropout=routing.router_input_dropout)  # [T, E]
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
-                          topology=self.topology)
+                          topology=self.topology,
+                          num_sequences=num_sequences_of(x, self.model_dim, routing.capacity_per,
+                                                         routing.aux_loss_type))
         expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
         expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned)  # [N, M]
         y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
@@ -246,7 +266,8 @@ class MoELayer(nn.Module):
         dtype = _parameter_dtype(self.shared)
         if not torch.is_autocast_enabled(tokens.device.type) and dtype is not None and dtype != rows.dtype:
             rows = rows.to(dtype)  # as for the routed experts: compute in the parameters' dtype
-        return self.shared(rows, [num_tokens] * n).view(n, num_tokens, self.model_dim).sum(0)
+        out = self.shared(rows, [num_tokens] * n).view(n, num_tokens, self.model_dim).sum(0)
+        return out if self.shared_gate is None else self.shared_gate(tokens, out)
 
     # ---- once per optimizer step ------------------------------------------------------------------------
 
@@ -306,10 +327,11 @@ class MoELayer(nn.Module):
 
 def _expose_options(cls: type) -> None:
     """Every option readable as a layer attribute (``moe.k``, ``moe.r``, ...), read-only: the options are
-    frozen. ``router`` is the router module itself; its option is ``moe.routing_options.router``."""
+    frozen. ``router`` and ``shared_gate`` are modules of the layer; their options are
+    ``moe.routing_options.router`` and ``moe.expert_options.shared_gate``."""
     for holder, options_cls in _OPTION_CLASSES.items():
         for f in dataclasses.fields(options_cls):
-            if f.name in ("router",) or hasattr(cls, f.name):
+            if f.name in ("router", "shared_gate") or hasattr(cls, f.name):
                 continue
             setattr(cls, f.name, property(lambda self, h=holder, n=f.name: getattr(getattr(self, h), n),
                                           doc=f"The layer's ``{f.name}`` (``{holder}.{f.name}``)."))

@@ -27,7 +27,7 @@ def expert_floor(experts: FeedForwardExperts, rows: Tensor, counts: list[int]) -
     """rows: ``[N, M]`` sorted by expert, counts: rows per expert -> ``[N, M]``: each expert's FFN on its rows
     (:func:`flexmoe.experts.expert_ffn` on the experts' weights, with no routing around it)."""
     e = experts
-    return expert_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation)
+    return expert_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation, glu_limit=e.glu_limit)
 
 
 def gshard_einsum_forward(layer: MoELayer, x: Tensor) -> Tensor:

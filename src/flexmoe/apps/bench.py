@@ -503,6 +503,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--no-peers", action="store_true", help="skip DeepSpeed / fairscale / Tutel even when importable")
     a("--memory", action="store_true", help="also report activation memory, and E=64 at equal T, k, H")
     a("--suite", action="store_true", help="run the foundation issue's target configurations")
+    a("--families", action="store_true",
+      help="DeepSeek-style routing vs plain top-k at E=64 (8 groups), k=8 (overrides --experts, --k)")
     a("--nproc", type=int, default=1, help="launch N local ranks with torchrun (gloo on 127.0.0.1)")
     a("--ranks-per-node", type=int, default=None, help="for the 2-D hierarchical all-to-all (default: torchrun's)")
     a("--sleep-ms", type=float, default=None,
@@ -558,6 +560,11 @@ def run(args: argparse.Namespace) -> int:
                            f"{'met' if mem['flexmoe_e64_over_e8'] <= 1.2 else 'NOT met'} (gshard-einsum "
                            f"{mem['gshard_einsum_e64_over_e8']:.2f}x)")
         print(json.dumps(result, indent=1) if args.json else "\n".join(summary))
+        return 0
+    if args.families:
+        from flexmoe.apps.bench_families import bench_families, format_families
+        report = bench_families(cfg)
+        print(json.dumps(report, indent=1) if args.json else format_families(report))
         return 0
     report = bench_single(cfg, peers=not args.no_peers, memory=args.memory)
     print(json.dumps(report, indent=1) if args.json else format_single(report))

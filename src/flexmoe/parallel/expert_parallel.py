@@ -129,7 +129,8 @@ class ExpertParallel:
             if weights is None:
                 out = self.experts(local, route.local_counts[c])
             else:
-                out = expert_ffn(local, route.local_counts[c], **weights, activation=self.experts.activation)
+                out = expert_ffn(local, route.local_counts[c], **weights, activation=self.experts.activation,
+                                 glu_limit=self.experts.glu_limit)
             if not out.requires_grad and torch.is_grad_enabled():
                 # No rows here: still join the gradient exchange (every rank must run the same collectives),
                 # also when the gradient reaches it only through the other ranks' expert weights (rows that
@@ -259,7 +260,8 @@ class ExpertParallel:
                 full[n] = torch.cat([torch.cat(per_rank[n][e * s:(e + 1) * s], dim=HIDDEN_DIM[n])
                                      for e in range(lay.num_experts)], dim=0)
         keep = [flats[0]] + ([params["b2"]] if s > 1 and params["b2"] is not None else [])
-        return _keep_in_graph(expert_ffn(rows, counts, **full, activation=self.experts.activation), keep)
+        return _keep_in_graph(expert_ffn(rows, counts, **full, activation=self.experts.activation,
+                                         glu_limit=self.experts.glu_limit), keep)
 
 
 def _first_trainable(module: nn.Module) -> Tensor | None:

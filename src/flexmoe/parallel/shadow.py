@@ -257,7 +257,7 @@ def run_shadowed(
         rest_rows = rest_rows + w1[:0].sum().to(rest_rows.dtype)
     rest_out = run_rest(rest_rows, rest_counts, rest_all)
     shadow_out = expert_ffn(rows.index_select(0, shadow_index), [counts[e] for e in shadowed], **weights,
-                            activation=experts.activation)
+                            activation=experts.activation, glu_limit=experts.glu_limit)
     order = torch.cat([rest_index, shadow_index])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())

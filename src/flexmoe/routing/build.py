@@ -39,11 +39,13 @@ def build_plan(
     selection_bias: Tensor | None = None,
     topology: TopologyGate | None = None,
     generator: torch.Generator | None = None,
+    num_sequences: int | None = None,
 ) -> RoutingPlan:
     """The :class:`RoutingPlan` for router logits ``[T, E]`` under ``options``.
 
     selection_bias: ``[E]`` (balance="bias"); topology: the rank's topology gate (cross_node_share);
-    generator: feeds the random 2nd-expert decisions (default: torch's global generator).
+    generator: feeds the random 2nd-expert decisions (default: torch's global generator); num_sequences: B
+    when the T tokens are B sequences (``capacity_per`` / ``aux_loss_type`` "sequence").
     """
     kind, k = options.selection, options.k
     if kind == "expert_choice":
@@ -57,4 +59,8 @@ def build_plan(
     return make_plan(logits, k, capacity_factor=options.capacity_factor, capacity=options.capacity,
                      normalize_weights=options.normalize_weights, batch_prioritized=options.batch_prioritized,
                      selection_bias=selection_bias, topology=topology,
-                     random_second=options.second_expert == "random" and training, generator=generator)
+                     random_second=options.second_expert == "random" and training, generator=generator,
+                     score_func=options.score_func, num_expert_groups=options.num_expert_groups,
+                     num_limited_groups=options.num_limited_groups, route_scale=options.route_scale,
+                     aux_loss_type=options.aux_loss_type, capacity_per=options.capacity_per,
+                     num_sequences=num_sequences)

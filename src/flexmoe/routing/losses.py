@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["load_balancing_loss", "router_z_loss"]
+__all__ = ["load_balancing_loss", "router_z_loss", "AUX_LOSS_TYPES", "all_choices_balance_loss",
+           "sequence_balance_loss", "balance_loss"]
 
 
 def load_balancing_loss(probs: Tensor, first_choice: Tensor) -> Tensor:
@@ -29,3 +30,57 @@ def router_z_loss(logits: Tensor) -> Tensor:
     if logits.shape[0] == 0:
         return logits.sum() * 0.0
     return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+AUX_LOSS_TYPES = ("switch", "all_choices", "sequence")
+
+
+def all_choices_balance_loss(probs: Tensor, expert_index: Tensor) -> Tensor:
+    """The balance loss counting all k choices (Hugging Face's Mixtral / Qwen / OLMoE loss):
+    ``E * sum_e f_e * P_e`` with ``f_e`` the (token, choice) pairs of e over T (the f_e sum to k) and ``P_e``
+    the mean probability of e. probs: ``[T, E]``; expert_index: ``[T, k]``. Uniform routing gives k."""
+    num_tokens, num_experts = probs.shape
+    if num_tokens == 0:
+        return probs.sum() * 0.0
+    counts = torch.bincount(expert_index.reshape(-1), minlength=num_experts).to(probs.dtype)
+    return num_experts * torch.sum(counts / num_tokens * probs.mean(dim=0))
+
+
+def sequence_balance_loss(probs: Tensor, expert_index: Tensor, num_sequences: int) -> Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (without its coefficient alpha), averaged over the sequences.
+
+    probs: ``[B*S, E]`` (sequence-major) scores summing to 1 per token (sigmoid scores divided by their sum),
+    expert_index: ``[B*S, k]``. Per sequence of S tokens: ``sum_e f_e * P_e`` with
+    ``f_e = E / (k * S) * (pairs of e)`` and ``P_e`` the mean of e's probability over the sequence. Uniform
+    routing gives 1; at k=1 it is the Switch loss of each sequence.
+    """
+    num_tokens, num_experts = probs.shape
+    if num_tokens == 0:
+        return probs.sum() * 0.0
+    seq_len = num_tokens // num_sequences
+    k = expert_index.shape[1]
+    per_seq = expert_index.reshape(num_sequences, seq_len * k)
+    counts = torch.zeros(num_sequences, num_experts, dtype=probs.dtype, device=probs.device)
+    counts.scatter_add_(1, per_seq, torch.ones_like(per_seq, dtype=probs.dtype))
+    fraction = counts * (num_experts / (k * seq_len))  # [B, E]
+    mean_score = probs.view(num_sequences, seq_len, num_experts).mean(dim=1)  # [B, E]
+    return (fraction * mean_score).sum(dim=-1).mean()
+
+
+def balance_loss(aux_loss_type: str, scores: Tensor, expert_index: Tensor, *, score_func: str = "softmax",
+                 num_sequences: int | None = None) -> Tensor:
+    """The layer's ``aux_loss`` for ``aux_loss_type`` (:data:`AUX_LOSS_TYPES`).
+
+    scores: ``[T, E]`` the router's scores (sigmoid scores are divided by their sum per token first, so every
+    loss sees probabilities), expert_index: ``[T, k]`` the chosen experts (1st column: 1st choice).
+    """
+    probs = scores / scores.sum(dim=-1, keepdim=True) if score_func == "sigmoid" else scores
+    if aux_loss_type == "sequence":
+        if num_sequences is None:
+            raise ValueError("aux_loss_type='sequence' needs x of shape [batch, seq, model_dim]")
+        return sequence_balance_loss(probs, expert_index, num_sequences)
+    if aux_loss_type == "all_choices":
+        return all_choices_balance_loss(probs, expert_index)
+    if aux_loss_type == "switch":
+        return load_balancing_loss(probs, expert_index[:, 0])
+    raise ValueError(f"aux_loss_type must be one of {list(AUX_LOSS_TYPES)}, got {aux_loss_type!r}")

@@ -15,6 +15,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from flexmoe.routing.families import check_family_options
 from flexmoe.validation import FLOAT_DTYPES, check_choice, check_float, check_int, check_optional_int, describe_value
 
 __all__ = ["RoutingOptions", "ROUTER_NAMES", "selection_kind"]
@@ -48,6 +49,19 @@ class RoutingOptions:
     second_expert: "top" or "random" (GShard's random 2nd expert in training, k=2 top-k routers only).
     cross_node_share: FasterMoE's topology-aware gate: the share of pairs that may cross nodes, in [0, 1]
         (None: off; top-k routers only).
+
+    The open MoE families (:mod:`flexmoe.routing.families` says which options reproduce which model):
+    score_func: "softmax" (default) or "sigmoid" (DeepSeek-V3) router scores; the combine weights are the chosen
+        experts' scores (normalised over the k with ``normalize_weights``) times ``route_scale``.
+    num_expert_groups, num_limited_groups: group-limited routing (None: off): E experts in G groups of E/G
+        consecutive experts, a group rated by the sum of its two best selection scores (score + bias), only a
+        token's best ``num_limited_groups`` groups eligible for its top-k.
+    route_scale: a float > 0 multiplying the routed weights (DeepSeek-V3's ``routed_scaling_factor``).
+    router_bias: the linear router has a bias ``router.bias: [E]`` (GPT-OSS, Switch).
+    capacity_per: "call" (capacity over all tokens of the call) or "sequence" (x ``[B, S, M]``: each sequence
+        has its own per-expert capacity, computed from S; Switch Transformer).
+    aux_loss_type: "switch" (``E * sum_e f_e P_e`` over the 1st choices), "all_choices" (over all k choices,
+        Hugging Face's Mixtral-family loss) or "sequence" (DeepSeek-V3's sequence-wise loss, x ``[B, S, M]``).
     """
 
     k: int = 2
@@ -65,6 +79,13 @@ class RoutingOptions:
     bias_update_rate: float = 1e-3
     second_expert: str = "top"
     cross_node_share: float | None = None
+    score_func: str = "softmax"
+    num_expert_groups: int | None = None
+    num_limited_groups: int | None = None
+    route_scale: float = 1.0
+    router_bias: bool = False
+    capacity_per: str = "call"
+    aux_loss_type: str = "switch"
 
     def __post_init__(self) -> None:
         check_int("k", self.k, 1)
@@ -120,6 +141,17 @@ class RoutingOptions:
                 raise ValueError(f"cross_node_share needs a top-k router, got router={router!r}")
         if self.second_expert == "random" and self.k != 2:
             raise ValueError(f"second_expert='random' is GShard's rule for k=2 (a token's two choices), got k={self.k}")
+        check_family_options(
+            router=router, k=self.k, score_func=self.score_func, num_expert_groups=self.num_expert_groups,
+            num_limited_groups=self.num_limited_groups, route_scale=self.route_scale, router_bias=self.router_bias,
+            capacity_per=self.capacity_per, aux_loss_type=self.aux_loss_type, cross_node_share=share,
+        )
+        self._set("route_scale", float(self.route_scale))
+
+    @property
+    def needs_sequences(self) -> bool:
+        """Whether routing needs the input's sequences (x ``[B, S, M]``)."""
+        return self.capacity_per == "sequence" or self.aux_loss_type == "sequence"
 
     @property
     def selection(self) -> str:

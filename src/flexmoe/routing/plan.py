@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from flexmoe.routing.losses import load_balancing_loss, router_z_loss
+from flexmoe.routing.capacity import assign_sequence_slots, assign_slots, kept_counts
+from flexmoe.routing.losses import balance_loss, router_z_loss
 from flexmoe.routing.random_routing import sample_second_expert
+from flexmoe.routing.scores import normalize_topk, routed_weights, router_scores, select_experts, top_k
 from flexmoe.routing.topology import TopologyGate
 
 __all__ = ["RoutingPlan", "resolve_capacity", "top_k", "normalize_topk", "assign_slots", "check_logits",
@@ -125,24 +127,6 @@ def resolve_capacity(
     return min(int(max_load), math.ceil(k * -capacity_factor * num_tokens / num_experts))
 
 
-def top_k(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The k largest probabilities of each row, ties broken towards the lower expert index.
-
-    probs: ``[T, E]``. Returns ``(values [T, k], indices [T, k])``, largest first.
-    """
-    # A stable descending sort keeps equal values in index order; torch.topk makes no such promise.
-    values, indices = torch.sort(probs, dim=-1, descending=True, stable=True)
-    return values[:, :k], indices[:, :k]
-
-
-def normalize_topk(probs_topk: Tensor, normalize: bool) -> Tensor:
-    """The combine weights ``[T, k]`` of the chosen probabilities ``[T, k]``: divided by their sum per token
-    when ``normalize`` and k > 1, else the probabilities themselves."""
-    if normalize and probs_topk.shape[1] > 1:
-        return probs_topk / probs_topk.sum(dim=-1, keepdim=True)
-    return probs_topk
-
-
 def _priority_order(probs_topk: Tensor, batch_prioritized: bool) -> Tensor:
     """``[T]`` the order in which tokens claim slots within one choice."""
     num_tokens = probs_topk.shape[0]
@@ -150,34 +134,6 @@ def _priority_order(probs_topk: Tensor, batch_prioritized: bool) -> Tensor:
         return torch.arange(num_tokens, device=probs_topk.device)
     # Descending top-1 probability; the stable sort keeps token order among equals.
     return torch.sort(probs_topk[:, 0], descending=True, stable=True).indices
-
-
-def assign_slots(
-    expert_index: Tensor,
-    num_experts: int,
-    priority: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Slots in priority order, before any capacity is applied.
-
-    expert_index: ``[T, k]``; priority: ``[T]`` the token order within one choice.
-    Returns ``(slot [T, k], load [E], order [T*k])`` where ``order`` lists the flat pair indices
-    ``token * k + choice`` sorted by (expert, slot): a pair's slot is its rank among the pairs of its expert.
-    """
-    num_tokens, k = expert_index.shape
-    device = expert_index.device
-    # Pairs in priority order: choice-major, then tokens in `priority` order.
-    pair_token = priority.repeat(k)  # [k*T]
-    pair_choice = torch.arange(k, device=device).repeat_interleave(num_tokens)
-    pair_expert = expert_index[pair_token, pair_choice]
-    by_expert = torch.sort(pair_expert, stable=True).indices  # priority order kept within each expert
-    load = torch.bincount(pair_expert, minlength=num_experts)
-    starts = torch.cumsum(load, 0) - load
-    sorted_expert = pair_expert[by_expert]
-    slot_sorted = torch.arange(num_tokens * k, device=device) - starts[sorted_expert]
-    flat_pair = pair_token[by_expert] * k + pair_choice[by_expert]
-    slot = torch.empty(num_tokens * k, dtype=torch.long, device=device)
-    slot[flat_pair] = slot_sorted
-    return slot.view(num_tokens, k), load, flat_pair
 
 
 def check_logits(logits: Tensor, k: int) -> tuple[int, int]:
@@ -204,15 +160,28 @@ def make_plan(
     topology: TopologyGate | None = None,
     random_second: bool = False,
     generator: torch.Generator | None = None,
+    score_func: str = "softmax",
+    num_expert_groups: int | None = None,
+    num_limited_groups: int | None = None,
+    route_scale: float = 1.0,
+    aux_loss_type: str = "switch",
+    capacity_per: str = "call",
+    num_sequences: int | None = None,
 ) -> RoutingPlan:
     """Build the top-k :class:`RoutingPlan` for router logits.
 
     logits: ``[T, E]`` in the routing dtype (float32 by default). ``k`` choices per token, 1 <= k <= E.
-    ``selection_bias`` (``[E]``, optional) is added to the probabilities only to *select* experts (load
-    balancing without an auxiliary loss); the combine weights stay the unbiased probabilities.
+    The scores are ``score_func`` of the logits ("softmax" or "sigmoid"); ``selection_bias`` (``[E]``,
+    optional) is added to them only to *select* experts (load balancing without an auxiliary loss), and
+    ``num_expert_groups`` / ``num_limited_groups`` restrict each token to its best groups
+    (:mod:`flexmoe.routing.scores`). The combine weights are the chosen unbiased scores, normalised over the k
+    when ``normalize_weights``, times ``route_scale``.
     ``topology`` re-routes the pairs past a cross-node budget (:mod:`flexmoe.routing.topology`);
     ``random_second`` dispatches each 2nd choice at random (GShard, k=2; :mod:`flexmoe.routing.random_routing`,
     samples from ``generator``, default torch's global one).
+    ``num_sequences``: the T tokens are B sequences of T / B tokens (for ``capacity_per="sequence"``, each
+    sequence routed with its own capacity, :mod:`flexmoe.routing.capacity`, and for ``aux_loss_type``
+    "sequence"); ``aux_loss_type`` picks the balance loss (:func:`flexmoe.routing.losses.balance_loss`).
 
     Raises ``ValueError`` for non-finite logits, a k out of range, or a negative capacity.
     """
@@ -220,19 +189,23 @@ def make_plan(
         raise ValueError(f"capacity must be >= 0, got {capacity}")
     check_logits(logits, k)
 
-    probs = torch.softmax(logits, dim=-1)
-    scores = probs.detach() if selection_bias is None else probs.detach() + selection_bias.to(probs.dtype)
-    _, expert_index = top_k(scores, k)
+    scores = router_scores(logits, score_func)
+    expert_index, choice_scores = select_experts(scores, k, selection_bias=selection_bias,
+                                                 num_expert_groups=num_expert_groups,
+                                                 num_limited_groups=num_limited_groups)
     if topology is not None:
-        expert_index = topology.apply(scores, expert_index)
-    probs_topk = probs.gather(1, expert_index)
+        expert_index = topology.apply(choice_scores, expert_index)
+    probs_topk, weight = routed_weights(scores, expert_index, normalize_weights=normalize_weights,
+                                        route_scale=route_scale)
     return plan_from_pairs(
-        logits, expert_index, probs_topk, normalize_topk(probs_topk, normalize_weights),
+        logits, expert_index, probs_topk, weight,
         active=sample_second_expert(probs_topk, generator) if random_second else None,
         capacity_factor=capacity_factor,
         capacity=capacity,
         priority=_priority_order(probs_topk.detach(), batch_prioritized),
-        aux_loss=load_balancing_loss(probs, expert_index[:, 0]),
+        aux_loss=balance_loss(aux_loss_type, scores, expert_index, score_func=score_func,
+                              num_sequences=num_sequences),
+        num_sequences=num_sequences if capacity_per == "sequence" else None,
     )
 
 
@@ -248,6 +221,7 @@ def plan_from_pairs(
     priority: Tensor | None = None,
     aux_loss: Tensor,
     kind: str = "topk",
+    num_sequences: int | None = None,
 ) -> RoutingPlan:
     """The plan for chosen pairs: the one place that assigns slots, applies the capacity and lays out rows.
 
@@ -256,28 +230,37 @@ def plan_from_pairs(
     *skipped*: they claim no slot, get ``slot == -1``, are left out of ``load`` and counted in ``num_skipped``,
     not in ``num_dropped``. Capacity as in :func:`resolve_capacity` over the active pairs' loads.
     priority: ``[T]`` the token order within one choice (default token order).
+    num_sequences: B when every one of the B sequences (``T / B`` consecutive tokens each) has its own capacity
+    (``capacity_per="sequence"``, :mod:`flexmoe.routing.capacity`): slots then count within (expert, sequence)
+    and ``capacity`` is per sequence. None: one capacity over the call.
     """
     num_tokens, num_experts = logits.shape
     k = expert_index.shape[1]
     device = logits.device
     if priority is None:
         priority = torch.arange(num_tokens, device=device)
+    num_units = 1 if num_sequences is None else num_sequences
     if active is None:
-        slot, load, order = assign_slots(expert_index, num_experts, priority)
-        num_active = num_tokens * k
+        masked_index, num_slots_experts, num_active = expert_index, num_experts, num_tokens * k
     else:
-        # Skipped pairs go to a virtual expert E that sorts after every real one, so that assign_slots hands
-        # out the real slots in priority order among the active pairs only; the virtual expert is then cut off.
+        # Skipped pairs go to a virtual expert E that sorts after every real one, so that the slots are handed
+        # out in priority order among the active pairs only; the virtual expert is then cut off.
         masked_index = torch.where(active, expert_index, torch.full_like(expert_index, num_experts))
-        slot, load_all, order = assign_slots(masked_index, num_experts + 1, priority)
-        load = load_all[:num_experts]
-        num_active = int(active.sum())
-        order = order[:num_active]
+        num_slots_experts, num_active = num_experts + 1, int(active.sum())
+    if num_units == 1:
+        slot, load_all, order = assign_slots(masked_index, num_slots_experts, priority)
+        unit_load = load_all[:num_experts].unsqueeze(1)  # [E, 1]
+    else:
+        slot, unit_load, order = assign_sequence_slots(masked_index, num_slots_experts, priority, num_units)
+        unit_load = unit_load[:num_experts]  # [E, B]
+    order = order[:num_active]
+    load = unit_load.sum(dim=1)
 
-    load_list = load.tolist()  # the one host sync: row counts size every later tensor
-    cap = resolve_capacity(num_tokens, num_experts, k, capacity_factor, capacity, max(load_list, default=0))
-    counts = [min(n, cap) for n in load_list]
-    rows = order[slot.view(-1)[order] < cap]  # kept pairs, sorted by (expert, slot)
+    unit_list = unit_load.tolist()  # the one host sync: row counts size every later tensor
+    max_load = max((n for row in unit_list for n in row), default=0)
+    cap = resolve_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity, max_load)
+    counts = kept_counts(unit_list, cap)
+    rows = order[slot.view(-1)[order] < cap]  # kept pairs, sorted by (expert, [sequence,] slot)
     kept = slot < cap if active is None else active & (slot < cap)
     slot = torch.where(kept, slot, torch.full_like(slot, -1))
     num_dropped = num_active - sum(counts)

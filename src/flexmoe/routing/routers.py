@@ -16,20 +16,25 @@ __all__ = ["LinearRouter", "CosineRouter", "build_router", "route"]
 
 
 class LinearRouter(nn.Module):
-    """The classic top-k gate: ``logits = x @ weight.T``, no bias. weight: ``[E, M]``."""
+    """The classic top-k gate: ``logits = x @ weight.T (+ bias)``. weight: ``[E, M]``; with ``bias`` (GPT-OSS,
+    Switch's ``router_bias``) also ``bias: [E]``."""
 
-    def __init__(self, model_dim: int, num_experts: int) -> None:
+    def __init__(self, model_dim: int, num_experts: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, model_dim))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         bound = 1.0 / math.sqrt(self.weight.shape[1])
         nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[T, M]`` -> logits ``[T, E]`` in x's dtype."""
-        return F.linear(x, self.weight.to(x.dtype))
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias)
 
 
 class CosineRouter(nn.Module):
@@ -68,16 +73,17 @@ class CosineRouter(nn.Module):
         return cos / self.temperature.to(x.dtype)
 
 
-def build_router(router: str | nn.Module, model_dim: int, num_experts: int) -> nn.Module:
+def build_router(router: str | nn.Module, model_dim: int, num_experts: int, bias: bool = False) -> nn.Module:
     """The gate module for the layer's ``router=`` argument, or a module used as is.
 
     "topk", "expert_choice" and "base" share the linear gate (they differ in how experts are picked from its
-    logits, see :mod:`flexmoe.routing.build`); "cosine" is SwinV2-MoE's cosine gate.
+    logits, see :mod:`flexmoe.routing.build`); "cosine" is SwinV2-MoE's cosine gate. ``bias``: the linear
+    gate's ``router_bias``.
     """
     if isinstance(router, nn.Module):
         return router
     if router in ("topk", "expert_choice", "base"):
-        return LinearRouter(model_dim, num_experts)
+        return LinearRouter(model_dim, num_experts, bias=bias)
     if router == "cosine":
         return CosineRouter(model_dim, num_experts)
     raise ValueError(f"router must be 'topk', 'cosine', 'expert_choice', 'base' or an nn.Module, got {router!r}")

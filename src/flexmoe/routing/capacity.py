@@ -1,0 +1,73 @@
+"""Capacity counted per sequence (Switch Transformer / T5 style, ``capacity_per="sequence"``), pure functions.
+
+With ``capacity_per="call"`` (the default) an expert's capacity C is shared by all T tokens of the call. With
+``"sequence"`` the input is B sequences of S tokens and each sequence is routed with its own capacity
+``C = resolve_capacity(S, ...)`` per expert, as if it were a call of its own: a pair's slot is its rank among
+the pairs of the same expert *and* sequence (in the usual priority order), and it is dropped when that slot is
+>= C. An expert then computes up to ``B * C`` rows, laid out by sequence, then slot.
+
+The trick: an (expert, sequence) unit is a virtual expert ``e * B + b``, so :func:`assign_slots` hands out the
+slots unchanged and its order already sorts the pairs by (expert, sequence, slot).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+__all__ = ["CAPACITY_PER", "assign_slots", "assign_sequence_slots", "kept_counts"]
+
+CAPACITY_PER = ("call", "sequence")
+
+
+def assign_slots(
+    expert_index: Tensor,
+    num_experts: int,
+    priority: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Slots in priority order, before any capacity is applied.
+
+    expert_index: ``[T, k]``; priority: ``[T]`` the token order within one choice.
+    Returns ``(slot [T, k], load [E], order [T*k])`` where ``order`` lists the flat pair indices
+    ``token * k + choice`` sorted by (expert, slot): a pair's slot is its rank among the pairs of its expert.
+    """
+    num_tokens, k = expert_index.shape
+    device = expert_index.device
+    # Pairs in priority order: choice-major, then tokens in `priority` order.
+    pair_token = priority.repeat(k)  # [k*T]
+    pair_choice = torch.arange(k, device=device).repeat_interleave(num_tokens)
+    pair_expert = expert_index[pair_token, pair_choice]
+    by_expert = torch.sort(pair_expert, stable=True).indices  # priority order kept within each expert
+    load = torch.bincount(pair_expert, minlength=num_experts)
+    starts = torch.cumsum(load, 0) - load
+    sorted_expert = pair_expert[by_expert]
+    slot_sorted = torch.arange(num_tokens * k, device=device) - starts[sorted_expert]
+    flat_pair = pair_token[by_expert] * k + pair_choice[by_expert]
+    slot = torch.empty(num_tokens * k, dtype=torch.long, device=device)
+    slot[flat_pair] = slot_sorted
+    return slot.view(num_tokens, k), load, flat_pair
+
+
+def assign_sequence_slots(expert_index: Tensor, num_experts: int, priority: Tensor, num_sequences: int
+                          ) -> tuple[Tensor, Tensor, Tensor]:
+    """Slots counted per (expert, sequence).
+
+    expert_index: ``[T, k]`` with ``T = B * S`` tokens sequence-major (token t is in sequence ``t // S``);
+    priority: ``[T]`` the token order within one choice. Returns ``(slot [T, k], unit_load [E, B],
+    order [T*k])``: ``unit_load[e, b]`` pairs of sequence b chose e, ``order`` the flat pairs sorted by
+    (expert, sequence, slot). With ``num_sequences == 1`` this is :func:`assign_slots`.
+    """
+    num_tokens, k = expert_index.shape
+    if num_sequences < 1 or num_tokens % num_sequences != 0:
+        raise ValueError(f"num_sequences must divide the {num_tokens} tokens, got {num_sequences}")
+    seq_len = num_tokens // num_sequences
+    sequence = torch.arange(num_tokens, device=expert_index.device).div(seq_len, rounding_mode="floor")
+    unit = expert_index * num_sequences + sequence.unsqueeze(1)
+    slot, load, order = assign_slots(unit, num_experts * num_sequences, priority)
+    return slot, load.view(num_experts, num_sequences), order
+
+
+def kept_counts(unit_load: list[list[int]], capacity: int) -> list[int]:
+    """Rows per expert once every (expert, sequence) unit keeps at most ``capacity`` pairs. unit_load: ``[E][B]``."""
+    return [sum(min(n, capacity) for n in row) for row in unit_load]

@@ -1,0 +1,134 @@
+"""Router scores and top-k selection of the open MoE families (pure functions).
+
+The layer's top-k routing, step by step (docs/architecture.md, routing contract):
+
+1. scores ``[T, E]`` from the logits: ``score_func="softmax"`` (Mixtral, Qwen, OLMoE, GPT-OSS, Switch) or
+   ``"sigmoid"`` (DeepSeek-V3, GLM-4.5, Kimi-K2), :func:`router_scores`;
+2. choice scores: the scores plus the selection bias (``balance="bias"``), detached: they only *pick* experts;
+3. group-limited routing (DeepSeek-V3's ``n_group`` / ``topk_group``): the E experts form G equal groups of
+   consecutive experts, a group is rated by the sum of its two best choice scores, only the best
+   ``num_limited_groups`` groups stay eligible, :func:`group_limited_mask`;
+4. the k best eligible choice scores, ties to the lower expert index (:func:`flexmoe.routing.plan.top_k`);
+5. weights from the unbiased scores of the chosen experts, renormalised over the k (k > 1) when asked, times
+   ``route_scale``, :func:`routed_weights`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+__all__ = ["SCORE_FUNCS", "top_k", "normalize_topk", "router_scores", "group_limited_mask", "select_experts", "routed_weights",
+           "check_group_options"]
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+def top_k(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest probabilities of each row, ties broken towards the lower expert index.
+
+    probs: ``[T, E]``. Returns ``(values [T, k], indices [T, k])``, largest first.
+    """
+    # A stable descending sort keeps equal values in index order; torch.topk makes no such promise.
+    values, indices = torch.sort(probs, dim=-1, descending=True, stable=True)
+    return values[:, :k], indices[:, :k]
+
+
+def normalize_topk(probs_topk: Tensor, normalize: bool) -> Tensor:
+    """The combine weights ``[T, k]`` of the chosen scores ``[T, k]``: divided by their sum per token when
+    ``normalize`` and k > 1, else the scores themselves."""
+    if normalize and probs_topk.shape[1] > 1:
+        # The floor only guards sigmoid scores that all underflowed to 0; it never changes a positive sum.
+        return probs_topk / probs_topk.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(probs_topk.dtype).tiny)
+    return probs_topk
+
+
+def router_scores(logits: Tensor, score_func: str = "softmax") -> Tensor:
+    """logits: ``[T, E]`` -> scores ``[T, E]``: ``softmax`` over the experts or an elementwise ``sigmoid``."""
+    if score_func == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if score_func == "sigmoid":
+        return torch.sigmoid(logits)
+    raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+
+
+def check_group_options(num_experts: int | None, k: int, num_expert_groups: object, num_limited_groups: object) -> None:
+    """Raise ``ValueError`` / ``TypeError`` naming the argument unless the group options fit E and k
+    (``num_experts=None``: only what does not depend on E)."""
+    if num_expert_groups is None and num_limited_groups is None:
+        return
+    if num_expert_groups is None or num_limited_groups is None:
+        raise ValueError("num_expert_groups and num_limited_groups go together (both None: group routing off), "
+                         f"got {num_expert_groups} and {num_limited_groups}")
+    for name, value in (("num_expert_groups", num_expert_groups), ("num_limited_groups", num_limited_groups)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if num_limited_groups > num_expert_groups:
+        raise ValueError(f"num_limited_groups must be <= num_expert_groups={num_expert_groups}, "
+                         f"got {num_limited_groups}")
+    if num_experts is None:
+        return
+    if num_experts % num_expert_groups != 0:
+        raise ValueError(f"num_expert_groups must divide num_experts={num_experts}, got {num_expert_groups}")
+    eligible = num_limited_groups * (num_experts // num_expert_groups)
+    if k > eligible:
+        raise ValueError(f"k={k} exceeds the {eligible} experts of the num_limited_groups={num_limited_groups} "
+                         f"eligible groups (num_experts / num_expert_groups each)")
+
+
+def group_limited_mask(choice_scores: Tensor, num_groups: int, num_limited_groups: int) -> Tensor:
+    """``[T, E]`` bool, True for the experts of each token's ``num_limited_groups`` best groups.
+
+    choice_scores: ``[T, E]``; the experts form ``num_groups`` groups of ``E / num_groups`` consecutive
+    experts. A group's rating is the sum of its two best choice scores (its one score for groups of one); ties
+    between groups go to the lower group index.
+    """
+    num_tokens, num_experts = choice_scores.shape
+    grouped = choice_scores.view(num_tokens, num_groups, num_experts // num_groups)
+    best_two = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :2]
+    _, best_groups = top_k(best_two.sum(dim=-1), num_limited_groups)  # [T, num_limited_groups]
+    keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=choice_scores.device)
+    keep.scatter_(1, best_groups, True)
+    return keep.repeat_interleave(num_experts // num_groups, dim=1)
+
+
+def select_experts(
+    scores: Tensor,
+    k: int,
+    *,
+    selection_bias: Tensor | None = None,
+    num_expert_groups: int | None = None,
+    num_limited_groups: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Each token's k experts: ``(expert_index [T, k], choice_scores [T, E])``.
+
+    scores: ``[T, E]``; selection_bias: ``[E]`` added to the scores to pick only. With groups, experts outside
+    a token's best groups get ``-inf`` choice scores before the top-k. Ties: the lower expert index.
+    """
+    choice = scores.detach()
+    if selection_bias is not None:
+        choice = choice + selection_bias.to(choice.dtype)
+    if num_expert_groups is not None and num_limited_groups is not None:
+        eligible = group_limited_mask(choice, num_expert_groups, num_limited_groups)
+        choice = choice.masked_fill(~eligible, float("-inf"))
+    _, expert_index = top_k(choice, k)
+    return expert_index, choice
+
+
+def routed_weights(
+    scores: Tensor,
+    expert_index: Tensor,
+    *,
+    normalize_weights: bool = True,
+    route_scale: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """``(probs_topk [T, k], weight [T, k])``: the chosen experts' unbiased scores, and the combine weights
+    (divided by their sum when ``normalize_weights`` and k > 1, then times ``route_scale``)."""
+    probs_topk = scores.gather(1, expert_index)
+    weight = normalize_topk(probs_topk, normalize_weights)
+    if route_scale != 1.0:
+        weight = weight * route_scale
+    return probs_topk, weight
