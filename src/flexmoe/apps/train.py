@@ -15,6 +15,7 @@ every other parameter is data-parallel. Each rank takes its own rows of the glob
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -156,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         if dist.is_available() and dist.is_initialized():
+            # Free what is left of the model and its DDP wrapper first (reference cycles included), so that
+            # destroying the groups frees them and joins gloo's worker threads before the interpreter exits.
+            gc.collect()
             dist.destroy_process_group()
 
 
