@@ -129,6 +129,8 @@ def _build_moe(cfg: GPTConfig) -> MoELayer:
     # Expert parallelism: the layer keeps only this rank's experts (see flexmoe.parallel.layout). Without a
     # group, one process holds every expert even under torch.distributed (MoELayer's own default is the world).
     kwargs["group"] = cfg.group if cfg.group is not None else "single"
+    if kwargs["group"] == "single":
+        kwargs["ranks_per_node"] = 1  # one process holding every expert is one node, whatever torchrun says
     return MoELayer(cfg.n_embd, cfg.num_experts, cfg.expert_hidden, **kwargs)
 
 
