@@ -402,9 +402,9 @@ def test_layer_auto_times_only_the_models_short_list(tmp_path) -> None:
 
     out = str(tmp_path / "auto")
     for rank in spawn_ranks(2, ["-c", _AUTO_RANK, out], timeout=120, check=False):
-        # Reports are written before teardown. An abort while the process exits (gloo threads at interpreter
-        # exit, seen intermittently with every multi-rank layer here, chooser or not) does not void them.
-        assert rank.ok or "terminate called without an active exception" in rank.stderr, rank.stderr[-2000:]
+        # The layers are alive at destroy_process_group(): it must still free the groups, so the ranks exit
+        # cleanly (see tests/test_clean_exit.py).
+        assert rank.ok and "terminate called" not in rank.stderr, rank.stderr[-2000:]
     reports = [json.loads((tmp_path / f"auto.{rank}").read_text()) for rank in range(2)]
     assert reports[0] == reports[1]  # the ranks agree on the short list and the choice
     report = reports[0]

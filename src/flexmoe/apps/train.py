@@ -15,6 +15,7 @@ every other parameter is data-parallel. Each rank takes its own rows of the glob
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -44,6 +45,7 @@ from flexmoe.checkpoint import (
 from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.parallel.ddp import wrap_ddp
 from flexmoe.layer import MoELayer, update_expert_biases
+from flexmoe.parallel.groups import default_ranks_per_node
 
 __all__ = ["TrainConfig", "add_arguments", "run", "train", "build_model"]
 
@@ -89,6 +91,8 @@ _MODEL_FLAGS = {  # flag -> (GPTConfig field, type)
     "--capacity-factor": ("capacity_factor", float),
     "--aux-loss-coef": ("aux_loss_coef", float),
     "--dropout": ("dropout", float),
+    "--a2a": ("a2a", str),
+    "--cross-node-share": ("cross_node_share", float),
 }
 _ACTIONS: list[argparse.Action] = []
 
@@ -153,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         if dist.is_available() and dist.is_initialized():
+            # Free what is left of the model and its DDP wrapper first (reference cycles included), so that
+            # destroying the groups frees them and joins gloo's worker threads before the interpreter exits.
+            gc.collect()
             dist.destroy_process_group()
 
 
@@ -361,12 +368,17 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
         start, elapsed, target = meta["step"], meta.get("elapsed_s", 0.0), meta.get("target")
         if rank == 0:
             print(f"[{label}] resumed from {ckpt} at step {start}", flush=True)
+    # The nodes the MoE layers see: torchrun's LOCAL_WORLD_SIZE ranks per node (None: not under torchrun).
+    ranks_per_node = model.moe_layers[0].ranks_per_node if model.moe_layers else default_ranks_per_node()
     records: list[dict[str, Any]] = []
     if rank == 0:
+        if world > 1:
+            nodes = f"{world // ranks_per_node} node(s) of {ranks_per_node}" if ranks_per_node else "one node"
+            print(f"[{label}] {world} ranks on {nodes}", flush=True)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(
             {"model": mcfg.to_dict(), "train": {k: v for k, v in asdict(tcfg).items()}, "world_size": world,
-             "data": data.source}, indent=1))
+             "ranks_per_node": ranks_per_node, "data": data.source}, indent=1))
         records = _rewrite_metrics(metrics_path, start) if ckpt is not None else []
         if ckpt is None:
             # A new run in an existing directory replaces the old run's metrics and checkpoints.
@@ -479,7 +491,8 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
     summary = {
         "model": label, "steps": step, "final_val_loss": val_loss, "final_train_loss": train_loss,
         "wall_time_s": wall, "tokens": step * tokens_per_step, "params": model.num_params(),
-        "active_params": model.num_params(active=True), "world_size": world, "target": target,
+        "active_params": model.num_params(active=True), "world_size": world, "ranks_per_node": ranks_per_node,
+        "target": target,
     }
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -184,8 +184,20 @@ class HierarchicalAllToAll(Exchange):
         # Node group first, then the column (same local index) group: the same order on every rank.
         node_ranks = [node * self.local + j for j in range(self.local)]
         col_ranks = [n * self.local + local for n in range(self.nodes)]
-        self.node_group = eg.subgroup(node_ranks) if self.local > 1 else None
-        self.col_group = eg.subgroup(col_ranks) if self.nodes > 1 else None
+        # Created here, looked up at each launch: the layer keeps no process group alive (see ExpertGroup).
+        self._node_ranks = node_ranks if self.local > 1 else None
+        self._col_ranks = col_ranks if self.nodes > 1 else None
+        for ranks in (self._node_ranks, self._col_ranks):  # create both now, in this order on every rank
+            if ranks is not None:
+                eg.subgroup(ranks)
+
+    @property
+    def node_group(self) -> Any:
+        return None if self._node_ranks is None else self.eg.subgroup(self._node_ranks)
+
+    @property
+    def col_group(self) -> Any:
+        return None if self._col_ranks is None else self.eg.subgroup(self._col_ranks)
 
     def launch(self, x: Tensor, splits: SplitMatrix, stats: CommStats | None = None) -> PendingExchange:
         eg, G, N = self.eg, self.local, self.nodes

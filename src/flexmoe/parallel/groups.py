@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -60,18 +61,29 @@ class ExpertGroup:
     ``group`` is None for a single process (world size 1, no collectives). ``global_ranks[i]`` is the global
     rank of group rank i. Sub-groups (for the 2-D hierarchical all-to-all) are created on first use and kept
     here, so they belong to the layer and not to a module-level cache.
+
+    The process groups are held by weak references: torch.distributed owns them, and
+    ``destroy_process_group()`` must be able to free them while layers are still alive. Freeing a gloo group
+    joins its worker threads; a group that outlives the interpreter's shutdown instead has a worker thread
+    release its last finished collective's tensors then, which needs the GIL, and the interpreter kills that
+    thread: "terminate called without an active exception".
     """
 
-    group: Any
+    group_ref: Any  # weakref.ref to the process group, or None for a single process
     rank: int
     world_size: int
     global_ranks: list[int]
     timeout: datetime.timedelta | None
-    _subgroups: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
+    _subgroups: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)  # weak references too
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def group(self) -> Any:
+        """The process group (None for a single process); an error once it has been destroyed."""
+        return None if self.group_ref is None else _alive(self.group_ref, self)
 
     def describe(self) -> str:
         t = f"{self.timeout.total_seconds():g} s" if self.timeout is not None else "the backend default"
@@ -102,11 +114,19 @@ class ExpertGroup:
             return self.group
         if key not in self._subgroups:
             ranks = [self.global_ranks[i] for i in key]
-            self._subgroups[key] = self.call(
+            self._subgroups[key] = weakref.ref(self.call(
                 "sub-group creation",
                 lambda: dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=True),
-            )
-        return self._subgroups[key]
+            ))
+        return _alive(self._subgroups[key], self)
+
+
+def _alive(ref: weakref.ref, eg: ExpertGroup) -> Any:
+    group = ref()
+    if group is None:
+        raise CollectiveError(f"the process group of {eg.describe()} was destroyed (destroy_process_group); "
+                              "build the layer again after init_process_group")
+    return group
 
 
 SINGLE_PROCESS = "single"
@@ -132,7 +152,7 @@ def resolve_group(group: Any = None) -> ExpertGroup:
     if rank < 0:
         raise ValueError("this process is not a member of the expert-parallel group passed as group=")
     ranks = dist.get_process_group_ranks(group)
-    return ExpertGroup(group, rank, world, list(ranks), _group_timeout(group))
+    return ExpertGroup(weakref.ref(group), rank, world, list(ranks), _group_timeout(group))
 
 
 def check_config_agreement(eg: ExpertGroup, config: dict[str, Any], what: str = "MoELayer") -> None:

@@ -47,6 +47,10 @@ class GPTConfig:
     router: str = "topk"
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
+    # Expert parallelism over nodes (ranks_per_node comes from torchrun, see MoELayer): the all-to-all
+    # algorithm, and the topology-aware gate's share of (token, choice) pairs sent off the node (None: off).
+    a2a: str = "flat"
+    cross_node_share: float | None = None
     group: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -119,11 +123,14 @@ class DenseMLP(nn.Module):
 
 def _build_moe(cfg: GPTConfig) -> MoELayer:
     kwargs: dict[str, Any] = dict(
-        k=cfg.k, capacity_factor=cfg.capacity_factor, router=cfg.router, activation="gelu"
+        k=cfg.k, capacity_factor=cfg.capacity_factor, router=cfg.router, activation="gelu", a2a=cfg.a2a,
+        cross_node_share=cfg.cross_node_share,
     )
     # Expert parallelism: the layer keeps only this rank's experts (see flexmoe.parallel.layout). Without a
     # group, one process holds every expert even under torch.distributed (MoELayer's own default is the world).
     kwargs["group"] = cfg.group if cfg.group is not None else "single"
+    if kwargs["group"] == "single":
+        kwargs["ranks_per_node"] = 1  # one process holding every expert is one node, whatever torchrun says
     return MoELayer(cfg.n_embd, cfg.num_experts, cfg.expert_hidden, **kwargs)
 
 
