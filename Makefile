@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 # The main job: train the MoE GPT on the embedded tiny Shakespeare (about 3.5 minutes on 2 cores) into runs/default.
+# --resume: a second `make train` continues (or, once finished, keeps) that run instead of refusing to touch it.
 train: setup
-	$(VENV)/bin/flexmoe train --out runs/default
+	$(VENV)/bin/flexmoe train --out runs/default --resume
 
 bench: setup
 	$(VENV)/bin/flexmoe bench

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexmoe.apps.baselines import expert_floor, gshard_einsum_forward
+from flexmoe.apps.errors import UsageError
 from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.layer import MoELayer
 
@@ -480,27 +481,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = BenchConfig()
     a = parser.add_argument
     a("--tokens", type=int, default=d.tokens, help="tokens per step (per rank under torchrun)")
-    a("--model-dim", type=int, default=d.model_dim)
-    a("--hidden-dim", type=int, default=d.hidden_dim)
-    a("--experts", type=int, default=d.experts)
-    a("--k", type=int, default=d.k)
+    a("--model-dim", type=int, default=d.model_dim, help="model (token) dimension M")
+    a("--hidden-dim", type=int, default=d.hidden_dim, help="hidden dimension H of each expert's FFN")
+    a("--experts", type=int, default=d.experts, help="number of experts E (global under torchrun)")
+    a("--k", type=int, default=d.k, help="experts per token (top-k)")
     a("--capacity-factor", type=float, default=d.capacity_factor, help="0: dropless, < 0: adaptive")
-    a("--dtype", choices=sorted(_DTYPES), default=d.dtype)
+    a("--dtype", choices=sorted(_DTYPES), default=d.dtype, help="parameter and activation dtype")
     a("--glu", action="store_true", help="gated (SwiGLU-style) experts")
     a("--steps", type=int, default=d.steps, help="timed steps per case (median reported)")
-    a("--warmup", type=int, default=d.warmup)
-    a("--seed", type=int, default=d.seed)
+    a("--warmup", type=int, default=d.warmup, help="untimed steps per case first")
+    a("--seed", type=int, default=d.seed, help="seed of the weights and inputs")
     a("--threads", type=int, default=None, help="torch threads (default: all cores, shared by local ranks)")
     a("--no-peers", action="store_true", help="skip DeepSpeed / fairscale / Tutel even when importable")
     a("--memory", action="store_true", help="also report activation memory, and E=64 at equal T, k, H")
-    a("--suite", action="store_true", help="run the foundation issue's target configurations")
+    a("--suite", action="store_true", help="run the four standard configurations (fp32, dropless, bf16, E=64 H=256 k=8), each "
+                                          "checked against its target ratio to the floor")
     a("--nproc", type=int, default=1, help="launch N local ranks with torchrun (gloo on 127.0.0.1)")
     a("--ranks-per-node", type=int, default=None, help="for the 2-D hierarchical all-to-all (default: torchrun's)")
     a("--sleep-ms", type=float, default=None,
-      help="distributed: experts that stall this long per pass without using the CPU (overlap check)")
-    a("--degrees", type=_degrees, default=(1, 2, 4), help="distributed: overlap degrees to time (default 1,2,4)")
+      help="distributed: experts that stall this long per pass without using the CPU (overlap check) "
+           "(default: real experts)")
+    a("--degrees", type=_degrees, default=(1, 2, 4), help="distributed: overlap degrees to time (default: 1,2,4)")
     a("--profile", default=None,
-      help="distributed: also run parallel='auto' steered by this cost-model profile ('local', 'a100-ndv4', a path)")
+      help="distributed: also run parallel='auto' steered by this cost-model profile ('local', 'a100-ndv4', a "
+           "path) (default: none)")
     a("--json", action="store_true", help="print the report as JSON")
 
 
@@ -515,26 +519,26 @@ def _degrees(text: str) -> tuple[int, ...]:
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
-    for name in ("tokens", "model_dim", "hidden_dim", "experts", "k", "steps"):
+    for name in ("tokens", "model_dim", "hidden_dim", "experts", "k", "steps", "nproc"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.k > args.experts:
+        raise UsageError(f"--k {args.k} must be at most --experts {args.experts}")
     if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     if not math.isfinite(args.capacity_factor):
-        raise ValueError(f"--capacity-factor must be finite, got {args.capacity_factor}")
+        raise UsageError(f"--capacity-factor must be finite, got {args.capacity_factor}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     return BenchConfig(args.tokens, args.model_dim, args.hidden_dim, args.experts, args.k, args.capacity_factor,
                        args.dtype, args.glu, args.steps, args.warmup, args.seed)
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = _config(args)
     if args.nproc > 1 and not under_torchrun():
         argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else []
         return relaunch(args.nproc, "bench", _without_nproc(argv))
-    try:
-        cfg = _config(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     if under_torchrun():
         return _run_distributed(cfg, args)
     if args.threads is not None:

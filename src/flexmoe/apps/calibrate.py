@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from flexmoe.apps.errors import UsageError
 from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, ComputeSpec, LinkSpec, Profile
 
 __all__ = ["add_arguments", "run", "calibrate", "fit_roofline", "fit_alpha_beta", "free_port"]
@@ -440,8 +441,8 @@ def calibrate(worlds: tuple[int, ...] = (2, 4), quick: bool = False, log: Callab
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=LOCAL_PROFILE_PATH,
-                        help=f"where to write the profile (default {LOCAL_PROFILE_PATH}, what --profile local reads)")
-    parser.add_argument("--ranks", default="2,4", help="rank counts for the gloo measurements (default 2,4)")
+                        help=f"where to write the profile (default: {LOCAL_PROFILE_PATH}, what --profile local reads)")
+    parser.add_argument("--ranks", default="2,4", help="rank counts for the gloo measurements (default: 2,4)")
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (tests)")
     parser.add_argument("--json", action="store_true", help="print the profile as JSON instead of a summary")
 
@@ -464,10 +465,14 @@ def summarize(profile: Profile) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    worlds = tuple(int(x) for x in str(args.ranks).split(",") if x.strip())
-    if any(w < 2 for w in worlds):
-        print("--ranks: every entry must be >= 2", file=sys.stderr)
-        return 2
+    try:
+        worlds = tuple(int(x) for x in str(args.ranks).split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--ranks: expected comma-separated rank counts such as 2,4, got {args.ranks!r}") from None
+    if not worlds or any(w < 2 for w in worlds):
+        raise UsageError(f"--ranks: every entry must be >= 2 (e.g. 2,4), got {args.ranks!r}")
+    if args.out.exists() and args.out.is_dir():
+        raise UsageError(f"--out {args.out}: is a directory; give the path of the profile's JSON file")
     log = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     profile = calibrate(worlds, quick=args.quick, log=log)
     path = profile.save(args.out)

@@ -26,6 +26,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from flexmoe.apps.errors import UsageError
 from flexmoe.apps.calibrate import calibrate, free_port
 from flexmoe.tuning.cost_model import LayerConfig, predict
 from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, Profile, load_profile
@@ -327,12 +328,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--rounds", type=int, default=2,
                         help="measure every configuration this many times, in turn, and keep the median "
-                             "(default 2: a shared machine's load drifts over minutes)")
+                             "(default: 2; a shared machine's load drifts over minutes)")
     parser.add_argument("--max-ranks", type=int, default=4, help="skip configurations with more ranks")
     parser.add_argument("--json", action="store_true", help="print {median_abs_error, rows} as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag in ("steps", "rounds", "max_ranks"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.profile != "local":
+        try:
+            load_profile(args.profile)
+        except (ValueError, FileNotFoundError) as exc:
+            raise UsageError(f"--profile: {exc}") from None
     log = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.profile == "local" and (args.recalibrate or not LOCAL_PROFILE_PATH.exists()):
         if log:
