@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flexmoe.apps.errors import UsageError
+from flexmoe.apps.progress import StepBar
 from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, ComputeSpec, LinkSpec, Profile
 
 __all__ = ["add_arguments", "run", "calibrate", "fit_roofline", "fit_alpha_beta", "free_port"]
@@ -473,8 +474,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--ranks: every entry must be >= 2 (e.g. 2,4), got {args.ranks!r}")
     if args.out.exists() and args.out.is_dir():
         raise UsageError(f"--out {args.out}: is a directory; give the path of the profile's JSON file")
-    log = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    profile = calibrate(worlds, quick=args.quick, log=log)
+    with StepBar(1 + len(worlds), "calibrate", enabled=not args.json) as bar:  # compute, then each world
+        profile = calibrate(worlds, quick=args.quick, log=bar)
     path = profile.save(args.out)
     if args.json:
         print(profile.to_json())

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmoe.apps.errors import UsageError
+from flexmoe.apps.progress import StepBar
 from flexmoe.apps.calibrate import calibrate, free_port
 from flexmoe.tuning.cost_model import LayerConfig, predict
 from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, Profile, load_profile
@@ -344,14 +345,13 @@ def run(args: argparse.Namespace) -> int:
             load_profile(args.profile)
         except (ValueError, FileNotFoundError) as exc:
             raise UsageError(f"--profile: {exc}") from None
-    log = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.profile == "local" and (args.recalibrate or not LOCAL_PROFILE_PATH.exists()):
-        if log:
-            log(f"calibrating (writes {LOCAL_PROFILE_PATH})")
-        calibrate(log=log).save(LOCAL_PROFILE_PATH)
+        with StepBar(3, f"calibrating (writes {LOCAL_PROFILE_PATH})", enabled=not args.json) as bar:
+            calibrate(log=bar).save(LOCAL_PROFILE_PATH)  # compute, then 2 and 4 ranks
     profile = load_profile(args.profile)
     configs = [c for c in DEFAULT_CONFIGS if c.get("ranks", 1) <= args.max_ranks]
-    result = validate(profile, configs, steps=args.steps, warmup=args.warmup, log=log, rounds=args.rounds)
+    with StepBar(args.rounds * len(configs), "validate-model", enabled=not args.json) as bar:
+        result = validate(profile, configs, steps=args.steps, warmup=args.warmup, log=bar, rounds=args.rounds)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
