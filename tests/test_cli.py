@@ -350,3 +350,28 @@ def test_expert_load_plot_without_demand_still_draws(tmp_path: Path) -> None:
     records = [{"step": s, "expert_load": [[3 + s, 5, 4, 4]]} for s in (1, 2, 3)]
     assert plot_expert_load(records, tmp_path / "load.png") == tmp_path / "load.png"
     assert (tmp_path / "load.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------- README, Makefile
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_readme_opens_with_what_flexmoe_does_and_lists_the_make_targets() -> None:
+    readme = (ROOT / "README.md").read_text()
+    opening = readme.split("```")[0]
+    assert "in progress" not in opening and "expert parallelism" in opening
+    assert "AMD EPYC" in opening and "AVX2" in opening and "2-core" in opening
+    makefile = (ROOT / "Makefile").read_text()
+    for target in ("train", "test", "test-slow", "bench"):
+        assert f"\n{target}:" in makefile
+        assert f"make {target} " in readme
+    assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in readme
+
+
+def test_makefile_torch_index_reaches_pip() -> None:
+    dry = subprocess.run(["make", "-n", "-B", "setup", "TORCH_INDEX=https://example.org/whl/cpu"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    line = next(line for line in dry.stdout.splitlines() if '"torch==' in line)
+    assert line.rstrip().endswith('"torch==2.13.0" --index-url https://example.org/whl/cpu')
