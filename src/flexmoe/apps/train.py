@@ -167,10 +167,6 @@ def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
-    world = int(os.environ.get("WORLD_SIZE", args.nproc))
-    if args.batch_size % (world * args.micro_batches):
-        raise UsageError(f"--batch-size {args.batch_size} must divide by ranks x micro-batches "
-                         f"({world} x {args.micro_batches}); e.g. --batch-size {world * args.micro_batches * 8}")
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
                          "--overwrite deletes it")
@@ -189,11 +185,17 @@ def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
         old = json.loads(saved.read_text())
         steps = tcfg.steps if args.steps is not None else old["train"]["steps"]
         tcfg = TrainConfig(**{**old["train"], "steps": steps, "progress": tcfg.progress, "plots": tcfg.plots})
-        return GPTConfig.from_dict(old["model"]), tcfg
-    try:
-        return GPTConfig(**{**model_overrides, "dense": args.dense}), tcfg
-    except ValueError as exc:
-        raise UsageError(f"model flags: {exc}") from None
+        mcfg = GPTConfig.from_dict(old["model"])
+    else:
+        try:
+            mcfg = GPTConfig(**{**model_overrides, "dense": args.dense})
+        except ValueError as exc:
+            raise UsageError(f"model flags: {exc}") from None
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    if tcfg.batch_size % (world * tcfg.micro_batches):
+        raise UsageError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
+                         f"({world} x {tcfg.micro_batches}); e.g. --batch-size {world * tcfg.micro_batches * 8}")
+    return mcfg, tcfg
 
 
 def _check_run_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
