@@ -116,6 +116,17 @@ def test_resume_of_a_finished_run_changes_nothing(finished_run: Path, capsys) ->
     assert _tree(finished_run) == before
 
 
+def test_resume_with_more_steps_extends_a_finished_run(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert cli.main(["train", "--out", str(out), "--steps", "2", *TINY]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", "--out", str(out), "--resume", "--steps", "4", *TINY]) == 0
+    assert "already complete" not in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
 def test_resume_into_a_new_directory_starts_a_run(tmp_path: Path, capsys) -> None:
     """What `make train` does the first time (it passes --resume, so that a second `make train` keeps the run)."""
     out = tmp_path / "fresh"
