@@ -3,7 +3,8 @@
 The run directory (``--out``) holds ``config.json``, ``metrics.jsonl`` (one JSON object per logged step:
 ``step``, ``train_loss``, and ``val_loss`` where evaluated), ``checkpoints/``, ``summary.json`` and PNG plots.
 With ``--compare-dense`` the dense twin trains on the same batches into ``OUT/dense`` and ``OUT`` also gets
-``compare.png``, ``compare.md`` and ``compare.json``.
+``compare.png``, ``compare.md`` and ``compare.json``. An existing run directory is only touched with
+``--resume`` (continue it; a finished run is left as it is) or ``--overwrite`` (remove its run files first).
 
 Reproducibility: the batch of step s is a function of (seed, s) only, the learning rate a function of s, and
 checkpoints hold the optimizer and RNG states, so a resumed run continues exactly as an uninterrupted one.
