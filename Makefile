@@ -1,14 +1,17 @@
 # Everything a fresh machine needs: `make train` (the main job) and `make test` (the tests).
-# Both build .venv first: CPU torch 2.13.0 (any torch>=2.3 works for the package itself) and flexmoe.
+# Both build .venv first: torch 2.13.0 (any torch>=2.3 works for the package itself) and flexmoe.
+# PyPI's torch on Linux is the CUDA build; TORCH_INDEX=https://download.pytorch.org/whl/cpu gives the CPU-only one
+# (or .../whl/cu126 a given CUDA), TORCH_SPEC another version. They apply when .venv is built (rm -r .venv first).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install --quiet -e ".[train,test]"
 	touch $@
 
@@ -16,8 +19,9 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 # The main job: train the MoE GPT on the embedded tiny Shakespeare (about 3.5 minutes on 2 cores) into runs/default.
+# --resume: a second `make train` continues (or, once finished, keeps) that run instead of refusing to touch it.
 train: setup
-	$(VENV)/bin/flexmoe train --out runs/default
+	$(VENV)/bin/flexmoe train --out runs/default --resume
 
 bench: setup
 	$(VENV)/bin/flexmoe bench

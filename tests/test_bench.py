@@ -4,6 +4,7 @@ computes, the activation-memory probe counts what autograd keeps, and the comman
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -87,3 +88,52 @@ def test_distributed_bench_two_ranks() -> None:
     assert len(report["auto"]) == 2  # measuring every candidate, and steered by the cost model
     assert all(auto["choice"] in names for auto in report["auto"])
     assert all(0 <= row["comm_share"] <= 1 for row in report["settings"])
+
+
+def test_bench_prints_its_header_before_the_timing_ends() -> None:
+    """The configuration and plan come out at once, then a progress bar; not everything at the end."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flexmoe", "bench", "--tokens", "64", "--model-dim", "16", "--hidden-dim", "32",
+         "--steps", "100000", "--warmup", "0", "--no-peers"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        first = proc.stdout.readline()
+        second = proc.stdout.readline()
+        assert proc.poll() is None, "the benchmark ended: the header was not printed ahead of the timing"
+        assert first.startswith("flexmoe bench: T=64 M=16 H=32 E=8 k=2")
+        assert second.startswith("plan: capacity")
+        bar = proc.stderr.read(200)  # tqdm's bar, on stderr while the rounds run
+        assert "timing 3 cases" in bar
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_bench_table_follows_the_progress(capsys) -> None:
+    from flexmoe.apps.bench import BenchConfig, bench_single
+
+    cfg = BenchConfig(tokens=32, model_dim=8, hidden_dim=16, experts=4, steps=2, warmup=1)
+    report = bench_single(cfg, peers=False, show=True)
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("flexmoe bench: T=32") and lines[2].split() == ["case", "ms/step", "tokens/s", "x",
+                                                                                 "floor"]
+    assert [line.split()[0] for line in lines[3:]] == [row["case"] for row in report["rows"]]
+    assert "3/3" in captured.err  # the progress bar counted the warm-up and the timed rounds
+
+
+def test_step_bar_counts_announced_steps(capsys) -> None:
+    from flexmoe.apps.progress import StepBar
+
+    with StepBar(3, "measuring") as bar:
+        bar("measuring a")
+        bar("measuring b")
+        assert bar._bar.n == 1  # a is done once b is announced
+        bar("measuring c")
+    assert bar._bar.n == 3
+    err = capsys.readouterr().err
+    assert err.index("measuring a") < err.index("measuring b") < err.index("measuring c")
+    quiet = StepBar(3, "quiet", enabled=False)
+    quiet("nothing")
+    quiet.close()
+    assert "nothing" not in capsys.readouterr().err

@@ -45,7 +45,30 @@ def test_any_text_file(tmp_path) -> None:
     d = TokenData.from_file(path, block_size=16)
     assert d.source == str(path)
     assert decode(encode("héllo")) == "héllo"
-    with pytest.raises(CorpusError, match="fewer than block_size"):
+    with pytest.raises(CorpusError, match="too small for one batch"):
         TokenData.from_file(path, block_size=512)
     with pytest.raises(CorpusError, match="no such file"):
         TokenData.from_file(tmp_path / "missing.txt", block_size=16)
+
+
+def test_unusable_data_files_name_the_file_and_what_works(tmp_path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(CorpusError, match=f"--data {empty}: the file is empty; give a text file"):
+        TokenData.from_file(empty, block_size=16)
+    with pytest.raises(CorpusError, match=f"--data {tmp_path}: is a directory"):
+        TokenData.from_file(tmp_path, block_size=16)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 127])
+def test_the_size_the_error_asks_for_is_the_smallest_that_works(tmp_path, block_size: int) -> None:
+    """Checked against the split rule by brute force: the last 10% (rounded down) is validation, each split
+    needs block_size + 2 bytes."""
+    smallest = next(n for n in range(1, 100 * block_size)
+                    if int(n * 0.1) >= block_size + 2 and n - int(n * 0.1) >= block_size + 2)
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"x" * (smallest - 1))
+    with pytest.raises(CorpusError, match=f"use a file of at least {smallest} bytes"):
+        TokenData.from_file(path, block_size=block_size)
+    path.write_bytes(b"x" * smallest)
+    TokenData.from_file(path, block_size=block_size)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flexmoe.apps import generate, reshard, train
+from flexmoe.apps import cli, generate, reshard, train
 
 TINY_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--num-experts", "4",
               "--expert-hidden", "32", "--batch-size", "8", "--warmup", "5", "--lr", "1e-2", "--no-progress"]
@@ -147,6 +147,6 @@ def test_resume_from_corrupted_checkpoint_fails_clearly(tmp_path: Path, capsys) 
     weights = out / "checkpoints" / "step_000004" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-64])
     capsys.readouterr()
-    assert _run(train, [*argv, "--resume"]) == 2
+    assert cli.main(["train", *argv, "--resume"]) == 2
     err = capsys.readouterr().err
     assert str(weights) in err and "truncated: tensor '" in err

@@ -25,9 +25,9 @@ import hashlib
 import json
 import os
 import random
+import secrets
 import shutil
 import struct
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,8 +294,39 @@ def _sha256(t: Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+# Temporary names are made here rather than with tempfile.mkstemp / mkdtemp, which create 0600 files and 0700
+# directories: renamed into place, those would give a checkpoint other permissions than every other file of the
+# run. These are created like any file (0666 / 0777 less the umask).
+
+
+def _temp_name(final: Path) -> Path:
+    """A fresh hidden name beside ``final`` (the same directory, so that the rename into place is atomic)."""
+    return final.parent / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def _make_temp_file(final: Path) -> tuple[int, Path]:
+    """An open descriptor and the path of a new, empty temporary file beside ``final``."""
+    while True:
+        tmp = _temp_name(final)
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
+def _make_temp_dir(final: Path) -> Path:
+    """A new, empty temporary directory beside ``final``."""
+    while True:
+        tmp = _temp_name(final)
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+
+
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _make_temp_file(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -308,10 +339,12 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def _atomic_save_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _make_temp_file(path)
+    mode = os.fstat(fd).st_mode & 0o777
     os.close(fd)
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp)
+        os.chmod(tmp, mode)  # safetensors writes a fresh 0600 file in its place
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -462,7 +495,7 @@ def save_checkpoint(
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}."))
+    tmp = _make_temp_dir(final)
     try:
         _write_dir(tmp, meta, model_t, opt_t, experts, 1, layout)
         if final.exists():
@@ -600,7 +633,7 @@ def reshard_checkpoint(src: str | Path, dst: str | Path, world_size: int) -> Pat
     if data.rng is not None:
         opt["rng/torch_cpu"] = data.rng
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}."))
+    tmp = _make_temp_dir(dst)
     try:
         _write_dir(tmp, meta, data.model, opt, set(meta.get("expert_params", [])), world_size, layout)
         if dst.exists():

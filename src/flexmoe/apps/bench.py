@@ -14,7 +14,7 @@ steps. The cases (see :mod:`flexmoe.apps.baselines`):
 ``--memory`` adds the activation memory each case keeps for its backward (bytes of the tensors autograd saves,
 parameters excluded) and the same for 64 experts at equal tokens, k and hidden size: index dispatch keeps
 memory proportional to ``T * k * M``; a dense ``[T, E, C]`` dispatch grows with ``E * C``.
-``--suite`` runs the issue's target configurations and checks each ratio against its target.
+``--suite`` runs the standard configurations and checks each ratio against its target.
 
 Distributed (``torchrun --nproc_per_node=N -m flexmoe bench`` or ``flexmoe bench --nproc N``): ``--tokens`` is
 per rank; every (r, d, all-to-all) setting is timed side by side, with the exposed all-to-all share of the
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexmoe.apps.baselines import expert_floor, gshard_einsum_forward
+from flexmoe.apps.errors import UsageError
 from flexmoe.experts import FeedForwardExperts
 from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.layer import MoELayer
@@ -74,7 +75,7 @@ class BenchConfig:
                 f"{self.dtype}{' glu' if self.glu else ''}")
 
 
-# Targets of the foundation issue (layer time / floor), T=4096 M=512 H=1024 E=8 k=2 unless said.
+# The standard configurations and their targets (layer time / floor), T=4096 M=512 H=1024 E=8 k=2 unless said.
 SUITE: list[tuple[str, BenchConfig, float]] = [
     ("fp32 cf=1.25", BenchConfig(), 1.10),
     ("fp32 dropless", BenchConfig(capacity_factor=0.0), 1.10),
@@ -88,11 +89,17 @@ SUITE: list[tuple[str, BenchConfig, float]] = [
 
 
 def time_side_by_side(cases: dict[str, Callable[[], None]], steps: int, warmup: int,
-                      sync: Callable[[float], float] = lambda t: t) -> dict[str, list[float]]:
+                      sync: Callable[[float], float] = lambda t: t, desc: str | None = None,
+                      ) -> dict[str, list[float]]:
     """Seconds of each case per step, the cases taking turns (order rotated each step so none always runs
-    first). ``sync`` maps one local time to the time that counts (under torchrun: the slowest rank's)."""
+    first). ``sync`` maps one local time to the time that counts (under torchrun: the slowest rank's).
+
+    With ``desc``, a progress bar on stderr counts the rounds (every case once) and shows each case's running
+    median over the floor's; the rows themselves exist only once all rounds are in, since the cases share them.
+    """
     names = list(cases)
     times: dict[str, list[float]] = {n: [] for n in names}
+    bar = _progress_bar(warmup + steps, desc)
     for step in range(warmup + steps):
         shift = step % len(names)
         for name in names[shift:] + names[:shift]:
@@ -101,7 +108,29 @@ def time_side_by_side(cases: dict[str, Callable[[], None]], steps: int, warmup: 
             elapsed = sync(time.perf_counter() - start)
             if step >= warmup:
                 times[name].append(elapsed)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str("warm-up" if step < warmup else _running_ratios(times))
+    if bar is not None:
+        bar.close()
     return times
+
+
+def _progress_bar(total: int, desc: str | None) -> Any:
+    if desc is None:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="round", file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def _running_ratios(times: dict[str, list[float]]) -> str:
+    """'case 1.02x' for every case, its median so far over the first case's (the floor's)."""
+    medians = {name: statistics.median(v) for name, v in times.items() if v}
+    first = next(iter(medians.values()), None)
+    if not first:
+        return ""
+    return ", ".join(f"{name.split(' ')[0]} {m / first:.2f}x" for name, m in list(medians.items())[1:])
 
 
 def saved_activation_bytes(step: Callable[[], Tensor], params: Sequence[Tensor]) -> int:
@@ -234,14 +263,22 @@ def _tutel_layer(cfg: BenchConfig) -> tuple[nn.Module, Callable[[Tensor], Tensor
 
 
 def bench_single(cfg: BenchConfig, *, peers: bool = True, reference: bool = True,
-                 memory: bool = False) -> dict[str, Any]:
-    """Time the layer, the floor and the references side by side; returns the report (see ``--json``)."""
+                 memory: bool = False, show: bool = False) -> dict[str, Any]:
+    """Time the layer, the floor and the references side by side; returns the report (see ``--json``).
+
+    With ``show`` the report is printed as it forms: the configuration and routing plan first, a progress bar
+    while the cases are timed, the table when they are, then the activation memory when measured.
+    """
     layer = build_layer(cfg)
     x, grad = _inputs(cfg, cfg.seed + 1)
     with torch.no_grad():
         layer(x)
     plan = layer.last_plan
     assert plan is not None  # set by the forward above
+    plan_report = {"capacity": plan.capacity, "dropped_fraction": plan.dropped_fraction,
+                   "rows_computed": sum(plan.counts), "tokens_per_expert": plan.counts}
+    if show:
+        print("\n".join(_single_header(cfg, torch.get_num_threads(), plan_report)), flush=True)
     floor_step, floor_forward = _floor_case(layer, plan.counts, cfg)
     cases: dict[str, Callable[[], None]] = {
         "floor": floor_step,
@@ -253,7 +290,10 @@ def bench_single(cfg: BenchConfig, *, peers: bool = True, reference: bool = True
     if peers:
         peer_cases, skipped = _peer_cases(cfg, x, grad)
         cases.update(peer_cases)
-    times = time_side_by_side(cases, cfg.steps, cfg.warmup)
+    if show:
+        for line in skipped:
+            print(line, flush=True)
+    times = time_side_by_side(cases, cfg.steps, cfg.warmup, desc=f"timing {len(cases)} cases" if show else None)
     floor = statistics.median(times["floor"])
     rows = []
     for name, samples in times.items():
@@ -262,11 +302,16 @@ def bench_single(cfg: BenchConfig, *, peers: bool = True, reference: bool = True
                      "x_floor": median / floor})
     report: dict[str, Any] = {
         "config": asdict(cfg), "threads": torch.get_num_threads(), "rows": rows, "skipped": skipped,
-        "plan": {"capacity": plan.capacity, "dropped_fraction": plan.dropped_fraction,
-                 "rows_computed": sum(plan.counts), "tokens_per_expert": plan.counts},
+        "plan": plan_report,
     }
+    if show:
+        print("\n".join(_single_rows(report)), flush=True)
     if memory:
+        if show:
+            print("measuring activation memory (and E=64) ...", flush=True)
         report["memory"] = _memory_report(cfg, layer, x, floor_forward)
+        if show:
+            print(_memory_line(report["memory"]), flush=True)
     return report
 
 
@@ -287,42 +332,53 @@ def _memory_report(cfg: BenchConfig, layer: MoELayer, x: Tensor, floor_forward: 
     return out
 
 
-def format_single(report: dict[str, Any]) -> str:
-    cfg = BenchConfig(**report["config"])
-    plan = report["plan"]
-    lines = [
-        f"flexmoe bench: {cfg.describe()}, {report['threads']} threads, median of {cfg.steps} steps "
+def _single_header(cfg: BenchConfig, threads: int, plan: dict[str, Any]) -> list[str]:
+    return [
+        f"flexmoe bench: {cfg.describe()}, {threads} threads, median of {cfg.steps} steps "
         f"(forward + backward, cases interleaved)",
         f"plan: capacity {plan['capacity']}, {plan['rows_computed']} rows computed, "
         f"dropped {plan['dropped_fraction']:.2%}",
-        f"{'case':<16}{'ms/step':>10}{'tokens/s':>12}{'x floor':>9}",
     ]
+
+
+def _single_rows(report: dict[str, Any]) -> list[str]:
+    lines = [f"{'case':<16}{'ms/step':>10}{'tokens/s':>12}{'x floor':>9}"]
     for row in report["rows"]:
         lines.append(f"{row['case']:<16}{row['seconds'] * 1e3:>10.1f}{row['tokens_per_s']:>12.0f}"
                      f"{row['x_floor']:>9.3f}")
-    lines += report["skipped"]
-    mem = report.get("memory")
-    if mem:
-        mib = 1 / 2**20
-        lines.append(
-            f"activation memory (saved for backward): floor {mem['floor_bytes'] * mib:.1f} MiB, flexmoe "
+    return lines
+
+
+def _memory_line(mem: dict[str, Any]) -> str:
+    mib = 1 / 2**20
+    return (f"activation memory (saved for backward): floor {mem['floor_bytes'] * mib:.1f} MiB, flexmoe "
             f"{mem['flexmoe_bytes'] * mib:.1f} MiB (E=64: {mem['flexmoe_bytes_e64'] * mib:.1f} MiB, "
             f"{mem['flexmoe_e64_over_e8']:.2f}x), gshard-einsum {mem['gshard_einsum_bytes'] * mib:.1f} MiB "
             f"(E=64: {mem['gshard_einsum_bytes_e64'] * mib:.1f} MiB, {mem['gshard_einsum_e64_over_e8']:.2f}x)")
+
+
+def format_single(report: dict[str, Any]) -> str:
+    cfg = BenchConfig(**report["config"])
+    lines = _single_header(cfg, report["threads"], report["plan"]) + _single_rows(report) + report["skipped"]
+    if report.get("memory"):
+        lines.append(_memory_line(report["memory"]))
     return "\n".join(lines)
 
 
-def run_suite(base: BenchConfig, peers: bool) -> dict[str, Any]:
-    """The foundation issue's targets, each measured side by side with its floor."""
+def run_suite(base: BenchConfig, peers: bool, show: bool = True) -> dict[str, Any]:
+    """The standard configurations and their target ratios to the floor, each measured side by side with it;
+    with ``show`` each configuration's table is printed as soon as it is measured."""
     results = []
-    for label, cfg, target in SUITE:
+    for i, (label, cfg, target) in enumerate(SUITE):
         cfg = replace(cfg, steps=min(cfg.steps, base.steps), warmup=min(cfg.warmup, base.warmup), seed=base.seed)
-        report = bench_single(cfg, peers=peers, reference=False, memory=label == "fp32 cf=1.25")
+        if show:
+            print(f"[{i + 1}/{len(SUITE)}] {label}", flush=True)
+        report = bench_single(cfg, peers=peers, reference=False, memory=label == "fp32 cf=1.25", show=show)
         ratio = next(r["x_floor"] for r in report["rows"] if r["case"] == "flexmoe")
         results.append({"label": label, "target": target, "x_floor": ratio, "met": ratio <= target,
                         "report": report})
-        print(format_single(report), f"\n=> {label}: flexmoe {ratio:.3f}x floor (target <= {target})\n",
-              file=sys.stderr, flush=True)
+        if show:
+            print(f"=> {label}: flexmoe {ratio:.3f}x floor (target <= {target})\n", flush=True)
     return {"suite": results}
 
 
@@ -372,12 +428,14 @@ def _synced(step: Callable[[], None]) -> Callable[[], None]:
 
 
 def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: int | None,
-                      profile: str | None = None, degrees: tuple[int, ...] = (1, 2, 4)) -> dict[str, Any]:
+                      profile: str | None = None, degrees: tuple[int, ...] = (1, 2, 4),
+                      show: bool = False) -> dict[str, Any]:
     """Under torchrun: every (r, d, a2a) setting side by side, auto's choice (also steered by the cost model
-    with ``profile``), the per-rank floor."""
+    with ``profile``), the per-rank floor. With ``show`` rank 0 prints each part as soon as it is measured."""
     from flexmoe.parallel import ParallelSetting, candidates
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    show = show and rank == 0
     extra: dict[str, Any] = {"group": dist.group.WORLD, "ranks_per_node": ranks_per_node}
     if sleep_ms is not None:
         if cfg.experts % world:
@@ -409,13 +467,22 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
         local = _local_counts(layer, ep.gather_counts(layer.last_plan.counts))
         floor_step, _ = _floor_case(layer, local, cfg)
         cases["floor (1 rank, same per-rank rows)"] = _synced(floor_step)
-    times = time_side_by_side(cases, cfg.steps, cfg.warmup, sync=_slowest)
+    if show:
+        print(_distributed_header(cfg, world, sleep_ms, torch.get_num_threads()), flush=True)
+    times = time_side_by_side(cases, cfg.steps, cfg.warmup, sync=_slowest,
+                              desc=f"timing {len(cases)} settings" if show else None)
     medians = {name: statistics.median(v) for name, v in times.items()}
     # The calling thread's time inside exchanges (launching or waiting): the exposed communication, median
     # over the timed steps (warm-up steps dropped) as a share of the median step.
     comm_share = {name: statistics.median(v[cfg.warmup:]) / medians[name] for name, v in exposed.items()}
 
     best_static = min((str(s) for s in settings), key=lambda name: medians[name])
+    floor = medians.get("floor (1 rank, same per-rank rows)")
+    setting_rows = [{"setting": str(s), "seconds": medians[str(s)], "comm_share": comm_share[str(s)],
+                     "x_floor": None if floor is None else medians[str(s)] / floor} for s in settings]
+    if show:
+        print("\n".join(_distributed_rows(setting_rows, floor)), flush=True)
+        print("tuning parallel='auto' ...", flush=True)
     autos = {"auto": build_layer(cfg, parallel="auto", **extra)}
     if profile is not None:
         from flexmoe.tuning import ModelGuidedChooser
@@ -430,16 +497,14 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
             auto_step()
         auto_cases[name] = _synced(auto_step)
     auto_times = time_side_by_side({**auto_cases, "best static": cases[best_static]}, cfg.steps, cfg.warmup,
-                                   sync=_slowest)
-    floor = medians.get("floor (1 rank, same per-rank rows)")
+                                   sync=_slowest, desc="timing auto" if show else None)
     auto_report = [{"name": name, "choice": str(m.auto_decisions[0].choice),
                     "seconds": statistics.median(auto_times[name]),
                     "tuning": m.auto_decisions[0].describe()} for name, m in autos.items()]
     return {
         "config": asdict(cfg), "world_size": world, "ranks_per_node": layer.ranks_per_node,
         "sleep_ms": sleep_ms, "threads_per_rank": torch.get_num_threads(),
-        "settings": [{"setting": str(s), "seconds": medians[str(s)], "comm_share": comm_share[str(s)],
-                      "x_floor": None if floor is None else medians[str(s)] / floor} for s in settings],
+        "settings": setting_rows,
         "floor_seconds": floor,
         "auto": auto_report, "best_static": best_static,
         "best_static_seconds": statistics.median(auto_times["best static"]),
@@ -453,20 +518,33 @@ def _local_counts(layer: MoELayer, all_counts: list[list[int]]) -> list[int]:
     return [sum(row[e] for row in all_counts) for e in experts]
 
 
-def format_distributed(report: dict[str, Any]) -> str:
-    cfg = BenchConfig(**report["config"])
-    stall = f", experts stall {report['sleep_ms']:g} ms (no CPU)" if report["sleep_ms"] is not None else ""
-    lines = [f"flexmoe bench: {report['world_size']} ranks x {cfg.describe()} per rank, "
-             f"{report['threads_per_rank']} thread(s) per rank{stall}; median of {cfg.steps} steps, "
-             f"slowest rank",
-             f"{'setting':<24}{'ms/step':>10}{'a2a wait':>10}{'share':>7}{'x floor':>9}"]
-    for row in report["settings"]:
+def _distributed_header(cfg: BenchConfig, world: int, sleep_ms: float | None, threads: int) -> str:
+    stall = f", experts stall {sleep_ms:g} ms (no CPU)" if sleep_ms is not None else ""
+    return (f"flexmoe bench: {world} ranks x {cfg.describe()} per rank, {threads} thread(s) per rank{stall}; "
+            f"median of {cfg.steps} steps, slowest rank")
+
+
+def _distributed_rows(settings: list[dict[str, Any]], floor: float | None) -> list[str]:
+    lines = [f"{'setting':<24}{'ms/step':>10}{'a2a wait':>10}{'share':>7}{'x floor':>9}"]
+    for row in settings:
         ratio = "" if row["x_floor"] is None else f"{row['x_floor']:>9.3f}"
         wait_ms = row["comm_share"] * row["seconds"] * 1e3
         lines.append(f"{row['setting']:<24}{row['seconds'] * 1e3:>10.1f}{wait_ms:>10.1f}{row['comm_share']:>7.0%}"
                      f"{ratio}")
-    if report["floor_seconds"] is not None:
-        lines.append(f"{'floor (per-rank rows)':<24}{report['floor_seconds'] * 1e3:>10.1f}")
+    if floor is not None:
+        lines.append(f"{'floor (per-rank rows)':<24}{floor * 1e3:>10.1f}")
+    return lines
+
+
+def format_distributed(report: dict[str, Any]) -> str:
+    return "\n".join([_distributed_header(BenchConfig(**report["config"]), report["world_size"],
+                                          report["sleep_ms"], report["threads_per_rank"]),
+                      *_distributed_rows(report["settings"], report["floor_seconds"]),
+                      *_distributed_conclusions(report)])
+
+
+def _distributed_conclusions(report: dict[str, Any]) -> list[str]:
+    lines = []
     best = report["best_static_seconds"]
     for auto in report["auto"]:
         lines.append(f"{auto['name']} chose {auto['choice']}: {auto['seconds'] * 1e3:.1f} ms vs best static "
@@ -479,7 +557,7 @@ def format_distributed(report: dict[str, Any]) -> str:
         if d1:
             lines.append(f"pipelining: best setting {best / d1:.3f}x the time of d=1 "
                          f"({(d1 - best) * 1e3:.1f} ms of communication hidden per step)")
-    return "\n".join(lines)
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------- the command
@@ -489,29 +567,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = BenchConfig()
     a = parser.add_argument
     a("--tokens", type=int, default=d.tokens, help="tokens per step (per rank under torchrun)")
-    a("--model-dim", type=int, default=d.model_dim)
-    a("--hidden-dim", type=int, default=d.hidden_dim)
-    a("--experts", type=int, default=d.experts)
-    a("--k", type=int, default=d.k)
+    a("--model-dim", type=int, default=d.model_dim, help="model (token) dimension M")
+    a("--hidden-dim", type=int, default=d.hidden_dim, help="hidden dimension H of each expert's FFN")
+    a("--experts", type=int, default=d.experts, help="number of experts E (global under torchrun)")
+    a("--k", type=int, default=d.k, help="experts per token (top-k)")
     a("--capacity-factor", type=float, default=d.capacity_factor, help="0: dropless, < 0: adaptive")
-    a("--dtype", choices=sorted(_DTYPES), default=d.dtype)
+    a("--dtype", choices=sorted(_DTYPES), default=d.dtype, help="parameter and activation dtype")
     a("--glu", action="store_true", help="gated (SwiGLU-style) experts")
     a("--steps", type=int, default=d.steps, help="timed steps per case (median reported)")
-    a("--warmup", type=int, default=d.warmup)
-    a("--seed", type=int, default=d.seed)
+    a("--warmup", type=int, default=d.warmup, help="untimed steps per case first")
+    a("--seed", type=int, default=d.seed, help="seed of the weights and inputs")
     a("--threads", type=int, default=None, help="torch threads (default: all cores, shared by local ranks)")
     a("--no-peers", action="store_true", help="skip DeepSpeed / fairscale / Tutel even when importable")
     a("--memory", action="store_true", help="also report activation memory, and E=64 at equal T, k, H")
-    a("--suite", action="store_true", help="run the foundation issue's target configurations")
+    a("--suite", action="store_true", help="run the four standard configurations (fp32, dropless, bf16, E=64 H=256 k=8), each "
+                                          "checked against its target ratio to the floor")
     a("--families", action="store_true",
       help="DeepSeek-style routing vs plain top-k at E=64 (8 groups), k=8 (overrides --experts, --k)")
     a("--nproc", type=int, default=1, help="launch N local ranks with torchrun (gloo on 127.0.0.1)")
     a("--ranks-per-node", type=int, default=None, help="for the 2-D hierarchical all-to-all (default: torchrun's)")
     a("--sleep-ms", type=float, default=None,
-      help="distributed: experts that stall this long per pass without using the CPU (overlap check)")
-    a("--degrees", type=_degrees, default=(1, 2, 4), help="distributed: overlap degrees to time (default 1,2,4)")
+      help="distributed: experts that stall this long per pass without using the CPU (overlap check) "
+           "(default: real experts)")
+    a("--degrees", type=_degrees, default=(1, 2, 4), help="distributed: overlap degrees to time (default: 1,2,4)")
     a("--profile", default=None,
-      help="distributed: also run parallel='auto' steered by this cost-model profile ('local', 'a100-ndv4', a path)")
+      help="distributed: also run parallel='auto' steered by this cost-model profile ('local', 'a100-ndv4', a "
+           "path) (default: none)")
     a("--json", action="store_true", help="print the report as JSON")
 
 
@@ -526,32 +607,32 @@ def _degrees(text: str) -> tuple[int, ...]:
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
-    for name in ("tokens", "model_dim", "hidden_dim", "experts", "k", "steps"):
+    for name in ("tokens", "model_dim", "hidden_dim", "experts", "k", "steps", "nproc"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.k > args.experts:
+        raise UsageError(f"--k {args.k} must be at most --experts {args.experts}")
     if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     if not math.isfinite(args.capacity_factor):
-        raise ValueError(f"--capacity-factor must be finite, got {args.capacity_factor}")
+        raise UsageError(f"--capacity-factor must be finite, got {args.capacity_factor}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     return BenchConfig(args.tokens, args.model_dim, args.hidden_dim, args.experts, args.k, args.capacity_factor,
                        args.dtype, args.glu, args.steps, args.warmup, args.seed)
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = _config(args)
     if args.nproc > 1 and not under_torchrun():
         argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else []
         return relaunch(args.nproc, "bench", _without_nproc(argv))
-    try:
-        cfg = _config(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     if under_torchrun():
         return _run_distributed(cfg, args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.suite:
-        result = run_suite(cfg, peers=not args.no_peers)
+        result = run_suite(cfg, peers=not args.no_peers, show=not args.json)
         summary = [f"{r['label']:<30} flexmoe {r['x_floor']:.3f}x floor, target <= {r['target']}: "
                    f"{'met' if r['met'] else 'NOT met'}" for r in result["suite"]]
         mem = result["suite"][0]["report"].get("memory")
@@ -566,8 +647,9 @@ def run(args: argparse.Namespace) -> int:
         report = bench_families(cfg)
         print(json.dumps(report, indent=1) if args.json else format_families(report))
         return 0
-    report = bench_single(cfg, peers=not args.no_peers, memory=args.memory)
-    print(json.dumps(report, indent=1) if args.json else format_single(report))
+    report = bench_single(cfg, peers=not args.no_peers, memory=args.memory, show=not args.json)
+    if args.json:
+        print(json.dumps(report, indent=1))
     return 0
 
 
@@ -588,9 +670,11 @@ def _run_distributed(cfg: BenchConfig, args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        report = bench_distributed(cfg, args.sleep_ms, args.ranks_per_node, args.profile, args.degrees)
+        report = bench_distributed(cfg, args.sleep_ms, args.ranks_per_node, args.profile, args.degrees,
+                                   show=not args.json)
         if report["rank"] == 0:
-            print(json.dumps(report, indent=1) if args.json else format_distributed(report), flush=True)
+            print(json.dumps(report, indent=1) if args.json else "\n".join(_distributed_conclusions(report)),
+                  flush=True)
     finally:
         dist.destroy_process_group()
     return 0

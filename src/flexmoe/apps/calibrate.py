@@ -23,12 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flexmoe.apps.errors import UsageError
+from flexmoe.apps.progress import StepBar
 from flexmoe.launch import spawn_ranks
 from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, ComputeSpec, LinkSpec, Profile
 
@@ -405,8 +406,8 @@ def calibrate(worlds: tuple[int, ...] = (2, 4), quick: bool = False, log: Callab
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=LOCAL_PROFILE_PATH,
-                        help=f"where to write the profile (default {LOCAL_PROFILE_PATH}, what --profile local reads)")
-    parser.add_argument("--ranks", default="2,4", help="rank counts for the gloo measurements (default 2,4)")
+                        help=f"where to write the profile (default: {LOCAL_PROFILE_PATH}, what --profile local reads)")
+    parser.add_argument("--ranks", default="2,4", help="rank counts for the gloo measurements (default: 2,4)")
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (tests)")
     parser.add_argument("--json", action="store_true", help="print the profile as JSON instead of a summary")
 
@@ -432,12 +433,16 @@ def summarize(profile: Profile) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    worlds = tuple(int(x) for x in str(args.ranks).split(",") if x.strip())
-    if any(w < 2 for w in worlds):
-        print("--ranks: every entry must be >= 2", file=sys.stderr)
-        return 2
-    log = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    profile = calibrate(worlds, quick=args.quick, log=log)
+    try:
+        worlds = tuple(int(x) for x in str(args.ranks).split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--ranks: expected comma-separated rank counts such as 2,4, got {args.ranks!r}") from None
+    if not worlds or any(w < 2 for w in worlds):
+        raise UsageError(f"--ranks: every entry must be >= 2 (e.g. 2,4), got {args.ranks!r}")
+    if args.out.exists() and args.out.is_dir():
+        raise UsageError(f"--out {args.out}: is a directory; give the path of the profile's JSON file")
+    with StepBar(1 + len(worlds), "calibrate", enabled=not args.json) as bar:  # compute, then each world
+        profile = calibrate(worlds, quick=args.quick, log=bar)
     path = profile.save(args.out)
     if args.json:
         print(profile.to_json())

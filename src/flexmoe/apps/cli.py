@@ -1,13 +1,22 @@
 """The ``flexmoe`` command. Each subcommand lives in its own module, which provides
-``add_arguments(parser)`` and ``run(args) -> int``; this file only wires them together."""
+``add_arguments(parser)`` and ``run(args) -> int``; this file only wires them together.
+
+User errors (:class:`flexmoe.apps.errors.UsageError`, and the library's corpus and checkpoint errors) end as one
+line ``error: ...`` on stderr with exit code 2; see :mod:`flexmoe.apps.errors`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-# name -> (module, one-line help). The module is imported only when its command runs or help is shown.
+import flexmoe
+from flexmoe.apps.errors import USAGE_EXIT_CODE, UsageError
+
+# name -> (module, one-line help). Only the module of the command being run (or whose --help is shown) is
+# imported, so that `flexmoe --help` and one command's start-up do not pay for every other command's imports.
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("flexmoe.apps.bench", "time one MoE layer against the compute floor and reference layers"),
     "train": ("flexmoe.apps.train", "train the MoE GPT (or its dense twin) on tiny Shakespeare or any text file"),
@@ -19,20 +28,71 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flexmoe", description="Mixture-of-experts layers for PyTorch.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line ``error: ...`` (exit 2) like every other user error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        _print_error(f"{self.prog}: {message} (see '{self.prog} --help')")
+        raise SystemExit(USAGE_EXIT_CODE)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every flag's default, except where there is none to show (None, False, or a positional)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        no_default = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "(default" in help_text or no_default or not action.option_strings:
+            return help_text
+        return help_text + " (default: %(default)s)"
+
+
+def _is_rank_zero() -> bool:
+    """Under torchrun every rank fails alike; one of them (rank 0) says why."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _print_error(message: str) -> None:
+    if _is_rank_zero():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean the user asked for something that cannot work (not a bug in flexmoe)."""
+    from flexmoe.apps.data import CorpusError
+    from flexmoe.checkpoint import CheckpointError
+
+    return UsageError, CorpusError, CheckpointError
+
+
+def _chosen_command(argv: list[str]) -> str | None:
+    """The subcommand named on the command line (the first word that is one), if any."""
+    return next((word for word in argv if word in COMMANDS), None)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported and its flags added (all commands are listed)."""
+    parser = _Parser(prog="flexmoe", description="Mixture-of-experts layers for PyTorch.",
+                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"flexmoe {flexmoe.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(module_name)
-        command = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(command)
-        command.set_defaults(_run=module.run)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
+        if name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return int(args._run(args) or 0)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(_chosen_command(argv)).parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except _user_errors() as exc:
+        _print_error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return USAGE_EXIT_CODE
 
 
 if __name__ == "__main__":

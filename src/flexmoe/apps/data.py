@@ -63,9 +63,18 @@ def load_text_bytes(path: str | Path | None) -> bytes:
     if path is None:
         return load_corpus()
     path = Path(path)
+    what_works = "give a text file (any bytes), or leave --data out for the embedded tiny Shakespeare"
+    if path.is_dir():
+        raise CorpusError(f"--data {path}: is a directory; {what_works}")
     if not path.is_file():
-        raise CorpusError(f"--data {path}: no such file")
-    return path.read_bytes()
+        raise CorpusError(f"--data {path}: no such file; {what_works}")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CorpusError(f"--data {path}: cannot be read ({exc.strerror}); {what_works}") from None
+    if not raw:
+        raise CorpusError(f"--data {path}: the file is empty; {what_works}")
+    return raw
 
 
 def encode(text: str | bytes) -> Tensor:
@@ -101,9 +110,11 @@ class TokenData:
         # Each split must hold at least one (input, target) window of block_size + 1 tokens.
         for name, split in (("train", train), ("validation", val)):
             if len(split) < block_size + 2:
+                needed = _min_bytes(block_size, val_fraction)
                 raise CorpusError(
-                    f"{source}: the {name} split has {len(split)} bytes, fewer than block_size + 2 = "
-                    f"{block_size + 2}; use a larger file or a smaller block size"
+                    f"{'--data ' if path is not None else ''}{source}: too small for one batch: {len(raw)} bytes "
+                    f"leave {len(split)} for the {name} split, which needs block_size + 2 = {block_size + 2}; "
+                    f"use a file of at least {needed} bytes or a smaller --block-size"
                 )
         return cls(train=train, val=val, source=source)
 
@@ -124,6 +135,14 @@ class TokenData:
         offsets = torch.arange(block_size + 1)
         windows = data[starts[:, None] + offsets].long()  # [B, L + 1]
         return windows[:, :-1], windows[:, 1:]
+
+
+def _min_bytes(block_size: int, val_fraction: float) -> int:
+    """The smallest file whose train and validation splits both hold one window of ``block_size + 2`` bytes."""
+    n = 2 * (block_size + 2)
+    while min(int(n * val_fraction), n - int(n * val_fraction)) < block_size + 2:
+        n += 1
+    return n
 
 
 def _mix(seed: int, step: int, stream: int) -> int:

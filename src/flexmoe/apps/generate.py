@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from flexmoe.apps.data import decode, encode
+from flexmoe.apps.errors import UsageError
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint
 
@@ -19,10 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--run", required=True, help="run directory (its newest checkpoint) or a checkpoint directory")
     a("--prompt", default="\n", help="text to continue (default: a newline)")
-    a("--tokens", type=int, default=500, help="bytes to generate (default 500)")
-    a("--temperature", type=float, default=0.8, help="softmax temperature (default 0.8)")
-    a("--top-k", type=int, default=None, help="sample among the k most likely bytes only")
-    a("--seed", type=int, default=0, help="sampling seed (default 0)")
+    a("--tokens", type=int, default=500, help="bytes to generate")
+    a("--temperature", type=float, default=0.8, help="softmax temperature")
+    a("--top-k", type=int, default=None, help="sample among the k most likely bytes only (default: all 256)")
+    a("--seed", type=int, default=0, help="sampling seed")
 
 
 def load_model(run_dir: str | Path) -> tuple[GPT, Path]:
@@ -37,11 +38,15 @@ def load_model(run_dir: str | Path) -> tuple[GPT, Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        model, ckpt = load_model(args.run)
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.tokens < 0:
+        raise UsageError(f"--tokens must be >= 0, got {args.tokens}")
+    if not args.temperature > 0:
+        raise UsageError(f"--temperature must be > 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
+    if not Path(args.run).is_dir():
+        raise UsageError(f"--run {args.run}: no such directory; give a training run's --out directory")
+    model, ckpt = load_model(args.run)
     prompt = encode(args.prompt or "\n")[None, :]
     gen = torch.Generator().manual_seed(args.seed)
     out = model.generate(prompt, args.tokens, temperature=args.temperature, top_k=args.top_k, generator=gen)

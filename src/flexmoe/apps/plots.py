@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_metrics", "plot_losses", "plot_expert_load", "plot_compare"]
+__all__ = ["read_metrics", "plot_losses", "plot_expert_load", "plot_compare", "expert_shares", "share_scale"]
 
 
 def _plt():
@@ -59,29 +59,87 @@ def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str = "t
     return _save_loss_axes(fig, ax, title, path)
 
 
+def expert_shares(records: list[dict[str, Any]], layer: int) -> tuple[Any, Any | None]:
+    """One MoE layer's load as shares of the (token, choice) pairs the router placed, ``[E, logged steps]``.
+
+    Returns (computed, wanted): ``computed`` the rows each expert computed (after the capacity limit), ``wanted``
+    the pairs the router sent it before that limit (None for runs logged without ``expert_demand``). Both are
+    divided by the pairs routed, so an overflowing expert's computed share sits below its wanted share and the
+    dropped pairs are the difference.
+    """
+    import numpy as np
+
+    load = np.array([r["expert_load"][layer] for r in records], dtype=float).T
+    if not all(r.get("expert_demand") for r in records):
+        return load / np.maximum(load.sum(axis=0, keepdims=True), 1), None
+    wanted = np.array([r["expert_demand"][layer] for r in records], dtype=float).T
+    routed = np.maximum(wanted.sum(axis=0, keepdims=True), 1)
+    return load / routed, wanted / routed
+
+
+def share_scale(panels: list[Any], num_experts: int) -> float:
+    """The top of the colour scale shared by every panel: the 99th percentile of all shares after the first
+    logged step (whose untrained router may send most tokens to one expert), at least twice the uniform 1/E.
+    Larger shares saturate at the top colour rather than flattening the rest of the run."""
+    import numpy as np
+
+    later = [p[:, 1:] for p in panels if p.shape[1] > 1] or panels
+    values = np.concatenate([p.ravel() for p in later])
+    return float(max(np.percentile(values, 99), 2.0 / num_experts))
+
+
 def plot_expert_load(records: list[dict[str, Any]], path: str | Path) -> Path | None:
-    """Heat map per MoE layer: share of routed tokens per expert (rows) over logged steps (columns)."""
+    """Heat maps per MoE layer, experts (rows) over logged steps (columns): the share of the routed pairs each
+    expert was sent (wanted, before the capacity limit) beside the share it computed (after it).
+
+    One colour scale for every panel, diverging at the uniform share 1/E (white): red experts are overloaded,
+    blue ones starved; where a wanted share is red and the computed one paler, tokens were dropped.
+    """
     rows = [r for r in records if r.get("expert_load")]
     if not rows:
         return None
     plt = _plt()
-    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
 
     n_layers = len(rows[0]["expert_load"])
-    fig, axes = plt.subplots(n_layers, 1, figsize=(8, 2.2 * n_layers + 0.8), squeeze=False)
+    num_experts = len(rows[0]["expert_load"][0])
+    shares = [expert_shares(rows, i) for i in range(n_layers)]
+    has_wanted = shares[0][1] is not None
+    titles = ["wanted (routed, before the capacity limit)", "computed (after the capacity limit)"] \
+        if has_wanted else ["computed"]
+    panels = [[w, c] if has_wanted else [c] for c, w in shares]
+    uniform = 1.0 / num_experts
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=uniform,
+                        vmax=share_scale([p for layer in panels for p in layer], num_experts))
+
     steps = [r["step"] for r in rows]
     half = (steps[-1] - steps[0]) / max(len(steps) - 1, 1) / 2 or 0.5  # each column centred on its step
-    for i in range(n_layers):
-        load = np.array([r["expert_load"][i] for r in rows], dtype=float).T  # [E, logged steps]
-        share = load / np.maximum(load.sum(axis=0, keepdims=True), 1)
-        ax = axes[i][0]
-        im = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis",
-                       extent=(steps[0] - half, steps[-1] + half, load.shape[0] - 0.5, -0.5))
-        ax.set_ylabel(f"MoE layer {i}\nexpert")
-        fig.colorbar(im, ax=ax, label="share of tokens")
-    axes[-1][0].set_xlabel("step")
-    fig.suptitle("expert load per layer (uniform = 1/E)")
-    return _save(fig, path)
+    height = max(0.22 * num_experts, 1.6)
+    fig, axes = plt.subplots(n_layers, len(titles), figsize=(5.5 * len(titles) + 1.5, height * n_layers + 1.2),
+                             squeeze=False, sharex=True, sharey=True)
+    image = None
+    for i, layer_panels in enumerate(panels):
+        for j, share in enumerate(layer_panels):
+            ax = axes[i][j]
+            image = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="RdBu_r", norm=norm,
+                              extent=(steps[0] - half, steps[-1] + half, num_experts - 0.5, -0.5))
+            ax.set_yticks(range(num_experts))
+            ax.set_yticklabels([str(e) for e in range(num_experts)], fontsize=8 if num_experts <= 16 else 5)
+            if i == 0:
+                ax.set_title(titles[j], fontsize=10)
+            if j == 0:
+                ax.set_ylabel(f"MoE layer {i}\nexpert")
+            if i == n_layers - 1:
+                ax.set_xlabel("step")
+    bar = fig.colorbar(image, ax=axes, extend="max", label="share of the routed (token, choice) pairs")
+    multiples = [0.0, 0.5, 1.0] + [float(m) for m in range(2, int(norm.vmax / uniform) + 1)]
+    bar.set_ticks([m * uniform for m in multiples])
+    bar.set_ticklabels(["0" if m == 0 else f"uniform 1/E = {uniform:.3g}" if m == 1 else f"{m:g}/E"
+                        for m in multiples])
+    fig.suptitle(f"expert load per MoE layer ({num_experts} experts; white = uniform 1/E, red = overloaded)")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
 
 
 def plot_compare(runs: dict[str, list[dict[str, Any]]], path: str | Path) -> Path:

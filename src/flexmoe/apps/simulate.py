@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from flexmoe.apps.errors import UsageError
 from flexmoe.tuning.cost_model import LayerConfig, choose_shadowed, expert_rows, predict, score_candidates, valid_r
 from flexmoe.tuning.profile import available_profiles, load_profile
 
@@ -169,27 +169,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"published profile ({', '.join(available_profiles())}), 'local', or a JSON path")
     parser.add_argument("--gpus", default="8,16,...,2048", help="GPU counts: '8,16,...,2048' or a list")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
-    parser.add_argument("--model-dim", type=int, default=2048)
-    parser.add_argument("--hidden-dim", type=int, default=2048)
+    parser.add_argument("--model-dim", type=int, default=2048, help="model (token) dimension M")
+    parser.add_argument("--hidden-dim", type=int, default=2048, help="hidden dimension H of each expert's FFN")
     parser.add_argument("--experts", type=int, default=64, help="global experts (sharded when GPUs > experts)")
-    parser.add_argument("--k", type=int, default=2)
-    parser.add_argument("--capacity-factor", type=float, default=1.25)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--k", type=int, default=2, help="experts per token (top-k)")
+    parser.add_argument("--capacity-factor", type=float, default=1.25, help="expert capacity / even share of tokens")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                        help="parameter and activation dtype")
     parser.add_argument("--skew", type=float, default=4.0, help="hottest expert's load / mean in the skewed rows")
-    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default simulate-<profile>.png)")
-    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: simulate-<profile>.png)")
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         gpus = parse_gpus(args.gpus)
+    except ValueError as exc:
+        raise UsageError(f"--gpus {args.gpus!r}: {exc}; write a list such as 8,64,512 or a series such as "
+                         f"8,16,...,2048") from None
+    try:
+        load_profile(args.profile)
+    except (ValueError, FileNotFoundError) as exc:
+        raise UsageError(f"--profile: {exc}") from None
+    try:
         rows = simulate(args.profile, gpus, tokens=args.tokens, model_dim=args.model_dim,
                         hidden_dim=args.hidden_dim, experts=args.experts, k=args.k,
                         capacity_factor=args.capacity_factor, dtype=args.dtype, skew=args.skew)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"flexmoe simulate: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     name = Path(str(args.profile)).stem
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -3,7 +3,8 @@
 The run directory (``--out``) holds ``config.json``, ``metrics.jsonl`` (one JSON object per logged step:
 ``step``, ``train_loss``, and ``val_loss`` where evaluated), ``checkpoints/``, ``summary.json`` and PNG plots.
 With ``--compare-dense`` the dense twin trains on the same batches into ``OUT/dense`` and ``OUT`` also gets
-``compare.png``, ``compare.md`` and ``compare.json``.
+``compare.png``, ``compare.md`` and ``compare.json``. An existing run directory is only touched with
+``--resume`` (continue it; a finished run is left as it is) or ``--overwrite`` (remove its run files first).
 
 Reproducibility: the batch of step s is a function of (seed, s) only, the learning rate a function of s, and
 checkpoints hold the optimizer and RNG states, so a resumed run continues exactly as an uninterrupted one.
@@ -20,7 +21,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -32,9 +32,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexmoe.apps.data import TokenData
+from flexmoe.apps.errors import UsageError
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.checkpoint import (
-    CheckpointError,
     expert_param_names,
     expert_placement,
     latest_checkpoint,
@@ -43,8 +43,8 @@ from flexmoe.checkpoint import (
     save_checkpoint,
 )
 from flexmoe.launch import relaunch, under_torchrun
+from flexmoe.layer import update_expert_biases
 from flexmoe.parallel.ddp import wrap_ddp
-from flexmoe.layer import MoELayer, update_expert_biases
 from flexmoe.parallel.groups import default_ranks_per_node
 
 __all__ = ["TrainConfig", "add_arguments", "run", "train", "build_model"]
@@ -101,15 +101,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t = TrainConfig()
     m = GPTConfig()
     a = parser.add_argument
-    a("--out", default="runs/default", help="run directory (default: runs/default)")
-    a("--steps", type=int, default=None, help=f"optimizer steps (default {t.steps}; on --resume: the saved value)")
-    a("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    a("--data", default=None, help="train on this text file (bytes as tokens) instead of tiny Shakespeare")
-    a("--seed", type=int, default=t.seed, help=f"seed of the initialisation and data order (default {t.seed})")
-    a("--batch-size", type=int, default=t.batch_size, help=f"global sequences per step (default {t.batch_size})")
+    a("--out", default="runs/default", help="run directory; an existing one needs --resume or --overwrite")
+    a("--steps", type=int, default=None, help=f"optimizer steps (default: {t.steps}; on --resume: the saved value)")
+    a("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    a("--overwrite", action="store_true", help="delete the run in --out (metrics, checkpoints, plots) and start anew")
+    a("--data", default=None, help="train on this text file (bytes as tokens) (default: the embedded tiny Shakespeare)")
+    a("--seed", type=int, default=t.seed, help="seed of the initialisation and data order")
+    a("--batch-size", type=int, default=t.batch_size, help="global sequences per step (split over ranks)")
     a("--micro-batches", type=int, default=t.micro_batches, help="gradient accumulation steps per rank")
-    a("--lr", type=float, default=t.lr, help=f"peak learning rate (default {t.lr})")
-    a("--warmup", type=int, default=t.warmup, help=f"linear warm-up steps (default {t.warmup})")
+    a("--lr", type=float, default=t.lr, help="peak learning rate (cosine decay to a tenth of it)")
+    a("--warmup", type=int, default=t.warmup, help="linear warm-up steps")
     a("--log-every", type=int, default=t.log_every, help="steps between metrics records")
     a("--eval-every", type=int, default=t.eval_every, help="steps between validation evaluations")
     a("--eval-batches", type=int, default=t.eval_batches, help="validation batches per evaluation")
@@ -118,14 +119,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--compare-dense", action="store_true",
       help="also train the dense twin (equal active compute) on the same batches; write compare.{png,md,json}")
     a("--target-loss", type=float, default=None,
-      help="report wall time and tokens until the validation loss first reaches this value")
+      help="report wall time and tokens until the validation loss first reaches this value (default: none)")
     a("--stop-at-target", action="store_true", help="stop training once --target-loss is reached")
     a("--nproc", type=int, default=1,
       help="launch N processes with torch.distributed.run (experts spread over ranks, the rest data-parallel)")
     a("--no-plots", action="store_true", help="skip the PNG plots")
     a("--no-progress", action="store_true", help="no progress bar")
     for flag, (name, typ) in _MODEL_FLAGS.items():
-        a(flag, type=typ, default=None, help=f"model: {name} (default {getattr(m, name)})")
+        a(flag, type=typ, default=None, help=f"model: {name} (default: {getattr(m, name)})")
     _ACTIONS[:] = list(parser._actions)
 
 
@@ -148,13 +149,14 @@ def _forward_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Every check of the user's input happens here, before any process is launched or any file written.
+    mcfg, tcfg = _configs(args)
+    _check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+    TokenData.from_file(tcfg.data, block_size=mcfg.block_size)  # a missing, empty or too small --data
     if args.nproc > 1 and not under_torchrun():
         return relaunch(args.nproc, "train", _forward_argv(args))
     try:
-        return _run(args)
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _run(args, mcfg, tcfg)
     finally:
         if dist.is_available() and dist.is_initialized():
             # Free what is left of the model and its DDP wrapper first (reference cycles included), so that
@@ -163,9 +165,18 @@ def run(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
-def _run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    rank, world = _init_distributed()
+def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
+    """The model and training configuration from the flags (a resumed run: from its config.json)."""
+    for flag in ("steps", "batch_size", "micro_batches", "log_every", "eval_every", "eval_batches", "ckpt_every",
+                 "nproc"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.resume and args.overwrite:
+        raise UsageError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
+                         "--overwrite deletes it")
     model_overrides = {name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _) in _MODEL_FLAGS.items()}
     model_overrides = {k: v for k, v in model_overrides.items() if v is not None}
     tcfg = TrainConfig(
@@ -175,7 +186,7 @@ def _run(args: argparse.Namespace) -> int:
         eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, target_loss=args.target_loss,
         stop_at_target=args.stop_at_target, plots=not args.no_plots, progress=not args.no_progress,
     )
-    saved = out / "config.json"
+    saved = Path(args.out) / "config.json"
     if args.resume and saved.is_file():
         # A resumed run keeps its configuration; only --steps (to extend or shorten it) is taken from the CLI.
         old = json.loads(saved.read_text())
@@ -183,15 +194,41 @@ def _run(args: argparse.Namespace) -> int:
         tcfg = TrainConfig(**{**old["train"], "steps": steps, "progress": tcfg.progress, "plots": tcfg.plots})
         mcfg = GPTConfig.from_dict(old["model"])
     else:
-        mcfg = GPTConfig(**{**model_overrides, "dense": args.dense})
-    if args.resume and not saved.is_file() and rank == 0:
-        print(f"--resume: {saved} not found, starting a new run", flush=True)
+        try:
+            mcfg = GPTConfig(**{**model_overrides, "dense": args.dense})
+        except ValueError as exc:
+            raise UsageError(f"model flags: {exc}") from None
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    if tcfg.batch_size % (world * tcfg.micro_batches):
+        raise UsageError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
+                         f"({world} x {tcfg.micro_batches}); e.g. --batch-size {world * tcfg.micro_batches * 8}")
+    return mcfg, tcfg
+
+
+def _check_run_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """An existing run directory is touched only with --resume (continue it) or --overwrite (replace it)."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: is a file, not a directory; give a new or existing run directory")
+    existing = out.is_dir() and any(out.iterdir())
+    if existing and resume and not (out / "config.json").is_file():
+        raise UsageError(f"--out {out}: not a flexmoe run directory (no config.json) and not empty, so there is "
+                         f"nothing to --resume; give a new directory")
+    if existing and not (resume or overwrite):
+        raise UsageError(f"--out {out} already exists: add --resume to continue that run or --overwrite to "
+                         f"replace it (or give another --out)")
+
+
+def _run(args: argparse.Namespace, mcfg: GPTConfig, tcfg: TrainConfig) -> int:
+    out = Path(args.out)
+    rank, world = _init_distributed()
+    if args.resume and not (out / "config.json").is_file() and rank == 0:
+        print(f"--resume: no run in {out} yet, starting a new one", flush=True)
     results = {}
     name = "dense" if mcfg.dense else "moe"
     results[name] = train(mcfg, tcfg, out, resume=args.resume)
     if args.compare_dense and not mcfg.dense:
         results["dense"] = train(mcfg.dense_twin(), tcfg, out / "dense", resume=args.resume)
-        if rank == 0:
+        if rank == 0 and not all(r.already_complete for r in results.values()):
             write_comparison(out, results)
     return 0
 
@@ -299,6 +336,7 @@ class RunResult:
     tokens: int
     target: dict[str, Any] | None
     summary: dict[str, Any]
+    already_complete: bool = False  # --resume found the run finished and changed nothing
 
 
 def _mean_over_ranks(value: float, world: int) -> float:
@@ -325,7 +363,7 @@ def evaluate(model: GPT, data: TokenData, tcfg: TrainConfig, rank: int, world: i
 
 def _rank_rows(batch_size: int, rank: int, world: int) -> slice:
     if batch_size % world:
-        raise ValueError(f"--batch-size {batch_size} must divide by the number of ranks {world}")
+        raise UsageError(f"--batch-size {batch_size} must divide by the number of ranks {world}")
     per = batch_size // world
     return slice(rank * per, (rank + 1) * per)
 
@@ -350,7 +388,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
         mcfg = GPTConfig.from_dict(mcfg.to_dict(), group=dist.group.WORLD)
     label = "dense" if mcfg.dense else "moe"
     if tcfg.batch_size % (world * tcfg.micro_batches):
-        raise ValueError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
+        raise UsageError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
                          f"({world} x {tcfg.micro_batches})")
     data = TokenData.from_file(tcfg.data, block_size=mcfg.block_size)
     model = build_model(mcfg, tcfg.seed)
@@ -366,26 +404,33 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
     if ckpt is not None:
         meta = load_checkpoint(ckpt, model=model, optimizer=optimizer)
         start, elapsed, target = meta["step"], meta.get("elapsed_s", 0.0), meta.get("target")
+        finished = _finished_run(out, start, tcfg, target)
+        if finished is not None:
+            if rank == 0:
+                print(f"[{label}] {out} is already complete (step {start} of {tcfg.steps}); nothing to do "
+                      f"(--steps N with a larger N extends it)", flush=True)
+            return finished
         if rank == 0:
             print(f"[{label}] resumed from {ckpt} at step {start}", flush=True)
     # The nodes the MoE layers see: torchrun's LOCAL_WORLD_SIZE ranks per node (None: not under torchrun).
     ranks_per_node = model.moe_layers[0].ranks_per_node if model.moe_layers else default_ranks_per_node()
+    params, active_params = global_param_counts(mcfg)
     records: list[dict[str, Any]] = []
     if rank == 0:
         if world > 1:
             nodes = f"{world // ranks_per_node} node(s) of {ranks_per_node}" if ranks_per_node else "one node"
             print(f"[{label}] {world} ranks on {nodes}", flush=True)
         out.mkdir(parents=True, exist_ok=True)
+        if ckpt is None:
+            # A new run in an existing directory (the command line allows it with --overwrite only) replaces
+            # the old run's files, and only those.
+            _remove_run_files(out)
         (out / "config.json").write_text(json.dumps(
             {"model": mcfg.to_dict(), "train": {k: v for k, v in asdict(tcfg).items()}, "world_size": world,
              "ranks_per_node": ranks_per_node, "data": data.source}, indent=1))
         records = _rewrite_metrics(metrics_path, start) if ckpt is not None else []
         if ckpt is None:
-            # A new run in an existing directory replaces the old run's metrics and checkpoints.
-            metrics_path.unlink(missing_ok=True)
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)
-        if ckpt is None:
-            print(f"[{label}] {model.num_params():,} parameters, {model.num_params(active=True):,} active per "
+            print(f"[{label}] {params:,} parameters, {active_params:,} active per "
                   f"token; {data.source}: {len(data.train):,} train / {len(data.val):,} validation bytes",
                   flush=True)
     tokens_per_step = tcfg.batch_size * mcfg.block_size
@@ -411,6 +456,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
             x, y = data.batch("train", tcfg.batch_size, mcfg.block_size, seed=tcfg.seed, step=step, rows=rows)
             loss_sum = bal_sum = drop_sum = 0.0
             loads: list[Tensor] = []
+            demands: list[Tensor] = []
             for i in range(tcfg.micro_batches):
                 xs, ys = x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
                 # DDP all-reduces in the last micro-batch's backward only.
@@ -421,6 +467,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
                 bal_sum += model.balance_loss()
                 drop_sum += model.drop_rate()
                 loads.append(torch.tensor(model.expert_load(), dtype=torch.float64))
+                demands.append(torch.tensor(model.expert_demand(), dtype=torch.float64))
             clip_gradients(model, tcfg.grad_clip, world)
             update_expert_biases(model)  # balance="bias": once per optimizer step, from all micro-batches' load
             optimizer.step()
@@ -433,8 +480,10 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
                 balance = _mean_over_ranks(bal_sum / tcfg.micro_batches, world)
                 drop = _mean_over_ranks(drop_sum / tcfg.micro_batches, world)
                 load = torch.stack(loads).sum(0) if loads and loads[0].numel() else torch.zeros(0)
+                demand = torch.stack(demands).sum(0) if demands and demands[0].numel() else torch.zeros(0)
                 if world > 1 and load.numel():
                     dist.all_reduce(load)
+                    dist.all_reduce(demand)
                 now = time.perf_counter()
                 tok_s = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9)
                 t_last, step_last = now, step
@@ -444,6 +493,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
                 }
                 if load.numel():
                     record["expert_load"] = load.long().tolist()
+                    record["expert_demand"] = demand.long().tolist()
                 if is_eval:
                     val_loss = evaluate(model, data, tcfg, rank, world)
                     last_eval_step = step
@@ -490,8 +540,8 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
     wall = time.perf_counter() - t0
     summary = {
         "model": label, "steps": step, "final_val_loss": val_loss, "final_train_loss": train_loss,
-        "wall_time_s": wall, "tokens": step * tokens_per_step, "params": model.num_params(),
-        "active_params": model.num_params(active=True), "world_size": world, "ranks_per_node": ranks_per_node,
+        "wall_time_s": wall, "tokens": step * tokens_per_step, "params": params,
+        "active_params": active_params, "world_size": world, "ranks_per_node": ranks_per_node,
         "target": target,
     }
     if rank == 0:
@@ -503,6 +553,42 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
                  f" and {target['tokens']:,} tokens" if target else
                  (f"; target {tcfg.target_loss} not reached" if tcfg.target_loss is not None else "")), flush=True)
     return RunResult(val_loss, train_loss, step, wall, step * tokens_per_step, target, summary)
+
+
+def global_param_counts(cfg: GPTConfig) -> tuple[int, int]:
+    """(parameters, parameters active per token) of the whole model, whatever this rank holds of it.
+
+    Counted on a weightless copy (the meta device) that holds every expert, as one process would.
+    """
+    with torch.device("meta"):
+        whole = GPT(GPTConfig.from_dict(cfg.to_dict()))  # group None: one process holding all experts
+    return whole.num_params(), whole.num_params(active=True)
+
+
+# What a run writes into its directory (and --overwrite removes; nothing else in the directory is touched).
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "expert_load.png", "compare.png",
+             "compare.md", "compare.json")
+RUN_DIRS = ("checkpoints", "dense")
+
+
+def _remove_run_files(out: Path) -> None:
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    for name in RUN_DIRS:
+        shutil.rmtree(out / name, ignore_errors=True)
+
+
+def _finished_run(out: Path, step: int, tcfg: TrainConfig, target: dict[str, Any] | None) -> RunResult | None:
+    """The result of the run in ``out`` if its checkpoint at ``step`` is its last and its summary was written."""
+    summary_path = out / "summary.json"
+    last = step >= tcfg.steps or (tcfg.stop_at_target and target is not None)
+    if not last or not summary_path.is_file():
+        return None
+    s = json.loads(summary_path.read_text())
+    if s.get("steps") != step:
+        return None
+    return RunResult(s["final_val_loss"], s["final_train_loss"], s["steps"], s["wall_time_s"], s["tokens"],
+                     s.get("target"), s, already_complete=True)
 
 
 def write_plots(out: Path, label: str) -> None:

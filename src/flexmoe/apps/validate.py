@@ -22,6 +22,8 @@ import time
 from typing import Any
 
 from flexmoe.apps.calibrate import calibrate
+from flexmoe.apps.errors import UsageError
+from flexmoe.apps.progress import StepBar
 from flexmoe.launch import RanksFailed, spawn_ranks
 from flexmoe.tuning.cost_model import LayerConfig, predict
 from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, Profile, load_profile
@@ -308,20 +310,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--rounds", type=int, default=2,
                         help="measure every configuration this many times, in turn, and keep the median "
-                             "(default 2: a shared machine's load drifts over minutes)")
+                             "(default: 2; a shared machine's load drifts over minutes)")
     parser.add_argument("--max-ranks", type=int, default=4, help="skip configurations with more ranks")
     parser.add_argument("--json", action="store_true", help="print {median_abs_error, rows} as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    log = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    for flag in ("steps", "rounds", "max_ranks"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.profile != "local":
+        try:
+            load_profile(args.profile)
+        except (ValueError, FileNotFoundError) as exc:
+            raise UsageError(f"--profile: {exc}") from None
     if args.profile == "local" and (args.recalibrate or not LOCAL_PROFILE_PATH.exists()):
-        if log:
-            log(f"calibrating (writes {LOCAL_PROFILE_PATH})")
-        calibrate(log=log).save(LOCAL_PROFILE_PATH)
+        with StepBar(3, f"calibrating (writes {LOCAL_PROFILE_PATH})", enabled=not args.json) as bar:
+            calibrate(log=bar).save(LOCAL_PROFILE_PATH)  # compute, then 2 and 4 ranks
     profile = load_profile(args.profile)
     configs = [c for c in DEFAULT_CONFIGS if c.get("ranks", 1) <= args.max_ranks]
-    result = validate(profile, configs, steps=args.steps, warmup=args.warmup, log=log, rounds=args.rounds)
+    with StepBar(args.rounds * len(configs), "validate-model", enabled=not args.json) as bar:
+        result = validate(profile, configs, steps=args.steps, warmup=args.warmup, log=bar, rounds=args.rounds)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -228,6 +228,11 @@ class GPT(nn.Module):
         """Per MoE layer, the tokens each expert computed in the last forward (``tokens_per_expert``)."""
         return [m.last_plan.tokens_per_expert.tolist() for m in self.moe_layers if m.last_plan is not None]
 
+    def expert_demand(self) -> list[list[int]]:
+        """Per MoE layer, the (token, choice) pairs the router sent each expert in the last forward, before the
+        capacity limit dropped any (``load``); above :meth:`expert_load` where an expert overflowed."""
+        return [m.last_plan.load.tolist() for m in self.moe_layers if m.last_plan is not None]
+
     def num_params(self, *, active: bool = False) -> int:
         """Parameter count; with ``active`` only those one token uses (k of E experts per MoE layer)."""
         total = 0

@@ -1,0 +1,388 @@
+"""The ``flexmoe`` command as a user meets it: run directories are never lost, every user error is one line
+``error: ...`` with exit code 2, --version and --help, file permissions, progress output.
+
+Most cases call :func:`flexmoe.apps.cli.main` in-process (fast); the ones about what a terminal sees
+(tracebacks, torchrun ranks) run the command as a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexmoe
+from flexmoe.apps import cli
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--num-experts", "4",
+        "--expert-hidden", "32", "--batch-size", "8", "--warmup", "2", "--no-progress", "--eval-batches", "1",
+        "--eval-every", "4", "--ckpt-every", "2", "--log-every", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+def _flexmoe(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flexmoe", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=env or _env())
+
+
+def _error_line(err: str) -> str:
+    """The one line a user error prints (and nothing else: no traceback, no usage block)."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def _tree(root: Path) -> dict[str, tuple[int, bytes | None]]:
+    """Every path under ``root`` with its modification time and (for files) contents."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        out[str(p.relative_to(root))] = (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished 4-step run (checkpoints at 2 and 4), made once for the tests that only read it."""
+    out = tmp_path_factory.mktemp("cli") / "run"
+    assert cli.main(["train", "--out", str(out), "--steps", "4", *TINY]) == 0
+    return out
+
+
+# ------------------------------------------------------------------------------------- run directories
+
+
+def test_train_refuses_an_existing_run_directory(finished_run: Path, capsys) -> None:
+    before = _tree(finished_run)
+    capsys.readouterr()
+    assert cli.main(["train", "--out", str(finished_run), "--steps", "4", *TINY]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert str(finished_run) in line and "--resume" in line and "--overwrite" in line
+    assert _tree(finished_run) == before  # nothing written, nothing deleted
+
+
+def test_train_refuses_a_non_empty_foreign_directory_even_with_resume(tmp_path: Path, capsys) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    for extra in ([], ["--resume"]):
+        assert cli.main(["train", "--out", str(tmp_path), "--steps", "2", *TINY, *extra]) == 2
+        assert str(tmp_path) in _error_line(capsys.readouterr().err)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_resume_and_overwrite_exclude_each_other(tmp_path: Path, capsys) -> None:
+    assert cli.main(["train", "--out", str(tmp_path / "r"), "--resume", "--overwrite", *TINY]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert "--resume" in line and "--overwrite" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_overwrite_replaces_the_run_and_only_its_files(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert cli.main(["train", "--out", str(out), "--steps", "4", *TINY]) == 0
+    (out / "notes.txt").write_text("mine")
+    assert cli.main(["train", "--out", str(out), "--steps", "2", "--overwrite", *TINY]) == 0
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # the new run's records only
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000002"]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_resume_of_a_finished_run_changes_nothing(finished_run: Path, capsys) -> None:
+    before = _tree(finished_run)
+    capsys.readouterr()
+    assert cli.main(["train", "--out", str(finished_run), "--resume", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "already complete" in out and str(finished_run) in out
+    assert _tree(finished_run) == before
+
+
+def test_resume_with_more_steps_extends_a_finished_run(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert cli.main(["train", "--out", str(out), "--steps", "2", *TINY]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", "--out", str(out), "--resume", "--steps", "4", *TINY]) == 0
+    assert "already complete" not in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_resume_into_a_new_directory_starts_a_run(tmp_path: Path, capsys) -> None:
+    """What `make train` does the first time (it passes --resume, so that a second `make train` keeps the run)."""
+    out = tmp_path / "fresh"
+    assert cli.main(["train", "--out", str(out), "--steps", "2", "--resume", *TINY]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+def test_makefile_train_resumes() -> None:
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    recipe = makefile[makefile.index("\ntrain:"):].split("\n\n")[0]
+    assert "flexmoe train --out runs/default --resume" in recipe
+
+
+# ------------------------------------------------------------------------------------------- --data
+
+
+def _main(argv: list[str]) -> int:
+    """``flexmoe ARGV`` in this process; argparse's own errors leave through SystemExit."""
+    try:
+        return cli.main(argv)
+    except SystemExit as exc:
+        return int(exc.code)
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "too small", "directory"])
+def test_bad_data_is_one_line(tmp_path: Path, kind: str, capsys) -> None:
+    data = tmp_path / "data.txt"
+    if kind == "empty":
+        data.write_bytes(b"")
+    elif kind == "too small":
+        data.write_bytes(b"to be or not to be " * 10)  # 190 bytes: the validation split gets 19 < 34
+    elif kind == "directory":
+        data.mkdir()
+    out = tmp_path / "run"
+    assert _main(["train", "--out", str(out), "--data", str(data), "--steps", "2", *TINY]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert f"--data {data}" in line
+    expected = {"missing": "no such file", "empty": "empty", "too small": "at least 340 bytes",
+                "directory": "is a directory"}[kind]
+    assert expected in line
+    assert not out.exists()
+
+
+def test_bad_data_prints_no_traceback(tmp_path: Path) -> None:
+    """As a terminal sees it (an empty file used to end in torch's "both buffer length (0) and count (-1)")."""
+    (tmp_path / "empty.txt").write_bytes(b"")
+    proc = _flexmoe("train", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "empty.txt"))
+    assert proc.returncode == 2
+    assert _error_line(proc.stderr).startswith(f"error: --data {tmp_path / 'empty.txt'}: the file is empty")
+
+
+def test_data_of_exactly_the_minimum_size_trains(tmp_path: Path) -> None:
+    """The size the 'too small' message asks for is enough (block size 32: each split needs 34 bytes)."""
+    data = tmp_path / "data.txt"
+    data.write_bytes(bytes(range(97, 123)) * 13 + b"ab")  # 340 bytes
+    assert cli.main(["train", "--out", str(tmp_path / "run"), "--data", str(data), "--steps", "2", *TINY]) == 0
+
+
+# -------------------------------------------------------------------------------- every subcommand
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["train", "--steps", "0"], "--steps"),
+    (["train", "--batch-size", "6", "--micro-batches", "4"], "--batch-size"),
+    (["train", "--steps", "x"], "--steps"),
+    (["generate", "--run", "/nonexistent/run"], "/nonexistent/run"),
+    (["generate", "--run", ".", "--temperature", "0"], "--temperature"),
+    (["reshard", "/nonexistent/run", "--world-size", "2", "--out", "x"], "/nonexistent/run"),
+    (["bench", "--tokens", "0"], "--tokens"),
+    (["bench", "--k", "3", "--experts", "2"], "--k"),
+    (["bench", "--degrees", "0"], "--degrees"),
+    (["calibrate", "--ranks", "two"], "--ranks"),
+    (["calibrate", "--ranks", "1"], "--ranks"),
+    (["validate-model", "--profile", "no-such-profile"], "--profile"),
+    (["validate-model", "--steps", "0"], "--steps"),
+    (["simulate", "--gpus", "8,x", "--no-plot"], "--gpus"),
+    (["simulate", "--profile", "no-such-profile", "--no-plot"], "--profile"),
+])
+def test_user_errors_are_one_line_with_exit_code_2(tmp_path: Path, argv: list[str], names: str, capsys,
+                                                   monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert _main([*argv, *(["--out", str(tmp_path / "o")] if argv[0] == "train" else [])]) == 2
+    assert names in _error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_flag_prints_no_usage_block() -> None:
+    proc = _flexmoe("bench", "--tokens", "many")
+    assert proc.returncode == 2
+    assert _error_line(proc.stderr) == ("error: flexmoe bench: argument --tokens: invalid int value: 'many' "
+                                        "(see 'flexmoe bench --help')")
+
+
+def test_reshard_names_the_world_sizes_that_work(finished_run: Path, tmp_path: Path, capsys) -> None:
+    capsys.readouterr()
+    assert cli.main(["reshard", str(finished_run), "--world-size", "3", "--out", str(tmp_path / "r3")]) == 2
+    line = _error_line(capsys.readouterr().err)
+    # 4 experts of hidden size 32: the divisors of 4, then 4 x every divisor of 32 (experts sharded that many ways).
+    expected = sorted({w for w in range(1, 5) if 4 % w == 0} | {4 * s for s in range(1, 33) if 32 % s == 0})
+    assert expected == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert line.endswith("world sizes that work: " + ", ".join(map(str, expected)))
+    assert "--world-size 3" in line
+    assert not (tmp_path / "r3").exists()
+
+
+def test_only_rank_zero_prints_a_user_error_under_torchrun(tmp_path: Path) -> None:
+    """Every rank fails alike; rank 0 says why, the others leave quietly with the same exit code."""
+    for rank, expect_line in (("0", True), ("1", False)):
+        env = {**_env(), "RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank}
+        proc = _flexmoe("train", "--out", str(tmp_path / "r"), "--data", str(tmp_path / "nope"), env=env)
+        assert proc.returncode == 2
+        assert ("error: --data" in proc.stderr) == expect_line, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------- counts
+
+
+def test_two_ranks_report_the_global_parameter_counts(tmp_path: Path) -> None:
+    from flexmoe.apps.models import GPT, GPTConfig
+
+    flags = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, num_experts=4, expert_hidden=32)
+    whole = GPT(GPTConfig(**flags))  # one process holding every expert, counted by hand below
+    params = sum(p.numel() for p in whole.parameters())
+    expert = sum(p.numel() for n, p in whole.named_parameters() if ".experts." in n)
+    active = params - expert + expert * 2 // 4
+    out = tmp_path / "ep"
+    proc = _flexmoe("train", "--out", str(out), "--steps", "2", "--nproc", "2", "--no-plots", *TINY, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert (summary["params"], summary["active_params"]) == (params, active)
+    assert f"{params:,} parameters, {active:,} active" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------ command line
+
+
+def test_version() -> None:
+    proc = _flexmoe("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"flexmoe {flexmoe.__version__}"
+
+
+@pytest.mark.parametrize("command", list(cli.COMMANDS))
+def test_every_flag_has_help_and_shows_its_default(command: str) -> None:
+    parser = cli.build_parser(command)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    formatter = sub._get_formatter()
+    for action in sub._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert action.help and action.help.strip(), f"{command} {action.option_strings[0]} has no help"
+        shown = formatter._get_help_string(action)
+        if not isinstance(action, argparse._StoreTrueAction) and not action.required:
+            assert "(default" in shown, f"{command} {action.option_strings[0]}: no default in {shown!r}"
+        assert "issue" not in shown, f"{command} {action.option_strings[0]}: internal wording in {shown!r}"
+    text = sub.format_help()
+    assert "(default: 1,2,4)" in text if command == "bench" else True
+
+
+def test_help_imports_only_the_command_asked_for() -> None:
+    """The comment in cli.py says so: `flexmoe train --help` must not import bench, calibrate, ..."""
+    code = ("import sys\nfrom flexmoe.apps import cli\n"
+            "try:\n    cli.main(['train', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('flexmoe.apps.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
+    loaded = proc.stdout.strip().splitlines()[-1]
+    assert "flexmoe.apps.train" in loaded
+    for other in ("flexmoe.apps.bench", "flexmoe.apps.calibrate", "flexmoe.apps.validate", "flexmoe.apps.simulate",
+                  "flexmoe.apps.reshard"):
+        assert f"'{other}'" not in loaded
+
+
+# ------------------------------------------------------------------------------------------ permissions
+
+
+def test_every_file_of_a_run_has_the_same_permissions(finished_run: Path, tmp_path: Path) -> None:
+    resharded = tmp_path / "r2"
+    assert cli.main(["reshard", str(finished_run), "--world-size", "2", "--out", str(resharded)]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    files = {p: stat.S_IMODE(p.stat().st_mode) for root in (finished_run, resharded) for p in root.rglob("*")
+             if p.is_file()}
+    dirs = {p: stat.S_IMODE(p.stat().st_mode) for root in (finished_run, resharded) for p in [root, *root.rglob("*")]
+            if p.is_dir()}
+    assert any(p.suffix == ".safetensors" for p in files)
+    assert set(files.values()) == {0o666 & ~umask}, files
+    assert set(dirs.values()) == {0o777 & ~umask}, dirs
+
+
+# ------------------------------------------------------------------------------------------ expert load
+
+
+def test_metrics_log_the_load_wanted_before_the_capacity_limit(finished_run: Path) -> None:
+    records = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    pairs = 8 * 32 * 2  # batch x block x k: every (token, choice) pair of a step is routed somewhere
+    for r in records:
+        for load, wanted in zip(r["expert_load"], r["expert_demand"]):
+            assert sum(wanted) == pairs
+            assert all(0 <= c <= w for c, w in zip(load, wanted))
+        dropped = [1 - sum(c) / sum(w) for c, w in zip(r["expert_load"], r["expert_demand"])]
+        assert r["drop_rate"] == pytest.approx(sum(dropped) / len(dropped))
+
+
+def test_expert_shares_are_shares_of_the_routed_pairs() -> None:
+    from flexmoe.apps.plots import expert_shares
+
+    records = [{"expert_load": [[6, 2]], "expert_demand": [[8, 2]]},   # expert 0 wanted 8, computed 6
+               {"expert_load": [[5, 5]], "expert_demand": [[5, 5]]}]
+    computed, wanted = expert_shares(records, 0)
+    assert computed.tolist() == [[0.6, 0.5], [0.2, 0.5]]
+    assert wanted.tolist() == [[0.8, 0.5], [0.2, 0.5]]
+
+
+def test_the_first_logged_step_does_not_set_the_colour_scale() -> None:
+    import numpy as np
+
+    from flexmoe.apps.plots import share_scale
+
+    first = np.array([[0.97], [0.01], [0.01], [0.01]])  # an untrained router: nearly everything to expert 0
+    later = np.array([[0.3, 0.2], [0.25, 0.3], [0.25, 0.25], [0.2, 0.25]])
+    scale = share_scale([np.hstack([first, later])], num_experts=4)
+    assert scale == 0.5  # twice the uniform share, the later shares' 99th percentile (0.3) being below it
+    wide = np.array([[0.9, 0.8, 0.7], [0.05, 0.1, 0.1], [0.03, 0.05, 0.1], [0.02, 0.05, 0.1]])
+    assert share_scale([wide], num_experts=4) == pytest.approx(np.percentile(wide[:, 1:], 99))
+
+
+def test_expert_load_plot_without_demand_still_draws(tmp_path: Path) -> None:
+    """Runs logged before expert_demand existed (resumed ones) keep their plot."""
+    from flexmoe.apps.plots import plot_expert_load
+
+    records = [{"step": s, "expert_load": [[3 + s, 5, 4, 4]]} for s in (1, 2, 3)]
+    assert plot_expert_load(records, tmp_path / "load.png") == tmp_path / "load.png"
+    assert (tmp_path / "load.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------- README, Makefile
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_readme_opens_with_what_flexmoe_does_and_lists_the_make_targets() -> None:
+    readme = (ROOT / "README.md").read_text()
+    opening = readme.split("```")[0]
+    assert "in progress" not in opening and "expert parallelism" in opening
+    assert "AMD EPYC" in opening and "AVX2" in opening and "2-core" in opening
+    makefile = (ROOT / "Makefile").read_text()
+    for target in ("train", "test", "test-slow", "bench"):
+        assert f"\n{target}:" in makefile
+        assert f"make {target} " in readme
+    assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in readme
+
+
+def test_makefile_torch_index_reaches_pip() -> None:
+    dry = subprocess.run(["make", "-n", "-B", "setup", "TORCH_INDEX=https://example.org/whl/cpu"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    line = next(line for line in dry.stdout.splitlines() if '"torch==' in line)
+    assert line.rstrip().endswith('"torch==2.13.0" --index-url https://example.org/whl/cpu')
