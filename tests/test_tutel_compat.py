@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from torch import Tensor, nn
 from flexmoe import MoELayer
 from flexmoe.compat.tutel import convert, moe, net, system
 from flexmoe.compat.tutel.gates import CosineTopKGate
-from multiproc import failures_of, run_ranks
+from flexmoe.launch import spawn_ranks
+from multiproc import failures_of
 
 M, H, E = 8, 12, 4
 WORKER = Path(__file__).with_name("tutel_worker.py")
@@ -415,6 +417,9 @@ def test_system_and_net_single_process(tmp_path):
 
 
 def test_two_ranks_equal_one_process(tmp_path):
-    reports = run_ranks(WORKER, "layer", 2, tmp_path)
+    ranks = spawn_ranks(2, [str(WORKER), "layer", str(tmp_path / "tutel")], timeout=150, check=False)
+    assert all(r.ok for r in ranks), "\n".join(f"rank {r.rank} exited with {r.exit_code}: {r.stderr[-2000:]}"
+                                               for r in ranks)
+    reports = [json.loads((tmp_path / f"tutel.{r}.json").read_text()) for r in range(2)]
     assert not failures_of(reports)
     assert all(rep.get("checked", 0) == 7 for rep in reports)

@@ -19,7 +19,7 @@ import torch
 
 from flexmoe import MoELayer
 from flexmoe.compat.tutel import convert
-from multiproc import free_port
+from flexmoe.launch import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -1,8 +1,8 @@
 """One rank of the flexmoe.compat.tutel multi-process tests (run by tests/test_tutel_compat.py).
 
-``python tests/tutel_worker.py SCENARIO RANK WORLD PORT OUT_JSON``. The rank joins through
-``system.init_data_model_parallel(backend='gloo')`` with torchrun's environment variables, as Tutel's examples
-do, and checks the distributed Tutel layer against one process holding every expert (built on a group of
+``python tests/tutel_worker.py SCENARIO OUT_PREFIX``, started by ``flexmoe.launch.spawn_ranks`` (the rendezvous
+in torchrun's environment variables); writes ``OUT_PREFIX.RANK.json``. The rank joins through
+``system.init_data_model_parallel(backend='gloo')``, as Tutel's examples do, and checks the distributed Tutel layer against one process holding every expert (built on a group of
 this rank alone) that runs each rank's tokens as its own batch.
 """
 
@@ -105,9 +105,9 @@ def check_net(rank: int, world: int, failures: list[str]) -> None:
 
 
 def main() -> None:
-    scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    scenario, prefix = sys.argv[1], sys.argv[2]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = f"{prefix}.{rank}.json"
     failures: list[str] = []
     checked = 0
     try:
