@@ -30,7 +30,8 @@ def _curves(records: list[dict[str, Any]]) -> tuple[list[int], list[float], list
     return [s for s, _ in train], [v for _, v in train], [s for s, _ in val], [v for _, v in val]
 
 
-def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str = "training") -> Path:
+def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str = "training",
+                unit: str = "nats / byte") -> Path:
     """Train and validation loss against step."""
     plt = _plt()
     ts, tl, vs, vl = _curves(records)
@@ -39,7 +40,7 @@ def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str = "t
     if vs:
         ax.plot(vs, vl, "o-", label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_ylabel(f"cross-entropy ({unit})")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -132,7 +133,7 @@ def plot_expert_load(records: list[dict[str, Any]], path: str | Path) -> Path | 
     return Path(path)
 
 
-def plot_compare(runs: dict[str, list[dict[str, Any]]], path: str | Path) -> Path:
+def plot_compare(runs: dict[str, list[dict[str, Any]]], path: str | Path, unit: str = "nats / byte") -> Path:
     """Train (faint) and validation (bold) curves of several runs in one plot."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -143,7 +144,7 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], path: str | Path) -> Pat
         if vs:
             ax.plot(vs, vl, "o-", color=color, label=f"{name} validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_ylabel(f"cross-entropy ({unit})")
     ax.set_title("MoE vs dense twin (equal active compute)")
     ax.grid(alpha=0.3)
     ax.legend()
