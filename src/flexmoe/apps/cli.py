@@ -20,6 +20,8 @@ from flexmoe.apps.errors import USAGE_EXIT_CODE, UsageError
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("flexmoe.apps.bench", "time one MoE layer against the compute floor and reference layers"),
     "train": ("flexmoe.apps.train", "train the MoE GPT (or its dense twin) on tiny Shakespeare or any text file"),
+    "train-vision": ("flexmoe.apps.vision",
+                     "train a vision MoE (cosine router, as SwinV2-MoE) or its dense twin on 8x8 digits"),
     "generate": ("flexmoe.apps.generate", "sample text from a training run's checkpoint"),
     "reshard": ("flexmoe.apps.reshard", "rewrite a checkpoint for another number of expert-parallel ranks"),
     "calibrate": ("flexmoe.apps.calibrate", "measure this machine and write the cost model's JSON profile"),

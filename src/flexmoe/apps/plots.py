@@ -38,17 +38,18 @@ def _save(fig: Any, path: str | Path) -> Path:
     return Path(path)
 
 
-def _save_loss_axes(fig: Any, ax: Any, title: str, path: str | Path) -> Path:
-    """Label the loss-against-step axes, then save the figure."""
+def _save_loss_axes(fig: Any, ax: Any, title: str, path: str | Path, unit: str) -> Path:
+    """Label the loss-against-step axes (``unit``: of the cross-entropy), then save the figure."""
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_ylabel(f"cross-entropy ({unit})")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, path)
 
 
-def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str = "training") -> Path:
+def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str = "training",
+                unit: str = "nats / byte") -> Path:
     """Train and validation loss against step."""
     plt = _plt()
     ts, tl, vs, vl = _curves(records)
@@ -56,7 +57,7 @@ def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str = "t
     ax.plot(ts, tl, label="train", alpha=0.7)
     if vs:
         ax.plot(vs, vl, "o-", label="validation")
-    return _save_loss_axes(fig, ax, title, path)
+    return _save_loss_axes(fig, ax, title, path, unit)
 
 
 def expert_shares(records: list[dict[str, Any]], layer: int) -> tuple[Any, Any | None]:
@@ -142,7 +143,7 @@ def plot_expert_load(records: list[dict[str, Any]], path: str | Path) -> Path | 
     return Path(path)
 
 
-def plot_compare(runs: dict[str, list[dict[str, Any]]], path: str | Path) -> Path:
+def plot_compare(runs: dict[str, list[dict[str, Any]]], path: str | Path, unit: str = "nats / byte") -> Path:
     """Train (faint) and validation (bold) curves of several runs in one plot."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -152,4 +153,4 @@ def plot_compare(runs: dict[str, list[dict[str, Any]]], path: str | Path) -> Pat
         ax.plot(ts, tl, color=color, alpha=0.3, label=f"{name} train")
         if vs:
             ax.plot(vs, vl, "o-", color=color, label=f"{name} validation")
-    return _save_loss_axes(fig, ax, "MoE vs dense twin (equal active compute)", path)
+    return _save_loss_axes(fig, ax, "MoE vs dense twin (equal active compute)", path, unit)

@@ -151,7 +151,7 @@ def _forward_argv(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     # Every check of the user's input happens here, before any process is launched or any file written.
     mcfg, tcfg = _configs(args)
-    _check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+    check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
     TokenData.from_file(tcfg.data, block_size=mcfg.block_size)  # a missing, empty or too small --data
     if args.nproc > 1 and not under_torchrun():
         return relaunch(args.nproc, "train", _forward_argv(args))
@@ -205,7 +205,7 @@ def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
     return mcfg, tcfg
 
 
-def _check_run_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
+def check_run_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
     """An existing run directory is touched only with --resume (continue it) or --overwrite (replace it)."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, not a directory; give a new or existing run directory")
@@ -368,7 +368,7 @@ def _rank_rows(batch_size: int, rank: int, world: int) -> slice:
     return slice(rank * per, (rank + 1) * per)
 
 
-def _rewrite_metrics(path: Path, upto_step: int) -> list[dict[str, Any]]:
+def rewrite_metrics(path: Path, upto_step: int) -> list[dict[str, Any]]:
     """Keep the records of steps <= ``upto_step`` (a resumed run re-logs the steps after its checkpoint)."""
     if not path.is_file():
         return []
@@ -404,7 +404,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
     if ckpt is not None:
         meta = load_checkpoint(ckpt, model=model, optimizer=optimizer)
         start, elapsed, target = meta["step"], meta.get("elapsed_s", 0.0), meta.get("target")
-        finished = _finished_run(out, start, tcfg, target)
+        finished = finished_run(out, start, tcfg, target)
         if finished is not None:
             if rank == 0:
                 print(f"[{label}] {out} is already complete (step {start} of {tcfg.steps}); nothing to do "
@@ -424,11 +424,11 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
         if ckpt is None:
             # A new run in an existing directory (the command line allows it with --overwrite only) replaces
             # the old run's files, and only those.
-            _remove_run_files(out)
+            remove_run_files(out)
         (out / "config.json").write_text(json.dumps(
             {"model": mcfg.to_dict(), "train": {k: v for k, v in asdict(tcfg).items()}, "world_size": world,
              "ranks_per_node": ranks_per_node, "data": data.source}, indent=1))
-        records = _rewrite_metrics(metrics_path, start) if ckpt is not None else []
+        records = rewrite_metrics(metrics_path, start) if ckpt is not None else []
         if ckpt is None:
             print(f"[{label}] {params:,} parameters, {active_params:,} active per "
                   f"token; {data.source}: {len(data.train):,} train / {len(data.val):,} validation bytes",
@@ -571,14 +571,15 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "expert
 RUN_DIRS = ("checkpoints", "dense")
 
 
-def _remove_run_files(out: Path) -> None:
-    for name in RUN_FILES:
+def remove_run_files(out: Path, files: tuple[str, ...] = RUN_FILES, dirs: tuple[str, ...] = RUN_DIRS) -> None:
+    """Delete a run's ``files`` and ``dirs`` from ``out`` (whatever else the directory holds stays)."""
+    for name in files:
         (out / name).unlink(missing_ok=True)
-    for name in RUN_DIRS:
+    for name in dirs:
         shutil.rmtree(out / name, ignore_errors=True)
 
 
-def _finished_run(out: Path, step: int, tcfg: TrainConfig, target: dict[str, Any] | None) -> RunResult | None:
+def finished_run(out: Path, step: int, tcfg: TrainConfig, target: dict[str, Any] | None) -> RunResult | None:
     """The result of the run in ``out`` if its checkpoint at ``step`` is its last and its summary was written."""
     summary_path = out / "summary.json"
     last = step >= tcfg.steps or (tcfg.stop_at_target and target is not None)
@@ -591,11 +592,12 @@ def _finished_run(out: Path, step: int, tcfg: TrainConfig, target: dict[str, Any
                      s.get("target"), s, already_complete=True)
 
 
-def write_plots(out: Path, label: str) -> None:
+def write_plots(out: Path, label: str, loss_unit: str = "nats / byte") -> None:
+    """loss.png and expert_load.png from ``out/metrics.jsonl``."""
     from flexmoe.apps.plots import plot_expert_load, plot_losses, read_metrics
 
     records = read_metrics(out / "metrics.jsonl")
-    plot_losses(records, out / "loss.png", title=f"{label}: loss")
+    plot_losses(records, out / "loss.png", title=f"{label}: loss", unit=loss_unit)
     plot_expert_load(records, out / "expert_load.png")
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flexmoe.layer import MoELayer
+from flexmoe.apps.models.moe_model import MoEModel, build_moe_mlp
 
 __all__ = ["GPTConfig", "GPT"]
 
@@ -121,19 +121,6 @@ class DenseMLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
-def _build_moe(cfg: GPTConfig) -> MoELayer:
-    kwargs: dict[str, Any] = dict(
-        k=cfg.k, capacity_factor=cfg.capacity_factor, router=cfg.router, activation="gelu", a2a=cfg.a2a,
-        cross_node_share=cfg.cross_node_share,
-    )
-    # Expert parallelism: the layer keeps only this rank's experts (see flexmoe.parallel.layout). Without a
-    # group, one process holds every expert even under torch.distributed (MoELayer's own default is the world).
-    kwargs["group"] = cfg.group if cfg.group is not None else "single"
-    if kwargs["group"] == "single":
-        kwargs["ranks_per_node"] = 1  # one process holding every expert is one node, whatever torchrun says
-    return MoELayer(cfg.n_embd, cfg.num_experts, cfg.expert_hidden, **kwargs)
-
-
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
@@ -143,7 +130,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.is_moe = cfg.is_moe_layer(index)
-        self.mlp: nn.Module = _build_moe(cfg) if self.is_moe else DenseMLP(cfg)
+        self.mlp: nn.Module = build_moe_mlp(cfg) if self.is_moe else DenseMLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -152,7 +139,7 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
-class GPT(nn.Module):
+class GPT(MoEModel):
     """Byte/char-level GPT. ``forward(idx [B, L]) -> logits [B, L, V]`` (and the LM loss with targets)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -179,10 +166,6 @@ class GPT(nn.Module):
                 if isinstance(module, nn.Linear) and module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    @property
-    def moe_layers(self) -> list[MoELayer]:
-        return [b.mlp for b in self.blocks if isinstance(b.mlp, MoELayer)]
-
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """idx: ``[B, L]`` long -> (logits ``[B, L, V]``, mean cross-entropy over ``targets [B, L]`` or None).
 
@@ -200,48 +183,6 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
-
-    def aux_loss(self) -> Tensor:
-        """Sum over MoE layers of the load-balancing loss of the last forward (differentiable; 0 if dense)."""
-        losses = [m.aux_loss.float() for m in self.moe_layers if m.aux_loss is not None]
-        return torch.stack(losses).sum() if losses else torch.zeros(())
-
-    def z_loss(self) -> Tensor:
-        """Sum over MoE layers of the router z-loss of the last forward (differentiable; 0 if dense)."""
-        losses = [m.z_loss.float() for m in self.moe_layers if m.z_loss is not None]
-        return torch.stack(losses).sum() if losses else torch.zeros(())
-
-    def regularization_loss(self) -> Tensor:
-        """What training adds to the LM loss: ``aux_loss_coef * aux_loss() + z_loss_coef * z_loss()``."""
-        return self.cfg.aux_loss_coef * self.aux_loss() + self.cfg.z_loss_coef * self.z_loss()
-
-    def balance_loss(self) -> float:
-        """:meth:`aux_loss` as a float, for logging (1.0 per layer is a perfectly uniform router)."""
-        return float(self.aux_loss().detach())
-
-    def drop_rate(self) -> float:
-        """Mean fraction of (token, choice) pairs dropped over the MoE layers in the last forward."""
-        plans = [m.last_plan for m in self.moe_layers if m.last_plan is not None]
-        return sum(p.dropped_fraction for p in plans) / len(plans) if plans else 0.0
-
-    def expert_load(self) -> list[list[int]]:
-        """Per MoE layer, the tokens each expert computed in the last forward (``tokens_per_expert``)."""
-        return [m.last_plan.tokens_per_expert.tolist() for m in self.moe_layers if m.last_plan is not None]
-
-    def expert_demand(self) -> list[list[int]]:
-        """Per MoE layer, the (token, choice) pairs the router sent each expert in the last forward, before the
-        capacity limit dropped any (``load``); above :meth:`expert_load` where an expert overflowed."""
-        return [m.last_plan.load.tolist() for m in self.moe_layers if m.last_plan is not None]
-
-    def num_params(self, *, active: bool = False) -> int:
-        """Parameter count; with ``active`` only those one token uses (k of E experts per MoE layer)."""
-        total = 0
-        for name, p in self.named_parameters():
-            n = p.numel()
-            if active and ".experts." in name:
-                n = n * self.cfg.k // self.cfg.num_experts
-            total += n
-        return total
 
     @torch.no_grad()
     def generate(
