@@ -9,7 +9,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from flexmoe.compat.tutel import moe as tutel_moe, net, system  # Tutel: from tutel import moe as tutel_moe, net, system
+from flexmoe.compat.tutel import moe as tutel_moe  # Tutel: from tutel import moe as tutel_moe, net, system
+from flexmoe.compat.tutel import net, system
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -51,10 +52,12 @@ def parse_args(description: str, names: list[str], **overrides: dict) -> argpars
 
 
 def init(args: argparse.Namespace):
-    """Tutel's session on the backend ``--device`` asks for, with ``--dtype`` as the default dtype."""
+    """Tutel's session on the backend ``--device`` asks for, with ``--dtype`` as the default dtype.
+
+    Returns ``(env, rank, world, dist_print, device)``."""
     env = system.init_data_model_parallel(backend="nccl" if args.device == "cuda" else "gloo")
     torch.set_default_dtype(DTYPES[args.dtype])
-    return env
+    return env, env.global_rank, env.global_size, env.dist_print, env.local_device
 
 
 def moe_layer(args: argparse.Namespace, rank: int, dist_print=None, gate_type: dict | None = None,
@@ -146,6 +149,24 @@ def print_step(dist_print, args: argparse.Namespace, step: int, loss: torch.Tens
 
 def print_summary(dist_print, last_times: list[float]) -> None:
     dist_print(f"\n[Summary] Average synchronized step_time = {sum(last_times) / 10} sec.")
+
+
+def train(model, layer, args: argparse.Namespace, world: int, device, dist_print, step_note=lambda: "") -> None:
+    """helloworld's run: SGD on the sampled batch for ``--num_steps`` steps (``--allreduce_degree -1``: no
+    gradient averaging), a ``STEP-i`` line each (``step_note()`` appended) and the ``[Summary]`` line."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
+    x, target = sample_batch(args, device)
+    print_benchmark(dist_print, args, world, device)
+    params = [] if args.allreduce_degree == -1 else shared_params(model)
+    num_global_experts = global_experts(args)
+    last_times: list[float] = []
+    for step in range(args.num_steps):
+        t_start = system.record_time()
+        loss = train_step(model, layer, optimizer, x, target, args, params, world)
+        t_stop = system.record_time()
+        print_step(dist_print, args, step, loss, t_stop - t_start, num_global_experts, step_note())
+        last_times = (last_times + [t_stop - t_start])[-10:]
+    print_summary(dist_print, last_times)
 
 
 def load_checkpoint(model: torch.nn.Module, args: argparse.Namespace, rank: int, world: int) -> str:

@@ -2,7 +2,7 @@
 """Tutel's helloworld on flexmoe: one MoE layer trained to push every sample's mass onto token 0.
 
 Same command-line arguments and the same per-step lines as Tutel's ``tutel/examples/helloworld.py``; the
-only Tutel-specific line is the import. Run it as Tutel's (CPU: ``--device cpu``)::
+only Tutel-specific line is the import (in ``_common.py``). Run it as Tutel's (CPU: ``--device cpu``)::
 
     python examples/tutel/helloworld.py --device cpu --num_steps 10
     python -m torch.distributed.run --nproc_per_node=2 examples/tutel/helloworld.py --device cpu
@@ -12,10 +12,9 @@ The model: ``log_softmax(sum_m moe(x)[b, t, m], over t)``; the loss: NLL of toke
 ``torch.manual_seed(0)``; layer weights drawn from ``seeds = (1, rank + 1, 1)``, as Tutel's example does.
 """
 
+import _common as common  # the parts all helloworld examples share (examples/tutel/_common.py)
 import torch
 import torch.nn.functional as F
-
-import _common as common  # the parts all helloworld examples share (examples/tutel/_common.py)
 
 args = common.parse_args(__doc__.splitlines()[0], [
     "local_rank", "batch_size", "num_tokens", "model_dim", "hidden_size", "num_local_experts", "dtype", "fp32_gate",
@@ -26,9 +25,7 @@ args = common.parse_args(__doc__.splitlines()[0], [
 if args.use_tensorcore:
     torch.backends.cuda.matmul.allow_tf32 = True
 
-env = common.init(args)
-rank, world, dist_print = env.global_rank, env.global_size, env.dist_print
-device = env.local_device
+env, rank, world, dist_print, device = common.init(args)
 
 
 class ExampleModel(torch.nn.Module):
@@ -53,21 +50,7 @@ class ExampleModel(torch.nn.Module):
 model = ExampleModel().to(device)
 dist_print(model)
 checkpoint_path = common.load_checkpoint(model, args, rank, world)
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
-x, target = common.sample_batch(args, device)
-common.print_benchmark(dist_print, args, world, device)
-
-shared_params = [] if args.allreduce_degree == -1 else common.shared_params(model)
-num_global_experts = common.global_experts(args)
-last_times = []
-for step in range(args.num_steps):
-    t_start = common.system.record_time()
-    loss = common.train_step(model, model._moe_layer, optimizer, x, target, args, shared_params, world)
-    t_stop = common.system.record_time()
-    common.print_step(dist_print, args, step, loss, t_stop - t_start, num_global_experts)
-    last_times = (last_times + [t_stop - t_start])[-10:]
-
-common.print_summary(dist_print, last_times)
+common.train(model, model._moe_layer, args, world, device, dist_print)
 
 if checkpoint_path:
     torch.save(model.state_dict(), checkpoint_path)
