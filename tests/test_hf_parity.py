@@ -59,6 +59,18 @@ def _copy_mlp(layer: MoELayer, mlp: nn.Module) -> None:
     _copy(layer.shared.w2[0], mlp.down_proj.weight.T)
 
 
+def _fused_glu_shared_pairs(block, shared_mlp, layer, out_hf, out, gx_hf, gx) -> dict:
+    """HF's and our (output, gradient) pairs for a block of fused GLU experts plus one shared GLU expert."""
+    ours = _fused_glu_grads(layer)
+    return {"output": (out_hf, out), "grad x": (gx_hf, gx),
+            "grad router": (block.gate.weight.grad, layer.router.weight.grad),
+            "grad gate_up_proj": (block.experts.gate_up_proj.grad, ours["gate_up_proj"]),
+            "grad down_proj": (block.experts.down_proj.grad, ours["down_proj"]),
+            "grad shared gate_proj": (shared_mlp.gate_proj.weight.grad, layer.shared.w1.grad[0].T),
+            "grad shared up_proj": (shared_mlp.up_proj.weight.grad, layer.shared.w3.grad[0].T),
+            "grad shared down_proj": (shared_mlp.down_proj.weight.grad, layer.shared.w2.grad[0].T)}
+
+
 def _fused_glu_grads(layer: MoELayer) -> dict[str, Tensor]:
     """Our experts' gradients in HF's fused layout, to compare with gate_up_proj / down_proj grads."""
     e = layer.experts
@@ -181,16 +193,9 @@ def compare_qwen2_moe() -> dict[str, float]:
     _copy(layer.shared_gate.weight, block.shared_expert_gate.weight)
     out_hf, out, gx_hf, gx = _run_both(block, layer)
     _same_choices(block.gate, layer)
-    ours = _fused_glu_grads(layer)
-    se = block.shared_expert
-    return _diffs({"output": (out_hf, out), "grad x": (gx_hf, gx),
-                   "grad router": (block.gate.weight.grad, layer.router.weight.grad),
-                   "grad gate_up_proj": (block.experts.gate_up_proj.grad, ours["gate_up_proj"]),
-                   "grad down_proj": (block.experts.down_proj.grad, ours["down_proj"]),
-                   "grad shared gate_proj": (se.gate_proj.weight.grad, layer.shared.w1.grad[0].T),
-                   "grad shared up_proj": (se.up_proj.weight.grad, layer.shared.w3.grad[0].T),
-                   "grad shared down_proj": (se.down_proj.weight.grad, layer.shared.w2.grad[0].T),
-                   "grad shared_gate": (block.shared_expert_gate.weight.grad, layer.shared_gate.weight.grad)})
+    pairs = _fused_glu_shared_pairs(block, block.shared_expert, layer, out_hf, out, gx_hf, gx)
+    pairs["grad shared_gate"] = (block.shared_expert_gate.weight.grad, layer.shared_gate.weight.grad)
+    return _diffs(pairs)
 
 
 def test_qwen2_moe_matches_hf():
@@ -231,15 +236,7 @@ def compare_deepseek_v3() -> dict[str, float]:
     assert not torch.equal(unbiased, layer.last_plan.expert_index.sort(dim=-1).values)
     # ... and bias_update_rate=0 kept it as loaded (the layer is in training mode).
     assert layer.training and torch.equal(layer.expert_bias, correction)
-    ours = _fused_glu_grads(layer)
-    se = block.shared_experts
-    return _diffs({"output": (out_hf, out), "grad x": (gx_hf, gx),
-                   "grad router": (block.gate.weight.grad, layer.router.weight.grad),
-                   "grad gate_up_proj": (block.experts.gate_up_proj.grad, ours["gate_up_proj"]),
-                   "grad down_proj": (block.experts.down_proj.grad, ours["down_proj"]),
-                   "grad shared gate_proj": (se.gate_proj.weight.grad, layer.shared.w1.grad[0].T),
-                   "grad shared up_proj": (se.up_proj.weight.grad, layer.shared.w3.grad[0].T),
-                   "grad shared down_proj": (se.down_proj.weight.grad, layer.shared.w2.grad[0].T)})
+    return _diffs(_fused_glu_shared_pairs(block, block.shared_experts, layer, out_hf, out, gx_hf, gx))
 
 
 def test_deepseek_v3_matches_hf():

@@ -2,7 +2,7 @@
 """Tutel's helloworld on flexmoe: one MoE layer trained to push every sample's mass onto token 0.
 
 Same command-line arguments and the same per-step lines as Tutel's ``tutel/examples/helloworld.py``; the
-only Tutel-specific line is the import. Run it as Tutel's (CPU: ``--device cpu``)::
+only Tutel-specific line is the import (in ``_common.py``). Run it as Tutel's (CPU: ``--device cpu``)::
 
     python examples/tutel/helloworld.py --device cpu --num_steps 10
     python -m torch.distributed.run --nproc_per_node=2 examples/tutel/helloworld.py --device cpu
@@ -12,69 +12,34 @@ The model: ``log_softmax(sum_m moe(x)[b, t, m], over t)``; the loss: NLL of toke
 ``torch.manual_seed(0)``; layer weights drawn from ``seeds = (1, rank + 1, 1)``, as Tutel's example does.
 """
 
-import argparse
-import os
-
+import _common as common  # the parts all helloworld examples share (examples/tutel/_common.py)
 import torch
 import torch.nn.functional as F
 
-from flexmoe.compat.tutel import moe as tutel_moe, net, system  # Tutel: from tutel import moe as tutel_moe, net, system
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--local_rank", type=int, default=-1)
-parser.add_argument("--batch_size", type=int, default=16)
-parser.add_argument("--num_tokens", type=int, default=512)
-parser.add_argument("--model_dim", type=int, default=2048)
-parser.add_argument("--hidden_size", type=int, default=2048)
-parser.add_argument("--num_local_experts", type=int, default=2)
-parser.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
-parser.add_argument("--fp32_gate", default=False, action="store_true")
-parser.add_argument("--top", type=int, default=2)
-parser.add_argument("--l_aux_wt", type=float, default=0.0)
-parser.add_argument("--a2a_ffn_overlap_degree", type=int, default=1)
-parser.add_argument("--allreduce_degree", type=int, default=1)
-parser.add_argument("--num_steps", type=int, default=100)
-parser.add_argument("--parallel_type", type=str, default="adaptive:1")
-parser.add_argument("--checkpoint_path", type=str, default="")
-parser.add_argument("--device", type=str, default="cuda" if torch.cuda.is_available() else "cpu")
-parser.add_argument("--use_2dh", default=False, action="store_true")
-parser.add_argument("--eval", default=False, action="store_true")
-parser.add_argument("--capacity_factor", type=float, default=1.0)  # 0: dropless; < 0: dropless up to |cf|
-parser.add_argument("--megablocks_size", type=int, default=0)
-parser.add_argument("--use_tensorcore", default=False, action="store_true")
-parser.add_argument("--expert_type", type=str, default="ffn")
-args = parser.parse_args()
+args = common.parse_args(__doc__.splitlines()[0], [
+    "local_rank", "batch_size", "num_tokens", "model_dim", "hidden_size", "num_local_experts", "dtype", "fp32_gate",
+    "top", "l_aux_wt", "a2a_ffn_overlap_degree", "allreduce_degree", "num_steps", "parallel_type",
+    "checkpoint_path", "device", "use_2dh", "eval", "capacity_factor", "megablocks_size", "use_tensorcore",
+    "expert_type"])
 
 if args.use_tensorcore:
     torch.backends.cuda.matmul.allow_tf32 = True
 
-env = system.init_data_model_parallel(backend="nccl" if args.device == "cuda" else "gloo")
-rank, world, dist_print = env.global_rank, env.global_size, env.dist_print
-device = env.local_device
-torch.set_default_dtype(DTYPES[args.dtype])
+env, rank, world, dist_print, device = common.init(args)
 
 
 class ExampleModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self._moe_layer = tutel_moe.moe_layer(
+        self._moe_layer = common.moe_layer(
+            args, rank, dist_print,
             gate_type={"type": "top", "k": args.top, "fp32_gate": args.fp32_gate,
                        "capacity_factor": args.capacity_factor},
             experts={"type": args.expert_type, "num_experts_per_device": args.num_local_experts,
                      "hidden_size_per_expert": args.hidden_size, "activation_fn": lambda h: F.relu(h)},
-            model_dim=args.model_dim,
-            # Expert parameters differ per rank: the data-parallel gradient average below leaves them alone.
-            scan_expert_func=lambda name, param: setattr(param, "skip_allreduce", True),
-            seeds=(1, rank + 1, 1),
-            a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
             parallel_type=args.parallel_type,
             use_2dh=args.use_2dh,
         )
-        experts = sum(p.numel() for _, p in self._moe_layer.get_parameter_iterator(param_type="local_experts"))
-        gate = sum(p.numel() for _, p in self._moe_layer.get_parameter_iterator(param_type="gate"))
-        dist_print(f"[Statistics] param count for MoE local_experts = {experts}, param count for MoE gate = {gate}.\n")
 
     def forward(self, x):
         y = self._moe_layer(x, megablocks_size=args.megablocks_size) if args.megablocks_size > 0 \
@@ -84,57 +49,8 @@ class ExampleModel(torch.nn.Module):
 
 model = ExampleModel().to(device)
 dist_print(model)
-
-checkpoint_path = ""
-if args.checkpoint_path:
-    checkpoint_path = system.apply_rank_size_from_pattern(args.checkpoint_path, rank=rank, size=world)
-    if os.path.exists(checkpoint_path):
-        model.load_state_dict(torch.load(checkpoint_path, weights_only=True))
-    else:
-        print(f"Checkpoint not loaded: file `{checkpoint_path}` is not found. Will train the model from start.")
-
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
-
-torch.manual_seed(0)
-x = torch.randn(args.batch_size, args.num_tokens, args.model_dim, dtype=torch.float32).to(
-    device=device, dtype=torch.get_default_dtype())
-target = torch.zeros(args.batch_size, dtype=torch.long, device=device)  # token 0 of every sample
-
-dist_print(f"[Benchmark] world_size = {world}, dtype = {args.dtype}, model_dim = {args.model_dim}, "
-           f"hidden_size = {args.hidden_size}, samples = {args.batch_size * args.num_tokens}, "
-           f"num_local_experts = {args.num_local_experts}, topK = {args.top}, "
-           f"a2a_ffn_overlap_degree = {args.a2a_ffn_overlap_degree}, parallel_type = `{args.parallel_type}`, "
-           f"device = `{device}`")
-
-shared_params = [] if args.allreduce_degree == -1 else [
-    p for p in model.parameters() if not hasattr(p, "skip_allreduce") and p.requires_grad]
-num_global_experts = tutel_moe.moe_layer.global_expert_count(args.num_local_experts,
-                                                             group=system.get_local_session().model_group)
-last_times = []
-for step in range(args.num_steps):
-    t_start = system.record_time()
-    if args.eval:
-        with torch.no_grad():
-            loss = F.nll_loss(model(x), target)
-    else:
-        optimizer.zero_grad()
-        loss = F.nll_loss(model(x), target)
-        if args.l_aux_wt:
-            loss = loss + args.l_aux_wt * model._moe_layer.l_aux
-        loss.backward()
-        for p in shared_params if world > 1 else []:
-            p.grad = net.simple_all_reduce(p.grad / world)
-        optimizer.step()
-    t_stop = system.record_time()
-
-    passes = 1 if args.eval else 3  # forward, or forward + two backward GEMMs
-    flops = args.batch_size * args.num_tokens * args.model_dim * args.hidden_size * 4 * passes \
-        * min(args.top, num_global_experts)
-    dist_print("STEP-%s: loss = %.5f, step_time = %.6f sec, perf = %.2f tflops."
-               % (step, float(loss.detach()), t_stop - t_start, flops * 1e-12 / (t_stop - t_start)))
-    last_times = (last_times + [t_stop - t_start])[-10:]
-
-dist_print(f"\n[Summary] Average synchronized step_time = {sum(last_times) / 10} sec.")
+checkpoint_path = common.load_checkpoint(model, args, rank, world)
+common.train(model, model._moe_layer, args, world, device, dist_print)
 
 if checkpoint_path:
     torch.save(model.state_dict(), checkpoint_path)

@@ -6,34 +6,15 @@ module ``forward(x: [E_local, capacity, M], ctx) -> [E_local, capacity, M]`` (Tu
 layer). Same arguments and per-step lines as Tutel's ``tutel/examples/helloworld_custom_gate_expert.py``.
 """
 
-import argparse
-
+import _common as common  # the parts all helloworld examples share (examples/tutel/_common.py)
 import torch
 import torch.nn.functional as F
 
-from flexmoe.compat.tutel import moe as tutel_moe, net, system  # Tutel: from tutel import moe as tutel_moe, net, system
+args = common.parse_args(__doc__.splitlines()[0], [
+    "local_rank", "batch_size", "num_tokens", "model_dim", "num_local_experts", "dtype", "top", "l_aux_wt",
+    "a2a_ffn_overlap_degree", "num_steps", "device", "eval"])
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--local_rank", type=int, default=-1)
-parser.add_argument("--batch_size", type=int, default=16)
-parser.add_argument("--num_tokens", type=int, default=512)
-parser.add_argument("--model_dim", type=int, default=2048)
-parser.add_argument("--num_local_experts", type=int, default=2)
-parser.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
-parser.add_argument("--top", type=int, default=2)
-parser.add_argument("--l_aux_wt", type=float, default=0.0)
-parser.add_argument("--a2a_ffn_overlap_degree", type=int, default=1)
-parser.add_argument("--num_steps", type=int, default=100)
-parser.add_argument("--device", type=str, default="cuda" if torch.cuda.is_available() else "cpu")
-parser.add_argument("--eval", default=False, action="store_true")
-args = parser.parse_args()
-
-env = system.init_data_model_parallel(backend="nccl" if args.device == "cuda" else "gloo")
-rank, world, dist_print = env.global_rank, env.global_size, env.dist_print
-device = env.local_device
-torch.set_default_dtype(DTYPES[args.dtype])
+env, rank, world, dist_print, device = common.init(args)
 
 
 class CustomGate(torch.nn.Module):
@@ -67,14 +48,11 @@ class CustomExpert(torch.nn.Module):
 class FullyCustomExampleModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self._moe_layer = tutel_moe.moe_layer(
+        self._moe_layer = common.moe_layer(
+            args, rank,
             gate_type={"type": "custom", "module": CustomGate, "top_k": args.top},
             experts={"type": "custom", "module": CustomExpert, "num_experts_per_device": args.num_local_experts,
                      "my_activ_type": "relu"},
-            model_dim=args.model_dim,
-            scan_expert_func=lambda name, param: setattr(param, "skip_allreduce", True),
-            seeds=(1, rank + 1, 1),
-            a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
         )
 
     def forward(self, x):
@@ -84,29 +62,12 @@ class FullyCustomExampleModel(torch.nn.Module):
 model = FullyCustomExampleModel().to(device)
 dist_print(model)
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
-torch.manual_seed(0)
-x = torch.randn(args.batch_size, args.num_tokens, args.model_dim, dtype=torch.float32).to(
-    device=device, dtype=torch.get_default_dtype())
-target = torch.zeros(args.batch_size, dtype=torch.long, device=device)
+x, target = common.sample_batch(args, device)
+common.print_benchmark(dist_print, args, world, device)
 
-dist_print(f"[Benchmark] world_size = {world}, dtype = {args.dtype}, model_dim = {args.model_dim}, "
-           f"samples = {args.batch_size * args.num_tokens}, num_local_experts = {args.num_local_experts}, "
-           f"topK = {args.top}, a2a_ffn_overlap_degree = {args.a2a_ffn_overlap_degree}, device = `{device}`")
-
-shared_params = [p for p in model.parameters() if not hasattr(p, "skip_allreduce") and p.requires_grad]
+shared_params = common.shared_params(model)
 for step in range(args.num_steps):
-    t_start = system.record_time()
-    if args.eval:
-        with torch.no_grad():
-            loss = F.nll_loss(model(x), target)
-    else:
-        optimizer.zero_grad()
-        loss = F.nll_loss(model(x), target)
-        if args.l_aux_wt:
-            loss = loss + args.l_aux_wt * model._moe_layer.l_aux
-        loss.backward()
-        for p in shared_params if world > 1 else []:
-            p.grad = net.simple_all_reduce(p.grad / world)
-        optimizer.step()
-    t_stop = system.record_time()
+    t_start = common.system.record_time()
+    loss = common.train_step(model, model._moe_layer, optimizer, x, target, args, shared_params, world)
+    t_stop = common.system.record_time()
     dist_print("STEP-%s: loss = %.5f, step_time = %.6f sec." % (step, float(loss.detach()), t_stop - t_start))

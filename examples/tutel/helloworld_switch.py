@@ -7,59 +7,22 @@ degree also pads the capacity to a multiple of itself (Tutel's alignment rule), 
 arguments and per-step lines as Tutel's ``tutel/examples/helloworld_switch.py``.
 """
 
-import argparse
-import os
-
+import _common as common  # the parts all helloworld examples share (examples/tutel/_common.py)
 import torch
 import torch.nn.functional as F
 
-from flexmoe.compat.tutel import moe as tutel_moe, net, system  # Tutel: from tutel import moe as tutel_moe, net, system
+args = common.parse_args(__doc__.splitlines()[0], [
+    "local_rank", "batch_size", "num_tokens", "model_dim", "hidden_size", "num_local_experts", "dtype", "fp32_gate",
+    "top", "l_aux_wt", "a2a_ffn_overlap_degree", "allreduce_degree", "num_steps", "cap_factor", "checkpoint_path",
+    "device", "use_2dh", "eval"])
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--local_rank", type=int, default=-1)
-parser.add_argument("--batch_size", type=int, default=16)
-parser.add_argument("--num_tokens", type=int, default=512)
-parser.add_argument("--model_dim", type=int, default=2048)
-parser.add_argument("--hidden_size", type=int, default=2048)
-parser.add_argument("--num_local_experts", type=int, default=2)
-parser.add_argument("--dtype", type=str, default="float32", choices=sorted(DTYPES))
-parser.add_argument("--fp32_gate", default=False, action="store_true")
-parser.add_argument("--top", type=int, default=2)
-parser.add_argument("--l_aux_wt", type=float, default=0.0)
-parser.add_argument("--a2a_ffn_overlap_degree", type=int, default=1)
-parser.add_argument("--allreduce_degree", type=int, default=1)
-parser.add_argument("--num_steps", type=int, default=100)
-parser.add_argument("--cap_factor", type=float, default=1.0)
-parser.add_argument("--checkpoint_path", type=str, default="")
-parser.add_argument("--device", type=str, default="cuda" if torch.cuda.is_available() else "cpu")
-parser.add_argument("--use_2dh", default=False, action="store_true")
-parser.add_argument("--eval", default=False, action="store_true")
-args = parser.parse_args()
-
-env = system.init_data_model_parallel(backend="nccl" if args.device == "cuda" else "gloo")
-rank, world, dist_print = env.global_rank, env.global_size, env.dist_print
-device = env.local_device
-torch.set_default_dtype(DTYPES[args.dtype])
+env, rank, world, dist_print, device = common.init(args)
 
 
 class ExampleModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self._moe_layer = tutel_moe.moe_layer(
-            gate_type={"type": "top", "k": args.top, "fp32_gate": args.fp32_gate},
-            experts={"type": "ffn", "num_experts_per_device": args.num_local_experts,
-                     "hidden_size_per_expert": args.hidden_size, "activation_fn": lambda h: F.relu(h)},
-            model_dim=args.model_dim,
-            scan_expert_func=lambda name, param: setattr(param, "skip_allreduce", True),
-            seeds=(1, rank + 1, 1),
-            a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree,
-            use_2dh=args.use_2dh,
-        )
-        experts = sum(p.numel() for _, p in self._moe_layer.get_parameter_iterator(param_type="local_experts"))
-        gate = sum(p.numel() for _, p in self._moe_layer.get_parameter_iterator(param_type="gate"))
-        dist_print(f"[Statistics] param count for MoE local_experts = {experts}, param count for MoE gate = {gate}.\n")
+        self._moe_layer = common.moe_layer(args, rank, dist_print, use_2dh=args.use_2dh)
         self.calls = 0
 
     def forward(self, x):
@@ -72,57 +35,11 @@ class ExampleModel(torch.nn.Module):
 
 model = ExampleModel().to(device)
 dist_print(model)
-
-checkpoint_path = ""
-if args.checkpoint_path:
-    checkpoint_path = system.apply_rank_size_from_pattern(args.checkpoint_path, rank=rank, size=world)
-    if os.path.exists(checkpoint_path):
-        model.load_state_dict(torch.load(checkpoint_path, weights_only=True))
-    else:
-        print(f"Checkpoint not loaded: file `{checkpoint_path}` is not found. Will train the model from start.")
-
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
-torch.manual_seed(0)
-x = torch.randn(args.batch_size, args.num_tokens, args.model_dim, dtype=torch.float32).to(
-    device=device, dtype=torch.get_default_dtype())
-target = torch.zeros(args.batch_size, dtype=torch.long, device=device)
-
-dist_print(f"[Benchmark] world_size = {world}, dtype = {args.dtype}, model_dim = {args.model_dim}, "
-           f"hidden_size = {args.hidden_size}, samples = {args.batch_size * args.num_tokens}, "
-           f"num_local_experts = {args.num_local_experts}, topK = {args.top}, "
-           f"a2a_ffn_overlap_degree = {args.a2a_ffn_overlap_degree}, device = `{device}`")
-
-shared_params = [] if args.allreduce_degree == -1 else [
-    p for p in model.parameters() if not hasattr(p, "skip_allreduce") and p.requires_grad]
-num_global_experts = tutel_moe.moe_layer.global_expert_count(args.num_local_experts,
-                                                             group=system.get_local_session().model_group)
-last_times = []
-for step in range(args.num_steps):
-    t_start = system.record_time()
-    if args.eval:
-        with torch.no_grad():
-            loss = F.nll_loss(model(x), target)
-    else:
-        optimizer.zero_grad()
-        loss = F.nll_loss(model(x), target)
-        if args.l_aux_wt:
-            loss = loss + args.l_aux_wt * model._moe_layer.l_aux
-        loss.backward()
-        for p in shared_params if world > 1 else []:
-            p.grad = net.simple_all_reduce(p.grad / world)
-        optimizer.step()
-    t_stop = system.record_time()
-
-    passes = 1 if args.eval else 3
-    flops = args.batch_size * args.num_tokens * args.model_dim * args.hidden_size * 4 * passes \
-        * min(args.top, num_global_experts)
-    layer = model._moe_layer
-    dist_print("STEP-%s: loss = %.5f, step_time = %.6f sec, perf = %.2f tflops. (f = %.1f, r = %d, o = %d)"
-               % (step, float(loss.detach()), t_stop - t_start, flops * 1e-12 / (t_stop - t_start),
-                  args.cap_factor, layer.adaptive_degree, layer.a2a_ffn_overlap_degree))
-    last_times = (last_times + [t_stop - t_start])[-10:]
-
-dist_print(f"\n[Summary] Average synchronized step_time = {sum(last_times) / 10} sec.")
+checkpoint_path = common.load_checkpoint(model, args, rank, world)
+layer = model._moe_layer
+common.train(model, layer, args, world, device, dist_print,
+             step_note=lambda: " (f = %.1f, r = %d, o = %d)" % (args.cap_factor, layer.adaptive_degree,
+                                                               layer.a2a_ffn_overlap_degree))
 
 if checkpoint_path:
     torch.save(model.state_dict(), checkpoint_path)

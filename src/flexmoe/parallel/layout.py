@@ -35,6 +35,16 @@ def valid_r(shards_per_expert: int, world_size: int, builtin_experts: bool = Tru
     return ([0] if world_size > 1 and builtin_experts else []) + divisors
 
 
+def experts_per_rank(num_experts: int, world_size: int) -> int:
+    """E_local: how many experts (or expert shards) each of ``world_size`` ranks holds."""
+    return max(num_experts // world_size, 1)
+
+
+def shards_per_expert(num_experts: int, world_size: int) -> int:
+    """s: over how many of ``world_size`` ranks one expert is sharded (1 when E >= W)."""
+    return max(world_size // num_experts, 1)
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """The layout of ``num_experts`` experts of hidden size ``hidden_dim`` over ``world_size`` ranks."""
@@ -62,12 +72,12 @@ class ExpertLayout:
     @property
     def experts_per_rank(self) -> int:
         """E_local: how many experts (or expert shards) each rank holds."""
-        return max(self.num_experts // self.world_size, 1)
+        return experts_per_rank(self.num_experts, self.world_size)
 
     @property
     def shards_per_expert(self) -> int:
         """s: over how many ranks one expert is sharded (1 when E >= W)."""
-        return max(self.world_size // self.num_experts, 1)
+        return shards_per_expert(self.num_experts, self.world_size)
 
     @property
     def local_hidden_dim(self) -> int:

@@ -104,13 +104,7 @@ def balanced_assignment(scores: Tensor, k: int = 1, *, final_eps: float | None =
     maximizing ``scores[x].sum()`` up to ``T * E * final_eps`` (default ``1e-9 * range / (T * E)``).
     No gradient flows through it.
     """
-    if scores.dim() != 2:
-        raise ValueError(f"scores must be [tokens, experts], got shape {tuple(scores.shape)}")
-    num_tokens, num_experts = scores.shape
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
-    if not torch.isfinite(scores).all():
-        raise ValueError("scores contain NaN or infinity")
+    num_tokens, num_experts = check_logits(scores, k, name="scores", nonfinite_message="scores contain NaN or infinity")
     device = scores.device
     if num_tokens == 0 or k == num_experts:
         return torch.ones(num_tokens, num_experts, dtype=torch.bool, device=device)

@@ -136,15 +136,20 @@ def _priority_order(probs_topk: Tensor, batch_prioritized: bool) -> Tensor:
     return torch.sort(probs_topk[:, 0], descending=True, stable=True).indices
 
 
-def check_logits(logits: Tensor, k: int) -> tuple[int, int]:
-    """Every plan builder's input check: logits ``[T, E]``, finite, and 1 <= k <= E. Returns ``(T, E)``."""
+def check_logits(logits: Tensor, k: int, *, name: str = "logits",
+                 nonfinite_message: str = "router logits contain NaN or infinity; check the layer input and the "
+                                          "router weights") -> tuple[int, int]:
+    """Every plan builder's input check: logits ``[T, E]``, finite, and 1 <= k <= E. Returns ``(T, E)``.
+
+    ``name`` and ``nonfinite_message`` word the errors for callers whose input is not router logits.
+    """
     if logits.dim() != 2:
-        raise ValueError(f"logits must be [tokens, experts], got shape {tuple(logits.shape)}")
+        raise ValueError(f"{name} must be [tokens, experts], got shape {tuple(logits.shape)}")
     num_tokens, num_experts = logits.shape
     if not 1 <= k <= num_experts:
         raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
     if not torch.isfinite(logits).all():
-        raise ValueError("router logits contain NaN or infinity; check the layer input and the router weights")
+        raise ValueError(nonfinite_message)
     return num_tokens, num_experts
 
 

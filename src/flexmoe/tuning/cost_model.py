@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from flexmoe.parallel.layout import experts_per_rank, shards_per_expert
 from flexmoe.parallel.layout import valid_r as layout_valid_r
 from flexmoe.tuning.profile import ComputeSpec, LinkSpec, Profile
 
@@ -126,12 +127,12 @@ class LayerConfig:
 
     @property
     def shards(self) -> int:
-        """s: ranks sharing one expert (1 when E >= W)."""
-        return max(self.ranks // self.experts, 1)
+        """s: ranks sharing one expert (1 when E >= W), by the layout's rule."""
+        return shards_per_expert(self.experts, self.ranks)
 
     @property
     def experts_per_rank(self) -> int:
-        return max(self.experts // self.ranks, 1)
+        return experts_per_rank(self.experts, self.ranks)
 
     @property
     def dtype_bytes(self) -> int:

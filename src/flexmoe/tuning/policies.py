@@ -135,17 +135,6 @@ class CostModelShadowPolicy:
 
 
 def resolve_shadow(shadow: object) -> ShadowPolicy | None:
-    """``shadow=`` of the layer -> a policy, or None for no shadowing (False / None)."""
-    if shadow is None or shadow is False:
-        return None
-    if shadow is True:
-        return CostModelShadowPolicy()
-    if isinstance(shadow, ShadowPolicy):
-        return shadow
-    raise TypeError(f"shadow must be False, True or a ShadowPolicy (an object with choose()), got {shadow!r}")
-
-
-def resolve_shadow(shadow: object) -> ShadowPolicy | None:
     """``shadow=`` of the layer -> a policy, or None for no shadowing (False / None); True is the cost model's."""
     if shadow is None or shadow is False:
         return None

@@ -116,26 +116,17 @@ class _AllGather(torch.autograd.Function):
         return piece, None, None
 
 
-class _Split(torch.autograd.Function):
+class _Shard(torch.autograd.Function):
+    """This rank's piece of ``input`` (split, or reduce-scattered when ``reduce``); the gradient is gathered."""
+
     @staticmethod
-    def forward(ctx, input: Tensor, group: Any) -> Tensor:
+    def forward(ctx, input: Tensor, group: Any, reduce: bool) -> Tensor:
         ctx.group = group
-        return simple_split(input, group)
+        return simple_reduce_scatter(input, group) if reduce else simple_split(input, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return simple_all_gather(grad, ctx.group), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return simple_reduce_scatter(input, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return simple_all_gather(grad, ctx.group), None
+        return simple_all_gather(grad, ctx.group), None, None
 
 
 class _AllReduceForward(torch.autograd.Function):
@@ -184,12 +175,12 @@ def all_gather(input: Tensor, dim: int = 0, group: Any = None) -> Tensor:
 
 def spatial_split(input: Tensor, dim: int = 0, group: Any = None) -> Tensor:
     """This rank's slice along ``dim`` (the inverse of ``all_gather``)."""
-    return _along(dim, lambda t: _Split.apply(t, group), input)
+    return _along(dim, lambda t: _Shard.apply(t, group, False), input)
 
 
 def reduce_scatter(input: Tensor, dim: int = 0, group: Any = None) -> Tensor:
     """This rank's slice along ``dim`` of the sum over ranks."""
-    return _along(dim, lambda t: _ReduceScatter.apply(t, group), input)
+    return _along(dim, lambda t: _Shard.apply(t, group, True), input)
 
 
 def allreduce_forward(input: Tensor, group: Any = None) -> Tensor:
