@@ -7,7 +7,7 @@ import torch
 
 from flexmoe import MoELayer
 from flexmoe.apps.models import GPT, GPTConfig
-from flexmoe.apps.models.gpt import DenseMLP
+from flexmoe.apps.models.moe_model import DenseMLP
 
 TINY = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, num_experts=4, expert_hidden=24, k=2)
 

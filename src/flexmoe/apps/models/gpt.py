@@ -11,20 +11,20 @@ Shapes: B batch, L sequence length (<= block_size), D ``n_embd``, V ``vocab_size
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flexmoe.apps.models.moe_model import MoEModel, build_moe_mlp
+from flexmoe.apps.models.moe_model import Block, MoEModel, MoEModelConfig
 
 __all__ = ["GPTConfig", "GPT"]
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(MoEModelConfig):
     """Model configuration. The defaults train in about three minutes on two CPU cores.
 
     ``group`` is the expert-parallel process group handed to every :class:`MoELayer` (None: one process holds
@@ -54,89 +54,7 @@ class GPTConfig:
     group: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head}")
-        if self.moe_every < 1:
-            raise ValueError(f"moe_every must be >= 1, got {self.moe_every}")
-        if not 1 <= self.k <= self.num_experts:
-            raise ValueError(f"k must be in [1, num_experts={self.num_experts}], got {self.k}")
-
-    @property
-    def dense_hidden(self) -> int:
-        """Hidden size of every dense MLP: k * expert_hidden, the active width of an MoE layer."""
-        return self.k * self.expert_hidden
-
-    def is_moe_layer(self, index: int) -> bool:
-        """Layers moe_every-1, 2*moe_every-1, ... are MoE (GShard: every other layer with moe_every=2)."""
-        return not self.dense and (index + 1) % self.moe_every == 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (without the runtime ``group``)."""
-        out = asdict(self) if self.group is None else {f.name: getattr(self, f.name) for f in fields(self)}
-        out.pop("group", None)
-        return out
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any], **overrides: Any) -> GPTConfig:
-        """Build from :meth:`to_dict` output; unknown keys are an error (a config from another version)."""
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise ValueError(f"unknown GPTConfig fields {unknown}")
-        return cls(**{**values, **overrides})
-
-    def dense_twin(self) -> GPTConfig:
-        """The same model with dense MLPs of equal active compute."""
-        return GPTConfig.from_dict({**self.to_dict(), "dense": True}, group=None)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.dropout = cfg.dropout
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x: ``[B, L, D]`` -> ``[B, L, D]``."""
-        b, seq, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        # [B, L, D] -> [B, heads, L, D/heads]
-        q, k, v = (t.view(b, seq, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
-        return self.proj(y.transpose(1, 2).reshape(b, seq, d))
-
-
-class DenseMLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, cfg.dense_hidden)
-        self.proj = nn.Linear(cfg.dense_hidden, cfg.n_embd)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x: ``[B, L, D]`` -> ``[B, L, D]``."""
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
-
-    def __init__(self, cfg: GPTConfig, index: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.is_moe = cfg.is_moe_layer(index)
-        self.mlp: nn.Module = build_moe_mlp(cfg) if self.is_moe else DenseMLP(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x: ``[B, L, D]`` -> ``[B, L, D]``."""
-        x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        self._check_shape()
 
 
 class GPT(MoEModel):
@@ -148,7 +66,7 @@ class GPT(MoEModel):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i, causal=True) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         # Not tied to tok_emb: safetensors stores each tensor once, and at V=256 tying saves little.
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)

@@ -1,4 +1,4 @@
-"""What the application models (the GPT, the vision transformer) share about their MoE layers: how an MLP
+"""What the application models (the GPT, the vision transformer) share: their transformer block, how an MLP
 becomes an :class:`~flexmoe.MoELayer`, and the losses and statistics training reads from those layers.
 
 A model using :class:`MoEModel` has a ``cfg`` with ``k``, ``num_experts``, ``aux_loss_coef`` and ``z_loss_coef``;
@@ -7,14 +7,58 @@ its MoE layers are found among its submodules, in order.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flexmoe.layer import MoELayer
 
-__all__ = ["build_moe_mlp", "MoEModel"]
+__all__ = ["MoEModelConfig", "build_moe_mlp", "SelfAttention", "DenseMLP", "Block", "MoEModel"]
+
+
+class MoEModelConfig:
+    """What the models' configuration dataclasses share: the MoE layout over blocks, the dense twin, and the
+    JSON round trip. A subclass is a dataclass with ``n_embd``, ``n_head``, ``dense``, ``moe_every``, ``k``,
+    ``num_experts``, ``expert_hidden`` and a runtime ``group`` field (not saved)."""
+
+    def _check_shape(self) -> None:
+        """The checks every such model needs (its own ones follow in its ``__post_init__``)."""
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head}")
+        if self.moe_every < 1:
+            raise ValueError(f"moe_every must be >= 1, got {self.moe_every}")
+        if not 1 <= self.k <= self.num_experts:
+            raise ValueError(f"k must be in [1, num_experts={self.num_experts}], got {self.k}")
+
+    @property
+    def dense_hidden(self) -> int:
+        """Hidden size of every dense MLP: k * expert_hidden, the active width of an MoE layer."""
+        return self.k * self.expert_hidden
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Blocks moe_every-1, 2*moe_every-1, ... are MoE (GShard: every other block with moe_every=2)."""
+        return not self.dense and (index + 1) % self.moe_every == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (without the runtime ``group``)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        out.pop("group", None)
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], **overrides: Any) -> Any:
+        """Build from :meth:`to_dict` output; unknown keys are an error (a config from another version)."""
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})  # type: ignore[arg-type]
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields {unknown}")
+        return cls(**{**values, **overrides})
+
+    def dense_twin(self) -> Any:
+        """The same model with dense MLPs of equal active compute."""
+        return type(self).from_dict({**self.to_dict(), "dense": True}, group=None)
 
 
 def build_moe_mlp(cfg: Any) -> MoELayer:
@@ -31,6 +75,61 @@ def build_moe_mlp(cfg: Any) -> MoELayer:
     if kwargs["group"] == "single":
         kwargs["ranks_per_node"] = 1  # one process holding every expert is one node, whatever torchrun says
     return MoELayer(cfg.n_embd, cfg.num_experts, cfg.expert_hidden, **kwargs)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention, causal (a language model) or over all tokens (every patch of an image)."""
+
+    def __init__(self, cfg: Any, causal: bool) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.causal = causal
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: ``[B, L, D]`` -> ``[B, L, D]``."""
+        b, seq, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        # [B, L, D] -> [B, heads, L, D/heads]
+        q, k, v = (t.view(b, seq, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, seq, d))
+
+
+class DenseMLP(nn.Module):
+    """The dense twin's MLP: ``n_embd -> dense_hidden -> n_embd`` with GELU."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, cfg.dense_hidden)
+        self.proj = nn.Linear(cfg.dense_hidden, cfg.n_embd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: ``[B, L, D]`` -> ``[B, L, D]``."""
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``; the MLP is MoE (block ``index``
+    per ``cfg.is_moe_layer``) or dense. Shared by the GPT (causal) and the ViT."""
+
+    def __init__(self, cfg: Any, index: int, *, causal: bool) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = SelfAttention(cfg, causal)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.is_moe = cfg.is_moe_layer(index)
+        self.mlp: nn.Module = build_moe_mlp(cfg) if self.is_moe else DenseMLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: ``[B, L, D]`` -> ``[B, L, D]``."""
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class MoEModel(nn.Module):
