@@ -11,7 +11,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,7 @@ class ExpertOptions:
         ``activation(min(gate, L)) * (clamp(up, -L, L) + 1)`` with ``L = glu_limit`` (None: ``activation(gate) * up``).
     """
 
-    activation: Union[str, Callable[[Tensor], Tensor]] = "gelu"
+    activation: str | Callable[[Tensor], Tensor] = "gelu"
     glu: bool = False
     bias: bool = True
     shared_experts: int = 0
@@ -79,7 +79,7 @@ class ExpertOptions:
         return {f.name: describe_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def build(self, num_experts: int, model_dim: int, hidden_dim: int, *, device: torch.device | str | None = None,
-              dtype: torch.dtype | None = None) -> "FeedForwardExperts":
+              dtype: torch.dtype | None = None) -> FeedForwardExperts:
         """``num_experts`` experts of these options (the layer's local experts, or its shared experts)."""
         return FeedForwardExperts(num_experts, model_dim, hidden_dim, activation=self.activation, glu=self.glu,
                                   bias=self.bias, glu_limit=self.glu_limit, device=device, dtype=dtype)

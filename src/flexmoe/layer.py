@@ -29,8 +29,8 @@ from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan
 from flexmoe.routing.routers import build_router, route
 from flexmoe.routing.scores import check_group_options
-from flexmoe.shared import SharedExpertGate
 from flexmoe.routing.topology import topology_gate
+from flexmoe.shared import SharedExpertGate
 from flexmoe.tuning.policies import resolve_shadow
 from flexmoe.validation import FLOAT_DTYPES, check_int, describe_value
 

@@ -201,7 +201,7 @@ class HierarchicalAllToAll(Exchange):
 
     def launch(self, x: Tensor, splits: SplitMatrix, stats: CommStats | None = None) -> PendingExchange:
         eg, G, N = self.eg, self.local, self.nodes
-        n, l = self.node, self.local_rank
+        n, lr = self.node, self.local_rank
         me = eg.rank
         tail = tuple(x.shape[1:])
 
@@ -209,13 +209,13 @@ class HierarchicalAllToAll(Exchange):
         send_sizes = list(splits[me])
         order1 = [n2 * G + j for j in range(G) for n2 in range(N)]  # blocks by (j, n')
         send1 = [sum(splits[me][n2 * G + j] for n2 in range(N)) for j in range(G)]
-        # From local peer j come its rows for the ranks (n', l): blocks by (j, n').
+        # From local peer j come its rows for the ranks (n', lr): blocks by (j, n').
         src1 = [n * G + j for j in range(G)]
-        recv_blocks1 = [splits[src][n2 * G + l] for src in src1 for n2 in range(N)]
-        recv1 = [sum(splits[src][n2 * G + l] for n2 in range(N)) for src in src1]
-        # Stage 2, between nodes: to node n' go the blocks for rank (n', l), from every local source j.
+        recv_blocks1 = [splits[src][n2 * G + lr] for src in src1 for n2 in range(N)]
+        recv1 = [sum(splits[src][n2 * G + lr] for n2 in range(N)) for src in src1]
+        # Stage 2, between nodes: to node n' go the blocks for rank (n', lr), from every local source j.
         order2 = [j * N + n2 for n2 in range(N) for j in range(G)]  # (j, n') blocks -> by (n', j)
-        send2 = [sum(splits[n * G + j][n2 * G + l] for j in range(G)) for n2 in range(N)]
+        send2 = [sum(splits[n * G + j][n2 * G + lr] for j in range(G)) for n2 in range(N)]
         recv2 = [sum(splits[n2 * G + j][me] for j in range(G)) for n2 in range(N)]
 
         def stage1(_: Tensor | None) -> _Stage:

@@ -21,8 +21,9 @@ same setting even if their profiles differed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from flexmoe.experts import FeedForwardExperts, expert_ffn
 from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, make_exchange, transpose
 from flexmoe.parallel.groups import ExpertGroup
 from flexmoe.parallel.layout import HIDDEN_DIM, ExpertLayout
 from flexmoe.parallel.overlap import pipelined_exchange
-from flexmoe.experts import FeedForwardExperts, expert_ffn
 from flexmoe.parallel.weights import gather_from_peers, replica_grad
 
 __all__ = ["ParallelSetting", "ExpertParallel", "split_evenly"]

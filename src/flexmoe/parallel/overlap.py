@@ -17,7 +17,7 @@ transfer of one chunk proceeds while the main thread computes another.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor
 

@@ -24,8 +24,8 @@ ValueError for any other combination (:func:`check_pairwise`). Any expert module
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist

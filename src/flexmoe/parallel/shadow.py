@@ -28,16 +28,17 @@ a sharded expert is already spread over ranks).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from flexmoe.experts import FeedForwardExperts, expert_ffn
 from flexmoe.parallel.groups import ExpertGroup
 from flexmoe.parallel.layout import ExpertLayout
-from flexmoe.experts import FeedForwardExperts, expert_ffn
 
 __all__ = [
     "ShadowContext",

@@ -23,8 +23,9 @@ differ from the layer's (``moe(x, r=2)``); ``pinned`` names the options the call
 from __future__ import annotations
 
 import functools
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import AbstractSet, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn

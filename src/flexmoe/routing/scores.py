@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-__all__ = ["SCORE_FUNCS", "top_k", "normalize_topk", "router_scores", "group_limited_mask", "select_experts", "routed_weights",
-           "check_group_options"]
+__all__ = ["SCORE_FUNCS", "top_k", "normalize_topk", "router_scores", "group_limited_mask", "select_experts",
+           "routed_weights", "check_group_options"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -132,17 +132,6 @@ class CostModelShadowPolicy:
             return name
         except KeyError:
             return "float32"
-
-
-def resolve_shadow(shadow: object) -> ShadowPolicy | None:
-    """``shadow=`` of the layer -> a policy, or None for no shadowing (False / None)."""
-    if shadow is None or shadow is False:
-        return None
-    if shadow is True:
-        return CostModelShadowPolicy()
-    if isinstance(shadow, ShadowPolicy):
-        return shadow
-    raise TypeError(f"shadow must be False, True or a ShadowPolicy (an object with choose()), got {shadow!r}")
 
 
 def resolve_shadow(shadow: object) -> ShadowPolicy | None:

@@ -21,7 +21,7 @@ global experts per rank with :func:`flexmoe.parallel.shard_expert_state`.
 from __future__ import annotations
 
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -311,7 +312,8 @@ class MOELayer(nn.Module):
 
     def extra_repr(self) -> str:
         gates = [f"k={g.top_k}, noise={g.gate_noise}" for g in self.gates]
-        return f"Top-K(s) = {gates}, Total-Experts = {self.num_global_experts} [managed by {self.world_size} device(s)],"
+        return (f"Top-K(s) = {gates}, Total-Experts = {self.num_global_experts} "
+                f"[managed by {self.world_size} device(s)],")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "_num_global_experts"

@@ -11,8 +11,9 @@ import datetime
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_SESSIONS: dict[Any, "ParallelEnv"] = {}
+_SESSIONS: dict[Any, ParallelEnv] = {}
 
 
 @dataclass
