@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +144,16 @@ class FeedForwardExperts(nn.Module):
             raise ValueError(f"counts must have {self.num_experts} entries (one per expert), got {len(counts)}")
         return expert_ffn(x, counts, self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,
                           glu_limit=self.glu_limit)
+
+    def ffn_with(self, x: Tensor, counts: list[int], weights: Mapping[str, Tensor | None]) -> Tensor:
+        """These experts' activation and gated unit on other weights (gathered, broadcast or a hidden shard):
+        ``weights`` maps ``w1, b1, w2, b2, w3, b3`` to ``[E', ...]`` tensors or None; x: ``[N, M]`` sorted by
+        expert, counts: ``[E']`` -> ``[N, M]``."""
+        w1, w2 = weights["w1"], weights["w2"]
+        if w1 is None or w2 is None:
+            raise ValueError("weights must hold w1 and w2 (b1, b2, w3, b3 may be None)")
+        return expert_ffn(x, counts, w1, weights["b1"], w2, weights["b2"], weights["w3"], weights["b3"],
+                          self.activation, glu_limit=self.glu_limit)
 
     def extra_repr(self) -> str:
         return (

@@ -122,15 +122,20 @@ class PendingExchange:
     def advance(self) -> None:
         """Wait for the current stage and launch the next (no-op for a single-stage exchange)."""
         if self._stages and self._current is not None:
-            prev = self._timed(lambda _: self._current.wait(), None)
+            prev = self._timed(self._wait_current, None)
             self._timed(self._next, prev)
+
+    def _wait_current(self, _: None) -> Tensor:
+        # __init__ launched the first stage, so there is always a current one.
+        assert self._current is not None
+        return self._current.wait()
 
     def finish(self) -> Tensor:
         """Run the remaining stages to completion and return the received rows."""
         if self._value is None:
             while self._stages:
                 self.advance()
-            self._value = self._timed(lambda _: self._current.wait(), None)
+            self._value = self._timed(self._wait_current, None)
             if self._stats is not None:
                 self._stats.exchanges += 1
         return self._value
@@ -257,28 +262,30 @@ class Ticket:
 
 class _Start(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, ticket: Ticket) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, ticket: Ticket) -> Tensor:
         ticket.forward = ticket.transport.launch(x.detach(), ticket.splits, ticket.stats)
         ctx.ticket = ticket
         return x.new_empty(0)  # a token: orders the graph, carries no data
 
     @staticmethod
-    def backward(ctx, _grad_token: Tensor):  # type: ignore[override]
+    def backward(ctx, _grad_token: Tensor):
         pending, ctx.ticket.backward = ctx.ticket.backward, None
         return pending.finish(), None
 
 
 class _Finish(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, token: Tensor, ticket: Ticket) -> Tensor:  # type: ignore[override]
+    def forward(ctx, token: Tensor, ticket: Ticket) -> Tensor:
         ctx.ticket = ticket
         # Let go of the exchange once it has delivered: the ticket lives in this node's ctx, and a ctx that
         # (through the exchange) referenced the node's own output would form a cycle that is never freed.
         pending, ticket.forward = ticket.forward, None
+        # The token comes out of _Start, which launched the exchange: autograd ran it before this node.
+        assert pending is not None, "finish_exchange before start_exchange"
         return pending.finish()
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         t = ctx.ticket
         t.backward = t.transport.launch(grad.contiguous(), transpose(t.splits), t.stats)
         return grad.new_empty(0), None

@@ -216,11 +216,11 @@ class StageTimer:
 
 class _Mark(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, timer: StageTimer, where: str) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, timer: StageTimer, where: str) -> Tensor:
         ctx.timer, ctx.where = timer, where
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         ctx.timer._mark_backward(ctx.where)
         return grad, None, None

@@ -65,6 +65,7 @@ def check_group_options(num_experts: int | None, k: int, num_expert_groups: obje
             raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    assert isinstance(num_expert_groups, int) and isinstance(num_limited_groups, int)  # the loop checked both
     if num_limited_groups > num_expert_groups:
         raise ValueError(f"num_limited_groups must be <= num_expert_groups={num_expert_groups}, "
                          f"got {num_limited_groups}")
