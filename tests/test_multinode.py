@@ -90,7 +90,7 @@ def test_two_torchrun_agents_train_as_one_job(tmp_path: Path, per_node: int) -> 
     assert ref_config["ranks_per_node"] == world
     got, want = losses(run), losses(tmp_path / "one-node")
     assert [s for s, _ in got] == [s for s, _ in want] == [10, 20]
-    assert [l for _, l in got] == pytest.approx([l for _, l in want], rel=1e-4)
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in want], rel=1e-4)
 
 
 @pytest.mark.slow

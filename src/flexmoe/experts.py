@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,7 @@ class ExpertOptions:
         ``activation(min(gate, L)) * (clamp(up, -L, L) + 1)`` with ``L = glu_limit`` (None: ``activation(gate) * up``).
     """
 
-    activation: Union[str, Callable[[Tensor], Tensor]] = "gelu"
+    activation: str | Callable[[Tensor], Tensor] = "gelu"
     glu: bool = False
     bias: bool = True
     shared_experts: int = 0
@@ -79,7 +79,7 @@ class ExpertOptions:
         return {f.name: describe_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def build(self, num_experts: int, model_dim: int, hidden_dim: int, *, device: torch.device | str | None = None,
-              dtype: torch.dtype | None = None) -> "FeedForwardExperts":
+              dtype: torch.dtype | None = None) -> FeedForwardExperts:
         """``num_experts`` experts of these options (the layer's local experts, or its shared experts)."""
         return FeedForwardExperts(num_experts, model_dim, hidden_dim, activation=self.activation, glu=self.glu,
                                   bias=self.bias, glu_limit=self.glu_limit, device=device, dtype=dtype)
@@ -144,6 +144,16 @@ class FeedForwardExperts(nn.Module):
             raise ValueError(f"counts must have {self.num_experts} entries (one per expert), got {len(counts)}")
         return expert_ffn(x, counts, self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,
                           glu_limit=self.glu_limit)
+
+    def ffn_with(self, x: Tensor, counts: list[int], weights: Mapping[str, Tensor | None]) -> Tensor:
+        """These experts' activation and gated unit on other weights (gathered, broadcast or a hidden shard):
+        ``weights`` maps ``w1, b1, w2, b2, w3, b3`` to ``[E', ...]`` tensors or None; x: ``[N, M]`` sorted by
+        expert, counts: ``[E']`` -> ``[N, M]``."""
+        w1, w2 = weights["w1"], weights["w2"]
+        if w1 is None or w2 is None:
+            raise ValueError("weights must hold w1 and w2 (b1, b2, w3, b3 may be None)")
+        return expert_ffn(x, counts, w1, weights["b1"], w2, weights["b2"], weights["w3"], weights["b3"],
+                          self.activation, glu_limit=self.glu_limit)
 
     def extra_repr(self) -> str:
         return (

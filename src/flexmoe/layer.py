@@ -29,15 +29,16 @@ from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan
 from flexmoe.routing.routers import build_router, route
 from flexmoe.routing.scores import check_group_options
-from flexmoe.shared import SharedExpertGate
 from flexmoe.routing.topology import topology_gate
+from flexmoe.shared import SharedExpertGate
 from flexmoe.tuning.policies import resolve_shadow
 from flexmoe.validation import FLOAT_DTYPES, check_int, describe_value
 
 __all__ = ["MoELayer", "update_expert_biases"]
 
-_OPTION_CLASSES = {"routing_options": RoutingOptions, "expert_options": ExpertOptions,
-                   "parallel_options": ParallelOptions}
+_OptionsClass = type[RoutingOptions] | type[ExpertOptions] | type[ParallelOptions]
+_OPTION_CLASSES: dict[str, _OptionsClass] = {"routing_options": RoutingOptions, "expert_options": ExpertOptions,
+                                             "parallel_options": ParallelOptions}
 # What one forward call may override: the capacity (routing) and every parallel option but the chooser.
 _CALL_ROUTING = ("capacity", "capacity_factor")
 _CALL_PARALLEL = tuple(f.name for f in dataclasses.fields(ParallelOptions) if f.name != "chooser")
@@ -106,6 +107,10 @@ class MoELayer(nn.Module):
     ``last_plan`` (the :class:`~flexmoe.routing.RoutingPlan`: ``tokens_per_expert``, ``capacity``,
     ``dropped_fraction``, ...).
     """
+
+    # Buffers (registered in __init__, None unless balance="bias"): declared for the type checker.
+    expert_bias: Tensor | None
+    pending_load: Tensor | None
 
     def __init__(
         self,
@@ -261,12 +266,14 @@ class MoELayer(nn.Module):
 
     def _shared_output(self, tokens: Tensor) -> Tensor:
         """tokens: ``[T, M]`` -> ``[T, M]``, the sum of the shared experts' outputs (every token through each)."""
+        shared = self.shared
+        assert shared is not None  # forward calls this only for a layer with shared experts
         n, num_tokens = self.expert_options.shared_experts, tokens.shape[0]
         rows = tokens.repeat(n, 1) if n > 1 else tokens  # [n*T, M]: all tokens for shared expert 0, then 1, ...
-        dtype = _parameter_dtype(self.shared)
+        dtype = _parameter_dtype(shared)
         if not torch.is_autocast_enabled(tokens.device.type) and dtype is not None and dtype != rows.dtype:
             rows = rows.to(dtype)  # as for the routed experts: compute in the parameters' dtype
-        out = self.shared(rows, [num_tokens] * n).view(n, num_tokens, self.model_dim).sum(0)
+        out = shared(rows, [num_tokens] * n).view(n, num_tokens, self.model_dim).sum(0)
         return out if self.shared_gate is None else self.shared_gate(tokens, out)
 
     # ---- once per optimizer step ------------------------------------------------------------------------
@@ -281,6 +288,7 @@ class MoELayer(nn.Module):
         """
         if self.expert_bias is None:
             return
+        assert self.pending_load is not None  # registered together with expert_bias (balance="bias")
         load = self.pending_load.clone()
         if self.ep_group.distributed:
             # Every rank applies the same update from the same global load, so the biases stay identical.
@@ -333,8 +341,15 @@ def _expose_options(cls: type) -> None:
         for f in dataclasses.fields(options_cls):
             if f.name in ("router", "shared_gate") or hasattr(cls, f.name):
                 continue
-            setattr(cls, f.name, property(lambda self, h=holder, n=f.name: getattr(getattr(self, h), n),
-                                          doc=f"The layer's ``{f.name}`` (``{holder}.{f.name}``)."))
+            setattr(cls, f.name, _option_property(holder, f.name))
+
+
+def _option_property(holder: str, name: str) -> property:
+    """A read-only attribute reading ``self.<holder>.<name>``."""
+    def read(self: MoELayer) -> Any:
+        return getattr(getattr(self, holder), name)
+
+    return property(read, doc=f"The layer's ``{name}`` (``{holder}.{name}``).")
 
 
 _expose_options(MoELayer)
@@ -369,7 +384,7 @@ def _options_from_keywords(given: dict[str, Any], keywords: dict[str, Any]) -> d
     return chosen
 
 
-def _field_names(options_cls: type) -> frozenset[str]:
+def _field_names(options_cls: _OptionsClass) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(options_cls))
 
 

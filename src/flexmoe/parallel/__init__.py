@@ -5,7 +5,9 @@ Nothing here imports :mod:`flexmoe.tuning`: the policies that need the cost mode
 (:class:`flexmoe.tuning.ModelGuidedChooser`, :class:`flexmoe.tuning.CostModelShadowPolicy`) live beside it.
 """
 
-from flexmoe.parallel.layout import ExpertLayout, shard_expert_state, unshard_expert_states, valid_r
+from flexmoe.parallel.auto import AutoContext, Chooser, MeasuringChooser, candidates
+from flexmoe.parallel.ddp import expert_parameter_names, wrap_ddp
+from flexmoe.parallel.expert_parallel import ParallelSetting
 from flexmoe.parallel.groups import (
     SINGLE_PROCESS,
     CollectiveError,
@@ -13,11 +15,9 @@ from flexmoe.parallel.groups import (
     ExpertGroup,
     resolve_group,
 )
-from flexmoe.parallel.expert_parallel import ParallelSetting
-from flexmoe.parallel.auto import AutoContext, Chooser, MeasuringChooser, candidates
-from flexmoe.parallel.ddp import expert_parameter_names, wrap_ddp
-from flexmoe.parallel.pairwise import pairwise_peers
+from flexmoe.parallel.layout import ExpertLayout, shard_expert_state, unshard_expert_states, valid_r
 from flexmoe.parallel.options import ParallelOptions
+from flexmoe.parallel.pairwise import pairwise_peers
 from flexmoe.parallel.shadow import (
     ShadowContext,
     ShadowExperts,

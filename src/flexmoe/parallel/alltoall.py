@@ -122,15 +122,20 @@ class PendingExchange:
     def advance(self) -> None:
         """Wait for the current stage and launch the next (no-op for a single-stage exchange)."""
         if self._stages and self._current is not None:
-            prev = self._timed(lambda _: self._current.wait(), None)
+            prev = self._timed(self._wait_current, None)
             self._timed(self._next, prev)
+
+    def _wait_current(self, _: None) -> Tensor:
+        # __init__ launched the first stage, so there is always a current one.
+        assert self._current is not None
+        return self._current.wait()
 
     def finish(self) -> Tensor:
         """Run the remaining stages to completion and return the received rows."""
         if self._value is None:
             while self._stages:
                 self.advance()
-            self._value = self._timed(lambda _: self._current.wait(), None)
+            self._value = self._timed(self._wait_current, None)
             if self._stats is not None:
                 self._stats.exchanges += 1
         return self._value
@@ -201,7 +206,7 @@ class HierarchicalAllToAll(Exchange):
 
     def launch(self, x: Tensor, splits: SplitMatrix, stats: CommStats | None = None) -> PendingExchange:
         eg, G, N = self.eg, self.local, self.nodes
-        n, l = self.node, self.local_rank
+        n, lr = self.node, self.local_rank
         me = eg.rank
         tail = tuple(x.shape[1:])
 
@@ -209,13 +214,13 @@ class HierarchicalAllToAll(Exchange):
         send_sizes = list(splits[me])
         order1 = [n2 * G + j for j in range(G) for n2 in range(N)]  # blocks by (j, n')
         send1 = [sum(splits[me][n2 * G + j] for n2 in range(N)) for j in range(G)]
-        # From local peer j come its rows for the ranks (n', l): blocks by (j, n').
+        # From local peer j come its rows for the ranks (n', lr): blocks by (j, n').
         src1 = [n * G + j for j in range(G)]
-        recv_blocks1 = [splits[src][n2 * G + l] for src in src1 for n2 in range(N)]
-        recv1 = [sum(splits[src][n2 * G + l] for n2 in range(N)) for src in src1]
-        # Stage 2, between nodes: to node n' go the blocks for rank (n', l), from every local source j.
+        recv_blocks1 = [splits[src][n2 * G + lr] for src in src1 for n2 in range(N)]
+        recv1 = [sum(splits[src][n2 * G + lr] for n2 in range(N)) for src in src1]
+        # Stage 2, between nodes: to node n' go the blocks for rank (n', lr), from every local source j.
         order2 = [j * N + n2 for n2 in range(N) for j in range(G)]  # (j, n') blocks -> by (n', j)
-        send2 = [sum(splits[n * G + j][n2 * G + l] for j in range(G)) for n2 in range(N)]
+        send2 = [sum(splits[n * G + j][n2 * G + lr] for j in range(G)) for n2 in range(N)]
         recv2 = [sum(splits[n2 * G + j][me] for j in range(G)) for n2 in range(N)]
 
         def stage1(_: Tensor | None) -> _Stage:
@@ -257,28 +262,30 @@ class Ticket:
 
 class _Start(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, ticket: Ticket) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, ticket: Ticket) -> Tensor:
         ticket.forward = ticket.transport.launch(x.detach(), ticket.splits, ticket.stats)
         ctx.ticket = ticket
         return x.new_empty(0)  # a token: orders the graph, carries no data
 
     @staticmethod
-    def backward(ctx, _grad_token: Tensor):  # type: ignore[override]
+    def backward(ctx, _grad_token: Tensor):
         pending, ctx.ticket.backward = ctx.ticket.backward, None
         return pending.finish(), None
 
 
 class _Finish(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, token: Tensor, ticket: Ticket) -> Tensor:  # type: ignore[override]
+    def forward(ctx, token: Tensor, ticket: Ticket) -> Tensor:
         ctx.ticket = ticket
         # Let go of the exchange once it has delivered: the ticket lives in this node's ctx, and a ctx that
         # (through the exchange) referenced the node's own output would form a cycle that is never freed.
         pending, ticket.forward = ticket.forward, None
+        # The token comes out of _Start, which launched the exchange: autograd ran it before this node.
+        assert pending is not None, "finish_exchange before start_exchange"
         return pending.finish()
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         t = ctx.ticket
         t.backward = t.transport.launch(grad.contiguous(), transpose(t.splits), t.stats)
         return grad.new_empty(0), None

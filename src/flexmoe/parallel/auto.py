@@ -21,8 +21,9 @@ same setting even if their profiles differed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -215,11 +216,11 @@ class StageTimer:
 
 class _Mark(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, timer: StageTimer, where: str) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, timer: StageTimer, where: str) -> Tensor:
         ctx.timer, ctx.where = timer, where
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         ctx.timer._mark_backward(ctx.where)
         return grad, None, None

@@ -10,16 +10,19 @@ hidden slice; the replicated ``b2`` of a sharded expert already gets the full su
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+if TYPE_CHECKING:
+    from flexmoe.layer import MoELayer
+
 __all__ = ["expert_parameter_names", "wrap_ddp"]
 
 
-def _expert_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _expert_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
     from flexmoe.layer import MoELayer  # the layer sits above this module; import at call time
 
     return [(name, m) for name, m in model.named_modules()

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from flexmoe.experts import FeedForwardExperts
 from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, make_exchange, transpose
 from flexmoe.parallel.groups import ExpertGroup
 from flexmoe.parallel.layout import HIDDEN_DIM, ExpertLayout
 from flexmoe.parallel.overlap import pipelined_exchange
-from flexmoe.experts import FeedForwardExperts, expert_ffn
 from flexmoe.parallel.weights import gather_from_peers, replica_grad
 
 __all__ = ["ParallelSetting", "ExpertParallel", "split_evenly"]
@@ -129,8 +129,7 @@ class ExpertParallel:
             if weights is None:
                 out = self.experts(local, route.local_counts[c])
             else:
-                out = expert_ffn(local, route.local_counts[c], **weights, activation=self.experts.activation,
-                                 glu_limit=self.experts.glu_limit)
+                out = self._builtin_experts().ffn_with(local, route.local_counts[c], weights)
             if not out.requires_grad and torch.is_grad_enabled():
                 # No rows here: still join the gradient exchange (every rank must run the same collectives),
                 # also when the gradient reaches it only through the other ranks' expert weights (rows that
@@ -198,8 +197,20 @@ class ExpertParallel:
 
     # ---- weights ------------------------------------------------------------------------------------------
 
+    def _builtin_experts(self) -> FeedForwardExperts:
+        # Only the built-in experts are sharded (the layer refuses a custom module that would be) or gathered
+        # (r = 0 is not in valid_r() for a custom module), so the weight-level paths always have them.
+        assert isinstance(self.experts, FeedForwardExperts)
+        return self.experts
+
     def _local_params(self) -> dict[str, Tensor | None]:
         return {name: getattr(self.experts, name, None) for name in _PARAMS}
+
+    @staticmethod
+    def _present(params: dict[str, Tensor | None], names: list[str]) -> list[Tensor]:
+        """The tensors of ``names`` (chosen among the parameters that are not None)."""
+        present = [params[n] for n in names]
+        return [t for t in present if t is not None]
 
     def _piece_weights(self, r: int) -> tuple[dict[str, Tensor | None] | None, list[Tensor]]:
         """The weights this rank computes with for r >= 1 (None: call the expert module itself), and the
@@ -220,23 +231,23 @@ class ExpertParallel:
         if g > 1:
             base = first + q * g
             names = [n for n in _PARAMS if n != "b2" and params[n] is not None]
-            shards = gather_from_peers(torch.cat([params[n].reshape(-1) for n in names]), eg,
+            shards = gather_from_peers(torch.cat([t.reshape(-1) for t in self._present(params, names)]), eg,
                                        list(range(base, base + g)))
             keep.append(shards[0])
             for n, full in self._unflatten(names, shards).items():
-                params[n] = torch.cat(full, dim=HIDDEN_DIM[n])
+                params[n] = torch.cat(full, dim=_hidden_dim(n))
         if q != 0:
             params["b2"] = None  # the bias is added once, by piece 0 of each replica group
         return params, keep
 
     def _unflatten(self, names: list[str], flats: list[Tensor]) -> dict[str, list[Tensor]]:
         """Split each gathered flat buffer back into the named local-shaped parameters."""
-        local = self._local_params()
-        sizes = [local[n].numel() for n in names]
+        local = self._present(self._local_params(), names)
+        sizes = [p.numel() for p in local]
         out: dict[str, list[Tensor]] = {n: [] for n in names}
         for flat in flats:
-            for n, t in zip(names, flat.split(sizes)):
-                out[n].append(t.view_as(local[n]))
+            for n, p, t in zip(names, local, flat.split(sizes)):
+                out[n].append(t.view_as(p))
         return out
 
     def _run_gathered(self, rows: Tensor, counts: list[int]) -> Tensor:
@@ -248,7 +259,8 @@ class ExpertParallel:
             first = (eg.rank // s) * s
             params["b2"] = replica_grad(params["b2"], eg, list(range(first, first + s)))
         names = [n for n in _PARAMS if params[n] is not None]
-        flats = gather_from_peers(torch.cat([params[n].reshape(-1) for n in names]), eg, list(range(W)))
+        flats = gather_from_peers(torch.cat([t.reshape(-1) for t in self._present(params, names)]), eg,
+                                  list(range(W)))
         per_rank = self._unflatten(names, flats)
         full: dict[str, Tensor | None] = {n: None for n in _PARAMS}
         for n in names:
@@ -257,11 +269,18 @@ class ExpertParallel:
             elif HIDDEN_DIM[n] is None:  # b2: shard 0's copy of each expert
                 full[n] = torch.cat([per_rank[n][e * s] for e in range(lay.num_experts)], dim=0)
             else:
-                full[n] = torch.cat([torch.cat(per_rank[n][e * s:(e + 1) * s], dim=HIDDEN_DIM[n])
+                full[n] = torch.cat([torch.cat(per_rank[n][e * s:(e + 1) * s], dim=_hidden_dim(n))
                                      for e in range(lay.num_experts)], dim=0)
         keep = [flats[0]] + ([params["b2"]] if s > 1 and params["b2"] is not None else [])
-        return _keep_in_graph(expert_ffn(rows, counts, **full, activation=self.experts.activation,
-                                         glu_limit=self.experts.glu_limit), keep)
+        return _keep_in_graph(self._builtin_experts().ffn_with(rows, counts, full), keep)
+
+
+def _hidden_dim(name: str) -> int:
+    """The hidden dimension of a hidden-sharded parameter (every one but the replicated b2)."""
+    dim = HIDDEN_DIM[name]
+    if dim is None:
+        raise ValueError(f"{name} is replicated across shards, it has no hidden dimension")
+    return dim
 
 
 def _first_trainable(module: nn.Module) -> Tensor | None:

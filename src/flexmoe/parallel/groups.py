@@ -10,8 +10,9 @@ from __future__ import annotations
 import datetime
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist

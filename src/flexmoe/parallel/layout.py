@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import Tensor
 import torch
+from torch import Tensor
 
 __all__ = ["HIDDEN_DIM", "ExpertLayout", "valid_r", "shard_expert_state", "unshard_expert_states"]
 
@@ -58,10 +58,11 @@ class ExpertLayout:
         if e < 1 or w < 1:
             raise ValueError(f"num_experts and world_size must be >= 1, got {e} and {w}")
         if e % w != 0 and w % e != 0:
+            fitting = {w * m for m in (1, 2, 4)} | {d for d in range(1, w + 1) if w % d == 0}
             raise ValueError(
                 f"num_experts={e} and world size {w} do not fit: num_experts must be a multiple of the "
                 f"expert-parallel world size (experts spread over ranks) or divide it (experts sharded "
-                f"over ranks), e.g. num_experts in {sorted({w * m for m in (1, 2, 4)} | {d for d in range(1, w + 1) if w % d == 0})}"
+                f"over ranks), e.g. num_experts in {sorted(fitting)}"
             )
         if self.hidden_dim % self.shards_per_expert != 0:
             raise ValueError(

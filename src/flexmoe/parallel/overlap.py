@@ -17,11 +17,19 @@ transfer of one chunk proceeds while the main thread computes another.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor
 
-from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, advance, finish_exchange, start_exchange
+from flexmoe.parallel.alltoall import (
+    CommStats,
+    Exchange,
+    SplitMatrix,
+    Ticket,
+    advance,
+    finish_exchange,
+    start_exchange,
+)
 
 __all__ = ["pipelined_exchange"]
 
@@ -42,12 +50,11 @@ def pipelined_exchange(
     ``send_rows[c]``. Differentiable.
     """
     d = len(send_rows)
-    sends = [None] * d
-    sends[0] = start_exchange(send_rows[0], transport, send_splits[0], stats)
-    returns = []
+    sends: list[tuple[Tensor, Ticket]] = [start_exchange(send_rows[0], transport, send_splits[0], stats)]
+    returns: list[tuple[Tensor, Ticket]] = []
     for c in range(d):
         if c + 1 < d:
-            sends[c + 1] = start_exchange(send_rows[c + 1], transport, send_splits[c + 1], stats)
+            sends.append(start_exchange(send_rows[c + 1], transport, send_splits[c + 1], stats))
         received = finish_exchange(*sends[c])
         out = compute(c, received)
         returns.append(start_exchange(out, transport, return_splits[c], stats))

@@ -24,8 +24,9 @@ ValueError for any other combination (:func:`check_pairwise`). Any expert module
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,7 @@ class _Transfers:
     def wait(self) -> None:
         for work in self.works:
             if self.eg.timeout is not None:
-                self.eg.call("pairwise exchange", lambda w=work: w.wait(self.eg.timeout))
+                self.eg.call("pairwise exchange", functools.partial(work.wait, self.eg.timeout))
             else:
                 self.eg.call("pairwise exchange", work.wait)
         self.works = []
@@ -141,9 +142,9 @@ def pairwise_schedule(
         ops = []
         if blocks[to].shape[0]:
             ops.append(_p2p(eg, dist.isend, blocks[to].contiguous(), to, 2 * step))
-        incoming[frm] = blocks[me].new_empty((recv_sizes[frm],) + tail)
+        piece = incoming[frm] = blocks[me].new_empty((recv_sizes[frm],) + tail)
         if recv_sizes[frm]:
-            ops.append(_p2p(eg, dist.irecv, incoming[frm], frm, 2 * step))
+            ops.append(_p2p(eg, dist.irecv, piece, frm, 2 * step))
         return _Transfers(eg, ops)
 
     def post_results(step: int, result: Tensor) -> _Transfers:
@@ -151,20 +152,23 @@ def pairwise_schedule(
         ops = []
         if result.shape[0]:
             ops.append(_p2p(eg, dist.isend, result.contiguous(), frm, 2 * step + 1))
-        results[to] = blocks[me].new_empty(blocks[to].shape)
+        back = results[to] = blocks[me].new_empty(blocks[to].shape)
         if blocks[to].shape[0]:
-            ops.append(_p2p(eg, dist.irecv, results[to], to, 2 * step + 1))
+            ops.append(_p2p(eg, dist.irecv, back, to, 2 * step + 1))
         return _Transfers(eg, ops)
 
     pending = post_pieces(1) if world > 1 else None
     results[me] = compute(me, blocks[me])
     returning = []
     for step in range(1, world):
+        assert pending is not None  # world > 1 here, and each step posted the next one's pieces
         pending.wait()
         if step + 1 < world:
             pending = post_pieces(step + 1)  # travels while this step computes
         frm = pairwise_peers(me, world, step)[1]
-        returning.append(post_results(step, compute(frm, incoming[frm])))
+        piece = incoming[frm]
+        assert piece is not None  # posted by post_pieces(step), received by the wait above
+        returning.append(post_results(step, compute(frm, piece)))
         incoming[frm] = None
     for transfers in returning:
         transfers.wait()
@@ -204,7 +208,8 @@ class _PairwiseRun:
             got = torch.autograd.grad(out, [leaf] + self.params, piece_grad, allow_unused=True)
             for i, g in enumerate(got[1:]):
                 if g is not None:
-                    param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
+                    so_far = param_grads[i]
+                    param_grads[i] = g if so_far is None else so_far + g
             return got[0] if got[0] is not None else torch.zeros_like(leaf)
 
         blocks = list(grad.contiguous().split(self.plan.send_sizes))
@@ -214,12 +219,12 @@ class _PairwiseRun:
 
 class _Pairwise(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows: Tensor, run: _PairwiseRun, *params: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, rows: Tensor, run: _PairwiseRun, *params: Tensor) -> Tensor:
         ctx.run = run
         return run.forward(rows)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         grad_rows, param_grads = ctx.run.backward(grad)
         return (grad_rows, None, *param_grads)
 
@@ -229,7 +234,7 @@ def run_pairwise(eg: ExpertGroup, layout: ExpertLayout, experts: nn.Module, rows
     """rows ``[N, M]`` sorted by global expert (this rank's ``all_counts[rank]`` per expert) -> ``[N, M]``
     expert outputs, equal to the all-to-all path's. Differentiable in rows and the experts' parameters."""
     plan = make_pairwise_plan(all_counts, layout, eg.rank)
-    params = [p for p in experts.parameters() if p.requires_grad]
+    params: list[Tensor] = [p for p in experts.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (rows.requires_grad or params):
         with torch.no_grad():
             blocks = list(rows.split(plan.send_sizes))

@@ -27,17 +27,19 @@ a sharded expert is already spread over ranks).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from flexmoe.experts import FeedForwardExperts
 from flexmoe.parallel.groups import ExpertGroup
 from flexmoe.parallel.layout import ExpertLayout
-from flexmoe.experts import FeedForwardExperts, expert_ffn
 
 __all__ = [
     "ShadowContext",
@@ -158,7 +160,7 @@ class _BroadcastExperts(torch.autograd.Function):
     the owner's local parameters. One flat buffer, so no per-parameter copies on either side."""
 
     @staticmethod
-    def forward(ctx, eg: ExpertGroup, layout: ExpertLayout, shadowed: list[int],  # type: ignore[override]
+    def forward(ctx, eg: ExpertGroup, layout: ExpertLayout, shadowed: list[int],
                 *params: Tensor) -> Tensor:
         ctx.eg, ctx.layout, ctx.shadowed = eg, layout, shadowed
         ctx.local_shapes = [p.shape for p in params]
@@ -170,21 +172,21 @@ class _BroadcastExperts(torch.autograd.Function):
             if owner == eg.rank:
                 j = x - layout.experts_of_rank(owner).start
                 torch.cat([p[j].reshape(-1) for p in params], out=flat[s])
-            works.append(eg.call("shadowed-expert broadcast", lambda row=flat[s], o=owner: dist.broadcast(
-                row, src=eg.global_ranks[o], group=eg.group, async_op=True)))
+            works.append(eg.call("shadowed-expert broadcast", functools.partial(
+                dist.broadcast, flat[s], src=eg.global_ranks[owner], group=eg.group, async_op=True)))
         for work in works:
             eg.call("shadowed-expert broadcast", work.wait)
         return flat
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         eg, layout = ctx.eg, ctx.layout
         grad = grad.contiguous().clone()  # reduce writes into it; autograd's buffer is not ours to change
         works = []
         for s, x in enumerate(ctx.shadowed):
             dst = eg.global_ranks[layout.owner_of_expert(x)]
-            works.append(eg.call("shadowed-expert gradient reduce", lambda row=grad[s], d=dst: dist.reduce(
-                row, dst=d, group=eg.group, async_op=True)))
+            works.append(eg.call("shadowed-expert gradient reduce", functools.partial(
+                dist.reduce, grad[s], dst=dst, group=eg.group, async_op=True)))
         for work in works:
             eg.call("shadowed-expert gradient reduce", work.wait)
         param_grads: list[Tensor | None] = [None] * len(ctx.local_shapes)
@@ -194,9 +196,10 @@ class _BroadcastExperts(torch.autograd.Function):
                 continue  # only the owner's buffer holds the sum
             j = x - layout.experts_of_rank(eg.rank).start
             for i, piece in enumerate(grad[s].split(sizes)):
-                if param_grads[i] is None:
-                    param_grads[i] = grad.new_zeros(ctx.local_shapes[i])
-                param_grads[i][j] = piece.view(ctx.local_shapes[i][1:])
+                param_grad = param_grads[i]
+                if param_grad is None:
+                    param_grad = param_grads[i] = grad.new_zeros(ctx.local_shapes[i])
+                param_grad[j] = piece.view(ctx.local_shapes[i][1:])
         return (None, None, None, *param_grads)
 
 
@@ -221,7 +224,9 @@ def broadcast_experts(experts: FeedForwardExperts, eg: ExpertGroup, layout: Expe
 def split_rows(counts: Sequence[int], shadowed: Sequence[int]) -> tuple[Tensor, Tensor]:
     """Positions of the rows (sorted by expert, ``counts[e]`` each) of non-shadowed and of shadowed experts."""
     shadow = set(shadowed)
-    rest, mine, start = [], [], 0
+    rest: list[Tensor] = []
+    mine: list[Tensor] = []
+    start = 0
     for e, n in enumerate(counts):
         (mine if e in shadow else rest).append(torch.arange(start, start + n))
         start += n
@@ -256,8 +261,7 @@ def run_shadowed(
         # these collectives in the same order.
         rest_rows = rest_rows + w1[:0].sum().to(rest_rows.dtype)
     rest_out = run_rest(rest_rows, rest_counts, rest_all)
-    shadow_out = expert_ffn(rows.index_select(0, shadow_index), [counts[e] for e in shadowed], **weights,
-                            activation=experts.activation, glu_limit=experts.glu_limit)
+    shadow_out = experts.ffn_with(rows.index_select(0, shadow_index), [counts[e] for e in shadowed], weights)
     order = torch.cat([rest_index, shadow_index])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())

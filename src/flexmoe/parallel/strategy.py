@@ -23,12 +23,14 @@ differ from the layer's (``moe(x, r=2)``); ``pinned`` names the options the call
 from __future__ import annotations
 
 import functools
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import AbstractSet, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
+from flexmoe.experts import FeedForwardExperts
 from flexmoe.parallel.auto import AutoContext, Chooser, MeasuringChooser, StageTimer, candidates, capacity_bucket
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
 from flexmoe.parallel.layout import ExpertLayout
@@ -56,8 +58,11 @@ class LayerShape:
 class ExpertStrategy(Protocol):
     """Runs the experts of one call (see the module docstring)."""
 
-    last_choice: ParallelSetting | None
     last_shadowed: list[int]
+
+    @property
+    def last_choice(self) -> ParallelSetting | None:
+        """The setting of the last call (None before the first, or without expert parallelism)."""
 
     def run(self, rows: Tensor, counts: list[int], options: ParallelOptions,
             pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor: ...
@@ -171,7 +176,9 @@ class ShadowedExperts:
         if not self.last_shadowed:
             return self.inner.run_counted(rows, counts, all_counts, options, pinned)
         run_rest = functools.partial(self.inner.run_counted, options=options, pinned=pinned)
-        return run_shadowed(ep.experts, ep.eg, ep.layout, rows, counts, all_counts, self.last_shadowed, run_rest)
+        experts = ep.experts
+        assert isinstance(experts, FeedForwardExperts)  # check_shadow_supported in __init__
+        return run_shadowed(experts, ep.eg, ep.layout, rows, counts, all_counts, self.last_shadowed, run_rest)
 
     def _choose(self, all_counts: list[list[int]], options: ParallelOptions) -> list[int]:
         if options.r == 0:

@@ -28,12 +28,12 @@ def _peer_all_to_all(eg: ExpertGroup, x: Tensor, peers: list[int], what: str) ->
 
 class _GatherFromPeers(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, flat: Tensor, eg: ExpertGroup, peers: list[int]) -> Tensor:  # type: ignore[override]
+    def forward(ctx, flat: Tensor, eg: ExpertGroup, peers: list[int]) -> Tensor:
         ctx.eg, ctx.peers = eg, peers
         return _peer_all_to_all(eg, flat.detach().repeat(len(peers)), peers, "expert weight gather")
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         # Block i of grad is peer i's shard as this rank used it: send it home; sum what the peers used of ours.
         got = _peer_all_to_all(ctx.eg, grad, ctx.peers, "expert weight-gradient reduce")
         return got.view(len(ctx.peers), -1).sum(0), None, None
@@ -48,12 +48,12 @@ def gather_from_peers(flat: Tensor, eg: ExpertGroup, peers: list[int]) -> list[T
 
 class _ReplicaGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, eg: ExpertGroup, peers: list[int]) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, eg: ExpertGroup, peers: list[int]) -> Tensor:
         ctx.eg, ctx.peers = eg, peers
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         flat = grad.reshape(-1)
         got = _peer_all_to_all(ctx.eg, flat.repeat(len(ctx.peers)), ctx.peers, "replicated-bias gradient sum")
         return got.view(len(ctx.peers), -1).sum(0).view_as(grad), None, None

@@ -7,8 +7,8 @@ it picks the plan builder for those options (top-k with its variants, expert cho
 from flexmoe.routing.balanced import balanced_assignment, make_base_plan
 from flexmoe.routing.bias_balance import bias_update, load_imbalance
 from flexmoe.routing.build import build_plan
-from flexmoe.routing.expert_choice import expert_choice_capacity, make_expert_choice_plan
 from flexmoe.routing.capacity import assign_sequence_slots
+from flexmoe.routing.expert_choice import expert_choice_capacity, make_expert_choice_plan
 from flexmoe.routing.families import check_family_options
 from flexmoe.routing.losses import (
     all_choices_balance_loss,

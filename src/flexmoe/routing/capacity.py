@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
 __all__ = ["CAPACITY_PER", "assign_slots", "assign_sequence_slots", "kept_counts"]
 
 CAPACITY_PER = ("call", "sequence")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,7 +67,7 @@ class RoutingOptions:
     k: int = 2
     capacity_factor: float = 1.25
     capacity: int | None = None
-    router: Union[str, nn.Module] = "topk"
+    router: str | nn.Module = "topk"
     router_dtype: torch.dtype = torch.float32
     normalize_weights: bool = True
     batch_prioritized: bool = False

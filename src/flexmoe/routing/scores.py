@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-__all__ = ["SCORE_FUNCS", "top_k", "normalize_topk", "router_scores", "group_limited_mask", "select_experts", "routed_weights",
-           "check_group_options"]
+__all__ = ["SCORE_FUNCS", "top_k", "normalize_topk", "router_scores", "group_limited_mask", "select_experts",
+           "routed_weights", "check_group_options"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -66,6 +65,7 @@ def check_group_options(num_experts: int | None, k: int, num_expert_groups: obje
             raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    assert isinstance(num_expert_groups, int) and isinstance(num_limited_groups, int)  # the loop checked both
     if num_limited_groups > num_expert_groups:
         raise ValueError(f"num_limited_groups must be <= num_expert_groups={num_expert_groups}, "
                          f"got {num_limited_groups}")

@@ -72,10 +72,10 @@ class LayerConfig:
     """One MoE layer on ``ranks`` expert-parallel ranks; ``tokens`` is the per-rank token count.
 
     experts: global experts E. With E >= W each rank holds E/W whole experts; with E < W each expert is sharded
-        over s = W/E ranks along the hidden dimension. ``r`` picks the parallel style (docs/architecture.md, "Experts over ranks"):
-        r = 0 gathers every expert on every rank (no all-to-all, any layout), 1 <= r <= s (r | s) keeps weights
-        r-way sharded inside groups of r ranks and gathers them across the s/r groups (r = s: pure model
-        parallel, no gather; r = 1 with whole experts: plain expert parallelism).
+        over s = W/E ranks along the hidden dimension. ``r`` picks the parallel style (docs/architecture.md,
+        "Experts over ranks"): r = 0 gathers every expert on every rank (no all-to-all, any layout),
+        1 <= r <= s (r | s) keeps weights r-way sharded inside groups of r ranks and gathers them across the s/r
+        groups (r = s: pure model parallel, no gather; r = 1 with whole experts: plain expert parallelism).
     capacity_factor: as in the layer (0: dropless). ``dispatch`` is "index" (gather/scatter-add, rows only for
         real tokens) or "dense" (the GShard/fairseq one-hot einsum, experts compute every padded slot).
     a2a: "flat" or "2dh"; overlap_degree: pipeline chunks d; ranks_per_node: None takes the profile's.

@@ -21,7 +21,7 @@ global experts per rank with :func:`flexmoe.parallel.shard_expert_state`.
 from __future__ import annotations
 
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -88,10 +88,12 @@ def _layer_to_flexmoe(states: list[Mapping[str, Tensor]], p: str, world: int, ga
 
     fc1_w, fc2_w = gathered("batched_fc1_w"), gathered("batched_fc2_w")
     fc1_b, fc2_b = gathered("batched_fc1_bias"), gathered("batched_fc2_bias")
+    if fc1_w is None or fc2_w is None:  # fc1_w is there: the layer was found by it
+        raise ValueError(f"{p}: the Tutel layer has experts.batched_fc1_w but no experts.batched_fc2_w")
     out = {p + "experts.w1": fc1_w.transpose(1, 2).contiguous(), p + "experts.w2": fc2_w.contiguous()}
     if (fc1_b is None) != (fc2_b is None):
         raise ValueError(f"{p}: MoELayer's experts have both biases or neither; this Tutel layer has one")
-    if fc1_b is not None:
+    if fc1_b is not None and fc2_b is not None:
         out[p + "experts.b1"] = fc1_b.contiguous()
         out[p + "experts.b2"] = fc2_b[:, :model_dim].contiguous()
 
@@ -133,6 +135,9 @@ def _layer_to_tutel(state: Mapping[str, Tensor], p: str, world: int) -> list[dic
     num_experts, model_dim, hidden = w1.shape
     fc1_w, fc2_w = w1.transpose(1, 2), state[p + "experts.w2"]
     fc1_b, fc2_b = state.get(p + "experts.b1"), state.get(p + "experts.b2")
+    if (fc1_b is None) != (fc2_b is None):
+        raise ValueError(f"{p}: Tutel's experts have both biases or neither; this layer has only one of "
+                         "experts.b1 and experts.b2")
 
     if p + "router.weight" in state and p + "router.log_temperature" not in state:
         gate = {"gates.0.wg.weight": state[p + "router.weight"]}
@@ -150,7 +155,7 @@ def _layer_to_tutel(state: Mapping[str, Tensor], p: str, world: int) -> list[dic
             local = num_experts // world
             pick = slice(r * local, (r + 1) * local)
             layer = {"experts.batched_fc1_w": fc1_w[pick], "experts.batched_fc2_w": fc2_w[pick]}
-            if fc1_b is not None:
+            if fc1_b is not None and fc2_b is not None:
                 layer["experts.batched_fc1_bias"] = fc1_b[pick]
                 layer["experts.batched_fc2_bias"] = fc2_b[pick]
         else:
@@ -161,7 +166,7 @@ def _layer_to_tutel(state: Mapping[str, Tensor], p: str, world: int) -> list[dic
             h = hidden // shards
             layer = {"experts.batched_fc1_w": fc1_w[e:e + 1, j * h:(j + 1) * h],
                      "experts.batched_fc2_w": fc2_w[e:e + 1, j * h:(j + 1) * h]}
-            if fc1_b is not None:
+            if fc1_b is not None and fc2_b is not None:
                 piece = -(-model_dim // shards)
                 padded = fc2_b.new_zeros(num_experts, piece * shards)
                 padded[:, :model_dim] = fc2_b

@@ -8,15 +8,35 @@ options as attributes: ``top_k``, ``capacity_factor`` (default 1.0) and ``gate_n
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LinearTopKGate", "CosineTopKGate", "BUILTIN_GATES"]
+__all__ = ["LinearTopKGate", "CosineTopKGate", "BUILTIN_GATES", "RoutingGate"]
 
 
-def _routing_options(gate: nn.Module, num_global_experts: int, k: int, capacity_factor: float,
+class RoutingGate(Protocol):
+    """What the Tutel layer uses of a gate: logits of tokens and the routing options it carries (the built-in
+    gates set them in ``__init__``; the layer checks a custom gate for them when it builds it)."""
+
+    top_k: int
+    capacity_factor: float
+    gate_noise: float
+
+    def __call__(self, x: Tensor) -> Tensor: ...
+
+
+class _BuiltinGate(nn.Module):
+    """The routing options of the built-in gates (set by :func:`_routing_options`)."""
+
+    top_k: int
+    capacity_factor: float
+    gate_noise: float
+
+
+def _routing_options(gate: _BuiltinGate, num_global_experts: int, k: int, capacity_factor: float,
                      gate_noise: float) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"gate option k must be an int >= 1, got {k!r}")
@@ -25,7 +45,7 @@ def _routing_options(gate: nn.Module, num_global_experts: int, k: int, capacity_
     gate.gate_noise = float(gate_noise)
 
 
-class LinearTopKGate(nn.Module):
+class LinearTopKGate(_BuiltinGate):
     """Tutel's ``top`` gate: ``logits = x @ wg.weight.T``. Parameter ``wg.weight: [E, model_dim]``, drawn as
     ``nn.Linear(model_dim, E, bias=False)`` draws it (float32 with ``fp32_gate``, else the default dtype)."""
 
@@ -43,7 +63,7 @@ class LinearTopKGate(nn.Module):
         return F.linear(x.to(weight.dtype), weight)
 
 
-class CosineTopKGate(nn.Module):
+class CosineTopKGate(_BuiltinGate):
     """Tutel's ``cosine_top`` gate (SwinV2-MoE): ``logits = cos(P x, S_e) * exp(min(temperature, log 100))``.
 
     Parameters, in Tutel's names: ``cosine_projector`` (``nn.Linear(model_dim, proj_dim)``), ``sim_matrix:
@@ -69,7 +89,9 @@ class CosineTopKGate(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: ``[T, model_dim]`` -> logits ``[T, E]``."""
-        projector_w, projector_b, sim = self.cosine_projector.weight, self.cosine_projector.bias, self.sim_matrix
+        projector_w: Tensor = self.cosine_projector.weight
+        projector_b: Tensor = self.cosine_projector.bias
+        sim: Tensor = self.sim_matrix
         if self.fp32_gate:
             x, projector_w, projector_b, sim = x.float(), projector_w.float(), projector_b.float(), sim.float()
         projected = F.linear(x.to(projector_w.dtype), projector_w, projector_b)

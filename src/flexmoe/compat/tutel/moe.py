@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -26,9 +27,10 @@ from torch import Tensor, nn
 
 from flexmoe.compat.tutel import net
 from flexmoe.compat.tutel.experts import FusedExpertsNetwork, GatheredExperts, PaddedExperts
-from flexmoe.compat.tutel.gates import BUILTIN_GATES
+from flexmoe.compat.tutel.gates import BUILTIN_GATES, RoutingGate
 from flexmoe.compat.tutel.routing import alignment_of, load_importance_loss, tutel_capacity
 from flexmoe.layer import MoELayer
+from flexmoe.routing.plan import RoutingPlan
 
 __all__ = ["moe_layer", "MOELayer"]
 
@@ -78,6 +80,10 @@ class MOELayer(nn.Module):
         batch_prioritized_routing, normalize_gate: as in Tutel.
         is_gshard_loss: ``l_aux`` is the GShard loss (True) or the importance + load loss (False).
     """
+
+    # Set in __init__ by register_buffer / object.__setattr__: declared for the type checker.
+    _num_global_experts: Tensor
+    _expert_runner: nn.Module
 
     @staticmethod
     def global_expert_count(num_local_experts: int | float, group: Any = None) -> int:
@@ -168,7 +174,7 @@ class MOELayer(nn.Module):
             for name, param in self.experts.named_parameters():
                 scan_expert_func(name, param)
         for param in self.experts.parameters():
-            param._tutel_expert = True  # Tutel's mark for expert parameters (not all-reduced by data parallel)
+            param._tutel_expert = True  # type: ignore[attr-defined]  # Tutel's mark for expert parameters (not all-reduced by data parallel)
 
         gates = []
         for i, spec in enumerate(self._gate_specs(gate_type)):
@@ -180,9 +186,9 @@ class MOELayer(nn.Module):
             torch.manual_seed(seeds[2])
 
         self.l_aux: Tensor | None = None
-        self.last_plan = None
+        self.last_plan: RoutingPlan | None = None
         self._layers: dict[tuple[int, torch.dtype], MoELayer] = {}  # plain dict: not submodules (see above)
-        self._layer_for(self.gates[0].top_k, self._gate_dtype(self.gates[0]))
+        self._layer_for(self._gate(0).top_k, self._gate_dtype(self.gates[0]))
 
     # ----------------------------------------------------------------------------------------- construction
     def _parse_parallel_type(self, parallel_type: str) -> int:
@@ -273,6 +279,11 @@ class MOELayer(nn.Module):
         except TypeError as e:
             raise TypeError(f"gate of type {kind!r}: {e}") from None
 
+    def _gate(self, index: int) -> RoutingGate:
+        # _build_gate made every gate carry top_k, capacity_factor and gate_noise (the built-in gates set them,
+        # a custom gate is checked and completed), which nn.ModuleList's item type cannot say.
+        return cast(RoutingGate, self.gates[index])
+
     @staticmethod
     def _gate_dtype(gate: nn.Module) -> torch.dtype:
         if getattr(gate, "fp32_gate", False):
@@ -311,7 +322,8 @@ class MOELayer(nn.Module):
 
     def extra_repr(self) -> str:
         gates = [f"k={g.top_k}, noise={g.gate_noise}" for g in self.gates]
-        return f"Top-K(s) = {gates}, Total-Experts = {self.num_global_experts} [managed by {self.world_size} device(s)],"
+        return (f"Top-K(s) = {gates}, Total-Experts = {self.num_global_experts} "
+                f"[managed by {self.world_size} device(s)],")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "_num_global_experts"
@@ -350,7 +362,7 @@ class MOELayer(nn.Module):
             raise ValueError(f"reserve_dims must be 1 (tokens of width model_dim), got {reserve_dims}")
         if not 0 <= gate_index < len(self.gates):
             raise ValueError(f"gate_index must be in [0, {len(self.gates)}), got {gate_index}")
-        gate = self.gates[gate_index]
+        gate = self._gate(gate_index)
         if a2a_ffn_overlap_degree is not None:
             self.a2a_ffn_overlap_degree = a2a_ffn_overlap_degree
         if adaptive_r is not None:
@@ -386,7 +398,9 @@ class MOELayer(nn.Module):
         if self.is_gshard_loss:
             l_aux = layer.aux_loss
         else:
-            chosen = noisy.gather(1, layer.last_plan.expert_index)
+            plan = layer.last_plan
+            assert plan is not None  # the layer call above made it
+            chosen = noisy.gather(1, plan.expert_index)
             l_aux = load_importance_loss(torch.softmax(logits, dim=1), chosen, self.num_global_experts,
                                          gate.gate_noise)
         self.last_plan = layer.last_plan  # flexmoe's RoutingPlan of this call (capacity, drops, loads)

@@ -11,7 +11,8 @@ reduce-scatter, for ZeRO-style sharded parameters), ``zero_scatter``, ``spatial_
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

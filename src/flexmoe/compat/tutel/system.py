@@ -2,7 +2,8 @@
 
 Tutel keeps the session of ``init_data_model_parallel`` (and the groups of ``create_groups_from_world``)
 per process, so that ``get_local_session()`` and later calls find them; this module does the same, in
-``_SESSIONS``, because process groups must be created once and in the same order on every rank.
+``_SESSIONS`` (and the backend chosen in ``_BACKEND``), because process groups must be created once and in
+the same order on every rank.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import datetime
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_SESSIONS: dict[Any, "ParallelEnv"] = {}
+_SESSIONS: dict[int | str, ParallelEnv] = {}  # by group_count, and "default" for init_data_model_parallel
+_BACKEND: dict[str, str] = {}  # "backend": the one this process joined with
 
 
 @dataclass
@@ -86,9 +89,9 @@ def create_groups_from_world(group_count: int, include_init: str | None = None,
         raise ValueError("create_groups_from_world: splitting a sub-group is not supported (as in Tutel)")
     backend = _resolve_backend(include_init)
     if backend is not None:
-        if "backend" in _SESSIONS and _SESSIONS["backend"] != backend:
-            raise ValueError(f"one backend per process: {_SESSIONS['backend']!r} already, got {backend!r}")
-        _SESSIONS["backend"] = backend
+        if "backend" in _BACKEND and _BACKEND["backend"] != backend:
+            raise ValueError(f"one backend per process: {_BACKEND['backend']!r} already, got {backend!r}")
+        _BACKEND["backend"] = backend
         if not dist.is_initialized() and _launched_by_torchrun():
             dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=600))
     if group_count in _SESSIONS:
@@ -116,7 +119,8 @@ def create_groups_from_world(group_count: int, include_init: str | None = None,
                 if m == model_rank:
                     data_group = group
 
-    backend = _SESSIONS.get("backend")
+    backend = _BACKEND.get("backend")
+    device: torch.device | None
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
