@@ -2,8 +2,9 @@
 
 ``python tests/tutel_worker.py SCENARIO OUT_PREFIX``, started by ``flexmoe.launch.spawn_ranks`` (the rendezvous
 in torchrun's environment variables); writes ``OUT_PREFIX.RANK.json``. The rank joins through
-``system.init_data_model_parallel(backend='gloo')``, as Tutel's examples do, and checks the distributed Tutel layer against one process holding every expert (built on a group of
-this rank alone) that runs each rank's tokens as its own batch.
+``system.init_data_model_parallel(backend='gloo')``, as Tutel's examples do, and checks the distributed Tutel
+layer against one process holding every expert (built on a group of this rank alone) that runs each rank's
+tokens as its own batch.
 """
 
 from __future__ import annotations

@@ -41,9 +41,10 @@ def gshard_einsum_forward(layer: MoELayer, x: Tensor) -> Tensor:
     if not isinstance(layer.experts, FeedForwardExperts):
         raise TypeError("gshard_einsum_forward needs the built-in FeedForwardExperts")
     tokens = x.reshape(-1, layer.model_dim)
-    logits = route(layer.router, tokens, dtype=layer.router_dtype, training=layer.training)
-    plan = make_plan(logits, layer.k, capacity_factor=layer.capacity_factor, capacity=layer.capacity,
-                     normalize_weights=layer.normalize_weights, batch_prioritized=layer.batch_prioritized)
+    opts = layer.routing_options
+    logits = route(layer.router, tokens, dtype=opts.router_dtype, training=layer.training)
+    plan = make_plan(logits, opts.k, capacity_factor=opts.capacity_factor, capacity=opts.capacity,
+                     normalize_weights=opts.normalize_weights, batch_prioritized=opts.batch_prioritized)
     num_tokens, num_experts, capacity = tokens.shape[0], layer.num_experts, plan.capacity
     kept = plan.slot >= 0
     token_of_pair = torch.arange(num_tokens, device=x.device).unsqueeze(1).expand_as(plan.slot)[kept]

@@ -446,7 +446,7 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
     x, grad = _inputs(cfg, cfg.seed + 1 + rank)  # each rank its own tokens
     ep = layer._ep
     assert ep is not None  # a layer over a process group
-    settings = candidates(ep.valid_r(), world, layer.ranks_per_node, degrees)
+    settings = candidates(ep.valid_r(), world, layer.parallel_options.ranks_per_node, degrees)
     exposed: dict[str, list[float]] = {str(s): [] for s in settings}  # seconds waiting on exchanges, per step
 
     def timed_setting(s: ParallelSetting) -> Callable[[], None]:
@@ -580,8 +580,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--threads", type=int, default=None, help="torch threads (default: all cores, shared by local ranks)")
     a("--no-peers", action="store_true", help="skip DeepSpeed / fairscale / Tutel even when importable")
     a("--memory", action="store_true", help="also report activation memory, and E=64 at equal T, k, H")
-    a("--suite", action="store_true", help="run the four standard configurations (fp32, dropless, bf16, E=64 H=256 k=8), each "
-                                          "checked against its target ratio to the floor")
+    a("--suite", action="store_true",
+      help="run the four standard configurations (fp32, dropless, bf16, E=64 H=256 k=8), each checked against "
+           "its target ratio to the floor")
     a("--families", action="store_true",
       help="DeepSeek-style routing vs plain top-k at E=64 (8 groups), k=8 (overrides --experts, --k)")
     a("--nproc", type=int, default=1, help="launch N local ranks with torchrun (gloo on 127.0.0.1)")

@@ -4,15 +4,17 @@ Both layers have E=64 experts (DeepSeek-V3's shape: 8 groups of 8), k=8 and the 
 factor and dtype (``--experts`` and ``--k`` are overridden). "deepseek" adds sigmoid scores, the group limit (the
 best 4 of 8 groups), the selection bias (``balance="bias"``), ``route_scale=2.5`` and one shared expert of hidden
 size H. Each layer is timed (forward + backward) side by side with its own floor: the routed experts alone on that
-layer's rows, plus for "deepseek" the shared expert on all T tokens. The ratios to the floor say what the routing costs on top of
-the expert math; the extra routing steps should keep the DeepSeek layer's ratio close to plain top-k's.
+layer's rows, plus for "deepseek" the shared expert on all T tokens. The ratios to the floor say what the routing
+costs on top of the expert math; the extra routing steps should keep the DeepSeek layer's ratio close to plain top-k's.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -54,15 +56,18 @@ def bench_families(cfg: BenchConfig) -> dict[str, Any]:
     for name, layer in layers.items():
         with torch.no_grad():
             layer(x)
-        plans[name] = layer.last_plan
-        cases[f"{name} floor"] = _floor(layer, layer.last_plan.counts, cfg)
-        cases[name] = _fwd_bwd(lambda layer=layer: layer(x), grad, layer)
+        plan = layer.last_plan
+        assert plan is not None  # set by the forward above
+        plans[name] = plan
+        cases[f"{name} floor"] = _floor(layer, plan.counts, cfg)
+        cases[name] = _fwd_bwd(partial(layer, x), grad, layer)
     times = {n: statistics.median(s) for n, s in time_side_by_side(cases, cfg.steps, cfg.warmup).items()}
+    x_floor = {name: times[name] / times[f"{name} floor"] for name in layers}
     rows = [{"routing": name, "ms_per_step": times[name] * 1e3, "floor_ms": times[f"{name} floor"] * 1e3,
-             "x_floor": times[name] / times[f"{name} floor"], "rows_computed": sum(plans[name].counts),
+             "x_floor": x_floor[name], "rows_computed": sum(plans[name].counts),
              "dropped_fraction": plans[name].dropped_fraction} for name in layers]
     return {"config": cfg.describe(), "threads": torch.get_num_threads(), "options": DEEPSEEK_OPTIONS,
-            "rows": rows, "deepseek_over_topk": rows[1]["x_floor"] / rows[0]["x_floor"]}
+            "rows": rows, "deepseek_over_topk": x_floor["deepseek"] / x_floor["topk"]}
 
 
 def format_families(report: dict[str, Any]) -> str:

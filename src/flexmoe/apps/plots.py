@@ -133,7 +133,7 @@ def plot_expert_load(records: list[dict[str, Any]], path: str | Path) -> Path | 
             if i == n_layers - 1:
                 ax.set_xlabel("step")
     bar = fig.colorbar(image, ax=axes, extend="max", label="share of the routed (token, choice) pairs")
-    multiples = [0.0, 0.5, 1.0] + [float(m) for m in range(2, int(norm.vmax / uniform) + 1)]
+    multiples = [0.0, 0.5, 1.0] + [float(m) for m in range(2, int(float(norm.vmax or uniform) / uniform) + 1)]
     bar.set_ticks([m * uniform for m in multiples])
     bar.set_ticklabels(["0" if m == 0 else f"uniform 1/E = {uniform:.3g}" if m == 1 else f"{m:g}/E"
                         for m in multiples])

@@ -38,7 +38,7 @@ class StepBar:
             self._bar.update(max(self._bar.total - self._bar.n, 0))
             self._bar.close()
 
-    def __enter__(self) -> "StepBar":
+    def __enter__(self) -> StepBar:
         return self
 
     def __exit__(self, *exc: object) -> None:

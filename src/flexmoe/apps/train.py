@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from flexmoe.apps.data import TokenData
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.models.gpt import GPT, GPTConfig
+from flexmoe.apps.models.moe_model import MoEModel
 from flexmoe.checkpoint import (
     expert_param_names,
     expert_placement,
@@ -262,7 +263,7 @@ def build_model(cfg: GPTConfig, seed: int) -> GPT:
     return model
 
 
-def _spread_experts(model: GPT) -> dict[str, str]:
+def _spread_experts(model: MoEModel) -> dict[str, str]:
     """The expert parameters spread over ranks (name -> kind); empty when every rank holds all experts."""
     placement = expert_placement(model)
     if placement is None or placement.layout.world_size == 1:
@@ -289,7 +290,7 @@ def lr_at(step: int, tcfg: TrainConfig) -> float:
     return tcfg.min_lr + 0.5 * (tcfg.lr - tcfg.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def clip_gradients(model: GPT, max_norm: float, world: int) -> float:
+def clip_gradients(model: MoEModel, max_norm: float, world: int) -> float:
     """Scale all gradients so that their global L2 norm is at most ``max_norm``; returns the norm.
 
     Spread expert gradients differ per rank, so their squares are summed over ranks (a ``b2`` that every
@@ -413,7 +414,8 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
         if rank == 0:
             print(f"[{label}] resumed from {ckpt} at step {start}", flush=True)
     # The nodes the MoE layers see: torchrun's LOCAL_WORLD_SIZE ranks per node (None: not under torchrun).
-    ranks_per_node = model.moe_layers[0].ranks_per_node if model.moe_layers else default_ranks_per_node()
+    ranks_per_node = (model.moe_layers[0].parallel_options.ranks_per_node if model.moe_layers
+                      else default_ranks_per_node())
     params, active_params = global_param_counts(mcfg)
     records: list[dict[str, Any]] = []
     if rank == 0:

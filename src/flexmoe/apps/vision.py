@@ -294,7 +294,7 @@ def train_vision(mcfg: ViTConfig, tcfg: TrainConfig, out: str | Path, *, resume:
     if last_eval_step != step:  # resumed at the end: evaluate the final weights once
         val_loss, accuracy = evaluate(model, held_out)
     wall = time.perf_counter() - t0
-    summary = {
+    summary: dict[str, Any] = {
         "model": label, "steps": step, "final_val_loss": val_loss, "val_accuracy": accuracy,
         "final_train_loss": train_loss, "wall_time_s": wall, "tokens": step * tcfg.batch_size * mcfg.num_tokens,
         "images": step * tcfg.batch_size, "params": params, "active_params": active_params, "world_size": 1,
@@ -305,7 +305,7 @@ def train_vision(mcfg: ViTConfig, tcfg: TrainConfig, out: str | Path, *, resume:
         write_plots(out, label, loss_unit="nats / image")
     print(f"[{label}] done: step {step}, held-out accuracy {accuracy:.4f}, loss {val_loss:.4f}, {wall:.1f} s",
           flush=True)
-    return RunResult(val_loss, train_loss, step, wall, summary["tokens"], None, summary)
+    return RunResult(val_loss, train_loss, step, wall, int(summary["tokens"]), None, summary)
 
 
 def write_comparison(out: Path, results: dict[str, RunResult]) -> None:

@@ -24,6 +24,15 @@ class MoEModelConfig:
     JSON round trip. A subclass is a dataclass with ``n_embd``, ``n_head``, ``dense``, ``moe_every``, ``k``,
     ``num_experts``, ``expert_hidden`` and a runtime ``group`` field (not saved)."""
 
+    # Declared for the type checker; the subclass dataclass defines them (a plain base adds no fields).
+    n_embd: int
+    n_head: int
+    dense: bool
+    moe_every: int
+    k: int
+    num_experts: int
+    expert_hidden: int
+
     def _check_shape(self) -> None:
         """The checks every such model needs (its own ones follow in its ``__post_init__``)."""
         if self.n_embd % self.n_head != 0:
