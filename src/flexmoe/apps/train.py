@@ -80,11 +80,11 @@ class TrainConfig:
 # ----------------------------------------------------------------------------------------------------------
 # Command line.
 
-_MODEL_FLAGS = {  # flag -> (GPTConfig field, type)
+# The model flags of every job training an MoEModel: flag -> (config field, type).
+MOE_MODEL_FLAGS: dict[str, tuple[str, type]] = {
     "--n-layer": ("n_layer", int),
     "--n-head": ("n_head", int),
     "--n-embd": ("n_embd", int),
-    "--block-size": ("block_size", int),
     "--num-experts": ("num_experts", int),
     "--expert-hidden": ("expert_hidden", int),
     "--k": ("k", int),
@@ -92,42 +92,64 @@ _MODEL_FLAGS = {  # flag -> (GPTConfig field, type)
     "--capacity-factor": ("capacity_factor", float),
     "--aux-loss-coef": ("aux_loss_coef", float),
     "--dropout": ("dropout", float),
+}
+_MODEL_FLAGS = {  # flag -> (GPTConfig field, type)
+    "--block-size": ("block_size", int),
+    **MOE_MODEL_FLAGS,
     "--a2a": ("a2a", str),
     "--cross-node-share": ("cross_node_share", float),
 }
 _ACTIONS: list[argparse.Action] = []
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    t = TrainConfig()
-    m = GPTConfig()
+def add_run_flags(parser: argparse.ArgumentParser, t: TrainConfig, out: str) -> None:
+    """The flags every training job has: its run directory (default ``out``), length, learning rate, bookkeeping
+    and the dense twin."""
     a = parser.add_argument
-    a("--out", default="runs/default", help="run directory; an existing one needs --resume or --overwrite")
+    a("--out", default=out, help="run directory; an existing one needs --resume or --overwrite")
     a("--steps", type=int, default=None, help=f"optimizer steps (default: {t.steps}; on --resume: the saved value)")
     a("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
     a("--overwrite", action="store_true", help="delete the run in --out (metrics, checkpoints, plots) and start anew")
-    a("--data", default=None, help="train on this text file (bytes as tokens) (default: the embedded tiny Shakespeare)")
-    a("--seed", type=int, default=t.seed, help="seed of the initialisation and data order")
-    a("--batch-size", type=int, default=t.batch_size, help="global sequences per step (split over ranks)")
-    a("--micro-batches", type=int, default=t.micro_batches, help="gradient accumulation steps per rank")
     a("--lr", type=float, default=t.lr, help="peak learning rate (cosine decay to a tenth of it)")
     a("--warmup", type=int, default=t.warmup, help="linear warm-up steps")
     a("--log-every", type=int, default=t.log_every, help="steps between metrics records")
-    a("--eval-every", type=int, default=t.eval_every, help="steps between validation evaluations")
-    a("--eval-batches", type=int, default=t.eval_batches, help="validation batches per evaluation")
     a("--ckpt-every", type=int, default=t.ckpt_every, help="steps between checkpoints")
     a("--dense", action="store_true", help="train the dense twin instead of the MoE model")
     a("--compare-dense", action="store_true",
       help="also train the dense twin (equal active compute) on the same batches; write compare.{png,md,json}")
+    a("--no-plots", action="store_true", help="skip the PNG plots")
+    a("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_model_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, type]], defaults: object) -> None:
+    """One optional flag per model field of ``flags``; the help shows the field's value in ``defaults``."""
+    for flag, (name, typ) in flags.items():
+        parser.add_argument(flag, type=typ, default=None, help=f"model: {name} (default: {getattr(defaults, name)})")
+
+
+def model_flag_values(args: argparse.Namespace, flags: dict[str, tuple[str, type]]) -> dict[str, Any]:
+    """The model fields the command line set (flags left out are absent)."""
+    values = {name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _) in flags.items()}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    t = TrainConfig()
+    m = GPTConfig()
+    add_run_flags(parser, t, "runs/default")
+    a = parser.add_argument
+    a("--data", default=None, help="train on this text file (bytes as tokens) (default: the embedded tiny Shakespeare)")
+    a("--seed", type=int, default=t.seed, help="seed of the initialisation and data order")
+    a("--batch-size", type=int, default=t.batch_size, help="global sequences per step (split over ranks)")
+    a("--micro-batches", type=int, default=t.micro_batches, help="gradient accumulation steps per rank")
+    a("--eval-every", type=int, default=t.eval_every, help="steps between validation evaluations")
+    a("--eval-batches", type=int, default=t.eval_batches, help="validation batches per evaluation")
     a("--target-loss", type=float, default=None,
       help="report wall time and tokens until the validation loss first reaches this value (default: none)")
     a("--stop-at-target", action="store_true", help="stop training once --target-loss is reached")
     a("--nproc", type=int, default=1,
       help="launch N processes with torch.distributed.run (experts spread over ranks, the rest data-parallel)")
-    a("--no-plots", action="store_true", help="skip the PNG plots")
-    a("--no-progress", action="store_true", help="no progress bar")
-    for flag, (name, typ) in _MODEL_FLAGS.items():
-        a(flag, type=typ, default=None, help=f"model: {name} (default: {getattr(m, name)})")
+    add_model_flags(parser, _MODEL_FLAGS, m)
     _ACTIONS[:] = list(parser._actions)
 
 
@@ -178,8 +200,7 @@ def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
                          "--overwrite deletes it")
-    model_overrides = {name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _) in _MODEL_FLAGS.items()}
-    model_overrides = {k: v for k, v in model_overrides.items() if v is not None}
+    model_overrides = model_flag_values(args, _MODEL_FLAGS)
     tcfg = TrainConfig(
         steps=args.steps if args.steps is not None else TrainConfig.steps,
         batch_size=args.batch_size, micro_batches=args.micro_batches, lr=args.lr, warmup=args.warmup,

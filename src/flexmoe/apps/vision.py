@@ -29,15 +29,19 @@ from torch import Tensor
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.models.vit import ViT, ViTConfig
 from flexmoe.apps.train import (
+    MOE_MODEL_FLAGS,
     RUN_DIRS,
     RUN_FILES,
     RunResult,
     TrainConfig,
+    add_model_flags,
+    add_run_flags,
     build_optimizer,
     check_run_dir,
     clip_gradients,
     finished_run,
     lr_at,
+    model_flag_values,
     remove_run_files,
     rewrite_metrics,
     write_plots,
@@ -97,16 +101,7 @@ def load_digits_split() -> tuple[Digits, Digits]:
 
 _MODEL_FLAGS = {  # flag -> (ViTConfig field, type)
     "--patch-size": ("patch_size", int),
-    "--n-layer": ("n_layer", int),
-    "--n-head": ("n_head", int),
-    "--n-embd": ("n_embd", int),
-    "--num-experts": ("num_experts", int),
-    "--expert-hidden": ("expert_hidden", int),
-    "--k": ("k", int),
-    "--moe-every": ("moe_every", int),
-    "--capacity-factor": ("capacity_factor", float),
-    "--aux-loss-coef": ("aux_loss_coef", float),
-    "--dropout": ("dropout", float),
+    **MOE_MODEL_FLAGS,
     "--pool": ("pool", str),
 }
 
@@ -114,25 +109,12 @@ _MODEL_FLAGS = {  # flag -> (ViTConfig field, type)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     t = default_train_config()
     m = ViTConfig()
+    add_run_flags(parser, t, "runs/vision")
     a = parser.add_argument
-    a("--out", default="runs/vision", help="run directory; an existing one needs --resume or --overwrite")
-    a("--steps", type=int, default=None, help=f"optimizer steps (default: {t.steps}; on --resume: the saved value)")
-    a("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
-    a("--overwrite", action="store_true", help="delete the run in --out (metrics, checkpoints, plots) and start anew")
     a("--seed", type=int, default=t.seed, help="seed of the initialisation and batch order (not of the split)")
     a("--batch-size", type=int, default=t.batch_size, help="images per step")
-    a("--lr", type=float, default=t.lr, help="peak learning rate (cosine decay to a tenth of it)")
-    a("--warmup", type=int, default=t.warmup, help="linear warm-up steps")
-    a("--log-every", type=int, default=t.log_every, help="steps between metrics records")
     a("--eval-every", type=int, default=t.eval_every, help="steps between held-out evaluations")
-    a("--ckpt-every", type=int, default=t.ckpt_every, help="steps between checkpoints")
-    a("--dense", action="store_true", help="train the dense twin instead of the MoE model")
-    a("--compare-dense", action="store_true",
-      help="also train the dense twin (equal active compute) on the same batches; write compare.{png,md,json}")
-    a("--no-plots", action="store_true", help="skip the PNG plots")
-    a("--no-progress", action="store_true", help="no progress bar")
-    for flag, (name, typ) in _MODEL_FLAGS.items():
-        a(flag, type=typ, default=None, help=f"model: {name} (default: {getattr(m, name)})")
+    add_model_flags(parser, _MODEL_FLAGS, m)
 
 
 def _configs(args: argparse.Namespace) -> tuple[ViTConfig, TrainConfig]:
@@ -161,9 +143,9 @@ def _configs(args: argparse.Namespace) -> tuple[ViTConfig, TrainConfig]:
         "seed": args.seed, "log_every": args.log_every, "eval_every": args.eval_every,
         "ckpt_every": args.ckpt_every, "plots": not args.no_plots, "progress": not args.no_progress,
     })
-    overrides = {name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _) in _MODEL_FLAGS.items()}
+    overrides = model_flag_values(args, _MODEL_FLAGS)
     try:
-        mcfg = ViTConfig(**{k: v for k, v in overrides.items() if v is not None}, dense=args.dense)
+        mcfg = ViTConfig(**overrides, dense=args.dense)
     except ValueError as exc:
         raise UsageError(f"model flags: {exc}") from None
     train_size = 1797 - HELD_OUT
