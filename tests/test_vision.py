@@ -14,14 +14,7 @@ from flexmoe.apps.models.vit import ViT, ViTConfig, patchify
 from flexmoe.layer import MoELayer
 from flexmoe.routing.routers import CosineRouter
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and do not fight other processes for the two cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -121,6 +121,20 @@ def add_run_flags(parser: argparse.ArgumentParser, t: TrainConfig, out: str) -> 
     a("--no-progress", action="store_true", help="no progress bar")
 
 
+def check_run_flags(args: argparse.Namespace, positive: tuple[str, ...]) -> None:
+    """Raise :class:`UsageError` unless each flag of ``positive`` (where given) is >= 1, ``--warmup`` >= 0, and not
+    both ``--resume`` and ``--overwrite``."""
+    for flag in positive:
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.resume and args.overwrite:
+        raise UsageError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
+                         "--overwrite deletes it")
+
+
 def add_model_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, type]], defaults: object) -> None:
     """One optional flag per model field of ``flags``; the help shows the field's value in ``defaults``."""
     for flag, (name, typ) in flags.items():
@@ -190,16 +204,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
     """The model and training configuration from the flags (a resumed run: from its config.json)."""
-    for flag in ("steps", "batch_size", "micro_batches", "log_every", "eval_every", "eval_batches", "ckpt_every",
-                 "nproc"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if args.warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.resume and args.overwrite:
-        raise UsageError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
-                         "--overwrite deletes it")
+    check_run_flags(args, ("steps", "batch_size", "micro_batches", "log_every", "eval_every", "eval_batches",
+                           "ckpt_every", "nproc"))
     model_overrides = model_flag_values(args, _MODEL_FLAGS)
     tcfg = TrainConfig(
         steps=args.steps if args.steps is not None else TrainConfig.steps,

@@ -38,6 +38,7 @@ from flexmoe.apps.train import (
     add_run_flags,
     build_optimizer,
     check_run_dir,
+    check_run_flags,
     clip_gradients,
     finished_run,
     lr_at,
@@ -119,15 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _configs(args: argparse.Namespace) -> tuple[ViTConfig, TrainConfig]:
     """The model and training configuration from the flags (a resumed run: from its config.json)."""
-    for flag in ("steps", "batch_size", "log_every", "eval_every", "ckpt_every"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if args.warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.resume and args.overwrite:
-        raise UsageError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
-                         "--overwrite deletes it")
+    check_run_flags(args, ("steps", "batch_size", "log_every", "eval_every", "ckpt_every"))
     saved = Path(args.out) / "config.json"
     if args.resume and saved.is_file():
         # A resumed run keeps its configuration; only --steps (to extend or shorten it) is taken from the CLI.
