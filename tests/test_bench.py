@@ -137,3 +137,35 @@ def test_step_bar_counts_announced_steps(capsys) -> None:
     quiet("nothing")
     quiet.close()
     assert "nothing" not in capsys.readouterr().err
+
+
+def test_suite_reports_each_check_and_survives_a_broken_one(capsys) -> None:
+    from flexmoe.apps.bench_suite import (
+        Measurement,
+        SuiteCheck,
+        SuiteSettings,
+        format_suite_table,
+        run_suite_checks,
+        suite_checks,
+    )
+
+    def broken(settings: SuiteSettings) -> Measurement:
+        raise RuntimeError("no such device")
+
+    checks = [SuiteCheck("g", "low", 1.10, lambda s: Measurement(1.05)),
+              SuiteCheck("g", "broken", 1.10, broken),
+              SuiteCheck("g", "high", 2.0, lambda s: Measurement(1.5), higher_is_better=True)]
+    results = run_suite_checks(checks, SuiteSettings(show=False))
+    assert [r["met"] for r in results] == [True, False, False]
+    assert "RuntimeError: no such device" in results[1]["note"]
+    table = format_suite_table(results)
+    assert "1 of 3 targets met" in table and table.count("NOT met") == 2
+    with pytest.raises(ValueError, match="unknown suite group"):
+        suite_checks(["no-such-group"])
+    assert all(c.group == "layer" for c in suite_checks(["layer"]))
+
+
+def test_bench_suite_groups_flag_rejects_unknown_group() -> None:
+    proc = subprocess.run([sys.executable, "-m", "flexmoe", "bench", "--suite-groups", "nope"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown suite group" in proc.stderr

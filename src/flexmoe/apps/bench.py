@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexmoe.apps.baselines import expert_floor, gshard_einsum_forward
+from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings
 from flexmoe.apps.errors import UsageError
 from flexmoe.experts import FeedForwardExperts
 from flexmoe.launch import relaunch, under_torchrun
@@ -73,16 +74,6 @@ class BenchConfig:
         cf = "dropless" if self.capacity_factor == 0 else f"cf={self.capacity_factor:g}"
         return (f"T={self.tokens} M={self.model_dim} H={self.hidden_dim} E={self.experts} k={self.k} {cf} "
                 f"{self.dtype}{' glu' if self.glu else ''}")
-
-
-# The standard configurations and their targets (layer time / floor), T=4096 M=512 H=1024 E=8 k=2 unless said.
-SUITE: list[tuple[str, BenchConfig, float]] = [
-    ("fp32 cf=1.25", BenchConfig(), 1.10),
-    ("fp32 dropless", BenchConfig(capacity_factor=0.0), 1.10),
-    # Few steps: without native bf16 units (AVX2-only CPUs) bf16 matmuls run ~30x slower than fp32.
-    ("bf16 cf=1.25", BenchConfig(dtype="bfloat16", steps=3, warmup=1), 1.30),
-    ("fine-grained E=64 H=256 k=8", BenchConfig(experts=64, hidden_dim=256, k=8), 1.30),
-]
 
 
 # --------------------------------------------------------------------------------------------- measuring
@@ -365,21 +356,44 @@ def format_single(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_suite(base: BenchConfig, peers: bool, show: bool = True) -> dict[str, Any]:
-    """The standard configurations and their target ratios to the floor, each measured side by side with it;
-    with ``show`` each configuration's table is printed as soon as it is measured."""
-    results = []
-    for i, (label, cfg, target) in enumerate(SUITE):
-        cfg = replace(cfg, steps=min(cfg.steps, base.steps), warmup=min(cfg.warmup, base.warmup), seed=base.seed)
-        if show:
-            print(f"[{i + 1}/{len(SUITE)}] {label}", flush=True)
-        report = bench_single(cfg, peers=peers, reference=False, memory=label == "fp32 cf=1.25", show=show)
+def _floor_ratio_check(label: str, cfg: BenchConfig, target: float) -> SuiteCheck:
+    """flexmoe's time over the floor's at ``cfg``, the two (and no peers) interleaved."""
+    def measure(settings: SuiteSettings) -> Measurement:
+        run_cfg = replace(cfg, steps=min(cfg.steps, settings.steps), warmup=min(cfg.warmup, settings.warmup),
+                          seed=settings.seed)
+        report = bench_single(run_cfg, peers=settings.peers, reference=False, show=settings.show)
         ratio = next(r["x_floor"] for r in report["rows"] if r["case"] == "flexmoe")
-        results.append({"label": label, "target": target, "x_floor": ratio, "met": ratio <= target,
-                        "report": report})
-        if show:
-            print(f"=> {label}: flexmoe {ratio:.3f}x floor (target <= {target})\n", flush=True)
-    return {"suite": results}
+        return Measurement(ratio, "x floor", {"report": report})
+    return SuiteCheck("layer", label, target, measure)
+
+
+def _memory_check(label: str, cfg: BenchConfig, wide_experts: int, target: float) -> SuiteCheck:
+    """Activation memory (bytes autograd saves) at ``wide_experts`` over ``cfg``'s, same T, k and H."""
+    def measure(settings: SuiteSettings) -> Measurement:
+        narrow = replace(cfg, seed=settings.seed)
+        x, _ = _inputs(narrow, narrow.seed + 1)
+        saved = {}
+        for experts in (cfg.experts, wide_experts):
+            layer = build_layer(replace(narrow, experts=experts))
+            saved[experts] = saved_activation_bytes(partial(layer, x), list(layer.parameters()))
+        ratio = saved[wide_experts] / saved[cfg.experts]
+        mib = 2**-20
+        return Measurement(ratio, f"x E={cfg.experts}", {"bytes": saved},
+                           f"{saved[cfg.experts] * mib:.1f} MiB at E={cfg.experts}, "
+                           f"{saved[wide_experts] * mib:.1f} MiB at E={wide_experts}")
+    return SuiteCheck("layer", label, target, measure)
+
+
+def layer_checks() -> list[SuiteCheck]:
+    """The suite's "layer" group: one process, T=4096 M=512 H=1024 E=8 k=2 unless said (flexmoe.apps.bench_suite)."""
+    return [
+        _floor_ratio_check("fp32 cf=1.25", BenchConfig(), 1.10),
+        _floor_ratio_check("fp32 dropless", BenchConfig(capacity_factor=0.0), 1.10),
+        # Few steps: without native bf16 units (AVX2-only CPUs) bf16 matmuls run ~30x slower than fp32.
+        _floor_ratio_check("bf16 cf=1.25", BenchConfig(dtype="bfloat16", steps=3, warmup=1), 1.30),
+        _floor_ratio_check("fine-grained E=64 H=256 k=8", BenchConfig(experts=64, hidden_dim=256, k=8), 1.10),
+        _memory_check("activation memory E=64 / E=8", BenchConfig(), 64, 1.2),
+    ]
 
 
 # -------------------------------------------------------------------------------------------- distributed
@@ -581,8 +595,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--no-peers", action="store_true", help="skip DeepSpeed / fairscale / Tutel even when importable")
     a("--memory", action="store_true", help="also report activation memory, and E=64 at equal T, k, H")
     a("--suite", action="store_true",
-      help="run the four standard configurations (fp32, dropless, bf16, E=64 H=256 k=8), each checked against "
-           "its target ratio to the floor")
+      help="measure every target of the suite (flexmoe.apps.bench_suite) and print each against its target")
+    a("--suite-groups", type=_names, default=None,
+      help="run only these comma-separated suite groups, e.g. layer,fine-grained (default: all)")
     a("--families", action="store_true",
       help="DeepSeek-style routing vs plain top-k at E=64 (8 groups), k=8 (overrides --experts, --k)")
     a("--nproc", type=int, default=1, help="launch N local ranks with torchrun (gloo on 127.0.0.1)")
@@ -595,6 +610,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="distributed: also run parallel='auto' steered by this cost-model profile ('local', 'a100-ndv4', a "
            "path) (default: none)")
     a("--json", action="store_true", help="print the report as JSON")
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated group names, got {text!r}")
+    return names
 
 
 def _degrees(text: str) -> tuple[int, ...]:
@@ -632,16 +654,16 @@ def run(args: argparse.Namespace) -> int:
         return _run_distributed(cfg, args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.suite:
-        result = run_suite(cfg, peers=not args.no_peers, show=not args.json)
-        summary = [f"{r['label']:<30} flexmoe {r['x_floor']:.3f}x floor, target <= {r['target']}: "
-                   f"{'met' if r['met'] else 'NOT met'}" for r in result["suite"]]
-        mem = result["suite"][0]["report"].get("memory")
-        if mem:
-            summary.append(f"{'memory E=64 / E=8':<30} flexmoe {mem['flexmoe_e64_over_e8']:.2f}x, target <= 1.2: "
-                           f"{'met' if mem['flexmoe_e64_over_e8'] <= 1.2 else 'NOT met'} (gshard-einsum "
-                           f"{mem['gshard_einsum_e64_over_e8']:.2f}x)")
-        print(json.dumps(result, indent=1) if args.json else "\n".join(summary))
+    if args.suite or args.suite_groups:
+        from flexmoe.apps.bench_suite import format_suite_table, run_suite_checks, suite_checks
+        try:
+            checks = suite_checks(args.suite_groups)
+        except ValueError as exc:
+            raise UsageError(f"--suite-groups: {exc}") from None
+        settings = SuiteSettings(steps=cfg.steps, warmup=cfg.warmup, seed=cfg.seed, peers=not args.no_peers,
+                                 show=not args.json)
+        results = run_suite_checks(checks, settings)
+        print(json.dumps({"suite": results}, indent=1) if args.json else format_suite_table(results))
         return 0
     if args.families:
         from flexmoe.apps.bench_families import bench_families, format_families

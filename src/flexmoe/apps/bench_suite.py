@@ -1,0 +1,122 @@
+"""``flexmoe bench --suite``: every target the project has set, each measured side by side and checked.
+
+The suite is a list of :class:`SuiteCheck` s in groups. A check measures one number (usually a ratio of two
+timings taken in the same run, the cases interleaved step by step) and compares it with its target. Each group
+lives in the module that owns its measurement and is named in :data:`SUITE_GROUPS` as ``"module:function"``;
+the function returns the group's checks. Only the groups asked for are imported, so a group whose extra is not
+installed (``hf`` needs transformers) costs nothing until run, and then fails on its own line instead of
+stopping the suite.
+
+Adding a target is one :class:`SuiteCheck` in the owning module's group function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Measurement", "SuiteCheck", "SuiteSettings", "SUITE_GROUPS", "suite_checks", "run_suite_checks",
+           "format_suite_table"]
+
+
+@dataclass(frozen=True)
+class SuiteSettings:
+    """What every check may scale by: ``steps`` / ``warmup`` cap the timed and untimed steps per case (a
+    check may use fewer), ``seed`` seeds weights and inputs, ``peers`` allows DeepSpeed / fairscale / Tutel,
+    ``show`` lets a check print its progress and tables (off for ``--json``)."""
+
+    steps: int = 10
+    warmup: int = 3
+    seed: int = 0
+    peers: bool = True
+    show: bool = True
+
+
+@dataclass
+class Measurement:
+    """One measured value: ``value`` in ``unit`` (e.g. ``"x floor"``), ``details`` anything the JSON report
+    should keep (the full table it came from, the counts, ...), ``note`` one line for the printed table."""
+
+    value: float
+    unit: str = "x floor"
+    details: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class SuiteCheck:
+    """``measure(settings)`` must give a value ``<= target`` (``higher_is_better=False``) or ``>= target``."""
+
+    group: str
+    label: str
+    target: float
+    measure: Callable[[SuiteSettings], Measurement]
+    higher_is_better: bool = False
+
+    def met(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        return value >= self.target if self.higher_is_better else value <= self.target
+
+    def describe_target(self) -> str:
+        return f"{'>=' if self.higher_is_better else '<='} {self.target:g}"
+
+
+# Group name -> "module:function" returning that group's checks, in the order the suite runs them.
+SUITE_GROUPS: dict[str, str] = {
+    "layer": "flexmoe.apps.bench:layer_checks",
+}
+
+
+def suite_checks(groups: Sequence[str] | None = None) -> list[SuiteCheck]:
+    """The checks of ``groups`` (default: all, in :data:`SUITE_GROUPS` order). Unknown names: ValueError."""
+    names = list(SUITE_GROUPS) if groups is None else list(groups)
+    unknown = [g for g in names if g not in SUITE_GROUPS]
+    if unknown:
+        raise ValueError(f"unknown suite group(s) {unknown}; the groups are {list(SUITE_GROUPS)}")
+    checks: list[SuiteCheck] = []
+    for name in names:
+        module_name, function_name = SUITE_GROUPS[name].split(":")
+        checks.extend(getattr(importlib.import_module(module_name), function_name)())
+    return checks
+
+
+def run_suite_checks(checks: Sequence[SuiteCheck], settings: SuiteSettings) -> list[dict[str, Any]]:
+    """Measure each check in turn; a check that raises is reported as failed with its error, and the suite
+    goes on. With ``settings.show`` each result is printed as soon as it is measured."""
+    show = settings.show
+    results = []
+    for i, check in enumerate(checks):
+        if show:
+            print(f"[{i + 1}/{len(checks)}] {check.group}: {check.label}", flush=True)
+        try:
+            m = check.measure(settings)
+            result = {"group": check.group, "label": check.label, "value": m.value, "unit": m.unit,
+                      "target": check.target, "target_text": check.describe_target(), "met": check.met(m.value),
+                      "note": m.note, "details": m.details}
+        except Exception as exc:  # one broken measurement must not hide the others' results
+            result = {"group": check.group, "label": check.label, "value": math.nan, "unit": "",
+                      "target": check.target, "target_text": check.describe_target(), "met": False,
+                      "note": f"error: {type(exc).__name__}: {exc}", "details": {},
+                      "traceback": traceback.format_exc()}
+        results.append(result)
+        if show:
+            print(f"=> {_row(result)}\n", flush=True)
+    return results
+
+
+def _row(r: dict[str, Any]) -> str:
+    value = f"{r['value']:.3f} {r['unit']}" if math.isfinite(r["value"]) else "-"
+    verdict = "met" if r["met"] else "NOT met"
+    note = f"  ({r['note']})" if r["note"] else ""
+    return f"{r['group'] + ': ' + r['label']:<52} {value:>16}  target {r['target_text']:<8} {verdict}{note}"
+
+
+def format_suite_table(results: Sequence[dict[str, Any]]) -> str:
+    """One line per check (measured, target, met / NOT met), then how many were met."""
+    met = sum(r["met"] for r in results)
+    return "\n".join([_row(r) for r in results] + [f"{met} of {len(results)} targets met"])
