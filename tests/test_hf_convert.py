@@ -303,3 +303,18 @@ def test_a_capacity_drops_tokens_as_documented():
         expected = ref(ids).logits
     assert all(b.moe.last_plan.num_dropped > 0 for b in moe_blocks(model))
     assert not torch.allclose(got, expected, rtol=1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------- expert parallelism
+
+
+@pytest.mark.slow
+def test_two_ranks_keep_their_own_experts_and_to_hf_gathers_them():
+    from flexmoe.launch import spawn_ranks
+    from hf_ep_worker import rank_main
+
+    ranks = spawn_ranks(2, rank_main, [["mixtral", "deepseek_v3", "gpt_oss"]], timeout=240, check=True,
+                        what="flexmoe.hf with 2 expert-parallel ranks")
+    failures = [f for r in ranks for f in r.value["failures"]]
+    assert not failures, "\n".join(failures)
+    assert [r.value["rank"] for r in ranks] == [0, 1]
