@@ -318,3 +318,25 @@ def test_two_ranks_keep_their_own_experts_and_to_hf_gathers_them():
     failures = [f for r in ranks for f in r.value["failures"]]
     assert not failures, "\n".join(failures)
     assert [r.value["rank"] for r in ranks] == [0, 1]
+
+
+def test_qwen3_next_block_converts():
+    """Qwen3-Next's whole model needs its linear-attention kernels; its MoE block is Qwen2-MoE's shape."""
+    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+    config = Qwen3NextConfig(hidden_size=16, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    torch.manual_seed(0)
+    block = Qwen3NextSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.5)
+    converted = fh.convert(copy.deepcopy(block), group="single")
+    assert converted.family == "qwen3_next" and converted.moe.num_shared_experts == 1
+    xs = [torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(True) for _ in range(2)]
+    expected, got = block(xs[0]), converted(xs[1])
+    torch.testing.assert_close(got, expected, **TOL)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, **TOL)
