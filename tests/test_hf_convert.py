@@ -197,6 +197,12 @@ def test_round_trip_through_save_pretrained(family, tmp_path):
         assert torch.equal(tensor, exported[name]), name
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, trained, **TOL)
+    # The same checkpoint loaded straight onto flexmoe's experts implementation.
+    fh.register()
+    on_flexmoe = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="flexmoe").eval()
+    assert on_flexmoe.config._experts_implementation == "flexmoe"
+    with torch.no_grad():
+        torch.testing.assert_close(on_flexmoe(ids).logits, trained, **TOL)
 
 
 # ------------------------------------------------------------------------------------------ generation
@@ -239,6 +245,33 @@ def test_flexmoe_experts_implementation_gives_eager_logits_and_gradients(family)
         torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-5 * float(ref_grads[name].abs().max()),
                                    msg=name)
     assert any("experts" in name and p.grad is not None for name, p in model.named_parameters())
+
+
+def test_flexmoe_experts_forward_skips_hf_expert_parallel_sentinels_and_checks_indices():
+    """HF's own expert parallelism marks pairs of other ranks' experts with index E; they contribute nothing.
+    Reference: a dense loop over tokens and choices on the module's weights."""
+    from flexmoe.hf.experts_impl import flexmoe_experts_forward
+
+    experts = tiny_model("mixtral").model.layers[0].mlp.experts  # E=4, gate_up_proj [4, 24, 16]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 16, generator=g)
+    index = torch.tensor([[0, 4], [1, 2], [4, 4], [3, 0], [2, 1]])
+    weight = torch.rand(5, 2, generator=g)
+    experts._is_expert_parallel = True
+    got = flexmoe_experts_forward(experts, x, index, weight)
+    expected = torch.zeros_like(x)
+    for t in range(5):
+        for j in range(2):
+            e = int(index[t, j])
+            if e == 4:
+                continue
+            gate, up = (experts.gate_up_proj[e] @ x[t]).chunk(2)
+            expected[t] += weight[t, j] * (experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[2], torch.zeros(16))
+    experts._is_expert_parallel = False
+    with pytest.raises(ValueError, match="expert_index must lie in"):
+        flexmoe_experts_forward(experts, x, index, weight)
 
 
 def test_flexmoe_experts_implementation_refuses_a_unit_it_does_not_know():
