@@ -23,7 +23,7 @@ from flexmoe import MoELayer  # noqa: E402
 from flexmoe.hf.block import ConvertedMoeBlock  # noqa: E402
 
 V = 64  # vocabulary
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "deepseek_v2"]
 COMMON = dict(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
               max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=False, eos_token_id=None,
               pad_token_id=None, bos_token_id=None, router_aux_loss_coef=0.1)
@@ -41,6 +41,10 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "deepseek_v3": dict(SIGMOID_GROUPED, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                         v_head_dim=8, head_dim=4),
     "glm4_moe": dict(SIGMOID_GROUPED, head_dim=8),
+    "deepseek_v2": dict(intermediate_size=20, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, routed_scaling_factor=2.5, topk_method="greedy", first_k_dense_replace=1,
+                        q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                        head_dim=4),
     "gpt_oss": dict(intermediate_size=12, num_local_experts=4, num_experts_per_tok=2, head_dim=8, swiglu_limit=0.8,
                     layer_types=["sliding_attention", "full_attention"], sliding_window=8,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
@@ -78,7 +82,7 @@ def train(model: nn.Module, data: list[torch.Tensor], lr: float = 0.05) -> list[
         out.loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
     return losses
 
 
@@ -100,7 +104,7 @@ def test_converted_model_computes_hf_logits_loss_and_aux_loss(family):
     model = fh.convert(copy.deepcopy(ref), group="single")
     assert model.__class__ is ref.__class__
     blocks = moe_blocks(model)
-    dense_first = family in ("deepseek_v3", "glm4_moe")
+    dense_first = family in ("deepseek_v3", "glm4_moe", "deepseek_v2")
     assert len(blocks) == (1 if dense_first else 2)
     assert all(isinstance(b.moe, MoELayer) for b in blocks)
     if dense_first:
@@ -325,6 +329,13 @@ def test_bad_options_are_named_and_leave_the_model_untouched():
         fh.convert(model, capacity_factor="big")
     assert not moe_blocks(model)
     assert type(model.model.layers[0].mlp).__name__ == "MixtralSparseMoeBlock"
+
+
+def test_deepseek_v2_group_limited_greedy_is_refused():
+    model = tiny_model("deepseek_v2")
+    model.model.layers[1].mlp.gate.topk_method = "group_limited_greedy"
+    with pytest.raises(ValueError, match="DeepseekV2Moe.*group_limited_greedy"):
+        fh.convert(model)
 
 
 def test_a_capacity_drops_tokens_as_documented():
