@@ -30,10 +30,11 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
     :class:`~flexmoe.hf.block.ConvertedMoeBlock` carrying its weights, and return ``model``; given a single
     block, return its replacement.
 
-    Families (by block class): Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE, DeepSeek-V3, GLM-4.5 (GLM4-MoE)
-    and GPT-OSS. The converted model computes HF's function: the same logits (to float32 rounding), the same
-    loss, and with ``output_router_logits=True`` the same ``router_logits`` and auxiliary loss (HF's router module
-    is kept and still recorded); ``generate()`` and the KV cache work unchanged. DeepSeek-V3's
+    Families (by block class): Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE, DeepSeek-V2 (``topk_method=
+    "greedy"``), DeepSeek-V3, GLM-4.5 (GLM4-MoE) and GPT-OSS. The converted model computes HF's function: the
+    same logits (to float32 rounding), the same loss, and with ``output_router_logits=True`` the same
+    ``router_logits`` and auxiliary loss (HF's router module is kept and still recorded); ``generate()`` and the
+    KV cache work unchanged. DeepSeek-V3's
     ``e_score_correction_bias`` becomes the layer's ``expert_bias`` (``balance="bias"``, ``bias_update_rate=0``:
     fixed, as HF keeps it). Differences: an exact tie between router scores goes to the lower expert index
     (``torch.topk``, which HF uses, promises no order); Mixtral's ``router_jitter_noise`` (training only) jitters
