@@ -191,17 +191,18 @@ def _tiny_config(family: str):
         extra = dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                      router_aux_loss_coef=0.05)
     else:  # DeepSeek-V3: 8 experts in 4 groups, the best 2 groups per token, a shared expert, scaled weights
-        extra = dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+        extra = dict(num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
                      n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=True,
                      routed_scaling_factor=2.5, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
                      qk_nope_head_dim=8, v_head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
-    return transformers.AutoConfig.for_model(family, **common, **extra)
+    return transformers.AutoConfig.for_model(family, **{**common, **extra})
 
 
 def _ep_model(family: str, group):
     """The converted tiny model (DeepSeek-V3: a bias that moves fast, starting from random values)."""
     options = {"bias_update_rate": 0.02} if family == "deepseek_v3" else {}
-    cfg = HFJobConfig(hf_config=_tiny_config(family).to_dict(), block_size=16, convert_options=options, group=group)
+    cfg = HFJobConfig(hf_config=_tiny_config(family).to_dict(), block_size=16, convert_options=options,
+                      group=group)
     model, _ = build_hf_model(cfg, seed=5, pretrained=False)
     g = torch.Generator().manual_seed(9)
     for layer in model.moe_layers:
@@ -239,7 +240,7 @@ def ep_rank(family: str) -> dict:
         _, loss = ddp(x[half], y[half])
         total = loss + model.regularization_loss()
         total.backward()
-        report["losses"].append(float(total))
+        report["losses"].append(float(total.detach()))
         report["grads"].append({n: p.grad.tolist() for n, p in model.named_parameters() if p.grad is not None})
         update_expert_biases(model)
         report["biases"].append([m.expert_bias.tolist() for m in model.moe_layers if m.expert_bias is not None])
@@ -262,7 +263,7 @@ def _one_process(family: str) -> dict:
             _, loss = model(x[half], y[half])
             halves.append(loss + model.regularization_loss())
         ((halves[0] + halves[1]) / 2).backward()
-        report["losses"].append([float(h) for h in halves])
+        report["losses"].append([float(h.detach()) for h in halves])
         report["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         update_expert_biases(model)
         report["biases"].append([m.expert_bias.clone() for m in model.moe_layers if m.expert_bias is not None])
