@@ -44,7 +44,7 @@ def _train(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------------------------- the CLI
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["mixtral", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
 def test_hf_arch_run_writes_the_run_directory_and_learns(arch: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
     assert _train(["--hf-arch", arch, "--out", str(out), "--steps", "12", *TINY[:-1]]) == 0
@@ -101,7 +101,7 @@ def _trained_model(run: Path):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["gpt_oss", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
 def test_export_loads_in_plain_transformers_with_the_trained_logits(arch: str, tmp_path: Path) -> None:
     run, export = tmp_path / "run", tmp_path / "export"
     assert _train(["--hf-arch", arch, "--out", str(run), "--steps", "4", "--export-hf", str(export), *TINY]) == 0
@@ -133,6 +133,44 @@ def test_hf_model_fine_tunes_a_saved_model_and_exports_it_again(tmp_path: Path) 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(second)
     moved = max((a - b).abs().max() for a, b in zip(start.state_dict().values(), reloaded.state_dict().values()))
     assert moved > 0
+
+
+def _save_model_with_tokenizer(directory: Path, text: str, vocab_size: int) -> None:
+    """A small OLMoE and a BPE tokenizer of ``vocab_size`` tokens trained on ``text``, saved in ``directory``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from flexmoe.apps.hf_configs import small_config
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(small_config("olmoe")).save_pretrained(directory)
+    bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[UNK]"]))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="[UNK]").save_pretrained(directory)
+
+
+@pytest.mark.slow
+def test_hf_model_with_a_tokenizer_trains_on_its_tokens(tmp_path: Path, capsys) -> None:
+    text = "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak.\n" * 400
+    (tmp_path / "data.txt").write_text(text)
+    model_dir, export = tmp_path / "model", tmp_path / "export"
+    _save_model_with_tokenizer(model_dir, text, vocab_size=120)
+    out = tmp_path / "run"
+    assert _train(["--hf-model", str(model_dir), "--data", str(tmp_path / "data.txt"), "--out", str(out),
+                   "--steps", "2", "--export-hf", str(export), *TINY]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model"]["tokenizer"] == str(model_dir) and "tokenized by" in config["data"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export)  # exported beside the model
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) < len(text) / 2 and max(ids) < 120  # words, not bytes
+    assert "validation" in capsys.readouterr().out
+    # A tokenizer larger than the model's vocabulary cannot feed it.
+    big = tmp_path / "big"
+    _save_model_with_tokenizer(big, text + " ".join(f"w{i}" for i in range(400)), vocab_size=600)
+    capsys.readouterr()
+    err = _usage_error(["--hf-model", str(big), "--data", str(tmp_path / "data.txt"), "--out", str(tmp_path / "r2")],
+                       capsys)
+    assert "more than the model's vocabulary of 256" in err, err
 
 
 def _usage_error(argv: list[str], capsys) -> str:
@@ -191,10 +229,11 @@ def _tiny_config(family: str):
         extra = dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                      router_aux_loss_coef=0.05)
     else:  # DeepSeek-V3: 8 experts in 4 groups, the best 2 groups per token, a shared expert, scaled weights
-        extra = dict(num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
-                     n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=True,
-                     routed_scaling_factor=2.5, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-                     qk_nope_head_dim=8, v_head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+        extra = dict(num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8,
+                     num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=0,
+                     norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=None, kv_lora_rank=16,
+                     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     return transformers.AutoConfig.for_model(family, **{**common, **extra})
 
 

@@ -211,8 +211,8 @@ def load_data(cfg: HFJobConfig, tcfg: TrainConfig) -> TokenData:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     if len(tokenizer) > vocab:
-        raise UsageError(f"the tokenizer in {cfg.tokenizer} has {len(tokenizer)} tokens, the model's vocabulary "
-                         f"{vocab}")
+        raise UsageError(f"the tokenizer in {cfg.tokenizer} has {len(tokenizer)} tokens, more than the model's "
+                         f"vocabulary of {vocab}")
     text = load_text_bytes(tcfg.data).decode("utf-8", errors="replace")
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     source = "tinyshakespeare (embedded)" if tcfg.data is None else str(tcfg.data)
