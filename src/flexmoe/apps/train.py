@@ -11,6 +11,9 @@ checkpoints hold the optimizer and RNG states, so a resumed run continues exactl
 
 Distributed (``torchrun`` or ``--nproc N``): experts are spread over the ranks (``MoELayer(group=...)``) and
 every other parameter is data-parallel. Each rank takes its own rows of the global batch; rank 0 logs.
+
+With ``--hf-arch NAME`` or ``--hf-model DIR`` the same loop (:func:`train_model`) trains a converted Hugging Face
+model instead (:mod:`flexmoe.apps.hf_job`).
 """
 
 from __future__ import annotations
