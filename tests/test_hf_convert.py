@@ -317,6 +317,9 @@ def test_unsupported_blocks_and_models_are_named():
         fh.convert(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="no flexmoe block"):
         fh.to_hf(nn.Sequential(nn.Linear(4, 4)))
+    converted = fh.convert(tiny_model("olmoe"), group="single")
+    with pytest.raises(ValueError, match="converted already"):
+        fh.convert(converted)
 
 
 def test_bad_options_are_named_and_leave_the_model_untouched():

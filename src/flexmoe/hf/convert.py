@@ -11,6 +11,7 @@ from torch import nn
 from flexmoe.experts import ExpertOptions
 from flexmoe.hf.block import ConvertedMoeBlock, build_converted_block
 from flexmoe.hf.families import FAMILIES, family_of
+from flexmoe.layer import MoELayer
 from flexmoe.parallel.options import ParallelOptions
 from flexmoe.routing.options import RoutingOptions
 
@@ -71,7 +72,9 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
         raise ValueError(f"{type(model).__name__} has sparse-MoE blocks flexmoe cannot convert: "
                          f"{sorted(unsupported)}; supported block classes: {sorted(FAMILIES)}")
     if not blocks:
-        raise ValueError(f"{type(model).__name__} is not a supported sparse-MoE block and contains none "
+        done = " (its blocks are converted already)" if any(
+            isinstance(m, ConvertedMoeBlock) for m in model.modules()) else ""
+        raise ValueError(f"{type(model).__name__} is not a supported sparse-MoE block and contains none{done} "
                          f"(supported block classes: {sorted(FAMILIES)})")
     # Build every replacement before swapping any in, so that a bad option leaves the model untouched.
     converted = [(name, _convert_block(block, group, options)) for name, block in blocks]
@@ -123,7 +126,7 @@ def _unsupported_moe_blocks(model: nn.Module) -> set[str]:
     found: set[str] = set()
 
     def visit(module: nn.Module) -> None:
-        if family_of(module) is not None or isinstance(module, ConvertedMoeBlock):
+        if family_of(module) is not None or isinstance(module, (ConvertedMoeBlock, MoELayer)):
             return
         children = dict(module.named_children())
         if "experts" in children and ("gate" in children or "router" in children):
