@@ -210,6 +210,8 @@ def test_resuming_another_model_is_refused(tmp_path: Path, capsys) -> None:
     assert "holds a run of mixtral, not of olmoe" in err
     err = _usage_error(["--hf-arch", "mixtral", "--out", str(out)], capsys)
     assert "already exists" in err
+    assert cli.main(["generate", "--run", str(out)]) == 2
+    assert "trained a Hugging Face model (mixtral), not the MoE GPT" in capsys.readouterr().err
     export = tmp_path / "notes"
     export.mkdir()
     (export / "mine.txt").write_text("keep")
