@@ -19,7 +19,8 @@ from flexmoe.apps.errors import USAGE_EXIT_CODE, UsageError
 # imported, so that `flexmoe --help` and one command's start-up do not pay for every other command's imports.
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("flexmoe.apps.bench", "time one MoE layer against the compute floor and reference layers"),
-    "train": ("flexmoe.apps.train", "train the MoE GPT (or its dense twin) on tiny Shakespeare or any text file"),
+    "train": ("flexmoe.apps.train", "train the MoE GPT (or its dense twin, or a Hugging Face MoE model) on tiny "
+                                    "Shakespeare or any text file"),
     "train-vision": ("flexmoe.apps.vision",
                      "train a vision MoE (cosine router, as SwinV2-MoE) or its dense twin on 8x8 digits"),
     "generate": ("flexmoe.apps.generate", "sample text from a training run's checkpoint"),

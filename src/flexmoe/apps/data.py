@@ -93,7 +93,7 @@ def decode(tokens: Tensor | list[int]) -> str:
 class TokenData:
     """A token stream split into train (the first ``1 - val_fraction``) and validation (the rest).
 
-    train, val: ``[N_train]``, ``[N_val]`` uint8 byte tokens.
+    train, val: ``[N_train]``, ``[N_val]`` tokens (uint8 bytes, or long ids of a tokenizer).
     """
 
     train: Tensor
@@ -102,19 +102,28 @@ class TokenData:
 
     @classmethod
     def from_file(cls, path: str | Path | None, *, block_size: int, val_fraction: float = 0.1) -> TokenData:
+        """The bytes of ``path`` (None: the embedded tiny Shakespeare) as tokens."""
         raw = load_text_bytes(path)
         tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        source = "tinyshakespeare (embedded)" if path is None else str(path)
+        return cls.from_tokens(tokens, source=source, block_size=block_size, val_fraction=val_fraction,
+                               from_data_flag=path is not None)
+
+    @classmethod
+    def from_tokens(cls, tokens: Tensor, *, source: str, block_size: int, val_fraction: float = 0.1,
+                    from_data_flag: bool = True, unit: str = "bytes") -> TokenData:
+        """Any token stream ``[N]`` (bytes, or a tokenizer's ids, counted in ``unit``) split into train and
+        validation; raises :class:`CorpusError` when a split cannot hold one window of ``block_size + 2`` tokens."""
         n_val = int(len(tokens) * val_fraction)
         train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
-        source = "tinyshakespeare (embedded)" if path is None else str(path)
         # Each split must hold at least one (input, target) window of block_size + 1 tokens.
         for name, split in (("train", train), ("validation", val)):
             if len(split) < block_size + 2:
                 needed = _min_bytes(block_size, val_fraction)
                 raise CorpusError(
-                    f"{'--data ' if path is not None else ''}{source}: too small for one batch: {len(raw)} bytes "
+                    f"{'--data ' if from_data_flag else ''}{source}: too small for one batch: {len(tokens)} {unit} "
                     f"leave {len(split)} for the {name} split, which needs block_size + 2 = {block_size + 2}; "
-                    f"use a file of at least {needed} bytes or a smaller --block-size"
+                    f"use a file of at least {needed} {unit} or a smaller --block-size"
                 )
         return cls(train=train, val=val, source=source)
 

@@ -32,6 +32,11 @@ def load_model(run_dir: str | Path) -> tuple[GPT, Path]:
     if ckpt is None:
         raise CheckpointError(f"{run_dir}: no checkpoint found (expected {Path(run_dir) / 'checkpoints'})")
     meta = read_checkpoint(ckpt).meta
+    if "hf_config" in meta["config"]:
+        family = meta["config"]["hf_config"]["model_type"]
+        raise UsageError(f"--run {run_dir}: trained a Hugging Face model ({family}), "
+                         f"not the MoE GPT; export it (flexmoe train --out {run_dir} --resume --export-hf DIR) and "
+                         f"sample with transformers' generate()")
     model = GPT(GPTConfig.from_dict(meta["config"]))
     load_checkpoint(ckpt, model=model, restore_rng=False)
     return model.eval(), ckpt

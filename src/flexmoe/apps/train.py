@@ -11,6 +11,9 @@ checkpoints hold the optimizer and RNG states, so a resumed run continues exactl
 
 Distributed (``torchrun`` or ``--nproc N``): experts are spread over the ranks (``MoELayer(group=...)``) and
 every other parameter is data-parallel. Each rank takes its own rows of the global batch; rank 0 logs.
+
+With ``--hf-arch NAME`` or ``--hf-model DIR`` the same loop (:func:`train_model`) trains a converted Hugging Face
+model instead (:mod:`flexmoe.apps.hf_job`).
 """
 
 from __future__ import annotations
@@ -164,6 +167,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--nproc", type=int, default=1,
       help="launch N processes with torch.distributed.run (experts spread over ranks, the rest data-parallel)")
     add_model_flags(parser, _MODEL_FLAGS, m)
+    from flexmoe.apps.hf_job import add_hf_flags
+
+    add_hf_flags(parser)
     _ACTIONS[:] = list(parser._actions)
 
 
@@ -187,13 +193,21 @@ def _forward_argv(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     # Every check of the user's input happens here, before any process is launched or any file written.
-    mcfg, tcfg = _configs(args)
-    check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
-    TokenData.from_file(tcfg.data, block_size=mcfg.block_size)  # a missing, empty or too small --data
+    from flexmoe.apps import hf_job  # the Hugging Face job (transformers is imported only when it runs)
+
+    hf = hf_job.job_config(args)  # None: the MoE GPT
+    if hf is None:
+        mcfg, tcfg = _configs(args)
+        check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+        TokenData.from_file(tcfg.data, block_size=mcfg.block_size)  # a missing, empty or too small --data
+    else:
+        hf_cfg, tcfg = hf
+        check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+        hf_job.check_inputs(hf_cfg, tcfg, args)
     if args.nproc > 1 and not under_torchrun():
         return relaunch(args.nproc, "train", _forward_argv(args))
     try:
-        return _run(args, mcfg, tcfg)
+        return _run(args, mcfg, tcfg) if hf is None else hf_job.run_job(args, hf_cfg, tcfg)
     finally:
         if dist.is_available() and dist.is_initialized():
             # Free what is left of the model and its DDP wrapper first (reference cycles included), so that
@@ -202,11 +216,11 @@ def run(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
-def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
-    """The model and training configuration from the flags (a resumed run: from its config.json)."""
+def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """The training configuration from the flags, and the saved ``config.json`` of a run being resumed (else
+    None): a resumed run keeps its configuration; only --steps (to extend or shorten it) is taken from the CLI."""
     check_run_flags(args, ("steps", "batch_size", "micro_batches", "log_every", "eval_every", "eval_batches",
                            "ckpt_every", "nproc"))
-    model_overrides = model_flag_values(args, _MODEL_FLAGS)
     tcfg = TrainConfig(
         steps=args.steps if args.steps is not None else TrainConfig.steps,
         batch_size=args.batch_size, micro_batches=args.micro_batches, lr=args.lr, warmup=args.warmup,
@@ -214,22 +228,33 @@ def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
         eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, target_loss=args.target_loss,
         stop_at_target=args.stop_at_target, plots=not args.no_plots, progress=not args.no_progress,
     )
-    saved = Path(args.out) / "config.json"
-    if args.resume and saved.is_file():
-        # A resumed run keeps its configuration; only --steps (to extend or shorten it) is taken from the CLI.
-        old = json.loads(saved.read_text())
-        steps = tcfg.steps if args.steps is not None else old["train"]["steps"]
-        tcfg = TrainConfig(**{**old["train"], "steps": steps, "progress": tcfg.progress, "plots": tcfg.plots})
-        mcfg = GPTConfig.from_dict(old["model"])
-    else:
-        try:
-            mcfg = GPTConfig(**{**model_overrides, "dense": args.dense})
-        except ValueError as exc:
-            raise UsageError(f"model flags: {exc}") from None
+    saved = saved_run_config(Path(args.out)) if args.resume else None
+    if saved is not None:
+        steps = tcfg.steps if args.steps is not None else saved["train"]["steps"]
+        tcfg = TrainConfig(**{**saved["train"], "steps": steps, "progress": tcfg.progress, "plots": tcfg.plots})
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
     if tcfg.batch_size % (world * tcfg.micro_batches):
         raise UsageError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
                          f"({world} x {tcfg.micro_batches}); e.g. --batch-size {world * tcfg.micro_batches * 8}")
+    return tcfg, saved
+
+
+def saved_run_config(out: Path) -> dict[str, Any] | None:
+    """The ``config.json`` of the run in ``out`` (None if there is none)."""
+    path = out / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
+    """The model and training configuration from the flags (a resumed run: from its config.json)."""
+    tcfg, saved = train_config(args)
+    if saved is not None:
+        mcfg = GPTConfig.from_dict(saved["model"])
+    else:
+        try:
+            mcfg = GPTConfig(**{**model_flag_values(args, _MODEL_FLAGS), "dense": args.dense})
+        except ValueError as exc:
+            raise UsageError(f"model flags: {exc}") from None
     return mcfg, tcfg
 
 
@@ -376,7 +401,7 @@ def _mean_over_ranks(value: float, world: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, data: TokenData, tcfg: TrainConfig, rank: int, world: int) -> float:
+def evaluate(model: MoEModel, data: TokenData, tcfg: TrainConfig, rank: int, world: int) -> float:
     """Mean validation loss over ``eval_batches`` fixed batches (the same at every evaluation and every seed)."""
     model.eval()
     rows = _rank_rows(tcfg.batch_size, rank, world)
@@ -410,16 +435,30 @@ def rewrite_metrics(path: Path, upto_step: int) -> list[dict[str, Any]]:
 
 def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool = False) -> RunResult:
     """Train one model into run directory ``out``; returns its final numbers (on every rank)."""
-    out = Path(out)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1 and not mcfg.dense:
         mcfg = GPTConfig.from_dict(mcfg.to_dict(), group=dist.group.WORLD)
-    label = "dense" if mcfg.dense else "moe"
     if tcfg.batch_size % (world * tcfg.micro_batches):
         raise UsageError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
                          f"({world} x {tcfg.micro_batches})")
     data = TokenData.from_file(tcfg.data, block_size=mcfg.block_size)
     model = build_model(mcfg, tcfg.seed)
+    return train_model(model, data, tcfg, out, label="dense" if mcfg.dense else "moe",
+                       model_config=mcfg.to_dict(), param_counts=global_param_counts(mcfg), resume=resume)
+
+
+def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | Path, *, label: str,
+                model_config: dict[str, Any], param_counts: tuple[int, int], resume: bool = False) -> RunResult:
+    """The training loop shared by every language-model job: train ``model`` on ``data`` into run directory
+    ``out`` (metrics, checkpoints, plots, summary); returns its final numbers (on every rank).
+
+    ``model`` is built on this rank (under expert parallelism: holding its experts) and its ``forward(x, y)``
+    returns ``(logits, loss)`` for tokens ``x, y: [B, L]`` with ``L = model.cfg.block_size``. ``model_config``
+    goes into config.json, ``param_counts`` is (parameters, parameters active per token) of the whole model.
+    """
+    out = Path(out)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    block_size = model.cfg.block_size
     optimizer = build_optimizer(model, tcfg)
     # Replicated parameters are all-reduced by DDP; spread experts are left out (their gradients already
     # hold every rank's tokens through the all-to-all).
@@ -443,7 +482,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
     # The nodes the MoE layers see: torchrun's LOCAL_WORLD_SIZE ranks per node (None: not under torchrun).
     ranks_per_node = (model.moe_layers[0].parallel_options.ranks_per_node if model.moe_layers
                       else default_ranks_per_node())
-    params, active_params = global_param_counts(mcfg)
+    params, active_params = param_counts
     records: list[dict[str, Any]] = []
     if rank == 0:
         if world > 1:
@@ -455,14 +494,14 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
             # the old run's files, and only those.
             remove_run_files(out)
         (out / "config.json").write_text(json.dumps(
-            {"model": mcfg.to_dict(), "train": {k: v for k, v in asdict(tcfg).items()}, "world_size": world,
+            {"model": model_config, "train": {k: v for k, v in asdict(tcfg).items()}, "world_size": world,
              "ranks_per_node": ranks_per_node, "data": data.source}, indent=1))
         records = rewrite_metrics(metrics_path, start) if ckpt is not None else []
         if ckpt is None:
             print(f"[{label}] {params:,} parameters, {active_params:,} active per "
                   f"token; {data.source}: {len(data.train):,} train / {len(data.val):,} validation bytes",
                   flush=True)
-    tokens_per_step = tcfg.batch_size * mcfg.block_size
+    tokens_per_step = tcfg.batch_size * block_size
     rows = _rank_rows(tcfg.batch_size, rank, world)
     micro = tcfg.batch_size // world // tcfg.micro_batches
 
@@ -482,7 +521,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
             lr = lr_at(step - 1, tcfg)
             for g in optimizer.param_groups:
                 g["lr"] = lr
-            x, y = data.batch("train", tcfg.batch_size, mcfg.block_size, seed=tcfg.seed, step=step, rows=rows)
+            x, y = data.batch("train", tcfg.batch_size, block_size, seed=tcfg.seed, step=step, rows=rows)
             loss_sum = bal_sum = drop_sum = 0.0
             loads: list[Tensor] = []
             demands: list[Tensor] = []
@@ -540,7 +579,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
                     log_file.flush()
                 if bar is not None:
                     post = {"loss": f"{train_loss:.3f}", "tok/s": f"{tok_s:,.0f}"}
-                    if not mcfg.dense:
+                    if label != "dense":
                         post.update(bal=f"{balance:.3f}", drop=f"{drop:.3f}")
                     if last_eval_step > 0:
                         post["val"] = f"{val_loss:.3f}"

@@ -1,0 +1,343 @@
+"""``flexmoe train --hf-arch NAME`` / ``--hf-model DIR``: the main job on a Hugging Face ``transformers`` model.
+
+The model is built from one of the small configurations of :mod:`flexmoe.apps.hf_configs` (``--hf-arch``) or
+loaded from a local ``save_pretrained`` directory (``--hf-model``, fine-tuning), and its sparse-MoE blocks are
+converted in place by :func:`flexmoe.hf.convert` (under ``torchrun``: each rank keeps its own experts, the rest is
+data-parallel). :class:`HFCausalLM` gives it the interface of the application models (``forward(x, y) ->
+(logits, loss)`` and the MoE statistics), so it trains in the same loop as the MoE GPT
+(:func:`flexmoe.apps.train.train_model`): same run directory, metrics, plots, checkpoints and ``--resume``.
+
+The loss is HF's own: the causal-LM cross-entropy of the model's ``loss_function``, plus
+``router_aux_loss_coef`` times HF's auxiliary balance loss when the config has ``output_router_logits``.
+DeepSeek-V3's selection bias moves once per optimizer step (``bias_update_rate`` 1e-3, DeepSeek-V3's own rate;
+the loop calls :func:`flexmoe.update_expert_biases`). Tokens are bytes, unless the ``--hf-model`` directory has a
+tokenizer. ``--export-hf DIR`` writes the trained model in HF's format (:func:`flexmoe.hf.to_hf`, then
+``save_pretrained``), which plain ``transformers`` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from flexmoe.apps.data import TokenData, load_text_bytes
+from flexmoe.apps.errors import UsageError
+from flexmoe.apps.hf_configs import HF_ARCHS, small_config_keywords
+from flexmoe.apps.models.moe_model import MoEModel
+from flexmoe.apps.train import (
+    MOE_MODEL_FLAGS,
+    TrainConfig,
+    _init_distributed,
+    saved_run_config,
+    train_config,
+    train_model,
+)
+from flexmoe.checkpoint import latest_checkpoint
+
+__all__ = ["HFJobConfig", "HFCausalLM", "add_hf_flags", "job_config", "check_inputs", "run_job", "build_hf_model",
+           "export_hf"]
+
+DEFAULT_BLOCK_SIZE = 128  # tokens per sequence, as the MoE GPT's
+DEEPSEEK_BIAS_UPDATE_RATE = 1e-3  # DeepSeek-V3's bias update speed (its paper's gamma)
+
+# Flags of the MoE GPT that have no meaning for a Hugging Face model (its size and layout come from its config).
+_GPT_ONLY_FLAGS = ("--dense", "--compare-dense", *(f for f in MOE_MODEL_FLAGS if f != "--capacity-factor"))
+# Flags handed to flexmoe.hf.convert: flag -> MoELayer option.
+_CONVERT_FLAGS = {"--capacity-factor": "capacity_factor", "--a2a": "a2a", "--cross-node-share": "cross_node_share"}
+
+
+def add_hf_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the Hugging Face job (added to ``flexmoe train``)."""
+    a = parser.add_argument
+    a("--hf-arch", default=None, metavar="NAME",
+      help=f"train a small Hugging Face model of this family instead of the MoE GPT: {', '.join(HF_ARCHS)} "
+           f"(default: none, the MoE GPT)")
+    a("--hf-model", default=None, metavar="DIR",
+      help="fine-tune the Hugging Face model saved in DIR (save_pretrained); its tokenizer if it has one, else bytes "
+           "(default: none)")
+    a("--export-hf", default=None, metavar="DIR",
+      help="with --hf-arch/--hf-model: write the trained model to DIR in Hugging Face's format at the end "
+           "(default: none)")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration.
+
+
+@dataclass
+class HFJobConfig:
+    """What the job trains: an HF configuration (``hf_config``, ``config.to_dict()``), built from scratch or loaded
+    from ``hf_model``, converted with ``convert_options``, on sequences of ``block_size`` tokens (the tokenizer
+    of directory ``tokenizer``, or bytes). ``group`` is the expert-parallel group at run time (not saved)."""
+
+    hf_config: dict[str, Any]
+    block_size: int = DEFAULT_BLOCK_SIZE
+    arch: str | None = None
+    hf_model: str | None = None
+    tokenizer: str | None = None
+    convert_options: dict[str, Any] = field(default_factory=dict)
+    group: Any = None
+
+    @property
+    def label(self) -> str:
+        """The run's name in logs and summary.json: the family (``model_type``)."""
+        return str(self.hf_config.get("model_type", "hf"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (without the runtime ``group``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "group"}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], **overrides: Any) -> HFJobConfig:
+        return cls(**{**values, **overrides})
+
+    def transformers_config(self) -> Any:
+        """The ``transformers`` configuration object of ``hf_config``."""
+        from transformers import CONFIG_MAPPING
+
+        values = dict(self.hf_config)
+        return CONFIG_MAPPING[values["model_type"]].from_dict(values)
+
+
+def _import_transformers() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise UsageError("--hf-arch / --hf-model need the transformers package: pip install 'flexmoe[hf]'") from None
+
+
+def job_config(args: argparse.Namespace) -> tuple[HFJobConfig, TrainConfig] | None:
+    """The Hugging Face job's configuration from the flags (a resumed run: from its config.json), or None when
+    the command line asks for the MoE GPT. Raises :class:`UsageError` for flags that do not fit together."""
+    saved = saved_run_config(Path(args.out)) if args.resume else None
+    resumes_hf = saved is not None and "hf_config" in saved.get("model", {})
+    if not (args.hf_arch or args.hf_model or resumes_hf):
+        if args.export_hf:
+            raise UsageError("--export-hf needs --hf-arch NAME or --hf-model DIR (it writes a Hugging Face model)")
+        return None
+    if args.hf_arch and args.hf_model:
+        raise UsageError("--hf-arch and --hf-model exclude each other: --hf-arch builds a new model of a family, "
+                         "--hf-model starts from a saved one")
+    for flag in _GPT_ONLY_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value is not False:
+            raise UsageError(f"{flag} is a flag of the MoE GPT; a Hugging Face model's size and layout come from its "
+                             f"config (--hf-arch / --hf-model)")
+    if args.hf_arch is not None and args.hf_arch not in HF_ARCHS:
+        raise UsageError(f"--hf-arch {args.hf_arch}: unknown; choose one of {', '.join(HF_ARCHS)}")
+    _import_transformers()
+    tcfg, saved = train_config(args)
+    if saved is not None:
+        if "hf_config" not in saved["model"]:
+            raise UsageError(f"--out {args.out} holds a run of the MoE GPT, not of a Hugging Face model; resume it "
+                             f"without --hf-arch / --hf-model")
+        cfg = HFJobConfig.from_dict(saved["model"])
+        asked = args.hf_arch or args.hf_model
+        if asked is not None and asked not in (cfg.arch, cfg.hf_model):
+            raise UsageError(f"--out {args.out} holds a run of {cfg.arch or cfg.hf_model}, not of {asked}; resume it "
+                             f"with the same model (or leave --hf-arch / --hf-model out)")
+        return cfg, tcfg
+    if args.hf_arch is not None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(args.hf_arch, **small_config_keywords(args.hf_arch))
+        tokenizer = None
+    else:
+        config, tokenizer = _saved_model(Path(args.hf_model))
+    options = {name: getattr(args, flag[2:].replace("-", "_")) for flag, name in _CONVERT_FLAGS.items()}
+    options = {name: value for name, value in options.items() if value is not None}
+    if config.model_type == "deepseek_v3":
+        options["bias_update_rate"] = DEEPSEEK_BIAS_UPDATE_RATE
+    block_size = args.block_size if args.block_size is not None else DEFAULT_BLOCK_SIZE
+    if block_size < 1:
+        raise UsageError(f"--block-size must be >= 1, got {block_size}")
+    longest = getattr(config, "max_position_embeddings", None)
+    if longest is not None and block_size > longest:
+        raise UsageError(f"--block-size {block_size} is longer than the model's max_position_embeddings {longest}")
+    cfg = HFJobConfig(hf_config=config.to_dict(), block_size=block_size, arch=args.hf_arch,
+                      hf_model=None if args.hf_model is None else str(args.hf_model),
+                      tokenizer=None if tokenizer is None else str(tokenizer), convert_options=options)
+    return cfg, tcfg
+
+
+def _saved_model(directory: Path) -> tuple[Any, Path | None]:
+    """The configuration of the model saved in ``directory`` and the directory of its tokenizer (None: bytes)."""
+    from transformers import AutoConfig
+
+    if not directory.is_dir():
+        raise UsageError(f"--hf-model {directory}: no such directory; give a directory written by save_pretrained")
+    if not (directory / "config.json").is_file():
+        raise UsageError(f"--hf-model {directory}: no config.json, so not a save_pretrained directory")
+    try:
+        config = AutoConfig.from_pretrained(directory)
+    except (ValueError, OSError, KeyError) as exc:
+        raise UsageError(f"--hf-model {directory}: its config.json cannot be read ({exc})".splitlines()[0]) from None
+    if getattr(config, "tie_word_embeddings", False):
+        raise UsageError(f"--hf-model {directory}: ties its input and output embeddings (tie_word_embeddings), "
+                         f"which flexmoe's checkpoints cannot store yet")
+    has_tokenizer = any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    return config, directory if has_tokenizer else None
+
+
+def check_inputs(cfg: HFJobConfig, tcfg: TrainConfig, args: argparse.Namespace) -> None:
+    """Everything that can fail before training starts: the data (and its tokens against the model's vocabulary)
+    and the --export-hf directory."""
+    load_data(cfg, tcfg)
+    if args.export_hf is not None:
+        export = Path(args.export_hf)
+        if export.exists() and not export.is_dir():
+            raise UsageError(f"--export-hf {export}: is a file; give a new directory or an earlier export")
+        if export.is_dir() and any(export.iterdir()) and not (export / "config.json").is_file():
+            raise UsageError(f"--export-hf {export}: a directory holding other files; give a new directory (an "
+                             f"earlier export, with its config.json, is replaced)")
+
+
+def load_data(cfg: HFJobConfig, tcfg: TrainConfig) -> TokenData:
+    """The corpus as the model's tokens: bytes, or the ids of the tokenizer in ``cfg.tokenizer``."""
+    vocab = int(cfg.hf_config["vocab_size"])
+    if cfg.tokenizer is None:
+        if vocab < 256:
+            raise UsageError(f"the model's vocabulary has {vocab} tokens; byte tokens need 256 (or a tokenizer in "
+                             f"the --hf-model directory)")
+        return TokenData.from_file(tcfg.data, block_size=cfg.block_size)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    if len(tokenizer) > vocab:
+        raise UsageError(f"the tokenizer in {cfg.tokenizer} has {len(tokenizer)} tokens, more than the model's "
+                         f"vocabulary of {vocab}")
+    text = load_text_bytes(tcfg.data).decode("utf-8", errors="replace")
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    source = "tinyshakespeare (embedded)" if tcfg.data is None else str(tcfg.data)
+    return TokenData.from_tokens(ids, source=f"{source}, tokenized by {cfg.tokenizer}", block_size=cfg.block_size,
+                                 from_data_flag=tcfg.data is not None, unit="tokens")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model.
+
+
+class HFCausalLM(MoEModel):
+    """A converted HF causal LM with the application models' interface.
+
+    ``forward(x, y)``: tokens ``x, y: [B, L]`` (``y`` the next tokens of ``x``) -> (logits ``[B, L, V]``, HF's
+    causal-LM loss). The auxiliary balance loss of that forward (HF's, when the config has
+    ``output_router_logits``) is kept for :meth:`regularization_loss`; the MoE statistics come from the flexmoe
+    layers inside (:class:`MoEModel`).
+    """
+
+    hf: Any  # a transformers PreTrainedModel (untyped here: transformers is optional)
+
+    def __init__(self, hf: nn.Module, cfg: HFJobConfig) -> None:
+        super().__init__()
+        self.hf = hf
+        self.cfg = cfg
+        config = hf.config
+        self.aux_loss_coef = (float(getattr(config, "router_aux_loss_coef", 0.0))
+                              if getattr(config, "output_router_logits", False) else 0.0)
+        self.last_aux_loss: Tensor | None = None
+
+    def forward(self, x: Tensor, y: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        out = self.hf(input_ids=x, use_cache=False)
+        self.last_aux_loss = getattr(out, "aux_loss", None)
+        if y is None:
+            return out.logits, None
+        # The targets are already shifted (y[:, i] follows x[:, i]): HF's loss takes them as shift_labels.
+        loss = self.hf.loss_function(out.logits, None, self.hf.config.vocab_size, shift_labels=y.contiguous())
+        return out.logits, loss
+
+    def aux_loss(self) -> Tensor:
+        """HF's auxiliary balance loss of the last forward (0 without ``output_router_logits``)."""
+        return torch.zeros(()) if self.last_aux_loss is None else self.last_aux_loss.float()
+
+    def regularization_loss(self) -> Tensor:
+        """``router_aux_loss_coef * aux_loss()``, what HF adds to the LM loss."""
+        return self.aux_loss_coef * self.aux_loss()
+
+
+def hf_param_counts(hf: nn.Module) -> tuple[int, int]:
+    """(parameters, parameters active per token) of an HF MoE model before conversion (all experts present):
+    a token uses ``num_experts_per_tok`` of the routed experts of each MoE block."""
+    config = hf.config
+    k = getattr(config, "num_experts_per_tok", None)
+    num_experts = next((getattr(config, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")
+                        if getattr(config, n, None)), None)
+    total = routed = 0
+    for name, p in hf.named_parameters():
+        total += p.numel()
+        if ".experts." in name:  # routed experts (shared experts are "shared_expert(s)")
+            routed += p.numel()
+    if not k or not num_experts:
+        return total, total
+    return total, total - routed + routed * k // num_experts
+
+
+def build_hf_model(cfg: HFJobConfig, seed: int, *, pretrained: bool) -> tuple[HFCausalLM, tuple[int, int]]:
+    """The converted model on this rank and the whole model's (parameters, active parameters).
+
+    Built identically on every rank (``seed``, or the weights of ``cfg.hf_model`` with ``pretrained``) before
+    :func:`flexmoe.hf.convert` keeps each rank's experts (``cfg.group``), so the initial weights do not depend on
+    the number of ranks.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from flexmoe.hf import convert
+
+    torch.manual_seed(seed)
+    if pretrained:
+        assert cfg.hf_model is not None, "pretrained weights come from cfg.hf_model"
+        hf = AutoModelForCausalLM.from_pretrained(cfg.hf_model, dtype=torch.float32)
+    else:
+        hf = AutoModelForCausalLM.from_config(cfg.transformers_config())
+    counts = hf_param_counts(hf)
+    try:
+        convert(hf, group=cfg.group, **cfg.convert_options)
+    except ValueError as exc:
+        raise UsageError(f"flexmoe.hf.convert: {exc}".splitlines()[0]) from None
+    return HFCausalLM(hf, cfg), counts
+
+
+def export_hf(model: HFCausalLM, directory: Path, tokenizer: str | None) -> None:
+    """Write ``model`` in HF's format to ``directory`` (with the tokenizer it was trained with); collective under
+    expert parallelism (the experts are gathered), rank 0 writes. ``model`` holds HF's blocks afterwards."""
+    from flexmoe.hf import to_hf
+
+    hf: Any = to_hf(model.hf)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        hf.save_pretrained(directory)
+        if tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(directory)
+        print(f"[{model.cfg.label}] wrote the Hugging Face model to {directory}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The job.
+
+
+def run_job(args: argparse.Namespace, cfg: HFJobConfig, tcfg: TrainConfig) -> int:
+    """Train (or resume) the HF model into ``args.out``, then export it if ``--export-hf`` asks."""
+    out = Path(args.out)
+    rank, world = _init_distributed()
+    if args.resume and not (out / "config.json").is_file() and rank == 0:
+        print(f"--resume: no run in {out} yet, starting a new one", flush=True)
+    cfg = dataclasses.replace(cfg, group=dist.group.WORLD if world > 1 else None)
+    data = load_data(cfg, tcfg)
+    # A resumed run takes its weights from its checkpoint; a new one from --hf-model (or the seed).
+    resumes = args.resume and (out / "checkpoints").is_dir() and latest_checkpoint(out) is not None
+    model, counts = build_hf_model(cfg, tcfg.seed, pretrained=cfg.hf_model is not None and not resumes)
+    train_model(model, data, tcfg, out, label=cfg.label, model_config=cfg.to_dict(), param_counts=counts,
+                resume=args.resume)
+    if args.export_hf is not None:
+        export_hf(model, Path(args.export_hf), cfg.tokenizer)
+    return 0
