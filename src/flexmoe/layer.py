@@ -212,7 +212,8 @@ class MoELayer(nn.Module):
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
                           topology=self.topology,
                           num_sequences=num_sequences_of(x, self.model_dim, routing.capacity_per,
-                                                         routing.aux_loss_type))
+                                                         routing.aux_loss_type),
+                          padded=self._padded_layout(routing))
         expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
         expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned)  # [N, M]
         y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
@@ -224,6 +225,15 @@ class MoELayer(nn.Module):
             self.pending_load += plan.load.detach()
         self.aux_loss, self.z_loss, self.last_plan = plan.aux_loss, plan.z_loss, plan
         return y.to(x.dtype).reshape(x.shape)
+
+    def _padded_layout(self, routing: RoutingOptions) -> bool:
+        """Whether this call pads every expert's rows to the capacity: under ``torch.compile``, in capacity mode,
+        for top-k routing in one process (docs/architecture.md, "Compiling the layer"). Every shape is then static
+        and no routed value reaches the host, so the call compiles into one graph. Eager calls never pad: they
+        compute only the rows that hold tokens."""
+        return (torch.compiler.is_compiling() and routing.selection == "topk" and self.topology is None
+                and not self.ep_group.distributed
+                and (routing.capacity is not None or routing.capacity_factor > 0))
 
     def _check_input(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
@@ -389,7 +399,12 @@ def _field_names(options_cls: _OptionsClass) -> frozenset[str]:
 
 
 def _in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. an activation-checkpointing recomputation)."""
+    """True while autograd runs a backward pass (e.g. an activation-checkpointing recomputation).
+
+    Never while compiling: a compiled graph's backward recomputes tensors, it does not re-run the forward's code.
+    """
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
