@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.dispatch import combine, dispatch
-from flexmoe.experts import ExpertOptions
+from flexmoe.experts import ExpertOptions, FeedForwardExperts
 from flexmoe.parallel.auto import MeasuringChooser
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
 from flexmoe.parallel.groups import check_config_agreement, default_ranks_per_node, resolve_group
@@ -215,7 +215,7 @@ class MoELayer(nn.Module):
                                                          routing.aux_loss_type),
                           padded=self._padded_layout(routing))
         expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
-        expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned)  # [N, M]
+        expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned, plan.padded)  # [N, M]
         y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
         if self.shared is not None:
             y = y + self._shared_output(tokens).to(y.dtype)
@@ -262,15 +262,25 @@ class MoELayer(nn.Module):
         return routing, parallel, frozenset(parallel_given)
 
     def _run_experts(self, rows: Tensor, counts: list[int], options: ParallelOptions,
-                     pinned: frozenset[str]) -> Tensor:
-        """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype, by this call's strategy."""
+                     pinned: frozenset[str], padded: bool = False) -> Tensor:
+        """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype, by this call's strategy.
+
+        padded: every expert has the same number of rows (a padded plan, one process): the built-in experts run
+        them as one batched ``[E, R, M]`` block."""
         strategy = self.strategy if options == self.parallel_options else self._strategy_for(options)
-        expert_dtype = _parameter_dtype(self.experts)
+        experts = self.experts
+
+        def run(expert_rows: Tensor) -> Tensor:
+            if padded and isinstance(experts, FeedForwardExperts):
+                return experts.forward_padded(expert_rows.view(len(counts), counts[0], self.model_dim)).flatten(0, 1)
+            return strategy.run(expert_rows, counts, options, pinned)
+
+        expert_dtype = _parameter_dtype(experts)
         if expert_dtype is None or torch.is_autocast_enabled(rows.device.type) or expert_dtype == rows.dtype:
-            out = strategy.run(rows, counts, options, pinned)
+            out = run(rows)
         else:
             # A float32 layer fed bf16 activations (or the reverse) computes in its parameters' dtype.
-            out = strategy.run(rows.to(expert_dtype), counts, options, pinned).to(rows.dtype)
+            out = run(rows.to(expert_dtype)).to(rows.dtype)
         self.last_choice, self.last_shadowed = strategy.last_choice, list(strategy.last_shadowed)
         return out
 
