@@ -252,3 +252,28 @@ def test_inductor_capacity_mode_matches_the_reference(options: dict[str, Any]) -
     for name, p in params.items():
         assert p.grad is not None
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-11, msg=name)
+
+
+# ---- the bench suite's "compile" group ---------------------------------------------------------------------
+
+
+def test_compile_suite_group_counts_the_dropless_graph_breaks() -> None:
+    from flexmoe.apps.bench_compile import DROPLESS_GRAPH_BREAKS as SUITE_TARGET
+    from flexmoe.apps.bench_suite import SuiteSettings, run_suite_checks, suite_checks
+
+    checks = suite_checks(["compile"])
+    assert [c.group for c in checks] == ["compile"] * 3
+    assert [c.target for c in checks] == [1.0, 1.0, DROPLESS_GRAPH_BREAKS] and SUITE_TARGET == DROPLESS_GRAPH_BREAKS
+    (result,) = run_suite_checks(checks[-1:], SuiteSettings(show=False))
+    assert result["value"] == DROPLESS_GRAPH_BREAKS and result["met"], result
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_compiled_vs_eager_measures_a_ratio() -> None:
+    from flexmoe.apps.bench import BenchConfig
+    from flexmoe.apps.bench_compile import compiled_vs_eager
+
+    m = compiled_vs_eager(BenchConfig(tokens=64, model_dim=16, hidden_dim=32, experts=4, steps=2, warmup=0))
+    assert m.unit == "x eager" and 0 < m.value < float("inf")
+    assert m.details["eager_s"] > 0 and m.details["compiled_s"] > 0

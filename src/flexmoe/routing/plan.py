@@ -268,6 +268,7 @@ def plan_from_pairs(
     if priority is None:
         priority = torch.arange(num_tokens, device=device)
     num_units = 1 if num_sequences is None else num_sequences
+    num_active: int | Tensor  # a tensor only in a padded plan, which never brings it to the host
     if active is None:
         masked_index, num_slots_experts, num_active = expert_index, num_experts, num_tokens * k
     else:
