@@ -513,3 +513,13 @@ def test_parameters_have_the_documented_shapes() -> None:
     assert shapes["experts.b1"] == (E, H) and shapes["experts.b2"] == (E, M)
     params = layer_params_f64(moe)
     assert set(params) == set(shapes)
+
+
+def test_capacity_zero_with_one_pair_drops_it() -> None:
+    """T * k <= 2 pairs and no row at all: dispatch and combine must not gather from an empty row block."""
+    moe = make_layer(k=1, capacity=0)
+    x = make_input((1, M)).requires_grad_()
+    y = moe(x)
+    y.sum().backward()
+    assert moe.last_plan is not None and moe.last_plan.num_dropped == 1
+    assert torch.equal(y, torch.zeros_like(y)) and x.grad is not None and torch.equal(x.grad, torch.zeros_like(x))

@@ -10,6 +10,9 @@ followed by a sum over k, and "send each row's gradient back" is a gather by the
 ``index_add`` (scatter-add) would give the same numbers but runs several times slower than a gather on CPU.
 When a plan has many more pairs than rows (expert-choice routing, whose pair grid is ``[T, E]``) the
 scatter-add is used instead, since gathering mostly empty pairs would cost more than it saves.
+
+A padded plan (``plan.padded``, made under ``torch.compile``) has empty rows: the pair gathers never read them,
+and nothing here branches on a routed value while compiling (docs/architecture.md, "Compiling the layer").
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ _MAX_PAIRS_PER_ROW = 2
 def pair_rows(plan: RoutingPlan) -> Tensor:
     """``[T, k]`` the row of each (token, choice) pair; ``N`` (one past the last row) where the pair has no
     row (dropped, skipped, or not chosen)."""
+    if plan.pair_row is not None:
+        return plan.pair_row
     num_rows = plan.row_token.numel()
     k = plan.k
     rows = torch.full((plan.num_tokens * k,), num_rows, dtype=torch.long, device=plan.row_token.device)
@@ -38,7 +43,9 @@ def pair_rows(plan: RoutingPlan) -> Tensor:
 
 
 def _gather_pairs(plan: RoutingPlan) -> bool:
-    return plan.num_tokens * plan.k <= _MAX_PAIRS_PER_ROW * max(plan.row_token.numel(), 1)
+    num_rows = plan.row_token.numel()
+    # A padded plan always gathers: its pair grid is [T, k], and only the gathers skip its empty rows.
+    return num_rows > 0 and (plan.padded or plan.num_tokens * plan.k <= _MAX_PAIRS_PER_ROW * num_rows)
 
 
 def _sum_pair_rows(rows: Tensor, pairs: Tensor, pair_weight: Tensor | None) -> Tensor:
@@ -52,7 +59,8 @@ def _sum_pair_rows(rows: Tensor, pairs: Tensor, pair_weight: Tensor | None) -> T
     for j in range(pairs.shape[1]):
         index = pairs[:, j]
         missing = index == num_rows
-        has_missing = bool(missing.any())
+        # Compiled: always mask (a branch on the values would end the graph); eager: skip it when nothing is missing.
+        has_missing = torch.compiler.is_compiling() or bool(missing.any())
         part = rows.index_select(0, index.masked_fill(missing, 0) if has_missing else index)
         if has_missing:
             part.masked_fill_(missing.unsqueeze(-1), 0)

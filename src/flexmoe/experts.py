@@ -3,6 +3,10 @@
 An expert module takes the dispatched rows ``x: [N, M]`` (sorted by local expert) and the per-expert row
 counts ``counts: list[int]`` (``sum(counts) == N``) and returns ``[N, M]``. Any module with that forward can be
 passed to ``MoELayer(experts=...)``.
+
+Under ``torch.compile`` in capacity mode the layer pads every expert to the same number of rows
+(docs/architecture.md, "Compiling the layer"): the built-in experts then run :func:`padded_expert_ffn` on the
+``[E, R, M]`` view (batched matmuls); a custom expert module gets its usual call with ``counts = [R] * E``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from torch import Tensor, nn
 
 from flexmoe.validation import check_int, describe_value
 
-__all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "gated_unit", "check_glu_limit", "resolve_activation"]
+__all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_ffn", "gated_unit", "check_glu_limit",
+           "resolve_activation"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -145,6 +150,11 @@ class FeedForwardExperts(nn.Module):
         return expert_ffn(x, counts, self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,
                           glu_limit=self.glu_limit)
 
+    def forward_padded(self, x: Tensor) -> Tensor:
+        """x: ``[E, R, M]``, R rows per expert (some of them padding) -> ``[E, R, M]``: :func:`padded_expert_ffn`."""
+        return padded_expert_ffn(x, self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,
+                                 glu_limit=self.glu_limit)
+
     def ffn_with(self, x: Tensor, counts: list[int], weights: Mapping[str, Tensor | None]) -> Tensor:
         """These experts' activation and gated unit on other weights (gathered, broadcast or a hidden shard):
         ``weights`` maps ``w1, b1, w2, b2, w3, b3`` to ``[E', ...]`` tensors or None; x: ``[N, M]`` sorted by
@@ -201,6 +211,32 @@ def expert_ffn(
     if not outputs:
         return rows.new_zeros(rows.shape[0], w2.shape[-1])
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def padded_expert_ffn(
+    rows: Tensor,
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    w3: Tensor | None,
+    b3: Tensor | None,
+    activation: Callable[[Tensor], Tensor],
+    glu_limit: float | None = None,
+) -> Tensor:
+    """The experts' FFN when every expert has the same number of rows: batched matmuls, no loop over experts.
+
+    rows: ``[E, R, M]`` (expert e's R rows, padding included); weights as in :func:`expert_ffn` -> ``[E, R, M]``.
+    Row for row the same function as :func:`expert_ffn`; padding rows cost their FLOPs like any other row.
+    """
+    def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:  # [E, R, in] @ [E, in, out] (+ [E, out])
+        return torch.baddbmm(b.unsqueeze(1), x, w) if b is not None else torch.bmm(x, w)
+
+    if w3 is not None:
+        h = gated_unit(linear(rows, w1, b1), linear(rows, w3, b3), activation, glu_limit)
+    else:
+        h = activation(linear(rows, w1, b1))
+    return linear(h, w2, b2)
 
 
 def gated_unit(gate: Tensor, up: Tensor, activation: Callable[[Tensor], Tensor], limit: float | None) -> Tensor:

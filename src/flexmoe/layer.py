@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.dispatch import combine, dispatch
-from flexmoe.experts import ExpertOptions
+from flexmoe.experts import ExpertOptions, FeedForwardExperts
 from flexmoe.parallel.auto import MeasuringChooser
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
 from flexmoe.parallel.groups import check_config_agreement, default_ranks_per_node, resolve_group
@@ -101,6 +101,11 @@ class MoELayer(nn.Module):
         :class:`flexmoe.tuning.CostModelShadowPolicy`, or a :class:`~flexmoe.parallel.ShadowPolicy`;
         ``last_shadowed`` lists the shadowed experts), schedule ("a2a" / "pairwise").
         How the experts run is a strategy object from :mod:`flexmoe.parallel.strategy`, chosen here.
+
+    ``torch.compile(moe, fullgraph=True)`` works in capacity mode (cf > 0 or ``capacity``), top-k routing, one
+    process: the compiled call pads every expert's rows to the capacity, so no shape depends on the routing;
+    dropless mode compiles with graph breaks where the counts reach the host (docs/architecture.md, "Compiling
+    the layer").
 
     ``forward`` takes ``capacity``, ``capacity_factor`` and every parallel option but ``chooser`` as keywords
     for that call only. After each forward: ``aux_loss`` (balance loss, differentiable), ``z_loss`` and
@@ -212,9 +217,10 @@ class MoELayer(nn.Module):
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
                           topology=self.topology,
                           num_sequences=num_sequences_of(x, self.model_dim, routing.capacity_per,
-                                                         routing.aux_loss_type))
+                                                         routing.aux_loss_type),
+                          padded=self._padded_layout(routing))
         expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
-        expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned)  # [N, M]
+        expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned, plan.padded)  # [N, M]
         y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
         if self.shared is not None:
             y = y + self._shared_output(tokens).to(y.dtype)
@@ -224,6 +230,15 @@ class MoELayer(nn.Module):
             self.pending_load += plan.load.detach()
         self.aux_loss, self.z_loss, self.last_plan = plan.aux_loss, plan.z_loss, plan
         return y.to(x.dtype).reshape(x.shape)
+
+    def _padded_layout(self, routing: RoutingOptions) -> bool:
+        """Whether this call pads every expert's rows to the capacity: under ``torch.compile``, in capacity mode,
+        for top-k routing in one process (docs/architecture.md, "Compiling the layer"). Every shape is then static
+        and no routed value reaches the host, so the call compiles into one graph. Eager calls never pad: they
+        compute only the rows that hold tokens."""
+        return (torch.compiler.is_compiling() and routing.selection == "topk" and self.topology is None
+                and not self.ep_group.distributed
+                and (routing.capacity is not None or routing.capacity_factor > 0))
 
     def _check_input(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
@@ -252,15 +267,25 @@ class MoELayer(nn.Module):
         return routing, parallel, frozenset(parallel_given)
 
     def _run_experts(self, rows: Tensor, counts: list[int], options: ParallelOptions,
-                     pinned: frozenset[str]) -> Tensor:
-        """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype, by this call's strategy."""
+                     pinned: frozenset[str], padded: bool = False) -> Tensor:
+        """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype, by this call's strategy.
+
+        padded: every expert has the same number of rows (a padded plan, one process): the built-in experts run
+        them as one batched ``[E, R, M]`` block."""
         strategy = self.strategy if options == self.parallel_options else self._strategy_for(options)
-        expert_dtype = _parameter_dtype(self.experts)
+        experts = self.experts
+
+        def run(expert_rows: Tensor) -> Tensor:
+            if padded and isinstance(experts, FeedForwardExperts):
+                return experts.forward_padded(expert_rows.view(len(counts), counts[0], self.model_dim)).flatten(0, 1)
+            return strategy.run(expert_rows, counts, options, pinned)
+
+        expert_dtype = _parameter_dtype(experts)
         if expert_dtype is None or torch.is_autocast_enabled(rows.device.type) or expert_dtype == rows.dtype:
-            out = strategy.run(rows, counts, options, pinned)
+            out = run(rows)
         else:
             # A float32 layer fed bf16 activations (or the reverse) computes in its parameters' dtype.
-            out = strategy.run(rows.to(expert_dtype), counts, options, pinned).to(rows.dtype)
+            out = run(rows.to(expert_dtype)).to(rows.dtype)
         self.last_choice, self.last_shadowed = strategy.last_choice, list(strategy.last_shadowed)
         return out
 
@@ -389,7 +414,12 @@ def _field_names(options_cls: _OptionsClass) -> frozenset[str]:
 
 
 def _in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. an activation-checkpointing recomputation)."""
+    """True while autograd runs a backward pass (e.g. an activation-checkpointing recomputation).
+
+    Never while compiling: a compiled graph's backward recomputes tensors, it does not re-run the forward's code.
+    """
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 

@@ -69,6 +69,7 @@ class SuiteCheck:
 # Group name -> "module:function" returning that group's checks, in the order the suite runs them.
 SUITE_GROUPS: dict[str, str] = {
     "layer": "flexmoe.apps.bench:layer_checks",
+    "compile": "flexmoe.apps.bench_compile:compile_checks",
 }
 
 

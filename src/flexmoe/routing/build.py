@@ -40,12 +40,15 @@ def build_plan(
     topology: TopologyGate | None = None,
     generator: torch.Generator | None = None,
     num_sequences: int | None = None,
+    padded: bool = False,
 ) -> RoutingPlan:
     """The :class:`RoutingPlan` for router logits ``[T, E]`` under ``options``.
 
     selection_bias: ``[E]`` (balance="bias"); topology: the rank's topology gate (cross_node_share);
     generator: feeds the random 2nd-expert decisions (default: torch's global generator); num_sequences: B
-    when the T tokens are B sequences (``capacity_per`` / ``aux_loss_type`` "sequence").
+    when the T tokens are B sequences (``capacity_per`` / ``aux_loss_type`` "sequence"); padded: the top-k plan
+    padded to the capacity (every shape static, for ``torch.compile``; :func:`~flexmoe.routing.plan.plan_from_pairs`).
+    Expert choice and BASE have no padded layout: they ignore it.
     """
     kind, k = options.selection, options.k
     if kind == "expert_choice":
@@ -63,4 +66,4 @@ def build_plan(
                      score_func=options.score_func, num_expert_groups=options.num_expert_groups,
                      num_limited_groups=options.num_limited_groups, route_scale=options.route_scale,
                      aux_loss_type=options.aux_loss_type, capacity_per=options.capacity_per,
-                     num_sequences=num_sequences)
+                     num_sequences=num_sequences, padded=padded)

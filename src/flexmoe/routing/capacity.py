@@ -15,9 +15,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["CAPACITY_PER", "assign_slots", "assign_sequence_slots", "kept_counts"]
+__all__ = ["CAPACITY_PER", "count_per_expert", "assign_slots", "assign_sequence_slots", "kept_counts"]
 
 CAPACITY_PER = ("call", "sequence")
+
+
+def count_per_expert(expert_index: Tensor, num_experts: int) -> Tensor:
+    """``[E]`` long: how many entries of ``expert_index`` (any shape, values in ``[0, E)``) name each expert.
+
+    A scatter-add into ``[E]`` rather than ``torch.bincount``: the result's shape is known before the values
+    are, so ``torch.compile`` traces it without a graph break (docs/architecture.md, "Compiling the layer").
+    """
+    flat = expert_index.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def assign_slots(
@@ -38,7 +48,7 @@ def assign_slots(
     pair_choice = torch.arange(k, device=device).repeat_interleave(num_tokens)
     pair_expert = expert_index[pair_token, pair_choice]
     by_expert = torch.sort(pair_expert, stable=True).indices  # priority order kept within each expert
-    load = torch.bincount(pair_expert, minlength=num_experts)
+    load = count_per_expert(pair_expert, num_experts)
     starts = torch.cumsum(load, 0) - load
     sorted_expert = pair_expert[by_expert]
     slot_sorted = torch.arange(num_tokens * k, device=device) - starts[sorted_expert]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flexmoe.routing.capacity import count_per_expert
+
 __all__ = ["load_balancing_loss", "router_z_loss", "AUX_LOSS_TYPES", "all_choices_balance_loss",
            "sequence_balance_loss", "balance_loss"]
 
@@ -19,7 +21,7 @@ def load_balancing_loss(probs: Tensor, first_choice: Tensor) -> Tensor:
     num_tokens, num_experts = probs.shape
     if num_tokens == 0:
         return probs.sum() * 0.0
-    counts = torch.bincount(first_choice, minlength=num_experts).to(probs.dtype)
+    counts = count_per_expert(first_choice, num_experts).to(probs.dtype)
     fraction = counts / num_tokens
     mean_prob = probs.mean(dim=0)
     return num_experts * torch.sum(fraction * mean_prob)
@@ -42,7 +44,7 @@ def all_choices_balance_loss(probs: Tensor, expert_index: Tensor) -> Tensor:
     num_tokens, num_experts = probs.shape
     if num_tokens == 0:
         return probs.sum() * 0.0
-    counts = torch.bincount(expert_index.reshape(-1), minlength=num_experts).to(probs.dtype)
+    counts = count_per_expert(expert_index, num_experts).to(probs.dtype)
     return num_experts * torch.sum(counts / num_tokens * probs.mean(dim=0))
 
 

@@ -12,6 +12,11 @@ logits, following the routing contract (docs/architecture.md, "The routing contr
 The plan also lays the kept pairs out as *rows*: sorted by expert, then by slot. Row ``n`` carries token
 ``row_token[n]`` to expert ``row_expert[n]`` and is weighted by ``row_weight[n]`` when combined. Experts see only
 rows that hold tokens, never empty padding slots.
+
+The one exception is the *padded* plan (``padded=True``, for ``torch.compile`` in capacity mode;
+docs/architecture.md, "Compiling the layer"): every expert gets exactly ``capacity`` rows (per sequence with
+``capacity_per="sequence"``), so that every shape is known before routing and nothing reaches the host.
+Empty rows carry token 0 with weight 0 and are never combined.
 """
 
 from __future__ import annotations
@@ -52,8 +57,14 @@ class RoutingPlan:
         tokens_per_expert: rows each expert computes (after drops), long, on the logits' device.
         load: pairs routed to each expert before drops.
 
+    Padded plans (``padded=True``) differ in what depends on the routed values: every expert has
+    ``counts[e] = B * capacity`` rows (B sequences, 1 unless ``capacity_per="sequence"``), the empty ones with
+    ``row_token = row_choice = 0`` and ``row_weight = 0``; ``num_dropped`` and ``dropped_fraction`` are 0-dim
+    tensors (``int()`` / ``float()`` read either kind).
+
     Scalars:
-        counts: ``tokens_per_expert`` as a Python list (what the experts split their rows by).
+        counts: the rows each expert computes, a Python list (what the experts split their rows by):
+            ``tokens_per_expert`` as a list, or ``B * capacity`` each in a padded plan.
         capacity: the per-expert capacity used (the largest load in dropless mode).
         num_dropped: dropped (token, choice) pairs; dropped_fraction: the same over ``T * k``.
         aux_loss: the load-balancing loss (differentiable); z_loss: the router z-loss (differentiable).
@@ -76,12 +87,14 @@ class RoutingPlan:
     load: Tensor
     counts: list[int]
     capacity: int
-    num_dropped: int
-    dropped_fraction: float
+    num_dropped: int | Tensor
+    dropped_fraction: float | Tensor
     aux_loss: Tensor
     z_loss: Tensor
-    num_skipped: int = 0
+    num_skipped: int | Tensor = 0
     kind: str = "topk"
+    padded: bool = False
+    pair_row: Tensor | None = None  # [T, k] the row of each pair (N where none); a padded plan sets it
 
     @property
     def num_tokens(self) -> int:
@@ -98,8 +111,9 @@ class RoutingPlan:
     @property
     def row_expert(self) -> Tensor:
         """``[N]`` the expert of each row."""
-        counts = self.tokens_per_expert
-        return torch.repeat_interleave(torch.arange(len(self.counts), device=counts.device), counts)
+        device = self.tokens_per_expert.device
+        counts = torch.tensor(self.counts, dtype=torch.long, device=device)
+        return torch.repeat_interleave(torch.arange(len(self.counts), device=device), counts)
 
 
 def resolve_capacity(
@@ -148,7 +162,10 @@ def check_logits(logits: Tensor, k: int, *, name: str = "logits",
     num_tokens, num_experts = logits.shape
     if not 1 <= k <= num_experts:
         raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
-    if not torch.isfinite(logits).all():
+    if torch.compiler.is_compiling():
+        # A traced `if` on a value would end the graph; the check runs inside it (a RuntimeError when it fails).
+        torch._assert_async(torch.isfinite(logits).all(), nonfinite_message)
+    elif not torch.isfinite(logits).all():
         raise ValueError(nonfinite_message)
     return num_tokens, num_experts
 
@@ -172,6 +189,7 @@ def make_plan(
     aux_loss_type: str = "switch",
     capacity_per: str = "call",
     num_sequences: int | None = None,
+    padded: bool = False,
 ) -> RoutingPlan:
     """Build the top-k :class:`RoutingPlan` for router logits.
 
@@ -187,6 +205,7 @@ def make_plan(
     ``num_sequences``: the T tokens are B sequences of T / B tokens (for ``capacity_per="sequence"``, each
     sequence routed with its own capacity, :mod:`flexmoe.routing.capacity`, and for ``aux_loss_type``
     "sequence"); ``aux_loss_type`` picks the balance loss (:func:`flexmoe.routing.losses.balance_loss`).
+    ``padded``: the padded layout (every expert ``capacity`` rows, no host sync; see :func:`plan_from_pairs`).
 
     Raises ``ValueError`` for non-finite logits, a k out of range, or a negative capacity.
     """
@@ -211,6 +230,7 @@ def make_plan(
         aux_loss=balance_loss(aux_loss_type, scores, expert_index, score_func=score_func,
                               num_sequences=num_sequences),
         num_sequences=num_sequences if capacity_per == "sequence" else None,
+        padded=padded,
     )
 
 
@@ -227,6 +247,7 @@ def plan_from_pairs(
     aux_loss: Tensor,
     kind: str = "topk",
     num_sequences: int | None = None,
+    padded: bool = False,
 ) -> RoutingPlan:
     """The plan for chosen pairs: the one place that assigns slots, applies the capacity and lays out rows.
 
@@ -238,6 +259,8 @@ def plan_from_pairs(
     num_sequences: B when every one of the B sequences (``T / B`` consecutive tokens each) has its own capacity
     (``capacity_per="sequence"``, :mod:`flexmoe.routing.capacity`): slots then count within (expert, sequence)
     and ``capacity`` is per sequence. None: one capacity over the call.
+    padded: lay the rows out padded, ``capacity`` rows per (expert, sequence) unit (:func:`_padded_plan`); the
+    capacity must then be known before routing (``capacity_factor > 0`` or ``capacity``), else ``ValueError``.
     """
     num_tokens, num_experts = logits.shape
     k = expert_index.shape[1]
@@ -245,19 +268,25 @@ def plan_from_pairs(
     if priority is None:
         priority = torch.arange(num_tokens, device=device)
     num_units = 1 if num_sequences is None else num_sequences
+    num_active: int | Tensor  # a tensor only in a padded plan, which never brings it to the host
     if active is None:
         masked_index, num_slots_experts, num_active = expert_index, num_experts, num_tokens * k
     else:
         # Skipped pairs go to a virtual expert E that sorts after every real one, so that the slots are handed
         # out in priority order among the active pairs only; the virtual expert is then cut off.
         masked_index = torch.where(active, expert_index, torch.full_like(expert_index, num_experts))
-        num_slots_experts, num_active = num_experts + 1, int(active.sum())
+        num_slots_experts, num_active = num_experts + 1, active.sum() if padded else int(active.sum())
     if num_units == 1:
         slot, load_all, order = assign_slots(masked_index, num_slots_experts, priority)
         unit_load = load_all[:num_experts].unsqueeze(1)  # [E, 1]
     else:
         slot, unit_load, order = assign_sequence_slots(masked_index, num_slots_experts, priority, num_units)
         unit_load = unit_load[:num_experts]  # [E, B]
+    if padded:
+        cap = _static_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity)
+        return _padded_plan(logits, expert_index, probs_topk, weight, masked_index, slot, unit_load, cap,
+                            num_active, aux_loss, kind)
+    assert isinstance(num_active, int)  # only a padded plan keeps it on the device
     order = order[:num_active]
     load = unit_load.sum(dim=1)
 
@@ -315,3 +344,74 @@ def plan_from_choices(expert_index: Tensor, weight: Tensor, num_experts: int, *,
     zero = weight.new_zeros(())
     return plan_from_pairs(logits, expert_index, weight.detach(), weight, active=active, capacity_factor=0.0,
                            aux_loss=zero)
+
+
+def _static_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, capacity: int | None) -> int:
+    """The capacity of a padded plan, which must not depend on the routing: ``capacity`` or ``cf > 0``."""
+    if capacity is None and capacity_factor <= 0:
+        raise ValueError("a padded plan needs a capacity known before routing: capacity_factor > 0 or an explicit "
+                         f"capacity, got capacity_factor={capacity_factor} (dropless or adaptive)")
+    return resolve_capacity(num_tokens, num_experts, k, capacity_factor, capacity)
+
+
+def _padded_plan(
+    logits: Tensor,
+    expert_index: Tensor,
+    probs_topk: Tensor,
+    weight: Tensor,
+    masked_index: Tensor,
+    slot: Tensor,
+    unit_load: Tensor,
+    cap: int,
+    num_active: int | Tensor,
+    aux_loss: Tensor,
+    kind: str,
+) -> RoutingPlan:
+    """The plan with every (expert, sequence) unit padded to ``cap`` rows: ``N = E * B * cap`` rows.
+
+    masked_index: ``[T, k]`` the expert of each pair, ``E`` for a skipped one; slot: ``[T, k]`` its slot within
+    its unit; unit_load: ``[E, B]``. A kept pair's row is ``(e * B + b) * cap + slot``, the same order
+    (expert, sequence, slot) as the unpadded plan's rows, with gaps. Every shape follows from T, E, k, B and
+    ``cap``: nothing here reads a routed value on the host, so ``torch.compile`` traces it in one graph.
+    """
+    num_tokens, num_experts = logits.shape
+    k = expert_index.shape[1]
+    num_units = unit_load.shape[1]
+    device = logits.device
+    num_pairs, num_rows = num_tokens * k, num_experts * num_units * cap
+    unit = masked_index
+    if num_units > 1:
+        sequence = torch.arange(num_tokens, device=device).div(num_tokens // num_units, rounding_mode="floor")
+        unit = masked_index * num_units + sequence.unsqueeze(1)
+    kept = (slot < cap) & (masked_index < num_experts)  # skipped pairs sit on the virtual expert E
+    pair_row = torch.where(kept, unit * cap + slot, torch.full_like(slot, num_rows))  # [T, k]
+    # The inverse map, the pair of each row; every pair without a row writes the one spare entry past the end.
+    row_pair = torch.full((num_rows + 1,), num_pairs, dtype=torch.long, device=device)
+    row_pair[pair_row.reshape(-1)] = torch.arange(num_pairs, device=device)
+    row_pair = row_pair[:num_rows]
+    empty = row_pair == num_pairs
+    row_pair = row_pair.masked_fill(empty, 0)
+    tokens_per_expert = unit_load.clamp(max=cap).sum(dim=1)
+    num_dropped = num_active - tokens_per_expert.sum()
+
+    return RoutingPlan(
+        expert_index=expert_index,
+        slot=torch.where(kept, slot, torch.full_like(slot, -1)),
+        weight=weight,
+        probs_topk=probs_topk,
+        row_token=torch.div(row_pair, k, rounding_mode="floor"),
+        row_choice=row_pair % k,
+        row_weight=weight.reshape(-1)[row_pair].masked_fill(empty, 0),
+        tokens_per_expert=tokens_per_expert,
+        load=unit_load.sum(dim=1),
+        counts=[num_units * cap] * num_experts,
+        capacity=cap,
+        num_dropped=num_dropped,
+        dropped_fraction=num_dropped / max(num_pairs, 1),
+        aux_loss=aux_loss,
+        z_loss=router_z_loss(logits),
+        num_skipped=num_pairs - num_active,
+        kind=kind,
+        padded=True,
+        pair_row=pair_row,
+    )

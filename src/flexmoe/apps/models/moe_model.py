@@ -171,7 +171,7 @@ class MoEModel(nn.Module):
     def drop_rate(self) -> float:
         """Mean fraction of (token, choice) pairs dropped over the MoE layers in the last forward."""
         plans = [m.last_plan for m in self.moe_layers if m.last_plan is not None]
-        return sum(p.dropped_fraction for p in plans) / len(plans) if plans else 0.0
+        return sum(float(p.dropped_fraction) for p in plans) / len(plans) if plans else 0.0
 
     def expert_load(self) -> list[list[int]]:
         """Per MoE layer, the tokens each expert computed in the last forward (``tokens_per_expert``)."""

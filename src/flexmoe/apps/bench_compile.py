@@ -1,0 +1,78 @@
+"""The suite's "compile" group: ``torch.compile(MoELayer)`` against the eager layer (docs/architecture.md,
+"Compiling the layer").
+
+Each timing check builds one layer, compiles it (inductor, ``fullgraph=True`` in capacity mode), and times the
+eager and the compiled forward + backward side by side, steps interleaved (:func:`flexmoe.apps.bench.
+time_side_by_side`); the value is the compiled median over the eager one. The first compiled call (tracing and
+code generation, tens of seconds on CPU) is timed apart and reported in the note. A last check counts the graph
+breaks of dropless mode, where the per-expert counts must reach the host.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+import torch._dynamo
+
+from flexmoe.apps.bench import BenchConfig, _fwd_bwd, _inputs, build_layer, time_side_by_side
+from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings
+
+__all__ = ["compiled_vs_eager", "dropless_graph_breaks", "compile_checks"]
+
+# torch._dynamo.explain's count in dropless mode: one host sync of the counts, counted once per frame it ends
+# (MoELayer.forward, build_plan, make_plan, plan_from_pairs); tests/test_compile.py asserts the same number.
+DROPLESS_GRAPH_BREAKS = 4
+
+
+def compiled_vs_eager(cfg: BenchConfig, show: bool = False) -> Measurement:
+    """The compiled layer's forward + backward time over the eager layer's, at ``cfg`` (same layer, same input)."""
+    torch._dynamo.reset()  # every layer shares forward's code object: start its recompilation budget afresh
+    layer = build_layer(cfg)
+    x, grad = _inputs(cfg, cfg.seed + 1)
+    compiled = torch.compile(layer, fullgraph=cfg.capacity_factor > 0)
+    eager_step = _fwd_bwd(lambda: layer(x), grad, layer)
+    compiled_step = _fwd_bwd(lambda: compiled(x), grad, layer)
+    if show:
+        print(f"compiling {cfg.describe()} ...", flush=True)
+    start = time.perf_counter()
+    compiled_step()
+    first_call = time.perf_counter() - start
+    times = time_side_by_side({"eager": eager_step, "compiled": compiled_step}, cfg.steps, cfg.warmup,
+                              desc="eager vs compiled" if show else None)
+    eager, comp = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    return Measurement(comp / eager, "x eager", {"config": cfg.describe(), "eager_s": eager, "compiled_s": comp,
+                                                 "first_compiled_call_s": first_call},
+                       f"eager {eager:.3f} s, compiled {comp:.3f} s, first compiled call {first_call:.0f} s")
+
+
+def dropless_graph_breaks(cfg: BenchConfig) -> Measurement:
+    """torch._dynamo.explain's graph breaks of one dropless forward at ``cfg`` (shapes do not change them)."""
+    torch._dynamo.reset()
+    layer = build_layer(replace(cfg, capacity_factor=0.0))
+    x, _ = _inputs(cfg, cfg.seed + 1)
+    explained = torch._dynamo.explain(layer)(x)
+    return Measurement(float(explained.graph_break_count), "breaks", {"graphs": explained.graph_count},
+                       f"{explained.graph_count} graphs")
+
+
+def _ratio_check(label: str, cfg: BenchConfig) -> SuiteCheck:
+    def measure(settings: SuiteSettings) -> Measurement:
+        run_cfg = replace(cfg, steps=min(cfg.steps, settings.steps), warmup=min(cfg.warmup, settings.warmup),
+                          seed=settings.seed)
+        return compiled_vs_eager(run_cfg, show=settings.show)
+    return SuiteCheck("compile", label, 1.0, measure)
+
+
+def compile_checks() -> list[SuiteCheck]:
+    """The "compile" group: T=4096 M=512 fp32, capacity mode cf=1.25, forward + backward."""
+    small = BenchConfig(tokens=256, model_dim=64, hidden_dim=128, steps=1, warmup=0)
+    return [
+        _ratio_check("compiled / eager E=8 H=1024 k=2 cf=1.25", BenchConfig(steps=5, warmup=1)),
+        _ratio_check("compiled / eager E=64 H=256 k=8 cf=1.25",
+                     BenchConfig(experts=64, hidden_dim=256, k=8, steps=5, warmup=1)),
+        SuiteCheck("compile", "dropless graph breaks (counts to the host)", DROPLESS_GRAPH_BREAKS,
+                   lambda settings: dropless_graph_breaks(replace(small, seed=settings.seed))),
+    ]

@@ -1,0 +1,279 @@
+"""torch.compile of MoELayer (docs/architecture.md, "Compiling the layer").
+
+Capacity mode must compile into one graph (``fullgraph=True``), forward and backward, and give the float64
+reference's outputs and gradients (tests/reference.py: Python loops, no flexmoe code). Most tests use the
+``aot_eager`` backend: it traces forward and backward exactly as inductor does (dynamo, then AOT autograd) but
+runs the traced ops without generating C++, so it is quick. The inductor tests (C++ kernels) are slow and need a
+C++ compiler; they skip only when none is on PATH.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from torch import Tensor, nn
+
+from flexmoe import MoELayer
+from reference import reference_for_layer
+
+# Dropless mode: the per-expert counts reach the host once (plan_from_pairs' ``tolist``). torch._dynamo.explain
+# counts that one sync once per frame it ends: MoELayer.forward, build_plan, make_plan, plan_from_pairs.
+DROPLESS_GRAPH_BREAKS = 4
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo(one_thread: None) -> Iterator[None]:
+    """Every test compiles afresh: the layers of different tests share ``forward``'s code object, and its
+    recompilation limit must not carry over from one test to the next."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _layer(seed: int = 0, **options: Any) -> MoELayer:
+    torch.manual_seed(seed)
+    return MoELayer(8, 4, 12, dtype=torch.float64, router_dtype=torch.float64, **options)
+
+
+def _grads(moe: nn.Module, x: Tensor, out: Tensor, grad: Tensor) -> dict[str, Tensor]:
+    moe.zero_grad(set_to_none=True)
+    x.grad = None
+    out.backward(grad)
+    grads = {name: p.grad.clone() for name, p in moe.named_parameters() if p.grad is not None}
+    assert x.grad is not None
+    grads["x"] = x.grad.clone()
+    return grads
+
+
+CAPACITY_CASES = {
+    "cf=1.0 with drops": (dict(k=2, capacity_factor=1.0), dict(k=2, capacity_factor=1.0)),
+    "explicit capacity, batch-prioritized, score at dispatch": (
+        dict(k=2, capacity=3, batch_prioritized=True, score_at="dispatch"),
+        dict(k=2, capacity=3, batch_prioritized=True, score_at="dispatch")),
+    "k=1 relu, unnormalized": (dict(k=1, capacity_factor=1.5, activation="relu", normalize_weights=False),
+                               dict(k=1, capacity_factor=1.5, normalize_weights=False, activation="relu")),
+}
+
+
+# The default run keeps one case of each test (compiling takes seconds each); the others are slow.
+DEFAULT_CAPACITY_CASE = "explicit capacity, batch-prioritized, score at dispatch"
+DEFAULT_FAMILY_CASE = "deepseek: sigmoid, groups, bias, route scale"
+
+
+def _cases(names: list[str], default: str) -> list[Any]:
+    return [pytest.param(n, marks=() if n == default else pytest.mark.slow) for n in names]
+
+
+@pytest.mark.parametrize("case", _cases(list(CAPACITY_CASES), DEFAULT_CAPACITY_CASE))
+def test_capacity_mode_compiles_fullgraph_and_matches_the_reference(case: str) -> None:
+    layer_options, ref_options = CAPACITY_CASES[case]
+    activation = ref_options.pop("activation", "gelu")
+    moe = _layer(**layer_options)
+    x = torch.randn(20, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref, x64, params = reference_for_layer(moe, x, activation=activation, **ref_options)
+    grad = torch.randn(20, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    x = x.clone().requires_grad_()
+    got = compiled(x)
+    grads = _grads(moe, x, got, grad)
+    ref.y.backward(grad)
+
+    plan = moe.last_plan
+    assert plan is not None and plan.padded  # the compiled call took the padded layout
+    assert int(plan.num_dropped) == ref.num_dropped
+    if "k=1" not in case:
+        assert ref.num_dropped > 0  # the case exercises drops
+    assert plan.capacity == ref.capacity
+    assert plan.slot.tolist() == ref.slot
+    assert plan.tokens_per_expert.tolist() == ref.tokens_per_expert
+    torch.testing.assert_close(got, ref.y.detach(), rtol=1e-10, atol=1e-12)
+    assert x64.grad is not None
+    torch.testing.assert_close(grads["x"], x64.grad, rtol=1e-10, atol=1e-12)
+    for name, p in params.items():
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+FAMILY_CASES = {
+    "deepseek: sigmoid, groups, bias, route scale": dict(k=2, capacity_factor=1.0, score_func="sigmoid",
+                                                        num_expert_groups=2, num_limited_groups=1,
+                                                        balance="bias", route_scale=2.5),
+    "switch: capacity per sequence, router bias, sequence loss": dict(k=1, capacity_factor=1.0,
+                                                                     capacity_per="sequence", router_bias=True,
+                                                                     aux_loss_type="sequence"),
+    "noise: jitter, gate noise, random 2nd expert": dict(k=2, capacity_factor=1.0, jitter=0.1, gate_noise=0.5,
+                                                        second_expert="random"),
+}
+
+
+@pytest.mark.parametrize("case", _cases(list(FAMILY_CASES), DEFAULT_FAMILY_CASE))
+def test_routing_options_compile_fullgraph_and_equal_eager(case: str) -> None:
+    """The eager layer is checked against float64 references in test_routers / test_routing_families; here the
+    compiled (padded) path must give its numbers, randomness included (same seed, same draws)."""
+    moe = _layer(**FAMILY_CASES[case]).train()
+    if moe.expert_bias is not None:
+        moe.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1], dtype=torch.float64))
+    x = torch.randn(3, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    grad = torch.randn(3, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    torch.manual_seed(5)
+    want = moe(x)
+    want_plan, want_aux = moe.last_plan, moe.aux_loss
+    want_grads = _grads(moe, x, want, grad)
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(5)
+    got = compiled(x)
+    got_plan, got_aux = moe.last_plan, moe.aux_loss
+    got_grads = _grads(moe, x, got, grad)
+
+    assert want_plan is not None and got_plan is not None and got_plan.padded and not want_plan.padded
+    assert got_plan.slot.tolist() == want_plan.slot.tolist()
+    assert int(got_plan.num_dropped) == want_plan.num_dropped
+    assert int(got_plan.num_skipped) == want_plan.num_skipped
+    torch.testing.assert_close(got_plan.load, want_plan.load)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert got_aux is not None and want_aux is not None
+    torch.testing.assert_close(got_aux, want_aux, rtol=1e-10, atol=1e-12)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+    if moe.pending_load is not None:  # balance="bias": both training forwards counted their load
+        assert moe.pending_load.tolist() == (2 * want_plan.load).tolist()
+
+
+class ScaledIdentityExperts(nn.Module):
+    """A custom expert (the ``forward(x, counts)`` protocol): expert e multiplies its rows by ``scale[e]``."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.arange(1.0, num_experts + 1, dtype=torch.float64))
+
+    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+        return torch.cat([rows * s for rows, s in zip(x.split(counts), self.scale.unbind(0))])
+
+
+def test_custom_experts_compile_with_static_counts() -> None:
+    torch.manual_seed(0)
+    moe = MoELayer(8, 4, 12, k=2, capacity_factor=1.0, experts=ScaledIdentityExperts(4), dtype=torch.float64,
+                   router_dtype=torch.float64)
+    x = torch.randn(20, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    ref, x64, params = reference_for_layer(
+        moe, x, k=2, capacity_factor=1.0,
+        expert=lambda p: (lambda e, row: row * p["experts.scale"][e]))
+    grad = torch.randn(20, 8, dtype=torch.float64)
+    got = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    grads = _grads(moe, x, got, grad)
+    ref.y.backward(grad)
+    assert moe.last_plan is not None and moe.last_plan.counts == [moe.last_plan.capacity] * 4
+    torch.testing.assert_close(got, ref.y.detach(), rtol=1e-10, atol=1e-12)
+    assert x64.grad is not None and params["experts.scale"].grad is not None
+    torch.testing.assert_close(grads["x"], x64.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads["experts.scale"], params["experts.scale"].grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_capacity_zero_compiles_and_drops_everything() -> None:
+    moe = _layer(k=2, capacity=0, shared_experts=1)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    got = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    assert moe.last_plan is not None and int(moe.last_plan.num_dropped) == 10
+    assert moe.shared is not None
+    torch.testing.assert_close(got, moe.shared(x, [5]), rtol=1e-12, atol=1e-12)  # only the shared expert
+
+
+def test_compiled_nonfinite_input_fails_loudly() -> None:
+    moe = _layer(k=2, capacity_factor=1.0)
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    x = torch.randn(6, 8, dtype=torch.float64)
+    compiled(x)
+    x[2, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="router logits contain NaN or infinity"):
+        compiled(x)
+
+
+@pytest.mark.parametrize("options, breaks", [
+    (dict(capacity_factor=1.25), 0),
+    (dict(capacity=4), 0),
+    (dict(capacity_factor=0.0), DROPLESS_GRAPH_BREAKS),
+])
+def test_graph_breaks(options: dict[str, Any], breaks: int) -> None:
+    """Capacity mode: none. Dropless: only where the counts reach the host; the count must not grow."""
+    moe = _layer(k=2, **options)
+    x = torch.randn(20, 8, dtype=torch.float64)
+    explained = torch._dynamo.explain(moe)(x)
+    assert explained.graph_break_count == breaks, [str(b.reason)[:200] for b in explained.break_reasons]
+
+
+@pytest.mark.slow
+def test_dropless_compiles_with_its_graph_breaks_and_matches_the_reference() -> None:
+    moe = _layer(k=2, capacity_factor=0.0)
+    x = torch.randn(20, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    ref, x64, params = reference_for_layer(moe, x, k=2, capacity_factor=0.0)
+    grad = torch.randn(20, 8, dtype=torch.float64)
+    got = torch.compile(moe, backend="aot_eager")(x)
+    grads = _grads(moe, x, got, grad)
+    ref.y.backward(grad)
+    assert moe.last_plan is not None and not moe.last_plan.padded
+    torch.testing.assert_close(got, ref.y.detach(), rtol=1e-10, atol=1e-12)
+    assert x64.grad is not None and params["experts.w1"].grad is not None
+    torch.testing.assert_close(grads["x"], x64.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads["experts.w1"], params["experts.w1"].grad, rtol=1e-10, atol=1e-12)
+
+
+# ---- inductor: the real backend, C++ kernels ---------------------------------------------------------------
+
+_CXX = next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+needs_cxx = pytest.mark.skipif(_CXX is None, reason="inductor on CPU compiles C++: no g++, c++ or clang++ on PATH")
+
+
+@pytest.mark.slow
+@needs_cxx
+@pytest.mark.parametrize("options", [dict(k=2, capacity_factor=1.0),
+                                     dict(k=2, capacity=3, glu=True, activation="silu", score_at="dispatch")])
+def test_inductor_capacity_mode_matches_the_reference(options: dict[str, Any]) -> None:
+    moe = _layer(**options)
+    x = torch.randn(20, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    ref_options = {n: options[n] for n in ("k", "capacity_factor", "capacity", "score_at") if n in options}
+    ref, x64, params = reference_for_layer(moe, x, activation=options.get("activation", "gelu"),
+                                           glu=bool(options.get("glu")), **ref_options)
+    grad = torch.randn(20, 8, dtype=torch.float64)
+    got = torch.compile(moe, fullgraph=True)(x)
+    grads = _grads(moe, x, got, grad)
+    ref.y.backward(grad)
+    torch.testing.assert_close(got, ref.y.detach(), rtol=1e-9, atol=1e-11)
+    assert x64.grad is not None
+    torch.testing.assert_close(grads["x"], x64.grad, rtol=1e-9, atol=1e-11)
+    for name, p in params.items():
+        assert p.grad is not None
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-11, msg=name)
+
+
+# ---- the bench suite's "compile" group ---------------------------------------------------------------------
+
+
+def test_compile_suite_group_counts_the_dropless_graph_breaks() -> None:
+    from flexmoe.apps.bench_compile import DROPLESS_GRAPH_BREAKS as SUITE_TARGET
+    from flexmoe.apps.bench_suite import SuiteSettings, run_suite_checks, suite_checks
+
+    checks = suite_checks(["compile"])
+    assert [c.group for c in checks] == ["compile"] * 3
+    assert [c.target for c in checks] == [1.0, 1.0, DROPLESS_GRAPH_BREAKS] and SUITE_TARGET == DROPLESS_GRAPH_BREAKS
+    (result,) = run_suite_checks(checks[-1:], SuiteSettings(show=False))
+    assert result["value"] == DROPLESS_GRAPH_BREAKS and result["met"], result
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_compiled_vs_eager_measures_a_ratio() -> None:
+    from flexmoe.apps.bench import BenchConfig
+    from flexmoe.apps.bench_compile import compiled_vs_eager
+
+    m = compiled_vs_eager(BenchConfig(tokens=64, model_dim=16, hidden_dim=32, experts=4, steps=2, warmup=0))
+    assert m.unit == "x eager" and 0 < m.value < float("inf")
+    assert m.details["eager_s"] > 0 and m.details["compiled_s"] > 0
