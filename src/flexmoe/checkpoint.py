@@ -49,6 +49,7 @@ __all__ = [
     "ExpertPlacement",
     "expert_placement",
     "model_layout",
+    "gather_experts",
     "global_state_dict",
     "load_global_state_dict",
     "save_checkpoint",
@@ -122,7 +123,7 @@ def model_layout(model: nn.Module) -> ExpertLayout | None:
     return None if placement is None else placement.layout
 
 
-def _gather_experts(local: dict[str, Tensor], layout: ExpertLayout, group: Any) -> dict[str, Tensor]:
+def gather_experts(local: dict[str, Tensor], layout: ExpertLayout, group: Any) -> dict[str, Tensor]:
     """Every rank's local expert tensors -> global ``[E, ...]`` tensors (a collective over ``group``)."""
     if layout.world_size == 1:
         return dict(local)
@@ -158,7 +159,7 @@ def _to_global(tensors: dict[str, Tensor], experts: dict[str, str], layout: Expe
                group: Any) -> dict[str, Tensor]:
     if layout is None:
         return dict(tensors)
-    return _convert_experts(tensors, experts, lambda local: _gather_experts(local, layout, group))
+    return _convert_experts(tensors, experts, lambda local: gather_experts(local, layout, group))
 
 
 def _to_local(tensors: dict[str, Tensor], experts: dict[str, str], layout: ExpertLayout | None,

@@ -29,7 +29,7 @@ from flexmoe.routing.scores import normalize_topk, routed_weights, router_scores
 from flexmoe.routing.topology import TopologyGate
 
 __all__ = ["RoutingPlan", "resolve_capacity", "top_k", "normalize_topk", "assign_slots", "check_logits",
-           "plan_from_pairs", "make_plan"]
+           "plan_from_pairs", "plan_from_choices", "make_plan"]
 
 
 @dataclass
@@ -289,3 +289,28 @@ def plan_from_pairs(
         num_skipped=num_tokens * k - num_active,
         kind=kind,
     )
+
+
+def plan_from_choices(expert_index: Tensor, weight: Tensor, num_experts: int, *,
+                      active: Tensor | None = None) -> RoutingPlan:
+    """The dropless plan for choices made elsewhere (e.g. by a Hugging Face router).
+
+    expert_index: ``[T, k]`` long, each in ``[0, num_experts)`` where ``active``; weight: ``[T, k]`` the combine
+    weights (differentiable; gradients reach whoever made them); active: ``[T, k]`` bool, the pairs to compute
+    (default all; inactive pairs are skipped, their expert index is not read). Every active pair gets a row
+    (capacity = the largest load). There are no logits, so ``probs_topk`` is ``weight`` and both router losses are
+    zero: the caller owns its routing and its losses.
+    """
+    if expert_index.dim() != 2 or weight.shape != expert_index.shape:
+        raise ValueError(f"expert_index and weight must both be [tokens, k], got {tuple(expert_index.shape)} and "
+                         f"{tuple(weight.shape)}")
+    check = expert_index if active is None else expert_index[active]
+    if check.numel() and (int(check.min()) < 0 or int(check.max()) >= num_experts):
+        raise ValueError(f"expert_index must lie in [0, num_experts={num_experts}), got values in "
+                         f"[{int(check.min())}, {int(check.max())}]")
+    num_tokens = expert_index.shape[0]
+    # Zero logits only give plan_from_pairs the expert count (and a zero z-loss); no routing reads them.
+    logits = weight.new_zeros(num_tokens, num_experts)
+    zero = weight.new_zeros(())
+    return plan_from_pairs(logits, expert_index, weight.detach(), weight, active=active, capacity_factor=0.0,
+                           aux_loss=zero)

@@ -1,0 +1,27 @@
+"""Hugging Face ``transformers`` MoE models on flexmoe (docs/architecture.md, "Hugging Face models (flexmoe.hf)").
+
+* :func:`convert` replaces a model's sparse-MoE blocks (Mixtral, Qwen2/3-MoE, Qwen3-Next, OLMoE, DeepSeek-V3,
+  GLM-4.5, GPT-OSS) with flexmoe blocks computing the same function, optionally spread over an expert-parallel
+  group; :func:`to_hf` turns them back into HF blocks with the trained weights, for ``save_pretrained``.
+* :func:`register` adds ``"flexmoe"`` to transformers' experts implementations: HF's own routing, flexmoe's
+  dispatch and expert FFN on HF's parameters, no conversion.
+
+Needs ``transformers`` >= 5: ``pip install flexmoe[hf]``. ``import flexmoe`` never imports it.
+"""
+
+from __future__ import annotations
+
+try:
+    import transformers
+except ImportError as error:  # pragma: no cover - exercised without the extra installed
+    raise ImportError("flexmoe.hf needs Hugging Face transformers >= 5: pip install flexmoe[hf]") from error
+if int(transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(f"flexmoe.hf needs transformers >= 5 (fused expert weights), found {transformers.__version__}: "
+                      f"pip install flexmoe[hf]")
+
+from flexmoe.hf.block import ConvertedMoeBlock
+from flexmoe.hf.convert import convert, to_hf
+from flexmoe.hf.experts_impl import flexmoe_experts_forward, register
+from flexmoe.hf.families import FAMILIES
+
+__all__ = ["convert", "to_hf", "register", "flexmoe_experts_forward", "ConvertedMoeBlock", "FAMILIES"]

@@ -1,0 +1,141 @@
+"""``convert`` and ``to_hf``: Hugging Face MoE blocks to flexmoe and back, in place (docs/architecture.md, "Hugging
+Face models (flexmoe.hf)")."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+from flexmoe.experts import ExpertOptions
+from flexmoe.hf.block import ConvertedMoeBlock, build_converted_block
+from flexmoe.hf.families import FAMILIES, family_of
+from flexmoe.parallel.options import ParallelOptions
+from flexmoe.routing.options import RoutingOptions
+
+__all__ = ["convert", "to_hf", "FAMILY_OPTIONS"]
+
+# Options the family decides (they describe the HF block's function and weights); convert refuses them.
+FAMILY_OPTIONS = frozenset({
+    "router", "router_bias", "score_func", "num_expert_groups", "num_limited_groups", "route_scale",
+    "glu", "bias", "activation", "glu_limit", "shared_experts", "shared_hidden_dim", "shared_gate",
+})
+_LAYER_OPTIONS = frozenset(f.name for cls in (RoutingOptions, ExpertOptions, ParallelOptions)
+                           for f in dataclasses.fields(cls))
+
+
+def convert(model: nn.Module, *, group: object | None = None, **options: Any) -> nn.Module:
+    """Replace, in place, every supported sparse-MoE block of ``model`` with a flexmoe
+    :class:`~flexmoe.hf.block.ConvertedMoeBlock` carrying its weights, and return ``model``; given a single
+    block, return its replacement.
+
+    Families (by block class): Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE, DeepSeek-V3, GLM-4.5 (GLM4-MoE)
+    and GPT-OSS. The converted model computes HF's function: the same logits (to float32 rounding), the same
+    loss, and with ``output_router_logits=True`` the same ``router_logits`` and auxiliary loss (HF's router module
+    is kept and still recorded); ``generate()`` and the KV cache work unchanged. DeepSeek-V3's
+    ``e_score_correction_bias`` becomes the layer's ``expert_bias`` (``balance="bias"``, ``bias_update_rate=0``:
+    fixed, as HF keeps it). Differences: an exact tie between router scores goes to the lower expert index
+    (``torch.topk``, which HF uses, promises no order); Mixtral's ``router_jitter_noise`` (training only) jitters
+    the router's input only, HF's the experts' input too.
+
+    group: the expert-parallel ``torch.distributed`` group (default: the world when torch.distributed is
+        initialized, else one process; ``"single"``: one process holding every expert). Each rank keeps only its
+        own experts (docs/architecture.md, "Experts over ranks"); wrap the model with
+        :func:`flexmoe.parallel.ddp.wrap_ddp` so the rest stays data-parallel. Every rank must call ``convert``.
+    options: :class:`~flexmoe.MoELayer` keywords applied on top of the family's. The defaults reproduce HF
+        (dropless, ``capacity_factor=0``). These change nothing but speed: ``r``, ``overlap_degree``, ``a2a``,
+        ``ranks_per_node``, ``parallel`` ("auto"), ``chooser``, ``shadow``, ``schedule``. These change the
+        function away from HF's: ``capacity`` / ``capacity_factor`` > 0 (a capacity drops tokens past it),
+        ``k``, ``normalize_weights``, ``balance`` (``"aux"`` drops DeepSeek-V3's bias from the selection),
+        ``bias_update_rate`` > 0 (moves the bias every step), ``batch_prioritized``, ``score_at="dispatch"``,
+        ``second_expert``, ``cross_node_share``, ``jitter``, ``gate_noise``, ``router_input_dropout``;
+        ``aux_loss_type`` only changes flexmoe's own ``moe.aux_loss`` (HF computes its loss from the router
+        logits), ``router_dtype`` the routing precision (HF routes in the model's dtype). The options that
+        describe the block itself (:data:`FAMILY_OPTIONS`: router, experts' activation, biases, shared experts,
+        score function, groups, scale) are the family's: passing one, or a name that is no MoELayer option, is a
+        ``ValueError`` naming it.
+
+    Raises ``ValueError`` naming the class for an unsupported block, and for a model with no supported block (or
+    with an MoE-looking block of an unsupported class).
+    """
+    _check_options(options)
+    if family_of(model) is not None:
+        return _convert_block(model, group, options)
+    if isinstance(model, ConvertedMoeBlock):
+        raise ValueError("model is already a flexmoe ConvertedMoeBlock (flexmoe.hf.to_hf gives the HF block back)")
+    blocks = [(name, m) for name, m in model.named_modules() if family_of(m) is not None]
+    unsupported = _unsupported_moe_blocks(model)
+    if unsupported:
+        raise ValueError(f"{type(model).__name__} has sparse-MoE blocks flexmoe cannot convert: "
+                         f"{sorted(unsupported)}; supported block classes: {sorted(FAMILIES)}")
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} is not a supported sparse-MoE block and contains none "
+                         f"(supported block classes: {sorted(FAMILIES)})")
+    # Build every replacement before swapping any in, so that a bad option leaves the model untouched.
+    converted = [(name, _convert_block(block, group, options)) for name, block in blocks]
+    for name, new in converted:
+        _replace(model, name, new)
+    return model
+
+
+def to_hf(model: nn.Module) -> nn.Module:
+    """The reverse of :func:`convert`, in place: every :class:`~flexmoe.hf.block.ConvertedMoeBlock` of ``model``
+    becomes its HF block again with the current (trained) weights, including DeepSeek-V3's
+    ``e_score_correction_bias`` (flexmoe's ``expert_bias``); returns ``model``, or, given a single converted block,
+    the HF block. ``model.save_pretrained`` then writes HF's own format, which plain ``transformers`` loads.
+
+    Collective under expert parallelism: every rank of the group must call it (each block's experts are gathered
+    from the ranks). The HF parameters are new tensors: build the optimizer again to continue training. Raises
+    ``ValueError`` when ``model`` holds no converted block.
+    """
+    if isinstance(model, ConvertedMoeBlock):
+        return model.to_hf()
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, ConvertedMoeBlock)]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} holds no flexmoe block to export (flexmoe.hf.convert makes them)")
+    for name, block in blocks:  # the same order on every rank: each gather is a collective
+        _replace(model, name, block.to_hf())
+    return model
+
+
+def _convert_block(block: nn.Module, group: object | None, options: dict[str, Any]) -> ConvertedMoeBlock:
+    family = family_of(block)
+    assert family is not None  # callers pick supported blocks
+    return build_converted_block(block, family, group=group, options=options)
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    family_owned = sorted(set(options) & FAMILY_OPTIONS)
+    if family_owned:
+        raise ValueError(f"convert() options {family_owned} are fixed by the HF block's family (they describe its "
+                         f"weights and routing); leave them out")
+    unknown = sorted(set(options) - _LAYER_OPTIONS)
+    if unknown:
+        raise ValueError(f"convert() got unknown options {unknown}; options are MoELayer keywords "
+                         f"(RoutingOptions, ExpertOptions, ParallelOptions fields)")
+
+
+def _unsupported_moe_blocks(model: nn.Module) -> set[str]:
+    """Class names of modules that look like a sparse-MoE block (a router beside an ``experts`` module) but whose
+    class no family knows; supported and already converted blocks are not looked into."""
+    found: set[str] = set()
+
+    def visit(module: nn.Module) -> None:
+        if family_of(module) is not None or isinstance(module, ConvertedMoeBlock):
+            return
+        children = dict(module.named_children())
+        if "experts" in children and ("gate" in children or "router" in children):
+            found.add(type(module).__name__)
+            return
+        for child in children.values():
+            visit(child)
+
+    visit(model)
+    return found
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)

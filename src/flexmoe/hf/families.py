@@ -1,0 +1,188 @@
+"""How each Hugging Face MoE block maps onto a :class:`~flexmoe.MoELayer` (docs/architecture.md, "Hugging Face
+models (flexmoe.hf)").
+
+A family is known by its block's class name. For each, :class:`Family` says which submodule is the router, which
+are the shared expert and its gate, and :meth:`Family.layer_options` reads the MoELayer options that reproduce the
+block from the block's own attributes (its router's ``top_k``, ``norm_topk_prob``, ``n_group``, ...), so a single
+block converts without its model's config. The routing options follow :mod:`flexmoe.routing.families`.
+
+The experts' weights: every transformers 5.x experts module decorated with ``use_experts_implementation`` stores
+``gate_up_proj`` (``[E, 2H, M]``, or ``[E, M, 2H]`` when ``is_transposed``; gate then up halves when
+``is_concatenated``, else interleaved gate/up columns as GPT-OSS), ``down_proj`` (``[E, M, H]`` or ``[E, H, M]``)
+and, with ``has_bias``, ``gate_up_proj_bias [E, 2H]`` / ``down_proj_bias [E, M]``. :func:`expert_weights` returns
+flexmoe's ``w1, w3: [E, M, H]``, ``w2: [E, H, M]``, ``b1, b3: [E, H]``, ``b2: [E, M]`` as *views* of those
+parameters: reading them costs no copy and their gradients reach HF's parameters, and writing into them (under
+``no_grad``) writes HF's parameters, which is how weights go back.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flexmoe.experts import resolve_activation
+
+__all__ = ["Family", "FAMILIES", "family_of", "expert_weights", "expert_unit", "shared_mlp_weights"]
+
+# HF's activation names that flexmoe has under a name of its own (same function); others pass as a callable.
+_ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu": "gelu"}
+
+
+def _gpt_oss_glu(gate: Tensor, alpha: float) -> Tensor:
+    """GPT-OSS's gate activation ``g * sigmoid(alpha * g)`` (flexmoe's glu_limit does the clamping)."""
+    return gate * torch.sigmoid(alpha * gate)
+
+
+def expert_unit(experts: Any) -> tuple[str | Callable[[Tensor], Tensor], float | None]:
+    """``(activation, glu_limit)`` of an HF experts module, as flexmoe's ``ExpertOptions`` take them.
+
+    The default gated unit (``act_fn(gate) * up``) and GPT-OSS's clamped one are known; any other (a custom
+    ``_apply_gate``, a post-expert norm) raises ``ValueError`` naming the class: flexmoe would compute another
+    function.
+    """
+    name = type(experts).__name__
+    if getattr(experts, "has_post_expert_norm", False):
+        raise ValueError(f"{name} normalizes each expert's output (has_post_expert_norm); flexmoe's experts do not")
+    if name == "GptOssExperts":
+        return functools.partial(_gpt_oss_glu, alpha=float(experts.alpha)), float(experts.limit)
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if getattr(experts, "has_gate", True) and getattr(apply_gate, "__name__", None) != "_default_apply_gate":
+        raise ValueError(f"{name} has its own gated unit (_apply_gate); flexmoe knows the default "
+                         f"act_fn(gate) * up and GPT-OSS's clamped unit only")
+    if not getattr(experts, "is_concatenated", True) and getattr(experts, "has_gate", True):
+        raise ValueError(f"{name} interleaves gate and up columns with the default gated unit; flexmoe knows "
+                         f"that layout for GPT-OSS only")
+    hidden_act = getattr(getattr(experts, "config", None), "hidden_act", None)
+    if isinstance(hidden_act, str) and hidden_act in _ACTIVATION_NAMES:
+        return _ACTIVATION_NAMES[hidden_act], None
+    act_fn = getattr(experts, "act_fn", None)
+    if not callable(act_fn):
+        raise ValueError(f"{name} has no act_fn to read its activation from")
+    return act_fn, None
+
+
+def expert_weights(experts: Any) -> dict[str, Tensor]:
+    """flexmoe's expert tensors as views of an HF experts module's parameters.
+
+    Returns ``w1, w2`` and, as the module has them, ``w3`` (gated experts) and ``b1, b2, b3`` (biases):
+    ``w1, w3: [E, M, H]``, ``w2: [E, H, M]``, ``b1, b3: [E, H]``, ``b2: [E, M]``.
+    """
+    name = type(experts).__name__
+    transposed = bool(getattr(experts, "is_transposed", False))
+    concatenated = bool(getattr(experts, "is_concatenated", True))
+    has_gate = bool(getattr(experts, "has_gate", True))
+    has_bias = bool(getattr(experts, "has_bias", False))
+    if not hasattr(experts, "down_proj") or not hasattr(experts, "gate_up_proj" if has_gate else "up_proj"):
+        raise ValueError(f"{name} does not store its experts as fused 3-D tensors (gate_up_proj / down_proj)")
+
+    def in_out(w: Tensor) -> Tensor:  # HF's [E, out, in] (or [E, in, out] transposed) -> [E, in, out]
+        return w if transposed else w.transpose(1, 2)
+
+    weights: dict[str, Tensor] = {"w2": in_out(experts.down_proj)}
+    if has_bias:
+        weights["b2"] = experts.down_proj_bias
+    if not has_gate:
+        weights["w1"] = in_out(experts.up_proj)
+        if has_bias:
+            weights["b1"] = experts.up_proj_bias
+        return weights
+    gate_up = in_out(experts.gate_up_proj)  # [E, M, 2H]
+    gate_up_bias = experts.gate_up_proj_bias if has_bias else None
+    if concatenated:
+        hidden = gate_up.shape[-1] // 2
+        halves: Callable[[Tensor], tuple[Tensor, Tensor]] = lambda t: (t[..., :hidden], t[..., hidden:])  # noqa: E731
+    else:
+        halves = lambda t: (t[..., ::2], t[..., 1::2])  # noqa: E731
+    weights["w1"], weights["w3"] = halves(gate_up)
+    if gate_up_bias is not None:
+        weights["b1"], weights["b3"] = halves(gate_up_bias)
+    return weights
+
+
+def shared_mlp_weights(mlp: Any) -> dict[str, Tensor]:
+    """A gate/up/down ``nn.Linear`` MLP (HF's shared expert) as shared expert 0's ``w1, w3: [1, M, Hs]``,
+    ``w2: [1, Hs, M]``, views of the Linear weights."""
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        layer = getattr(mlp, proj, None)
+        if not isinstance(layer, nn.Linear) or layer.bias is not None:
+            raise ValueError(f"{type(mlp).__name__}.{proj} must be an nn.Linear without bias to be a flexmoe "
+                             f"shared expert")
+    return {"w1": mlp.gate_proj.weight.T.unsqueeze(0), "w3": mlp.up_proj.weight.T.unsqueeze(0),
+            "w2": mlp.down_proj.weight.T.unsqueeze(0)}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF MoE block class and how it maps onto MoELayer.
+
+    name: the family's short name (``"mixtral"``, ...). router: the block's router attribute. shared: the
+    shared-expert MLP attribute, or None. shared_gate: the shared expert's sigmoid gate (an ``nn.Linear(M, 1)``),
+    or None. returns_router_scores: the block returns ``(hidden_states, router_scores)`` (GPT-OSS).
+    score_func / grouped / always_normalize: the routing (see :meth:`layer_options`).
+    """
+
+    name: str
+    router: str = "gate"
+    shared: str | None = None
+    shared_gate: str | None = None
+    returns_router_scores: bool = False
+    score_func: str = "softmax"
+    always_normalize: bool = False
+
+    def layer_options(self, block: Any) -> dict[str, Any]:
+        """The MoELayer keywords (besides model_dim, num_experts, hidden_dim) that reproduce ``block``."""
+        router = getattr(block, self.router)
+        experts = block.experts
+        activation, glu_limit = expert_unit(experts)
+        weights = expert_weights(experts)
+        options: dict[str, Any] = {
+            "k": int(router.top_k),
+            "capacity_factor": 0.0,  # dropless, as HF
+            "normalize_weights": True if self.always_normalize else bool(router.norm_topk_prob),
+            "glu": "w3" in weights,
+            "bias": "b1" in weights,
+            "activation": activation,
+            "glu_limit": glu_limit,
+            "aux_loss_type": "all_choices",  # HF's load_balancing_loss_func counts every choice
+        }
+        if self.score_func == "sigmoid":  # DeepSeek-V3 / GLM-4.5: flexmoe.routing.families
+            options.update(score_func="sigmoid", num_expert_groups=int(router.num_group),
+                           num_limited_groups=int(router.topk_group),
+                           route_scale=float(router.routed_scaling_factor), balance="bias", bias_update_rate=0.0)
+        jitter = float(getattr(block, "jitter_noise", 0.0) or 0.0)
+        if jitter > 0:
+            options["jitter"] = jitter
+        if self.shared is not None:
+            shared = shared_mlp_weights(getattr(block, self.shared))
+            options.update(shared_experts=1, shared_hidden_dim=int(shared["w1"].shape[-1]))
+            if self.shared_gate is not None:
+                options["shared_gate"] = True
+        resolve_activation(activation)
+        return options
+
+    def sizes(self, block: Any) -> tuple[int, int, int]:
+        """``(model_dim, num_experts, hidden_dim)`` of ``block``'s routed experts."""
+        w1 = expert_weights(block.experts)["w1"]
+        return int(w1.shape[1]), int(w1.shape[0]), int(w1.shape[2])
+
+
+FAMILIES: dict[str, Family] = {
+    "MixtralSparseMoeBlock": Family("mixtral", always_normalize=True),
+    "Qwen2MoeSparseMoeBlock": Family("qwen2_moe", shared="shared_expert", shared_gate="shared_expert_gate"),
+    "Qwen3MoeSparseMoeBlock": Family("qwen3_moe"),
+    "Qwen3NextSparseMoeBlock": Family("qwen3_next", shared="shared_expert", shared_gate="shared_expert_gate"),
+    "OlmoeSparseMoeBlock": Family("olmoe"),
+    "DeepseekV3MoE": Family("deepseek_v3", score_func="sigmoid", shared="shared_experts"),
+    "Glm4MoeMoE": Family("glm4_moe", score_func="sigmoid", shared="shared_experts"),
+    "GptOssMLP": Family("gpt_oss", router="router", returns_router_scores=True, always_normalize=True),
+}
+
+
+def family_of(block: nn.Module) -> Family | None:
+    """The :class:`Family` of an HF MoE block (by its class name), or None."""
+    return FAMILIES.get(type(block).__name__)

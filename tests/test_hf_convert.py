@@ -1,0 +1,305 @@
+"""flexmoe.hf against Hugging Face ``transformers`` itself: HF's own eager model is the reference.
+
+Each family's tiny causal LM (2 layers, M=16, built from a local config, nothing downloaded) is converted with
+:func:`flexmoe.hf.convert`, and must give HF's logits, loss and auxiliary loss, the same 20 SGD steps, the same
+greedy tokens through ``generate()``, and, after :func:`flexmoe.hf.to_hf`, the same continued training and a
+``save_pretrained`` directory plain ``from_pretrained`` loads. The ``"flexmoe"`` experts implementation
+(:func:`flexmoe.hf.register`) must give HF eager's logits and gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip(
+    "transformers", reason="flexmoe.hf needs transformers (pip install -e .[hf]; CI installs it via .[test])")
+
+import flexmoe.hf as fh  # noqa: E402
+from flexmoe import MoELayer  # noqa: E402
+from flexmoe.hf.block import ConvertedMoeBlock  # noqa: E402
+
+V = 64  # vocabulary
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
+COMMON = dict(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+              max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=False, eos_token_id=None,
+              pad_token_id=None, bos_token_id=None, router_aux_loss_coef=0.1)
+SIGMOID_GROUPED = dict(intermediate_size=20, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2,
+                       n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                       first_k_dense_replace=1)
+FAMILY_CONFIGS: dict[str, dict] = {
+    "mixtral": dict(intermediate_size=12, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(intermediate_size=20, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
+    "qwen3_moe": dict(intermediate_size=20, moe_intermediate_size=12, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=True, head_dim=8),
+    "olmoe": dict(intermediate_size=12, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
+    # Group-limited routing (4 groups of 2, the best 2 eligible) and a dense first layer beside the MoE one.
+    "deepseek_v3": dict(SIGMOID_GROUPED, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                        v_head_dim=8, head_dim=4),
+    "glm4_moe": dict(SIGMOID_GROUPED, head_dim=8),
+    "gpt_oss": dict(intermediate_size=12, num_local_experts=4, num_experts_per_tok=2, head_dim=8, swiglu_limit=0.8,
+                    layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def tiny_model(family: str, seed: int = 0) -> nn.Module:
+    """HF's causal LM of ``family`` from a tiny config, HF's own initialisation under ``seed`` (std 0.2, so that
+    routing is far from ties); DeepSeek-style models get a nonzero ``e_score_correction_bias``."""
+    config = transformers.AutoConfig.for_model(family, **COMMON, **FAMILY_CONFIGS[family])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.copy_(torch.randn(module.e_score_correction_bias.shape, generator=g)
+                                                     * 0.3)
+    return model
+
+
+def batches(n: int, seed: int = 3, batch: int = 2, seq: int = 12) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (batch, seq), generator=g) for _ in range(n)]
+
+
+def train(model: nn.Module, data: list[torch.Tensor], lr: float = 0.05) -> list[float]:
+    """SGD steps on the LM loss plus HF's auxiliary loss (``output_router_logits=True``); the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    model.train()
+    for ids in data:
+        out = model(ids, labels=ids, output_router_logits=True)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(out.loss))
+    return losses
+
+
+def moe_blocks(model: nn.Module) -> list[ConvertedMoeBlock]:
+    return [m for m in model.modules() if isinstance(m, ConvertedMoeBlock)]
+
+
+@pytest.fixture(autouse=True)
+def _threads(one_thread):
+    yield
+
+
+# ---------------------------------------------------------------------------------------- forward parity
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["glm4_moe"])
+def test_converted_model_computes_hf_logits_loss_and_aux_loss(family):
+    ref = tiny_model(family).eval()
+    model = fh.convert(copy.deepcopy(ref), group="single")
+    assert model.__class__ is ref.__class__
+    blocks = moe_blocks(model)
+    dense_first = family in ("deepseek_v3", "glm4_moe")
+    assert len(blocks) == (1 if dense_first else 2)
+    assert all(isinstance(b.moe, MoELayer) for b in blocks)
+    if dense_first:
+        assert not isinstance(model.model.layers[0].mlp, ConvertedMoeBlock)
+    ids = batches(1)[0]
+    expected = ref(ids, labels=ids, output_router_logits=True)
+    got = model(ids, labels=ids, output_router_logits=True)
+    torch.testing.assert_close(got.logits, expected.logits, **TOL)
+    torch.testing.assert_close(got.loss, expected.loss, **TOL)
+    # HF's recorders still see the router logits: one [T, E] per MoE layer, equal to HF's.
+    assert len(got.router_logits) == len(expected.router_logits) == len(blocks)
+    for a, b in zip(got.router_logits, expected.router_logits):
+        torch.testing.assert_close(a, b, **TOL)
+    if expected.aux_loss is not None:
+        assert float(expected.aux_loss.detach()) > 0
+        torch.testing.assert_close(got.aux_loss, expected.aux_loss, **TOL)
+
+
+def test_deepseek_v3_correction_bias_is_carried_and_steers_routing():
+    ref = tiny_model("deepseek_v3").eval()
+    gate = ref.model.layers[1].mlp.gate
+    bias = gate.e_score_correction_bias.clone()
+    model = fh.convert(copy.deepcopy(ref), group="single")
+    (block,) = moe_blocks(model)
+    assert block.moe.balance == "bias" and block.moe.bias_update_rate == 0.0
+    assert torch.equal(block.moe.expert_bias, bias)
+    assert block.moe.num_expert_groups == 4 and block.moe.num_limited_groups == 2
+    ids = batches(1)[0]
+    with torch.no_grad():
+        logits = model(ids).logits
+        choices = block.moe.last_plan.expert_index.clone()
+        # The bias changes some tokens' experts, so this family's test exercises it.
+        block.moe.expert_bias.zero_()
+        model(ids)
+        assert not torch.equal(choices, block.moe.last_plan.expert_index)
+        # A changed bias goes back into HF's buffer.
+        block.moe.expert_bias.copy_(bias * 2)
+    fh.to_hf(model)
+    assert torch.equal(model.model.layers[1].mlp.gate.e_score_correction_bias, bias * 2)
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(bias)
+        torch.testing.assert_close(model(ids).logits, logits, **TOL)
+
+
+def test_single_block_converts_and_comes_back():
+    ref = tiny_model("qwen2_moe").eval()
+    block = copy.deepcopy(ref.model.layers[0].mlp)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = block(x)
+    converted = fh.convert(block, group="single")
+    assert isinstance(converted, ConvertedMoeBlock) and converted.family == "qwen2_moe"
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x), expected, **TOL)
+    back = fh.to_hf(converted)
+    assert type(back).__name__ == "Qwen2MoeSparseMoeBlock"
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), expected, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_matches_hf_before_and_after_to_hf(family):
+    ref = tiny_model(family)
+    model = fh.convert(copy.deepcopy(ref), group="single")
+    data = batches(23, seed=5)
+    # 20 steps from the same weights and batches: the same losses as HF's eager model.
+    torch.testing.assert_close(train(model, data[:20]), train(ref, data[:20]), rtol=1e-4, atol=1e-5)
+    # Exported back, the model continues exactly as HF's own.
+    fh.to_hf(model)
+    assert not moe_blocks(model)
+    torch.testing.assert_close(train(model, data[20:]), train(ref, data[20:]), rtol=1e-4, atol=1e-5)
+    ref_state = ref.state_dict()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, ref_state[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_through_save_pretrained(family, tmp_path):
+    model = fh.convert(tiny_model(family), group="single")
+    train(model, batches(3, seed=7))
+    ids = batches(1, seed=8)[0]
+    model.eval()
+    with torch.no_grad():
+        trained = model(ids).logits
+    fh.to_hf(model)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not moe_blocks(loaded)
+    exported = model.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, exported[name]), name
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trained, **TOL)
+
+
+# ------------------------------------------------------------------------------------------ generation
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_kv_cache_gives_hf_tokens(family):
+    ref = tiny_model(family).eval()
+    model = fh.convert(copy.deepcopy(ref), group="single")
+    prompt = batches(1, seed=9, batch=1, seq=5)[0]
+    kwargs = dict(max_new_tokens=6, do_sample=False, use_cache=True, attention_mask=torch.ones_like(prompt))
+    expected = ref.generate(prompt, **kwargs)
+    assert expected.shape == (1, 11)
+    assert torch.equal(model.generate(prompt, **kwargs), expected)
+
+
+# ----------------------------------------------------------------------------- experts implementation
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flexmoe_experts_implementation_gives_eager_logits_and_gradients(family):
+    fh.register()
+    fh.register()  # idempotent
+    ref = tiny_model(family)
+    model = copy.deepcopy(ref)
+    model.set_experts_implementation("flexmoe")
+    assert model.config._experts_implementation == "flexmoe"
+    ids = batches(1, seed=11)[0]
+    expected = ref(ids, labels=ids, output_router_logits=True)
+    got = model(ids, labels=ids, output_router_logits=True)
+    torch.testing.assert_close(got.logits, expected.logits, **TOL)
+    expected.loss.backward()
+    got.loss.backward()
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    for name, p in model.named_parameters():
+        if ref_grads[name] is None:
+            assert p.grad is None, name
+            continue
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-5 * float(ref_grads[name].abs().max()),
+                                   msg=name)
+    assert any("experts" in name and p.grad is not None for name, p in model.named_parameters())
+
+
+def test_flexmoe_experts_implementation_refuses_a_unit_it_does_not_know():
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation(has_post_expert_norm=True)
+    class NormedExperts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = 4
+            self.gate_up_proj = nn.Parameter(torch.randn(4, 8, 6))
+            self.down_proj = nn.Parameter(torch.randn(4, 6, 4))
+            self.act_fn = nn.SiLU()
+
+    fh.register()
+    config = transformers.PretrainedConfig()
+    config._experts_implementation = "flexmoe"
+    experts = NormedExperts(config)
+    index = torch.tensor([[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="NormedExperts.*has_post_expert_norm"):
+        experts(torch.randn(2, 6), index, torch.full((2, 2), 0.5))
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+def test_unsupported_blocks_and_models_are_named():
+    class OddMoeBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(4, 2)
+            self.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    with pytest.raises(ValueError, match="OddMoeBlock"):
+        fh.convert(nn.Sequential(nn.Linear(4, 4), OddMoeBlock()))
+    with pytest.raises(ValueError, match="Sequential.*contains none"):
+        fh.convert(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="Linear is not a supported"):
+        fh.convert(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="no flexmoe block"):
+        fh.to_hf(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_bad_options_are_named_and_leave_the_model_untouched():
+    model = tiny_model("mixtral")
+    with pytest.raises(ValueError, match="capacity_factr"):
+        fh.convert(model, capacity_factr=1.0)
+    with pytest.raises(ValueError, match=r"\['activation'\].*family"):
+        fh.convert(model, activation="relu")
+    with pytest.raises((ValueError, TypeError), match="capacity_factor"):
+        fh.convert(model, capacity_factor="big")
+    assert not moe_blocks(model)
+    assert type(model.model.layers[0].mlp).__name__ == "MixtralSparseMoeBlock"
+
+
+def test_a_capacity_drops_tokens_as_documented():
+    ref = tiny_model("mixtral").eval()
+    model = fh.convert(copy.deepcopy(ref), group="single", capacity_factor=0.5)
+    ids = batches(1)[0]
+    with torch.no_grad():
+        got = model(ids).logits
+        expected = ref(ids).logits
+    assert all(b.moe.last_plan.num_dropped > 0 for b in moe_blocks(model))
+    assert not torch.allclose(got, expected, rtol=1e-3, atol=1e-3)
