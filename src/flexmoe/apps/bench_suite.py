@@ -69,6 +69,9 @@ class SuiteCheck:
 # Group name -> "module:function" returning that group's checks, in the order the suite runs them.
 SUITE_GROUPS: dict[str, str] = {
     "layer": "flexmoe.apps.bench:layer_checks",
+    "hf": "flexmoe.apps.bench_hf:hf_checks",
+    "decode-hf": "flexmoe.apps.bench_hf:decode_checks",
+    "expert-parallel": "flexmoe.apps.bench_ep:ep_checks",
 }
 
 
