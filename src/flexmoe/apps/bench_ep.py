@@ -13,7 +13,7 @@ both targets of issue 14:
   each with :class:`flexmoe.parallel.MeasuringChooser` at ``trials`` timed passes per candidate (the chooser
   keeps each candidate's fastest pass, the slowest rank deciding), and are then timed side by side with the best
   static setting; the value is the worst of the three ratios. With 4 candidates (r=0, and r=1 at d = 1, 2, 4)
-  and ``trials=5``, a candidate is judged by the minimum of 5 passes: the minimum of several passes is far
+  and ``trials=3``, a candidate is judged by the minimum of 3 passes: the minimum of several passes is far
   steadier than one pass on a shared machine, and candidates whose true times differ by less than the noise
   are also within 5% of each other, so a choice that noise flips still meets the target.
 """
@@ -37,9 +37,9 @@ class EPBench:
 
     world: int = 4
     threads: int = 1
-    config: BenchConfig = BenchConfig(tokens=1024, model_dim=512, hidden_dim=256, experts=64, k=8,
-                                      capacity_factor=0.0, steps=10, warmup=2)
-    auto_trials: int = 5
+    config: BenchConfig = BenchConfig(tokens=512, model_dim=512, hidden_dim=256, experts=64, k=8,
+                                      capacity_factor=0.0, steps=6, warmup=1)
+    auto_trials: int = 3
     auto_runs: int = 3
     degrees: tuple[int, ...] = (1, 2, 4)
     timeout: float = 1200.0
