@@ -48,6 +48,14 @@ def test_the_library_never_imports_the_applications() -> None:
     assert not bad, bad
 
 
+def test_only_flexmoe_hf_imports_transformers() -> None:
+    """transformers is the optional extra of flexmoe.hf: no other library module imports it or flexmoe.hf."""
+    library = [p for p in SRC.rglob("*.py") if p.relative_to(SRC).parts[0] not in ("apps", "hf")]
+    bad = [f"{p.relative_to(SRC)} imports {n}" for p in library for n in imported_modules(p)
+           if n.split(".")[0] == "transformers" or n.startswith("flexmoe.hf")]
+    assert not bad, bad
+
+
 def test_option_field_names_are_unique_across_the_dataclasses() -> None:
     names = [f.name for cls in (RoutingOptions, ExpertOptions, ParallelOptions) for f in dataclasses.fields(cls)]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

@@ -23,7 +23,7 @@ from flexmoe import MoELayer  # noqa: E402
 from flexmoe.hf.block import ConvertedMoeBlock  # noqa: E402
 
 V = 64  # vocabulary
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "deepseek_v2"]
 COMMON = dict(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
               max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=False, eos_token_id=None,
               pad_token_id=None, bos_token_id=None, router_aux_loss_coef=0.1)
@@ -41,6 +41,10 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "deepseek_v3": dict(SIGMOID_GROUPED, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                         v_head_dim=8, head_dim=4),
     "glm4_moe": dict(SIGMOID_GROUPED, head_dim=8),
+    "deepseek_v2": dict(intermediate_size=20, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, routed_scaling_factor=2.5, topk_method="greedy", first_k_dense_replace=1,
+                        q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                        head_dim=4),
     "gpt_oss": dict(intermediate_size=12, num_local_experts=4, num_experts_per_tok=2, head_dim=8, swiglu_limit=0.8,
                     layer_types=["sliding_attention", "full_attention"], sliding_window=8,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
@@ -78,7 +82,7 @@ def train(model: nn.Module, data: list[torch.Tensor], lr: float = 0.05) -> list[
         out.loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
     return losses
 
 
@@ -100,7 +104,7 @@ def test_converted_model_computes_hf_logits_loss_and_aux_loss(family):
     model = fh.convert(copy.deepcopy(ref), group="single")
     assert model.__class__ is ref.__class__
     blocks = moe_blocks(model)
-    dense_first = family in ("deepseek_v3", "glm4_moe")
+    dense_first = family in ("deepseek_v3", "glm4_moe", "deepseek_v2")
     assert len(blocks) == (1 if dense_first else 2)
     assert all(isinstance(b.moe, MoELayer) for b in blocks)
     if dense_first:
@@ -197,6 +201,12 @@ def test_round_trip_through_save_pretrained(family, tmp_path):
         assert torch.equal(tensor, exported[name]), name
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, trained, **TOL)
+    # The same checkpoint loaded straight onto flexmoe's experts implementation.
+    fh.register()
+    on_flexmoe = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="flexmoe").eval()
+    assert on_flexmoe.config._experts_implementation == "flexmoe"
+    with torch.no_grad():
+        torch.testing.assert_close(on_flexmoe(ids).logits, trained, **TOL)
 
 
 # ------------------------------------------------------------------------------------------ generation
@@ -241,6 +251,33 @@ def test_flexmoe_experts_implementation_gives_eager_logits_and_gradients(family)
     assert any("experts" in name and p.grad is not None for name, p in model.named_parameters())
 
 
+def test_flexmoe_experts_forward_skips_hf_expert_parallel_sentinels_and_checks_indices():
+    """HF's own expert parallelism marks pairs of other ranks' experts with index E; they contribute nothing.
+    Reference: a dense loop over tokens and choices on the module's weights."""
+    from flexmoe.hf.experts_impl import flexmoe_experts_forward
+
+    experts = tiny_model("mixtral").model.layers[0].mlp.experts  # E=4, gate_up_proj [4, 24, 16]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 16, generator=g)
+    index = torch.tensor([[0, 4], [1, 2], [4, 4], [3, 0], [2, 1]])
+    weight = torch.rand(5, 2, generator=g)
+    experts._is_expert_parallel = True
+    got = flexmoe_experts_forward(experts, x, index, weight)
+    expected = torch.zeros_like(x)
+    for t in range(5):
+        for j in range(2):
+            e = int(index[t, j])
+            if e == 4:
+                continue
+            gate, up = (experts.gate_up_proj[e] @ x[t]).chunk(2)
+            expected[t] += weight[t, j] * (experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[2], torch.zeros(16))
+    experts._is_expert_parallel = False
+    with pytest.raises(ValueError, match="expert_index must lie in"):
+        flexmoe_experts_forward(experts, x, index, weight)
+
+
 def test_flexmoe_experts_implementation_refuses_a_unit_it_does_not_know():
     from transformers.integrations.moe import use_experts_implementation
 
@@ -280,6 +317,9 @@ def test_unsupported_blocks_and_models_are_named():
         fh.convert(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="no flexmoe block"):
         fh.to_hf(nn.Sequential(nn.Linear(4, 4)))
+    converted = fh.convert(tiny_model("olmoe"), group="single")
+    with pytest.raises(ValueError, match="converted already"):
+        fh.convert(converted)
 
 
 def test_bad_options_are_named_and_leave_the_model_untouched():
@@ -294,6 +334,13 @@ def test_bad_options_are_named_and_leave_the_model_untouched():
     assert type(model.model.layers[0].mlp).__name__ == "MixtralSparseMoeBlock"
 
 
+def test_deepseek_v2_group_limited_greedy_is_refused():
+    model = tiny_model("deepseek_v2")
+    model.model.layers[1].mlp.gate.topk_method = "group_limited_greedy"
+    with pytest.raises(ValueError, match="DeepseekV2Moe.*group_limited_greedy"):
+        fh.convert(model)
+
+
 def test_a_capacity_drops_tokens_as_documented():
     ref = tiny_model("mixtral").eval()
     model = fh.convert(copy.deepcopy(ref), group="single", capacity_factor=0.5)
@@ -303,3 +350,40 @@ def test_a_capacity_drops_tokens_as_documented():
         expected = ref(ids).logits
     assert all(b.moe.last_plan.num_dropped > 0 for b in moe_blocks(model))
     assert not torch.allclose(got, expected, rtol=1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------- expert parallelism
+
+
+@pytest.mark.slow
+def test_two_ranks_keep_their_own_experts_and_to_hf_gathers_them():
+    from flexmoe.launch import spawn_ranks
+    from hf_ep_worker import rank_main
+
+    ranks = spawn_ranks(2, rank_main, [["mixtral", "deepseek_v3", "gpt_oss"]], timeout=240, check=True,
+                        what="flexmoe.hf with 2 expert-parallel ranks")
+    failures = [f for r in ranks for f in r.value["failures"]]
+    assert not failures, "\n".join(failures)
+    assert [r.value["rank"] for r in ranks] == [0, 1]
+
+
+def test_qwen3_next_block_converts():
+    """Qwen3-Next's whole model needs its linear-attention kernels; its MoE block is Qwen2-MoE's shape."""
+    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+    config = Qwen3NextConfig(hidden_size=16, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    torch.manual_seed(0)
+    block = Qwen3NextSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.5)
+    converted = fh.convert(copy.deepcopy(block), group="single")
+    assert converted.family == "qwen3_next" and converted.moe.num_shared_experts == 1
+    xs = [torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(True) for _ in range(2)]
+    expected, got = block(xs[0]), converted(xs[1])
+    torch.testing.assert_close(got, expected, **TOL)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, **TOL)

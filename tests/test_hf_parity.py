@@ -1,8 +1,9 @@
 """MoELayer against the Hugging Face ``transformers`` MoE blocks of the open families (issue 12).
 
 Each family's block is built from a tiny config (nothing is downloaded), its uninitialised weights are filled
-under a seed, the weights are copied into an :class:`MoELayer` with the family's options
-(:mod:`flexmoe.routing.families`), and both run the same float32 input: the expert choices must be identical,
+under a seed, the weights are copied into an :class:`MoELayer` with the family's options written out here
+(:mod:`flexmoe.routing.families`; the weights go through flexmoe.hf's mapping, :mod:`flexmoe.hf.families`), and
+HF's block is the reference: both run the same float32 input: the expert choices must be identical,
 the outputs and every gradient (input, router, experts, shared experts and gate) equal to float32 rounding.
 The balance losses are checked against HF's own loss functions.
 
@@ -19,6 +20,7 @@ transformers = pytest.importorskip(
     "transformers", reason="the HF parity tests need transformers (pip install -e .[hf]; CI installs it via .[test])")
 
 from flexmoe import MoELayer  # noqa: E402
+from flexmoe.hf.families import expert_weights, shared_mlp_weights  # noqa: E402
 
 M, H, B, S = 16, 12, 2, 10  # model dim, routed expert hidden, sequences, tokens per sequence
 TOL = dict(rtol=2e-5, atol=2e-6)  # for O(1) scalars (the balance losses)
@@ -44,19 +46,16 @@ def _copy(dst: Tensor, src: Tensor) -> None:
         dst.copy_(src)
 
 
-def _copy_fused_glu(layer: MoELayer, gate_up: Tensor, down: Tensor) -> None:
-    """Mixtral-style experts: gate_up_proj ``[E, 2H, M]`` (gate rows, then up rows), down_proj ``[E, M, H]``."""
-    h = gate_up.shape[1] // 2
-    _copy(layer.experts.w1, gate_up[:, :h].transpose(1, 2))
-    _copy(layer.experts.w3, gate_up[:, h:].transpose(1, 2))
-    _copy(layer.experts.w2, down.transpose(1, 2))
+def _load_experts(layer: MoELayer, experts: nn.Module) -> None:
+    """HF's fused experts into the layer through flexmoe.hf's weight mapping (views of HF's parameters)."""
+    for name, view in expert_weights(experts).items():
+        _copy(getattr(layer.experts, name), view)
 
 
-def _copy_mlp(layer: MoELayer, mlp: nn.Module) -> None:
-    """A gate/up/down ``nn.Linear`` MLP into shared expert 0."""
-    _copy(layer.shared.w1[0], mlp.gate_proj.weight.T)
-    _copy(layer.shared.w3[0], mlp.up_proj.weight.T)
-    _copy(layer.shared.w2[0], mlp.down_proj.weight.T)
+def _load_shared(layer: MoELayer, mlp: nn.Module) -> None:
+    """A gate/up/down ``nn.Linear`` MLP into shared expert 0, through flexmoe.hf's mapping."""
+    for name, view in shared_mlp_weights(mlp).items():
+        _copy(getattr(layer.shared, name), view)
 
 
 def _fused_glu_shared_pairs(block, shared_mlp, layer, out_hf, out, gx_hf, gx) -> dict:
@@ -140,7 +139,7 @@ def _mixtral_like(family: str, k: int, norm: bool, seed: int):
     layer = MoELayer(M, E, H, k=k, capacity_factor=0.0, normalize_weights=norm, glu=True, activation="silu",
                      bias=False, aux_loss_type="all_choices", group="single")
     _copy(layer.router.weight, block.gate.weight)
-    _copy_fused_glu(layer, block.experts.gate_up_proj, block.experts.down_proj)
+    _load_experts(layer, block.experts)
     return block, layer
 
 
@@ -188,8 +187,8 @@ def compare_qwen2_moe() -> dict[str, float]:
                      bias=False, shared_experts=1, shared_hidden_dim=HS, shared_gate=True, group="single")
     assert tuple(layer.shared_gate.weight.shape) == (1, M)
     _copy(layer.router.weight, block.gate.weight)
-    _copy_fused_glu(layer, block.experts.gate_up_proj, block.experts.down_proj)
-    _copy_mlp(layer, block.shared_expert)
+    _load_experts(layer, block.experts)
+    _load_shared(layer, block.shared_expert)
     _copy(layer.shared_gate.weight, block.shared_expert_gate.weight)
     out_hf, out, gx_hf, gx = _run_both(block, layer)
     _same_choices(block.gate, layer)
@@ -223,8 +222,8 @@ def compare_deepseek_v3() -> dict[str, float]:
                      group="single")
     _copy(layer.router.weight, block.gate.weight)
     layer.expert_bias.copy_(correction)
-    _copy_fused_glu(layer, block.experts.gate_up_proj, block.experts.down_proj)
-    _copy_mlp(layer, block.shared_experts)
+    _load_experts(layer, block.experts)
+    _load_shared(layer, block.shared_experts)
     out_hf, out, gx_hf, gx = _run_both(block, layer)
     _same_choices(block.gate, layer)
     # The correction bias changes the choice of some tokens (else this case would not test it) ...
@@ -261,12 +260,7 @@ def compare_gpt_oss() -> dict[str, float]:
     _copy(layer.router.weight, block.router.weight)
     _copy(layer.router.bias, block.router.bias)
     ex = block.experts
-    _copy(layer.experts.w1, ex.gate_up_proj[..., ::2])
-    _copy(layer.experts.w3, ex.gate_up_proj[..., 1::2])
-    _copy(layer.experts.b1, ex.gate_up_proj_bias[..., ::2])
-    _copy(layer.experts.b3, ex.gate_up_proj_bias[..., 1::2])
-    _copy(layer.experts.w2, ex.down_proj)
-    _copy(layer.experts.b2, ex.down_proj_bias)
+    _load_experts(layer, ex)
     # Both clamps must bite: some gate pre-activations above the limit, some up projections outside [-L, L].
     x = torch.randn(B, S, M, generator=torch.Generator().manual_seed(7)).view(-1, M)
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` MoE models on flexmoe (docs/architecture.md, "Hugging Face models (flexmoe.hf)").
 
-* :func:`convert` replaces a model's sparse-MoE blocks (Mixtral, Qwen2/3-MoE, Qwen3-Next, OLMoE, DeepSeek-V3,
+* :func:`convert` replaces a model's sparse-MoE blocks (Mixtral, Qwen2/3-MoE, Qwen3-Next, OLMoE, DeepSeek-V2/V3,
   GLM-4.5, GPT-OSS) with flexmoe blocks computing the same function, optionally spread over an expert-parallel
   group; :func:`to_hf` turns them back into HF blocks with the trained weights, for ``save_pretrained``.
 * :func:`register` adds ``"flexmoe"`` to transformers' experts implementations: HF's own routing, flexmoe's

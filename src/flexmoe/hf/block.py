@@ -64,6 +64,9 @@ class ConvertedMoeBlock(nn.Module):
             return out, plan.weight
         return out
 
+    def extra_repr(self) -> str:
+        return f"family={self.family!r}"
+
     @torch.no_grad()
     def to_hf(self) -> nn.Module:
         """The HF block with this block's current weights (its own class, so ``save_pretrained`` writes HF's

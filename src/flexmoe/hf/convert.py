@@ -11,6 +11,7 @@ from torch import nn
 from flexmoe.experts import ExpertOptions
 from flexmoe.hf.block import ConvertedMoeBlock, build_converted_block
 from flexmoe.hf.families import FAMILIES, family_of
+from flexmoe.layer import MoELayer
 from flexmoe.parallel.options import ParallelOptions
 from flexmoe.routing.options import RoutingOptions
 
@@ -30,10 +31,11 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
     :class:`~flexmoe.hf.block.ConvertedMoeBlock` carrying its weights, and return ``model``; given a single
     block, return its replacement.
 
-    Families (by block class): Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE, DeepSeek-V3, GLM-4.5 (GLM4-MoE)
-    and GPT-OSS. The converted model computes HF's function: the same logits (to float32 rounding), the same
-    loss, and with ``output_router_logits=True`` the same ``router_logits`` and auxiliary loss (HF's router module
-    is kept and still recorded); ``generate()`` and the KV cache work unchanged. DeepSeek-V3's
+    Families (by block class): Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE, DeepSeek-V2 (``topk_method=
+    "greedy"``), DeepSeek-V3, GLM-4.5 (GLM4-MoE) and GPT-OSS. The converted model computes HF's function: the
+    same logits (to float32 rounding), the same loss, and with ``output_router_logits=True`` the same
+    ``router_logits`` and auxiliary loss (HF's router module is kept and still recorded); ``generate()`` and the
+    KV cache work unchanged. DeepSeek-V3's
     ``e_score_correction_bias`` becomes the layer's ``expert_bias`` (``balance="bias"``, ``bias_update_rate=0``:
     fixed, as HF keeps it). Differences: an exact tie between router scores goes to the lower expert index
     (``torch.topk``, which HF uses, promises no order); Mixtral's ``router_jitter_noise`` (training only) jitters
@@ -70,7 +72,9 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
         raise ValueError(f"{type(model).__name__} has sparse-MoE blocks flexmoe cannot convert: "
                          f"{sorted(unsupported)}; supported block classes: {sorted(FAMILIES)}")
     if not blocks:
-        raise ValueError(f"{type(model).__name__} is not a supported sparse-MoE block and contains none "
+        done = " (its blocks are converted already)" if any(
+            isinstance(m, ConvertedMoeBlock) for m in model.modules()) else ""
+        raise ValueError(f"{type(model).__name__} is not a supported sparse-MoE block and contains none{done} "
                          f"(supported block classes: {sorted(FAMILIES)})")
     # Build every replacement before swapping any in, so that a bad option leaves the model untouched.
     converted = [(name, _convert_block(block, group, options)) for name, block in blocks]
@@ -122,7 +126,7 @@ def _unsupported_moe_blocks(model: nn.Module) -> set[str]:
     found: set[str] = set()
 
     def visit(module: nn.Module) -> None:
-        if family_of(module) is not None or isinstance(module, ConvertedMoeBlock):
+        if family_of(module) is not None or isinstance(module, (ConvertedMoeBlock, MoELayer)):
             return
         children = dict(module.named_children())
         if "experts" in children and ("gate" in children or "router" in children):

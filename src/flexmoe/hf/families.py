@@ -123,7 +123,9 @@ class Family:
     name: the family's short name (``"mixtral"``, ...). router: the block's router attribute. shared: the
     shared-expert MLP attribute, or None. shared_gate: the shared expert's sigmoid gate (an ``nn.Linear(M, 1)``),
     or None. returns_router_scores: the block returns ``(hidden_states, router_scores)`` (GPT-OSS).
-    score_func / grouped / always_normalize: the routing (see :meth:`layer_options`).
+    score_func: "softmax", or "sigmoid" with DeepSeek-V3's group-limited routing and correction bias.
+    normalize: whether the k weights are renormalized (None: the router's ``norm_topk_prob``).
+    scaled: the weights are multiplied by the router's ``routed_scaling_factor``.
     """
 
     name: str
@@ -132,7 +134,8 @@ class Family:
     shared_gate: str | None = None
     returns_router_scores: bool = False
     score_func: str = "softmax"
-    always_normalize: bool = False
+    normalize: bool | None = None
+    scaled: bool = False
 
     def layer_options(self, block: Any) -> dict[str, Any]:
         """The MoELayer keywords (besides model_dim, num_experts, hidden_dim) that reproduce ``block``."""
@@ -140,20 +143,25 @@ class Family:
         experts = block.experts
         activation, glu_limit = expert_unit(experts)
         weights = expert_weights(experts)
+        method = getattr(router, "topk_method", "greedy")
+        if method != "greedy":  # DeepSeek-V2's "group_limited_greedy" rates a group by its best score
+            raise ValueError(f"{type(block).__name__} routes with topk_method={method!r}; flexmoe reproduces "
+                             f"'greedy' (and DeepSeek-V3's groups, rated by their two best scores)")
         options: dict[str, Any] = {
             "k": int(router.top_k),
             "capacity_factor": 0.0,  # dropless, as HF
-            "normalize_weights": True if self.always_normalize else bool(router.norm_topk_prob),
+            "normalize_weights": bool(router.norm_topk_prob) if self.normalize is None else self.normalize,
             "glu": "w3" in weights,
             "bias": "b1" in weights,
             "activation": activation,
             "glu_limit": glu_limit,
             "aux_loss_type": "all_choices",  # HF's load_balancing_loss_func counts every choice
         }
+        if self.scaled:
+            options["route_scale"] = float(router.routed_scaling_factor)
         if self.score_func == "sigmoid":  # DeepSeek-V3 / GLM-4.5: flexmoe.routing.families
             options.update(score_func="sigmoid", num_expert_groups=int(router.num_group),
-                           num_limited_groups=int(router.topk_group),
-                           route_scale=float(router.routed_scaling_factor), balance="bias", bias_update_rate=0.0)
+                           num_limited_groups=int(router.topk_group), balance="bias", bias_update_rate=0.0)
         jitter = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         if jitter > 0:
             options["jitter"] = jitter
@@ -172,14 +180,15 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "MixtralSparseMoeBlock": Family("mixtral", always_normalize=True),
+    "MixtralSparseMoeBlock": Family("mixtral", normalize=True),
     "Qwen2MoeSparseMoeBlock": Family("qwen2_moe", shared="shared_expert", shared_gate="shared_expert_gate"),
     "Qwen3MoeSparseMoeBlock": Family("qwen3_moe"),
     "Qwen3NextSparseMoeBlock": Family("qwen3_next", shared="shared_expert", shared_gate="shared_expert_gate"),
     "OlmoeSparseMoeBlock": Family("olmoe"),
-    "DeepseekV3MoE": Family("deepseek_v3", score_func="sigmoid", shared="shared_experts"),
-    "Glm4MoeMoE": Family("glm4_moe", score_func="sigmoid", shared="shared_experts"),
-    "GptOssMLP": Family("gpt_oss", router="router", returns_router_scores=True, always_normalize=True),
+    "DeepseekV2Moe": Family("deepseek_v2", shared="shared_experts", normalize=False, scaled=True),
+    "DeepseekV3MoE": Family("deepseek_v3", shared="shared_experts", score_func="sigmoid", scaled=True),
+    "Glm4MoeMoE": Family("glm4_moe", shared="shared_experts", score_func="sigmoid", scaled=True),
+    "GptOssMLP": Family("gpt_oss", router="router", returns_router_scores=True, normalize=True),
 }
 
 

@@ -305,9 +305,10 @@ def plan_from_choices(expert_index: Tensor, weight: Tensor, num_experts: int, *,
         raise ValueError(f"expert_index and weight must both be [tokens, k], got {tuple(expert_index.shape)} and "
                          f"{tuple(weight.shape)}")
     check = expert_index if active is None else expert_index[active]
-    if check.numel() and (int(check.min()) < 0 or int(check.max()) >= num_experts):
-        raise ValueError(f"expert_index must lie in [0, num_experts={num_experts}), got values in "
-                         f"[{int(check.min())}, {int(check.max())}]")
+    if check.numel():
+        low, high = (int(v) for v in torch.aminmax(check))
+        if low < 0 or high >= num_experts:
+            raise ValueError(f"expert_index must lie in [0, num_experts={num_experts}), got values in [{low}, {high}]")
     num_tokens = expert_index.shape[0]
     # Zero logits only give plan_from_pairs the expert count (and a zero z-loss); no routing reads them.
     logits = weight.new_zeros(num_tokens, num_experts)

@@ -1,0 +1,79 @@
+"""One rank of the 2-rank flexmoe.hf case in tests/test_hf_convert.py (run by flexmoe.launch.spawn_ranks)."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import traceback
+
+
+def rank_main(families: list[str]) -> dict:
+    """Convert the same tiny HF model on every rank with the world as expert-parallel group; report failures."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failures: list[str] = []
+    try:
+        for family in families:
+            failures += _check_family(family, rank, world)
+    except Exception:
+        failures.append(traceback.format_exc())
+    dist.destroy_process_group()
+    return {"rank": rank, "failures": failures}
+
+
+def _check_family(family: str, rank: int, world: int) -> list[str]:
+    import torch
+
+    import flexmoe.hf as fh
+    from flexmoe.hf.block import ConvertedMoeBlock
+    from flexmoe.hf.families import expert_weights
+    from test_hf_convert import batches, tiny_model
+
+    failures: list[str] = []
+    ref = tiny_model(family).eval()
+    model = fh.convert(copy.deepcopy(ref))  # group=None: the world
+    blocks = [m for m in model.modules() if isinstance(m, ConvertedMoeBlock)]
+    for b in blocks:
+        e = b.moe.num_experts
+        if b.moe.experts.w1.shape[0] != e // world or not b.moe.ep_group.distributed:
+            failures.append(f"{family}: rank {rank} holds {b.moe.experts.w1.shape[0]} of {e} experts")
+        # This rank's slice is global experts rank*E/W ..: compare with HF's own weights.
+        mine = slice(rank * e // world, (rank + 1) * e // world)
+        hf_layer = _hf_block_of(ref, b, model)
+        for name, full in expert_weights(hf_layer.experts).items():
+            if not torch.equal(getattr(b.moe.experts, name), full[mine]):
+                failures.append(f"{family}: rank {rank} {name} is not global experts {mine}")
+    ids = batches(world, seed=13)[rank]  # each rank its own tokens
+    got = model(ids, labels=ids, output_router_logits=True)
+    want = ref(ids, labels=ids, output_router_logits=True)
+    if not torch.allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5):
+        failures.append(f"{family}: logits differ by {float((got.logits - want.logits).abs().max())}")
+    if not torch.allclose(got.loss, want.loss, rtol=1e-5, atol=1e-6):
+        failures.append(f"{family}: loss {float(got.loss)} != {float(want.loss)}")
+    got.loss.backward()  # the all-to-all runs backward too
+    # Mark each rank's experts, export: the gathered HF tensors put every rank's experts in place.
+    with torch.no_grad():
+        for b in blocks:
+            b.moe.experts.w2.add_(rank + 1)
+    fh.to_hf(model)
+    exported, original = dict(model.named_parameters()), dict(ref.named_parameters())
+    for name, p in exported.items():
+        if name.endswith(".mlp.experts.down_proj"):
+            e = p.shape[0]
+            shift = torch.arange(e).div(e // world, rounding_mode="floor").add(1).view(-1, 1, 1).to(p.dtype)
+            if not torch.allclose(p, original[name] + shift):
+                failures.append(f"{family}: exported {name} is not every rank's experts in order")
+        elif not torch.equal(p, original[name]):
+            failures.append(f"{family}: exported {name} differs from the original")
+    return failures
+
+
+def _hf_block_of(ref, converted_block, model):
+    for name, module in model.named_modules():
+        if module is converted_block:
+            return ref.get_submodule(name)
+    raise LookupError("converted block not found")
