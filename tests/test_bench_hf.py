@@ -75,8 +75,9 @@ def test_the_equality_check_sees_hf_eager_function(one_thread: None) -> None:
 
 
 def test_block_bench_refuses_a_case_that_computes_something_else(monkeypatch, one_thread: None) -> None:
-    import flexmoe.hf
     from transformers.integrations.moe import ExpertsInterface
+
+    import flexmoe.hf
 
     def off_by_a_bit(self, hidden_states, top_k_index, top_k_weights):
         return flexmoe.hf.flexmoe_experts_forward(self, hidden_states, top_k_index, top_k_weights) * 1.01
@@ -141,6 +142,7 @@ def test_expert_parallel_bench_four_ranks() -> None:
     assert report["world_size"] == 4 and report["threads_per_rank"] == 1
     settings = [row["setting"] for row in report["settings"]]
     assert settings == ["r=0 d=1 a2a=flat", "r=1 d=1 a2a=flat", "r=1 d=2 a2a=flat"]
-    assert report["best_static"] in settings and report["floor_ratio"] > 0
+    assert report["best_static"] in settings and report["best_static_with_auto"] in settings
+    assert report["floor_ratio"] > 0
     assert len(report["auto"]) == len(report["auto_ratios"]) == 2
     assert all(a["name"].startswith("auto (run ") for a in report["auto"])

@@ -11,11 +11,13 @@ both targets of issue 14:
   combine, routing) adds on top of the experts' math.
 * **parallel="auto" / best static <= 1.05, over 3 runs.** Three layers tune ``parallel="auto"`` from scratch,
   each with :class:`flexmoe.parallel.MeasuringChooser` at ``trials`` timed passes per candidate (the chooser
-  keeps each candidate's fastest pass, the slowest rank deciding), and are then timed side by side with the best
-  static setting; the value is the worst of the three ratios. With 4 candidates (r=0, and r=1 at d = 1, 2, 4)
-  and ``trials=3``, a candidate is judged by the minimum of 3 passes: the minimum of several passes is far
-  steadier than one pass on a shared machine, and candidates whose true times differ by less than the noise
-  are also within 5% of each other, so a choice that noise flips still meets the target.
+  keeps each candidate's fastest pass, the slowest rank deciding), and are then timed side by side with every
+  static setting again; "best static" is the fastest of those in that same run (not the sweep's winner, which
+  noise between the two runs could favour or handicap), and the value is the worst of the three ratios. With 4
+  candidates (r=0, and r=1 at d = 1, 2, 4) and ``trials=3``, a candidate is judged by the minimum of 3 passes:
+  the minimum of several passes is far steadier than one pass on a shared machine, and candidates whose true
+  times differ by less than the noise are also within 5% of each other, so a choice that noise flips still
+  meets the target.
 """
 
 from __future__ import annotations

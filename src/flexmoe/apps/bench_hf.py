@@ -39,9 +39,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flexmoe.apps.baselines import expert_floor
 from flexmoe.apps.bench import BenchConfig, time_side_by_side
 from flexmoe.apps.bench_families import _floor
 from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings
+from flexmoe.experts import FeedForwardExperts
+from flexmoe.layer import MoELayer
 
 __all__ = ["FAMILY_NAMES", "HFShape", "SHAPES", "shapes_of", "build_hf_block", "bench_hf_block", "bench_hf",
            "bench_train_step", "bench_decode", "format_hf", "run_hf", "hf_checks", "decode_checks"]
@@ -153,6 +156,14 @@ def set_experts_implementation(block: nn.Module, name: str) -> nn.Module:
     return block
 
 
+def _converted_layer(block: nn.Module) -> MoELayer:
+    """The :class:`~flexmoe.MoELayer` inside a block :func:`flexmoe.hf.convert` returned."""
+    moe = getattr(block, "moe", None)
+    if not isinstance(moe, MoELayer):
+        raise TypeError(f"expected a converted block holding an MoELayer, got {type(block).__name__}")
+    return moe
+
+
 def _output(out: Tensor | tuple[Tensor, ...]) -> Tensor:
     return out[0] if isinstance(out, tuple) else out  # GPT-OSS's block returns (hidden_states, router_scores)
 
@@ -176,7 +187,7 @@ def _assert_same(name: str, got: Tensor, want: Tensor, what: str) -> None:
 
 
 def bench_hf_block(family: str, shape: HFShape, *, steps: int = 5, warmup: int = 1, seed: int = 0,
-                   memory_gib: float = 4.0, show: bool = False) -> dict[str, Any]:
+                   memory_gib: float = 1.0, show: bool = False) -> dict[str, Any]:
     """Time ``family``'s block at ``shape`` on every implementation, forward + backward, side by side.
 
     Returns ``{"family", "shape", "rows": [{"case", "seconds", "x_hf_best", "x_floor"}], "hf_best", "skipped",
@@ -212,12 +223,12 @@ def bench_hf_block(family: str, shape: HFShape, *, steps: int = 5, warmup: int =
         out, x_grad = _run_once(module, forward, x, grad)
         _assert_same(name, out, want_out, "output")
         _assert_same(name, x_grad, want_grad, "input gradient")
-    plan = converted.moe.last_plan
+    plan = _converted_layer(converted).last_plan
     assert plan is not None  # set by the forward above
     floor_cfg = BenchConfig(tokens=shape.tokens, model_dim=shape.model_dim, hidden_dim=shape.hidden_dim,
                             experts=shape.experts, k=shape.k, seed=seed)
 
-    cases: dict[str, Callable[[], None]] = {"floor": _floor(converted.moe, plan.counts, floor_cfg)}
+    cases: dict[str, Callable[[], None]] = {"floor": _floor(_converted_layer(converted), plan.counts, floor_cfg)}
     for name, module in modules.items():
         cases[name] = partial(_step, module, forward, x, grad)
     if show:
@@ -252,7 +263,7 @@ def _step(module: nn.Module, forward: Callable[[nn.Module], Tensor], x: Tensor, 
     forward(module).backward(grad)
 
 
-def bench_hf(families: list[str], *, steps: int = 5, warmup: int = 1, seed: int = 0, memory_gib: float = 4.0,
+def bench_hf(families: list[str], *, steps: int = 5, warmup: int = 1, seed: int = 0, memory_gib: float = 1.0,
              tokens: int = 4096, model_dim: int = 512, show: bool = False) -> dict[str, Any]:
     """:func:`bench_hf_block` for every family at each of its shapes, with ``tokens`` and ``model_dim``."""
     blocks = []
@@ -330,9 +341,9 @@ def bench_train_step(family: str = "qwen3_moe", *, steps: int = 5, warmup: int =
     default experts implementation, side by side. Both first compute the same loss and gradients."""
     import flexmoe.hf
 
-    hf_model = build_causal_lm(family, seed, shape)
+    hf_model: Any = build_causal_lm(family, seed, shape)  # a transformers PreTrainedModel
     default = str(hf_model.config._experts_implementation)
-    ours = flexmoe.hf.convert(copy.deepcopy(hf_model))
+    ours: Any = flexmoe.hf.convert(copy.deepcopy(hf_model))
     seq = shape.tokens // batch
     ids = torch.randint(0, 2048, (batch, seq), generator=torch.Generator().manual_seed(seed + 1))
     losses, grads = {}, {}
@@ -352,7 +363,7 @@ def bench_train_step(family: str = "qwen3_moe", *, steps: int = 5, warmup: int =
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
 
-    cases = {f"hf {default}": partial(train_step, hf_model, optimizers["hf"]),
+    cases: dict[str, Callable[[], None]] = {f"hf {default}": partial(train_step, hf_model, optimizers["hf"]),
              "converted": partial(train_step, ours, optimizers["converted"])}
     times = time_side_by_side(cases, steps, warmup, desc=f"{family} training step" if show else None)
     medians = {n: statistics.median(v) for n, v in times.items()}
@@ -400,7 +411,7 @@ def bench_decode(tokens: tuple[int, ...] = DECODE_TOKENS, *, family: str = "qwen
             want = _output(set_experts_implementation(reference, "eager")(x))
             for name, module in modules.items():
                 _assert_same(name, _output(module(x)), want, "output")
-        moe = modules["converted"].moe
+        moe = _converted_layer(modules["converted"])
         plan = moe.last_plan
         assert plan is not None
         n = calls or max(1, 256 // t)
@@ -413,8 +424,9 @@ def bench_decode(tokens: tuple[int, ...] = DECODE_TOKENS, *, family: str = "qwen
                         fn()
             return run
 
-        from flexmoe.apps.baselines import expert_floor
-        cases = {"floor": repeat(partial(expert_floor, moe.experts, rows_in, plan.counts))}
+        experts = moe.experts
+        assert isinstance(experts, FeedForwardExperts)  # convert builds the built-in experts
+        cases = {"floor": repeat(partial(expert_floor, experts, rows_in, plan.counts))}
         cases.update({name: repeat(partial(module, x)) for name, module in modules.items()})
         times = time_side_by_side(cases, steps, warmup, desc=f"decode T={t}" if show else None)
         medians = {name: statistics.median(v) / n for name, v in times.items()}
@@ -423,8 +435,8 @@ def bench_decode(tokens: tuple[int, ...] = DECODE_TOKENS, *, family: str = "qwen
                      "x_hf_grouped_mm": {k: v / hf for k, v in medians.items()},
                      "x_floor": {k: v / medians["floor"] for k, v in medians.items()},
                      "met": medians["converted"] < hf})
-    report = {"family": family, "shape": asdict(replace(SHAPES["fine"], model_dim=model_dim)), "rows": rows, "met": all(r["met"] for r in rows),
-              "steps": steps}
+    report = {"family": family, "shape": asdict(replace(SHAPES["fine"], model_dim=model_dim)), "rows": rows,
+              "met": all(r["met"] for r in rows), "steps": steps}
     if show:
         print(format_decode(report), flush=True)
     return report
