@@ -15,6 +15,8 @@ steps. The cases (see :mod:`flexmoe.apps.baselines`):
 parameters excluded) and the same for 64 experts at equal tokens, k and hidden size: index dispatch keeps
 memory proportional to ``T * k * M``; a dense ``[T, E, C]`` dispatch grows with ``E * C``.
 ``--suite`` runs the standard configurations and checks each ratio against its target.
+``--hf FAMILY`` times a Hugging Face MoE block on HF's experts implementations and on flexmoe
+(:mod:`flexmoe.apps.bench_hf`).
 
 Distributed (``torchrun --nproc_per_node=N -m flexmoe bench`` or ``flexmoe bench --nproc N``): ``--tokens`` is
 per rank; every (r, d, all-to-all) setting is timed side by side, with the exposed all-to-all share of the
