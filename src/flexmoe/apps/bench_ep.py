@@ -14,10 +14,11 @@ both targets of issue 14:
   keeps each candidate's fastest pass, the slowest rank deciding), and are then timed side by side with every
   static setting again; "best static" is the fastest of those in that same run (not the sweep's winner, which
   noise between the two runs could favour or handicap), and the value is the worst of the three ratios. With 4
-  candidates (r=0, and r=1 at d = 1, 2, 4) and ``trials=3``, a candidate is judged by the minimum of 3 passes:
-  the minimum of several passes is far steadier than one pass on a shared machine, and candidates whose true
-  times differ by less than the noise are also within 5% of each other, so a choice that noise flips still
-  meets the target.
+  candidates (r=0, and r=1 at d = 1, 2, 4) and ``trials=6``, a candidate is judged by the minimum of 6 passes
+  (24 tuning steps per run). The minimum of several passes is far steadier than one pass; 3 were not enough on
+  a heavily shared 2-core machine (one of 3 runs kept d=2 over d=1 and timed 1.14x the best static), hence 6.
+  More trials: ``EPBench(auto_trials=...)`` here, ``--auto-trials`` for ``flexmoe bench --nproc``, or
+  ``MeasuringChooser(trials=...)`` as a layer's ``chooser``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class EPBench:
     threads: int = 1
     config: BenchConfig = BenchConfig(tokens=512, model_dim=512, hidden_dim=256, experts=64, k=8,
                                       capacity_factor=0.0, steps=6, warmup=1)
-    auto_trials: int = 3
+    auto_trials: int = 6
     auto_runs: int = 3
     degrees: tuple[int, ...] = (1, 2, 4)
     timeout: float = 1200.0
