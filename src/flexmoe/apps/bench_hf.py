@@ -435,6 +435,8 @@ def bench_decode(tokens: tuple[int, ...] = DECODE_TOKENS, *, family: str = "qwen
                      "x_hf_grouped_mm": {k: v / hf for k, v in medians.items()},
                      "x_floor": {k: v / medians["floor"] for k, v in medians.items()},
                      "met": medians["converted"] < hf})
+        if show:
+            print(format_decode({"family": family, "shape": asdict(shape), "rows": rows[-1:]}), flush=True)
     report = {"family": family, "shape": asdict(replace(SHAPES["fine"], model_dim=model_dim)), "rows": rows,
               "met": all(r["met"] for r in rows), "steps": steps}
     if show:
