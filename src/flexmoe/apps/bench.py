@@ -15,6 +15,8 @@ steps. The cases (see :mod:`flexmoe.apps.baselines`):
 parameters excluded) and the same for 64 experts at equal tokens, k and hidden size: index dispatch keeps
 memory proportional to ``T * k * M``; a dense ``[T, E, C]`` dispatch grows with ``E * C``.
 ``--suite`` runs the standard configurations and checks each ratio against its target.
+``--hf FAMILY`` times a Hugging Face MoE block on HF's experts implementations and on flexmoe
+(:mod:`flexmoe.apps.bench_hf`).
 
 Distributed (``torchrun --nproc_per_node=N -m flexmoe bench`` or ``flexmoe bench --nproc N``): ``--tokens`` is
 per rank; every (r, d, all-to-all) setting is timed side by side, with the exposed all-to-all share of the
@@ -443,10 +445,16 @@ def _synced(step: Callable[[], None]) -> Callable[[], None]:
 
 def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: int | None,
                       profile: str | None = None, degrees: tuple[int, ...] = (1, 2, 4),
-                      show: bool = False) -> dict[str, Any]:
+                      show: bool = False, auto_trials: int | None = None, auto_runs: int = 1) -> dict[str, Any]:
     """Under torchrun: every (r, d, a2a) setting side by side, auto's choice (also steered by the cost model
-    with ``profile``), the per-rank floor. With ``show`` rank 0 prints each part as soon as it is measured."""
-    from flexmoe.parallel import ParallelSetting, candidates
+    with ``profile``), the per-rank floor. With ``show`` rank 0 prints each part as soon as it is measured.
+
+    The floor is :func:`~flexmoe.apps.baselines.expert_floor` on the rows this rank computes with r = 1, run on
+    every rank at once (so under the same contention for the cores as the settings), the slowest rank's time.
+    ``auto_runs`` layers tune ``parallel="auto"`` from scratch, each with ``MeasuringChooser(auto_trials)``
+    (None: the chooser's default trials), and are timed side by side with the best static setting.
+    """
+    from flexmoe.parallel import MeasuringChooser, ParallelSetting, candidates
 
     rank, world = dist.get_rank(), dist.get_world_size()
     show = show and rank == 0
@@ -497,7 +505,12 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
     if show:
         print("\n".join(_distributed_rows(setting_rows, floor)), flush=True)
         print("tuning parallel='auto' ...", flush=True)
-    autos = {"auto": build_layer(cfg, parallel="auto", **extra)}
+    def chooser() -> MeasuringChooser:
+        return MeasuringChooser() if auto_trials is None else MeasuringChooser(trials=auto_trials)
+
+    autos = {"auto" if auto_runs == 1 else f"auto (run {i + 1})": build_layer(cfg, parallel="auto",
+                                                                              chooser=chooser(), **extra)
+             for i in range(auto_runs)}
     if profile is not None:
         from flexmoe.tuning import ModelGuidedChooser
 
@@ -510,10 +523,15 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
         while not auto_layer.auto_decisions:  # tuning: each candidate is tried, then one is kept
             auto_step()
         auto_cases[name] = _synced(auto_step)
-    auto_times = time_side_by_side({**auto_cases, "best static": cases[best_static]}, cfg.steps, cfg.warmup,
-                                   sync=_slowest, desc="timing auto" if show else None)
+    # Every static setting again, side by side with auto: "best static" is the fastest of them in this same
+    # run, so that noise between the sweep above and this run cannot favour either side.
+    statics = {f"static {s}": cases[str(s)] for s in settings}
+    auto_times = time_side_by_side({**auto_cases, **statics}, cfg.steps, cfg.warmup, sync=_slowest,
+                                   desc="timing auto" if show else None)
+    auto_medians = {name: statistics.median(v) for name, v in auto_times.items()}
+    best_with_auto = min(statics, key=auto_medians.__getitem__)
     auto_report = [{"name": name, "choice": str(m.auto_decisions[0].choice),
-                    "seconds": statistics.median(auto_times[name]),
+                    "seconds": auto_medians[name],
                     "tuning": m.auto_decisions[0].describe()} for name, m in autos.items()]
     return {
         "config": asdict(cfg), "world_size": world, "ranks_per_node": layer.ranks_per_node,
@@ -521,7 +539,8 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
         "settings": setting_rows,
         "floor_seconds": floor,
         "auto": auto_report, "best_static": best_static,
-        "best_static_seconds": statistics.median(auto_times["best static"]),
+        "best_static_with_auto": best_with_auto.removeprefix("static "),
+        "best_static_seconds": auto_medians[best_with_auto],
         "rank": rank,
     }
 
@@ -562,7 +581,8 @@ def _distributed_conclusions(report: dict[str, Any]) -> list[str]:
     best = report["best_static_seconds"]
     for auto in report["auto"]:
         lines.append(f"{auto['name']} chose {auto['choice']}: {auto['seconds'] * 1e3:.1f} ms vs best static "
-                     f"{report['best_static']} {best * 1e3:.1f} ms ({auto['seconds'] / best:.3f}x)")
+                     f"{report['best_static_with_auto']} {best * 1e3:.1f} ms ({auto['seconds'] / best:.3f}x, "
+                     f"all timed side by side)")
         lines.append(f"  tuning: {auto['tuning']}")
     if report["sleep_ms"] is not None:
         by = {row["setting"]: row["seconds"] for row in report["settings"]}
@@ -609,6 +629,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--profile", default=None,
       help="distributed: also run parallel='auto' steered by this cost-model profile ('local', 'a100-ndv4', a "
            "path) (default: none)")
+    a("--hf", default=None, metavar="FAMILY",
+      help="time one Hugging Face MoE block on HF's experts implementations and on flexmoe (flexmoe.apps.bench_hf): "
+           "mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss or all; needs transformers")
+    a("--hf-memory-gib", type=float, default=1.0,
+      help="--hf: skip HF batched_mm where its per-pair weight copies need more than this (default: 1)")
+    a("--auto-trials", type=int, default=None,
+      help="distributed: timed trials per candidate for parallel='auto' (MeasuringChooser(trials); default: its own)")
+    a("--auto-runs", type=int, default=1,
+      help="distributed: tune parallel='auto' this many times from scratch, each timed against the best static")
     a("--json", action="store_true", help="print the report as JSON")
 
 
@@ -639,6 +668,10 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     if not math.isfinite(args.capacity_factor):
         raise UsageError(f"--capacity-factor must be finite, got {args.capacity_factor}")
+    if args.auto_trials is not None and args.auto_trials < 1:
+        raise UsageError(f"--auto-trials must be >= 1, got {args.auto_trials}")
+    if args.auto_runs < 1:
+        raise UsageError(f"--auto-runs must be >= 1, got {args.auto_runs}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     return BenchConfig(args.tokens, args.model_dim, args.hidden_dim, args.experts, args.k, args.capacity_factor,
@@ -665,6 +698,10 @@ def run(args: argparse.Namespace) -> int:
         results = run_suite_checks(checks, settings)
         print(json.dumps({"suite": results}, indent=1) if args.json else format_suite_table(results))
         return 0
+    if args.hf is not None:
+        from flexmoe.apps.bench_hf import run_hf
+        return run_hf(args.hf, steps=cfg.steps, warmup=cfg.warmup, seed=cfg.seed, memory_gib=args.hf_memory_gib,
+                      tokens=cfg.tokens, model_dim=cfg.model_dim, as_json=args.json)
     if args.families:
         from flexmoe.apps.bench_families import bench_families, format_families
         report = bench_families(cfg)
@@ -694,7 +731,7 @@ def _run_distributed(cfg: BenchConfig, args: argparse.Namespace) -> int:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         report = bench_distributed(cfg, args.sleep_ms, args.ranks_per_node, args.profile, args.degrees,
-                                   show=not args.json)
+                                   show=not args.json, auto_trials=args.auto_trials, auto_runs=args.auto_runs)
         if report["rank"] == 0:
             print(json.dumps(report, indent=1) if args.json else "\n".join(_distributed_conclusions(report)),
                   flush=True)

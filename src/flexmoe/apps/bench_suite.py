@@ -70,6 +70,9 @@ class SuiteCheck:
 SUITE_GROUPS: dict[str, str] = {
     "layer": "flexmoe.apps.bench:layer_checks",
     "compile": "flexmoe.apps.bench_compile:compile_checks",
+    "hf": "flexmoe.apps.bench_hf:hf_checks",
+    "decode-hf": "flexmoe.apps.bench_hf:decode_checks",
+    "expert-parallel": "flexmoe.apps.bench_ep:ep_checks",
 }
 
 
