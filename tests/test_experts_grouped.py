@@ -154,3 +154,36 @@ def test_gated_unit_is_shared_by_both_paths() -> None:
     gate, up = torch.tensor([[-1.0, 2.0, 9.0]]), torch.tensor([[0.5, -9.0, 9.0]])
     torch.testing.assert_close(gated_unit(gate, up, F.silu, 7.0),
                                F.silu(torch.tensor([[-1.0, 2.0, 7.0]])) * torch.tensor([[1.5, -6.0, 8.0]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("glu", [False, True])
+def test_expert_ffn_without_grad_matches_the_reference(dtype: torch.dtype, glu: bool) -> None:
+    """Decoding: a few rows over many experts, no autograd (the loop then visits only experts with rows)."""
+    gen = torch.Generator().manual_seed(5)
+    counts = [0] * 64
+    for e in torch.randperm(64, generator=gen)[:6].tolist():
+        counts[e] = 1 + e % 3
+    weights64 = _weights(64, 8, 12, glu=glu, bias=True)
+    rows64 = torch.randn(sum(counts), 8, generator=gen, dtype=torch.float64)
+    expected = _reference(rows64, counts, weights64, glu, None)
+    weights = {n: (w.detach().to(dtype) if w is not None else None) for n, w in weights64.items()}
+    with torch.no_grad():
+        got = _run(expert_ffn, rows64.to(dtype), counts, weights, glu, None)
+        one_expert = _run(looped_expert_ffn, rows64[:3].to(dtype), [0] * 10 + [3] + [0] * 53, weights, glu, None)
+    tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 2e-5, "rtol": 2e-5}
+    torch.testing.assert_close(got.double(), expected, **tol)
+    torch.testing.assert_close(one_expert.double(), _reference(rows64[:3], [0] * 10 + [3] + [0] * 53, weights64,
+                                                               glu, None), **tol)
+    with torch.no_grad(), pytest.raises(ValueError, match="counts must sum"):
+        looped_expert_ffn(rows64[:2], [3], *[weights64[n] for n in ("w1", "b1", "w2", "b2", "w3", "b3")], F.gelu)
+
+
+def test_use_grouped_mm_without_grad_keeps_the_loop_for_few_active_experts() -> None:
+    w1, w2 = torch.zeros(64, 4, 8), torch.zeros(64, 8, 4)
+    few = [1] * 8 + [0] * 56  # one token, k=8: 8 of 64 experts have rows
+    many = [1] * 48 + [0] * 16
+    with torch.no_grad():
+        assert not use_grouped_mm(torch.zeros(8, 4), few, w1, w2, None)
+        assert use_grouped_mm(torch.zeros(48, 4), many, w1, w2, None) == HAS_GROUPED_MM
+    assert use_grouped_mm(torch.zeros(8, 4, requires_grad=True), few, w1, w2, None) == HAS_GROUPED_MM
