@@ -141,8 +141,9 @@ def test_use_grouped_mm_rule() -> None:
     w1, w2 = torch.zeros(4, 3, 2), torch.zeros(4, 2, 3)
     rows = torch.zeros(8, 3)
     assert not use_grouped_mm(rows, [2, 2, 2, 2], w1, w2, None)  # strides of 12 / 8 bytes: the kernel refuses
-    w1, w2, rows = torch.zeros(4, 4, 8), torch.zeros(4, 8, 4), torch.zeros(8, 4)
+    w1, w2, rows = torch.zeros(4, 4, 128), torch.zeros(4, 128, 4), torch.zeros(8, 4)
     assert use_grouped_mm(rows, [2, 2, 2, 2], w1, w2, None) == HAS_GROUPED_MM
+    assert not use_grouped_mm(rows, [2, 2, 2, 2], w1[..., :64], w2[:, :64], None)  # H=64: measured no faster
     _check_path(expert_ffn, torch.float32, [1, 2], model_dim=6, hidden=5)  # unaligned: the loop, same numbers
     assert not use_grouped_mm(rows.double(), [2, 2, 2, 2], w1.double(), w2.double(), None)  # no float64 kernel
     assert not use_grouped_mm(rows, [2, 2, 2, 2], w1.double(), w2, None)  # mixed dtypes: the loop
@@ -180,7 +181,7 @@ def test_expert_ffn_without_grad_matches_the_reference(dtype: torch.dtype, glu: 
 
 
 def test_use_grouped_mm_without_grad_keeps_the_loop_for_few_active_experts() -> None:
-    w1, w2 = torch.zeros(64, 4, 8), torch.zeros(64, 8, 4)
+    w1, w2 = torch.zeros(64, 4, 128), torch.zeros(64, 128, 4)
     few = [1] * 8 + [0] * 56  # one token, k=8: 8 of 64 experts have rows
     many = [1] * 48 + [0] * 16
     with torch.no_grad():

@@ -197,6 +197,9 @@ def expert_ffn(
 # that the loop's per-expert calls cost more than they save: at most this many rows per expert on average.
 _GROUPED_MM_DTYPES = (torch.float32,)
 _GROUPED_MM_MAX_ROWS_PER_EXPERT = 512
+# At H=64 (E=256) the grouped GEMM measured no faster than the loop (0.97-1.03x, and worse in one loaded run):
+# the loop is kept below this hidden size.
+_GROUPED_MM_MIN_HIDDEN = 128
 # Without autograd the loop runs only the experts that have rows: at E=64, k=8 it beat the grouped GEMM with
 # 8 active experts (one token per call, 0.7x its time) and lost with ~48 (8 tokens): the loop is kept while at
 # most 1/4 of the experts have rows.
@@ -205,9 +208,12 @@ _DECODE_LOOP_MAX_ACTIVE_SHARE = 4
 
 def use_grouped_mm(rows: Tensor, counts: list[int], w1: Tensor, w2: Tensor, w3: Tensor | None) -> bool:
     """Whether :func:`expert_ffn` runs :func:`grouped_expert_ffn` for these rows and weights (the measured rule
-    above): :func:`grouped_mm_supported`, float32, and the experts average at most
-    ``_GROUPED_MM_MAX_ROWS_PER_EXPERT`` rows."""
+    above): :func:`grouped_mm_supported`, float32, a hidden size of at least ``_GROUPED_MM_MIN_HIDDEN``, the
+    experts average at most ``_GROUPED_MM_MAX_ROWS_PER_EXPERT`` rows, and (without autograd) more than a
+    quarter of the experts have rows."""
     if not counts or rows.dtype not in _GROUPED_MM_DTYPES or not grouped_mm_supported(rows, w1, w2, w3):
+        return False
+    if w1.shape[-1] < _GROUPED_MM_MIN_HIDDEN:
         return False
     if not _needs_grad(rows, w1, w2, w3):
         # Decoding: the grouped kernel still visits every empty group, the loop only the experts with rows.
