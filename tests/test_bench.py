@@ -62,8 +62,10 @@ def test_bench_command_json() -> None:
         capture_output=True, text=True, timeout=120, check=True)
     report = json.loads(out.stdout)
     cases = {row["case"]: row for row in report["rows"]}
-    assert set(cases) == {"floor", "flexmoe", "gshard-einsum"}
+    assert set(cases) == {"floor", "grouped floor", "flexmoe", "gshard-einsum"}
     assert cases["floor"]["x_floor"] == 1.0
+    floors = report["floors"]
+    assert floors["loop_seconds"] == cases["floor"]["seconds"] and floors["grouped_seconds"] > 0
     assert all(row["seconds"] > 0 for row in report["rows"])
     assert report["plan"]["rows_computed"] == sum(report["plan"]["tokens_per_expert"]) == 128
     assert report["memory"]["flexmoe_bytes"] > 0
@@ -103,7 +105,7 @@ def test_bench_prints_its_header_before_the_timing_ends() -> None:
         assert first.startswith("flexmoe bench: T=64 M=16 H=32 E=8 k=2")
         assert second.startswith("plan: capacity")
         bar = proc.stderr.read(200)  # tqdm's bar, on stderr while the rounds run
-        assert "timing 3 cases" in bar
+        assert "timing 4 cases" in bar
     finally:
         proc.kill()
         proc.wait()
@@ -118,7 +120,9 @@ def test_bench_table_follows_the_progress(capsys) -> None:
     lines = captured.out.splitlines()
     assert lines[0].startswith("flexmoe bench: T=32") and lines[2].split() == ["case", "ms/step", "tokens/s", "x",
                                                                                  "floor"]
-    assert [line.split()[0] for line in lines[3:]] == [row["case"] for row in report["rows"]]
+    table = lines[3:3 + len(report["rows"])]
+    assert [line.split()[0] for line in table] == [row["case"].split()[0] for row in report["rows"]]
+    assert lines[3 + len(report["rows"])].startswith("floors: loop")
     assert "3/3" in captured.err  # the progress bar counted the warm-up and the timed rounds
 
 

@@ -23,8 +23,9 @@ from torch import Tensor, nn
 
 from flexmoe.validation import check_int, describe_value
 
-__all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_ffn", "gated_unit", "check_glu_limit",
-           "resolve_activation"]
+__all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_ffn", "grouped_expert_ffn",
+           "looped_expert_ffn",
+           "use_grouped_mm", "grouped_mm_supported", "gated_unit", "check_glu_limit", "resolve_activation"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -189,11 +190,126 @@ def expert_ffn(
 
     rows: ``[N, M]`` sorted by expert, counts: ``[E]``; w1, w3: ``[E, M, H]``, w2: ``[E, H, M]``, biases
     ``[E, H]`` / ``[E, M]`` or None -> ``[N, M]``. H may be a hidden shard (expert parallelism), the result then
-    a partial sum. ``glu_limit``: GPT-OSS's clamped gated unit (:func:`gated_unit`). One ``addmm`` pair per
-    expert over ``w.unbind(0)``: on CPU this runs at the batched-matmul floor, while indexing ``w[e]`` in the
-    loop would write each slice's gradient into a full-size zero tensor.
+    a partial sum. ``glu_limit``: GPT-OSS's clamped gated unit (:func:`gated_unit`).
+
+    Two ways compute the same numbers (up to float rounding): one grouped GEMM per matrix over all experts
+    (:func:`grouped_expert_ffn`) where :func:`use_grouped_mm` says it is faster, else one ``addmm`` pair per
+    expert (:func:`looped_expert_ffn`).
     """
+    if use_grouped_mm(rows, counts, w1, w2, w3):
+        return grouped_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
+    return looped_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
+
+
+# Where torch's grouped GEMM beats the per-expert loop, measured forward + backward side by side on a 2-core
+# AVX2 CPU with torch 2.13 (docs/architecture.md, "Expert compute"): float32 only (it has no float64 kernel;
+# bf16 / fp16 and GPUs are not measured, so they keep the loop), and only once the experts are small enough
+# that the loop's per-expert calls cost more than they save: at most this many rows per expert on average.
+_GROUPED_MM_DTYPES = (torch.float32,)
+_GROUPED_MM_MAX_ROWS_PER_EXPERT = 512
+# At H=64 (E=256) the grouped GEMM measured no faster than the loop (0.97-1.03x, and worse in one loaded run):
+# the loop is kept below this hidden size.
+_GROUPED_MM_MIN_HIDDEN = 128
+# Without autograd the loop runs only the experts that have rows: at E=64, k=8 it beat the grouped GEMM with
+# 8 active experts (one token per call, 0.7x its time) and lost with ~48 (8 tokens): the loop is kept while at
+# most 1/4 of the experts have rows.
+_DECODE_LOOP_MAX_ACTIVE_SHARE = 4
+
+
+def use_grouped_mm(rows: Tensor, counts: list[int], w1: Tensor, w2: Tensor, w3: Tensor | None) -> bool:
+    """Whether :func:`expert_ffn` runs :func:`grouped_expert_ffn` for these rows and weights (the measured rule
+    above): :func:`grouped_mm_supported`, float32, a hidden size of at least ``_GROUPED_MM_MIN_HIDDEN``, the
+    experts average at most ``_GROUPED_MM_MAX_ROWS_PER_EXPERT`` rows, and (without autograd) more than a
+    quarter of the experts have rows."""
+    if not counts or rows.dtype not in _GROUPED_MM_DTYPES or not grouped_mm_supported(rows, w1, w2, w3):
+        return False
+    if w1.shape[-1] < _GROUPED_MM_MIN_HIDDEN:
+        return False
+    if not _needs_grad(rows, w1, w2, w3):
+        # Decoding: the grouped kernel still visits every empty group, the loop only the experts with rows.
+        active = sum(1 for n in counts if n)
+        if active * _DECODE_LOOP_MAX_ACTIVE_SHARE <= len(counts):
+            return False
+    return rows.shape[0] <= _GROUPED_MM_MAX_ROWS_PER_EXPERT * len(counts)
+
+
+def grouped_mm_supported(rows: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> bool:
+    """Whether :func:`grouped_expert_ffn` can run on these tensors: torch has ``_grouped_mm``, the CPU (the
+    only device measured), one dtype its kernel takes (float32, bf16, fp16; not float64), and strides in
+    multiples of 16 bytes, also those of the hidden activations it makes itself (``[N, H]``, contiguous)."""
+    if not hasattr(torch, "_grouped_mm") or rows.device.type != "cpu":
+        return False
+    weights = (w1, w2) if w3 is None else (w1, w2, w3)
+    if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if any(w.dtype != rows.dtype or w.device != rows.device for w in weights):
+        return False
+    hidden = w1.shape[-1]
+    return all(_strides_aligned(t) for t in (rows, *weights)) and (hidden * rows.element_size()) % 16 == 0
+
+
+def _strides_aligned(t: Tensor) -> bool:
+    """Every stride of a dimension longer than 1, other than a unit stride, is a multiple of 16 bytes."""
+    return all(stride == 1 or (stride * t.element_size()) % 16 == 0
+               for size, stride in zip(t.shape, t.stride()) if size > 1)
+
+
+def grouped_expert_ffn(
+    rows: Tensor,
+    counts: list[int],
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    w3: Tensor | None,
+    b3: Tensor | None,
+    activation: Callable[[Tensor], Tensor],
+    glu_limit: float | None = None,
+) -> Tensor:
+    """:func:`expert_ffn` as one ``torch._grouped_mm`` per weight matrix over all experts at once (shapes as
+    there). Each expert's rows are one group (``offs``: where each group ends); the biases are gathered per
+    row. Needs a dtype the device's grouped GEMM supports (float32 on the CPU)."""
+    num_rows = rows.shape[0]
+    if num_rows == 0:
+        return rows.new_zeros(0, w2.shape[-1])
+    sizes = torch.tensor(counts, device=rows.device)
+    ends = sizes.cumsum(0).to(torch.int32)
+    row_expert = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), sizes,
+                                         output_size=num_rows) if any(b is not None for b in (b1, b2, b3)) else None
+
+    def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        out = torch._grouped_mm(x, w, offs=ends)
+        if b is None:
+            return out
+        assert row_expert is not None  # made above whenever the experts have biases
+        return out + b.index_select(0, row_expert)
+
+    if w3 is not None:
+        h = gated_unit(linear(rows, w1, b1), linear(rows, w3, b3), activation, glu_limit)
+    else:
+        h = activation(linear(rows, w1, b1))
+    return linear(h, w2, b2)
+
+
+def looped_expert_ffn(
+    rows: Tensor,
+    counts: list[int],
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    w3: Tensor | None,
+    b3: Tensor | None,
+    activation: Callable[[Tensor], Tensor],
+    glu_limit: float | None = None,
+) -> Tensor:
+    """:func:`expert_ffn` as one ``addmm`` pair per expert over ``w.unbind(0)`` (shapes as there); any dtype and
+    device. Indexing ``w[e]`` in the loop instead would write each slice's gradient into a full-size zero
+    tensor; without autograd it costs nothing, so then only the experts that have rows are visited (decoding
+    touches a few of many)."""
     num_experts = len(counts)
+    if not _needs_grad(rows, w1, b1, w2, b2, w3, b3):
+        return _active_experts_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
 
     def per_expert(p: Tensor | None) -> list[Tensor | None]:
         return list(p.unbind(0)) if p is not None else [None] * num_experts
@@ -211,6 +327,47 @@ def expert_ffn(
     if not outputs:
         return rows.new_zeros(rows.shape[0], w2.shape[-1])
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def _active_experts_ffn(
+    rows: Tensor,
+    counts: list[int],
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    w3: Tensor | None,
+    b3: Tensor | None,
+    activation: Callable[[Tensor], Tensor],
+    glu_limit: float | None,
+) -> Tensor:
+    """:func:`looped_expert_ffn` without autograd: the loop over the experts that have rows only."""
+    if sum(counts) != rows.shape[0]:
+        raise ValueError(f"counts must sum to the number of rows {rows.shape[0]}, got {sum(counts)}")
+    outputs = []
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        x = rows[start : start + n]
+        start += n
+        if w3 is not None:
+            h = gated_unit(_linear(x, w1[e], _at(b1, e)), _linear(x, w3[e], _at(b3, e)), activation, glu_limit)
+        else:
+            h = activation(_linear(x, w1[e], _at(b1, e)))
+        outputs.append(_linear(h, w2[e], _at(b2, e)))
+    if not outputs:
+        return rows.new_zeros(rows.shape[0], w2.shape[-1])
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def _at(p: Tensor | None, e: int) -> Tensor | None:
+    return p[e] if p is not None else None
+
+
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd records an operation on these tensors."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def padded_expert_ffn(

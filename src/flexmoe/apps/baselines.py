@@ -1,9 +1,13 @@
 """What the benchmark measures flexmoe against, computed with the layer's own router and expert weights.
 
 * :func:`expert_floor`: the compute floor, the expert FFNs on exactly the routed rows and nothing else (no
-  router, no dispatch, no combine), done the fastest plain way: one ``addmm`` pair per expert over
-  ``w.unbind(0)`` (on a 2-core CPU this beats a single batched ``baddbmm`` by a few percent, and unlike it
-  needs no padding).
+  router, no dispatch, no combine), done the plain way: one ``addmm`` pair per expert over ``w.unbind(0)``
+  (on a 2-core CPU this beats a single batched ``baddbmm`` by a few percent, and unlike it needs no padding).
+  With many small experts this loop is itself far from the hardware, hence the second floor:
+* :func:`grouped_floor`: the same FFNs by the fastest grouped GEMM torch offers for exactly these rows,
+  ``torch._grouped_mm`` (one call per weight matrix over all experts) where it runs on the device and dtype;
+  elsewhere :func:`padded_bmm_floor`, one ``baddbmm`` over the experts' rows padded to the largest count (the
+  benchmark then reports the better of it and the loop).
 * :func:`gshard_einsum_forward`: a GShard/fairseq-style layer, kept as a labelled reference: one-hot
   ``[T, E, C]`` dispatch and combine tensors, the einsums ``sec,sm->ecm`` and ``sec,ecm->sm``, and experts that
   compute every one of the ``E * C`` slots, empty or not. Same routing semantics as :func:`flexmoe.make_plan`
@@ -15,19 +19,68 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmoe.experts import FeedForwardExperts, expert_ffn
+from flexmoe.experts import (
+    FeedForwardExperts,
+    gated_unit,
+    grouped_expert_ffn,
+    grouped_mm_supported,
+    looped_expert_ffn,
+)
 from flexmoe.layer import MoELayer
 from flexmoe.routing.plan import make_plan
 from flexmoe.routing.routers import route
 
-__all__ = ["expert_floor", "gshard_einsum_forward"]
+__all__ = ["expert_floor", "grouped_floor", "grouped_floor_kind", "padded_bmm_floor", "gshard_einsum_forward"]
 
 
 def expert_floor(experts: FeedForwardExperts, rows: Tensor, counts: list[int]) -> Tensor:
     """rows: ``[N, M]`` sorted by expert, counts: rows per expert -> ``[N, M]``: each expert's FFN on its rows
-    (:func:`flexmoe.experts.expert_ffn` on the experts' weights, with no routing around it)."""
+    by one ``addmm`` pair per expert (:func:`flexmoe.experts.looped_expert_ffn` on the experts' weights, with
+    no routing around it), whichever path the layer itself takes."""
     e = experts
-    return expert_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation, glu_limit=e.glu_limit)
+    return looped_expert_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation, glu_limit=e.glu_limit)
+
+
+def grouped_floor_kind(experts: FeedForwardExperts, rows: Tensor) -> str:
+    """Which grouped GEMM :func:`grouped_floor` runs: ``"torch._grouped_mm"`` or ``"padded bmm"``."""
+    e = experts
+    return "torch._grouped_mm" if grouped_mm_supported(rows, e.w1, e.w2, e.w3) else "padded bmm"
+
+
+def grouped_floor(experts: FeedForwardExperts, rows: Tensor, counts: list[int]) -> Tensor:
+    """The same numbers as :func:`expert_floor` (up to float rounding) by a grouped GEMM: ``torch._grouped_mm``
+    where it runs (:func:`flexmoe.experts.grouped_expert_ffn`), else :func:`padded_bmm_floor`."""
+    e = experts
+    if grouped_floor_kind(experts, rows) == "torch._grouped_mm":
+        return grouped_expert_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation,
+                                  glu_limit=e.glu_limit)
+    return padded_bmm_floor(experts, rows, counts)
+
+
+def padded_bmm_floor(experts: FeedForwardExperts, rows: Tensor, counts: list[int]) -> Tensor:
+    """:func:`expert_floor` by batched matmuls: the rows are laid out ``[E, C, M]`` with C the largest count
+    (the padding rows are zeros, computed and thrown away), one ``baddbmm`` per weight matrix, then the real
+    rows are read back: ``[N, M]``."""
+    e = experts
+    num_experts, capacity = len(counts), max(counts, default=0)
+    sizes = torch.tensor(counts, device=rows.device)
+    starts = sizes.cumsum(0) - sizes
+    expert_of_row = torch.repeat_interleave(torch.arange(num_experts, device=rows.device), sizes,
+                                            output_size=rows.shape[0])
+    slot_of_row = torch.arange(rows.shape[0], device=rows.device) - starts[expert_of_row]
+    flat = expert_of_row * capacity + slot_of_row  # each row's place in the padded [E * C] layout
+    padded = rows.new_zeros(num_experts * capacity, rows.shape[1]).index_copy(0, flat, rows)
+    padded = padded.view(num_experts, capacity, -1)
+
+    def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        return torch.baddbmm(b.unsqueeze(1), x, w) if b is not None else torch.bmm(x, w)
+
+    if e.w3 is not None:
+        h = gated_unit(linear(padded, e.w1, e.b1), linear(padded, e.w3, e.b3), e.activation, e.glu_limit)
+    else:
+        h = e.activation(linear(padded, e.w1, e.b1))
+    out = linear(h, e.w2, e.b2)
+    return out.view(num_experts * capacity, -1).index_select(0, flat)
 
 
 def gshard_einsum_forward(layer: MoELayer, x: Tensor) -> Tensor:

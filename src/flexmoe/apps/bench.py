@@ -4,7 +4,10 @@ Timings on a shared machine are noisy, so every number that matters is a ratio m
 run: the cases take turns step by step (the order rotates every step), and each reports the median of its
 steps. The cases (see :mod:`flexmoe.apps.baselines`):
 
-* ``floor``: the expert FFNs on exactly the rows the router sent them, nothing else;
+* ``floor``: the expert FFNs on exactly the rows the router sent them, nothing else, one ``addmm`` pair per
+  expert; every ``x floor`` is over this one;
+* ``grouped floor``: the same rows by the fastest grouped GEMM torch offers (``torch._grouped_mm`` where it
+  runs, else a padded ``bmm``, reported as the better of it and the loop);
 * ``flexmoe``: :class:`flexmoe.MoELayer`, router to combine;
 * ``gshard-einsum``: a GShard/fairseq-style dense-einsum layer with the same router and weights (a labelled
   reference kept in the benchmark, not a peer);
@@ -43,14 +46,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flexmoe.apps.baselines import expert_floor, gshard_einsum_forward
+from flexmoe.apps.baselines import expert_floor, grouped_floor, grouped_floor_kind, gshard_einsum_forward
 from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings
 from flexmoe.apps.errors import UsageError
 from flexmoe.experts import FeedForwardExperts
 from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.layer import MoELayer
 
-__all__ = ["BenchConfig", "add_arguments", "run", "time_side_by_side", "saved_activation_bytes", "bench_single"]
+__all__ = ["BenchConfig", "add_arguments", "run", "time_side_by_side", "saved_activation_bytes", "bench_single",
+           "floor_ratio_check", "memory_check"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
@@ -166,13 +170,16 @@ def _fwd_bwd(forward: Callable[[], Tensor], grad: Tensor, module: nn.Module | No
     return step
 
 
-def _floor_case(layer: MoELayer, counts: list[int], cfg: BenchConfig) -> tuple[Callable[[], None], Callable]:
+def _floor_case(layer: MoELayer, counts: list[int], cfg: BenchConfig, grouped: bool = False,
+                ) -> tuple[Callable[[], None], Callable]:
+    """A forward + backward step of the floor (``grouped``: the grouped-GEMM floor) on random rows of the
+    routed counts, and its forward alone."""
     gen = torch.Generator().manual_seed(cfg.seed + 7)
     rows = torch.randn(sum(counts), cfg.model_dim, generator=gen).to(_DTYPES[cfg.dtype]).requires_grad_()
     grad = torch.randn(rows.shape, generator=gen).to(rows.dtype)
     experts = layer.experts
     assert isinstance(experts, FeedForwardExperts), "the floor times the built-in FFN experts"
-    forward = partial(expert_floor, experts, rows, counts)
+    forward = partial(grouped_floor if grouped else expert_floor, experts, rows, counts)
     return _fwd_bwd(forward, grad, layer.experts), forward
 
 
@@ -275,6 +282,7 @@ def bench_single(cfg: BenchConfig, *, peers: bool = True, reference: bool = True
     floor_step, floor_forward = _floor_case(layer, plan.counts, cfg)
     cases: dict[str, Callable[[], None]] = {
         "floor": floor_step,
+        "grouped floor": _floor_case(layer, plan.counts, cfg, grouped=True)[0],
         "flexmoe": _fwd_bwd(lambda: layer(x), grad, layer),
     }
     if reference:
@@ -293,9 +301,17 @@ def bench_single(cfg: BenchConfig, *, peers: bool = True, reference: bool = True
         median = statistics.median(samples)
         rows.append({"case": name, "seconds": median, "tokens_per_s": cfg.tokens / median,
                      "x_floor": median / floor})
+    assert isinstance(layer.experts, FeedForwardExperts)  # checked by _floor_case
+    kind = grouped_floor_kind(layer.experts, x)
+    grouped = statistics.median(times["grouped floor"])
+    if kind != "torch._grouped_mm":  # no grouped GEMM here: the better of padded bmm and the loop
+        grouped = min(grouped, floor)
+    flexmoe_seconds = statistics.median(times["flexmoe"])
     report: dict[str, Any] = {
         "config": asdict(cfg), "threads": torch.get_num_threads(), "rows": rows, "skipped": skipped,
         "plan": plan_report,
+        "floors": {"loop_seconds": floor, "grouped_seconds": grouped, "grouped_kind": kind,
+                   "flexmoe_x_grouped_floor": flexmoe_seconds / grouped},
     }
     if show:
         print("\n".join(_single_rows(report)), flush=True)
@@ -339,6 +355,10 @@ def _single_rows(report: dict[str, Any]) -> list[str]:
     for row in report["rows"]:
         lines.append(f"{row['case']:<16}{row['seconds'] * 1e3:>10.1f}{row['tokens_per_s']:>12.0f}"
                      f"{row['x_floor']:>9.3f}")
+    floors = report["floors"]
+    lines.append(f"floors: loop {floors['loop_seconds'] * 1e3:.1f} ms, grouped ({floors['grouped_kind']}) "
+                 f"{floors['grouped_seconds'] * 1e3:.1f} ms; flexmoe {floors['flexmoe_x_grouped_floor']:.3f}x "
+                 f"the grouped floor")
     return lines
 
 
@@ -358,18 +378,23 @@ def format_single(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _floor_ratio_check(label: str, cfg: BenchConfig, target: float) -> SuiteCheck:
-    """flexmoe's time over the floor's at ``cfg``, the two (and no peers) interleaved."""
+def floor_ratio_check(label: str, cfg: BenchConfig, target: float, group: str = "layer") -> SuiteCheck:
+    """flexmoe's time over the (loop) floor's at ``cfg``, the floors and flexmoe (and peers if allowed)
+    interleaved; the note gives the ratio to the grouped-GEMM floor too."""
     def measure(settings: SuiteSettings) -> Measurement:
         run_cfg = replace(cfg, steps=min(cfg.steps, settings.steps), warmup=min(cfg.warmup, settings.warmup),
                           seed=settings.seed)
         report = bench_single(run_cfg, peers=settings.peers, reference=False, show=settings.show)
         ratio = next(r["x_floor"] for r in report["rows"] if r["case"] == "flexmoe")
-        return Measurement(ratio, "x floor", {"report": report})
-    return SuiteCheck("layer", label, target, measure)
+        floors = report["floors"]
+        note = (f"{floors['flexmoe_x_grouped_floor']:.3f}x the grouped floor ({floors['grouped_kind']}, "
+                f"{floors['grouped_seconds'] / floors['loop_seconds']:.3f}x the loop floor)")
+        return Measurement(ratio, "x floor", {"report": report}, note)
+    return SuiteCheck(group, label, target, measure)
 
 
-def _memory_check(label: str, cfg: BenchConfig, wide_experts: int, target: float) -> SuiteCheck:
+def memory_check(label: str, cfg: BenchConfig, wide_experts: int, target: float, group: str = "layer",
+                 ) -> SuiteCheck:
     """Activation memory (bytes autograd saves) at ``wide_experts`` over ``cfg``'s, same T, k and H."""
     def measure(settings: SuiteSettings) -> Measurement:
         narrow = replace(cfg, seed=settings.seed)
@@ -383,18 +408,17 @@ def _memory_check(label: str, cfg: BenchConfig, wide_experts: int, target: float
         return Measurement(ratio, f"x E={cfg.experts}", {"bytes": saved},
                            f"{saved[cfg.experts] * mib:.1f} MiB at E={cfg.experts}, "
                            f"{saved[wide_experts] * mib:.1f} MiB at E={wide_experts}")
-    return SuiteCheck("layer", label, target, measure)
+    return SuiteCheck(group, label, target, measure)
 
 
 def layer_checks() -> list[SuiteCheck]:
     """The suite's "layer" group: one process, T=4096 M=512 H=1024 E=8 k=2 unless said (flexmoe.apps.bench_suite)."""
     return [
-        _floor_ratio_check("fp32 cf=1.25", BenchConfig(), 1.10),
-        _floor_ratio_check("fp32 dropless", BenchConfig(capacity_factor=0.0), 1.10),
+        floor_ratio_check("fp32 cf=1.25", BenchConfig(), 1.10),
+        floor_ratio_check("fp32 dropless", BenchConfig(capacity_factor=0.0), 1.10),
         # Few steps: without native bf16 units (AVX2-only CPUs) bf16 matmuls run ~30x slower than fp32.
-        _floor_ratio_check("bf16 cf=1.25", BenchConfig(dtype="bfloat16", steps=3, warmup=1), 1.30),
-        _floor_ratio_check("fine-grained E=64 H=256 k=8", BenchConfig(experts=64, hidden_dim=256, k=8), 1.10),
-        _memory_check("activation memory E=64 / E=8", BenchConfig(), 64, 1.2),
+        floor_ratio_check("bf16 cf=1.25", BenchConfig(dtype="bfloat16", steps=3, warmup=1), 1.30),
+        memory_check("activation memory E=64 / E=8", BenchConfig(), 64, 1.2),
     ]
 
 

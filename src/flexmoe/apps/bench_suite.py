@@ -69,6 +69,8 @@ class SuiteCheck:
 # Group name -> "module:function" returning that group's checks, in the order the suite runs them.
 SUITE_GROUPS: dict[str, str] = {
     "layer": "flexmoe.apps.bench:layer_checks",
+    "fine-grained": "flexmoe.apps.bench_fine:fine_grained_checks",
+    "decode": "flexmoe.apps.bench_fine:decode_checks",
     "compile": "flexmoe.apps.bench_compile:compile_checks",
     "hf": "flexmoe.apps.bench_hf:hf_checks",
     "decode-hf": "flexmoe.apps.bench_hf:decode_checks",

@@ -1,0 +1,190 @@
+"""The experts' two compute paths (one grouped GEMM per matrix, or one addmm pair per expert) against a plain
+row-by-row float64 reference, forward and gradients: empty experts, all rows on one expert, E=256."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexmoe.experts import expert_ffn, gated_unit, grouped_expert_ffn, looped_expert_ffn, use_grouped_mm
+from reference import ref_ffn_expert
+
+HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+requires_grouped_mm = pytest.mark.skipif(not HAS_GROUPED_MM, reason="this torch has no _grouped_mm")
+
+
+def _weights(num_experts: int, model_dim: int, hidden: int, *, glu: bool, bias: bool, seed: int = 0,
+             ) -> dict[str, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.3).requires_grad_()
+
+    return {"w1": r(num_experts, model_dim, hidden), "b1": r(num_experts, hidden) if bias else None,
+            "w2": r(num_experts, hidden, model_dim), "b2": r(num_experts, model_dim) if bias else None,
+            "w3": r(num_experts, model_dim, hidden) if glu else None,
+            "b3": r(num_experts, hidden) if glu and bias else None}
+
+
+def _reference(rows: torch.Tensor, counts: list[int], weights: dict, glu: bool, glu_limit: float | None,
+               ) -> torch.Tensor:
+    """Each row through its expert, one row at a time, in float64."""
+    expert_of_row = [e for e, n in enumerate(counts) for _ in range(n)]
+    if glu_limit is None:
+        one = ref_ffn_expert({k: v for k, v in weights.items() if v is not None}, "silu" if glu else "gelu", glu)
+        out = [one(e, rows[i]) for i, e in enumerate(expert_of_row)]
+    else:  # GPT-OSS's clamped gated unit, written out
+        out = []
+        for i, e in enumerate(expert_of_row):
+            gate = rows[i] @ weights["w1"][e] + (weights["b1"][e] if weights["b1"] is not None else 0)
+            up = rows[i] @ weights["w3"][e] + (weights["b3"][e] if weights["b3"] is not None else 0)
+            h = F.silu(torch.minimum(gate, torch.tensor(glu_limit, dtype=gate.dtype))) * (
+                torch.clamp(up, -glu_limit, glu_limit) + 1)
+            out.append(h @ weights["w2"][e] + (weights["b2"][e] if weights["b2"] is not None else 0))
+    model_dim = weights["w2"].shape[-1]
+    return torch.stack(out) if out else rows.new_zeros(0, model_dim)
+
+
+def _run(path, rows: torch.Tensor, counts: list[int], weights: dict, glu: bool, glu_limit: float | None,
+         ) -> torch.Tensor:
+    act = F.silu if glu else F.gelu
+    return path(rows, counts, weights["w1"], weights["b1"], weights["w2"], weights["b2"], weights["w3"],
+                weights["b3"], act, glu_limit=glu_limit)
+
+
+def _check_path(path, dtype: torch.dtype, counts: list[int], *, glu: bool = False, bias: bool = True,
+                glu_limit: float | None = None, model_dim: int = 8, hidden: int = 12) -> None:
+    """``path`` in ``dtype`` against the float64 reference: output and every gradient."""
+    weights64 = _weights(len(counts), model_dim, hidden, glu=glu, bias=bias)
+    gen = torch.Generator().manual_seed(1)
+    rows64 = torch.randn(sum(counts), model_dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(sum(counts), model_dim, generator=gen, dtype=torch.float64)
+
+    expected = _reference(rows64, counts, weights64, glu, glu_limit)
+    names = [n for n, w in weights64.items() if w is not None]
+    expected_grads = torch.autograd.grad(expected, [rows64] + [weights64[n] for n in names], grad_out,
+                                         allow_unused=True) if expected.numel() else None
+
+    rows = rows64.detach().to(dtype).requires_grad_()
+    weights = {n: (w.detach().to(dtype).requires_grad_() if w is not None else None) for n, w in weights64.items()}
+    got = _run(path, rows, counts, weights, glu, glu_limit)
+    assert got.shape == (sum(counts), model_dim) and got.dtype == dtype
+    tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 2e-5, "rtol": 2e-5}
+    torch.testing.assert_close(got.double(), expected, **tol)
+    if expected_grads is None:
+        return
+    got_grads = torch.autograd.grad(got, [rows] + [weights[n] for n in names], grad_out.to(dtype),
+                                    allow_unused=True)
+    for name, g, e in zip(["rows"] + names, got_grads, expected_grads):
+        e = torch.zeros_like(weights64[name] if name != "rows" else rows64) if e is None else e
+        g = torch.zeros_like(e) if g is None else g.double()
+        torch.testing.assert_close(g, e, **tol, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+COUNTS = {
+    "mixed with empty experts": [3, 0, 5, 1, 0, 2],
+    "all rows on one expert": [0, 0, 9, 0],
+    "first and last empty": [0, 4, 4, 0],
+}
+
+
+@requires_grouped_mm
+@pytest.mark.parametrize("case", list(COUNTS))
+@pytest.mark.parametrize("glu,bias,glu_limit", [(False, True, None), (False, False, None), (True, True, None),
+                                                (True, False, 7.0)])
+def test_grouped_path_matches_the_reference_float32(case: str, glu: bool, bias: bool,
+                                                    glu_limit: float | None) -> None:
+    _check_path(grouped_expert_ffn, torch.float32, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", list(COUNTS))
+def test_looped_path_and_expert_ffn_match_the_reference(dtype: torch.dtype, case: str) -> None:
+    _check_path(looped_expert_ffn, dtype, COUNTS[case], glu=True)
+    _check_path(expert_ffn, dtype, COUNTS[case])
+
+
+@requires_grouped_mm
+def test_grouped_path_with_256_experts_many_empty() -> None:
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 3, (256,), generator=gen).tolist()  # about a third of the experts get no row
+    assert 0 in counts
+    _check_path(grouped_expert_ffn, torch.float32, counts, model_dim=4, hidden=8)
+    _check_path(expert_ffn, torch.float32, counts, model_dim=4, hidden=8)
+
+
+@requires_grouped_mm
+def test_grouped_path_with_no_rows_gives_an_empty_result() -> None:
+    weights = _weights(3, 4, 5, glu=False, bias=True)
+    weights = {n: w.detach().float() if w is not None else None for n, w in weights.items()}
+    out = _run(grouped_expert_ffn, torch.zeros(0, 4), [0, 0, 0], weights, False, None)
+    assert out.shape == (0, 4)
+
+
+@requires_grouped_mm
+def test_grouped_and_looped_agree_on_hidden_shards_and_transposed_weights() -> None:
+    """Expert parallelism hands ``expert_ffn`` hidden shards (slices) and Tutel's experts pass transposed
+    weights: neither is contiguous, both must give the loop's numbers."""
+    gen = torch.Generator().manual_seed(4)
+    counts = [4, 0, 7]
+    rows = torch.randn(11, 8, generator=gen)
+    w1_full = torch.randn(3, 12, 8, generator=gen).transpose(1, 2)  # [E, M, H], transposed storage
+    w2_full = torch.randn(3, 12, 8, generator=gen)
+    b1_full, b2 = torch.randn(3, 12, generator=gen), torch.randn(3, 8, generator=gen)
+    w1, w2, b1 = w1_full[:, :, 4:8], w2_full[:, 4:8], b1_full[:, 4:8]  # one hidden shard of three
+    args = (rows, counts, w1, b1, w2, b2, None, None, F.gelu)
+    torch.testing.assert_close(grouped_expert_ffn(*args), looped_expert_ffn(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_use_grouped_mm_rule() -> None:
+    w1, w2 = torch.zeros(4, 3, 2), torch.zeros(4, 2, 3)
+    rows = torch.zeros(8, 3)
+    assert not use_grouped_mm(rows, [2, 2, 2, 2], w1, w2, None)  # strides of 12 / 8 bytes: the kernel refuses
+    w1, w2, rows = torch.zeros(4, 4, 128), torch.zeros(4, 128, 4), torch.zeros(8, 4)
+    assert use_grouped_mm(rows, [2, 2, 2, 2], w1, w2, None) == HAS_GROUPED_MM
+    assert not use_grouped_mm(rows, [2, 2, 2, 2], w1[..., :64], w2[:, :64], None)  # H=64: measured no faster
+    _check_path(expert_ffn, torch.float32, [1, 2], model_dim=6, hidden=5)  # unaligned: the loop, same numbers
+    assert not use_grouped_mm(rows.double(), [2, 2, 2, 2], w1.double(), w2.double(), None)  # no float64 kernel
+    assert not use_grouped_mm(rows, [2, 2, 2, 2], w1.double(), w2, None)  # mixed dtypes: the loop
+    big = torch.zeros(4 * 4096, 4)  # large experts: the loop measured as fast
+    assert not use_grouped_mm(big, [4096] * 4, w1, w2, None)
+
+
+def test_gated_unit_is_shared_by_both_paths() -> None:
+    gate, up = torch.tensor([[-1.0, 2.0, 9.0]]), torch.tensor([[0.5, -9.0, 9.0]])
+    torch.testing.assert_close(gated_unit(gate, up, F.silu, 7.0),
+                               F.silu(torch.tensor([[-1.0, 2.0, 7.0]])) * torch.tensor([[1.5, -6.0, 8.0]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("glu", [False, True])
+def test_expert_ffn_without_grad_matches_the_reference(dtype: torch.dtype, glu: bool) -> None:
+    """Decoding: a few rows over many experts, no autograd (the loop then visits only experts with rows)."""
+    gen = torch.Generator().manual_seed(5)
+    counts = [0] * 64
+    for e in torch.randperm(64, generator=gen)[:6].tolist():
+        counts[e] = 1 + e % 3
+    weights64 = _weights(64, 8, 12, glu=glu, bias=True)
+    rows64 = torch.randn(sum(counts), 8, generator=gen, dtype=torch.float64)
+    expected = _reference(rows64, counts, weights64, glu, None)
+    weights = {n: (w.detach().to(dtype) if w is not None else None) for n, w in weights64.items()}
+    with torch.no_grad():
+        got = _run(expert_ffn, rows64.to(dtype), counts, weights, glu, None)
+        one_expert = _run(looped_expert_ffn, rows64[:3].to(dtype), [0] * 10 + [3] + [0] * 53, weights, glu, None)
+    tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 2e-5, "rtol": 2e-5}
+    torch.testing.assert_close(got.double(), expected, **tol)
+    torch.testing.assert_close(one_expert.double(), _reference(rows64[:3], [0] * 10 + [3] + [0] * 53, weights64,
+                                                               glu, None), **tol)
+    with torch.no_grad(), pytest.raises(ValueError, match="counts must sum"):
+        looped_expert_ffn(rows64[:2], [3], *[weights64[n] for n in ("w1", "b1", "w2", "b2", "w3", "b3")], F.gelu)
+
+
+def test_use_grouped_mm_without_grad_keeps_the_loop_for_few_active_experts() -> None:
+    w1, w2 = torch.zeros(64, 4, 128), torch.zeros(64, 128, 4)
+    few = [1] * 8 + [0] * 56  # one token, k=8: 8 of 64 experts have rows
+    many = [1] * 48 + [0] * 16
+    with torch.no_grad():
+        assert not use_grouped_mm(torch.zeros(8, 4), few, w1, w2, None)
+        assert use_grouped_mm(torch.zeros(48, 4), many, w1, w2, None) == HAS_GROUPED_MM
+    assert use_grouped_mm(torch.zeros(8, 4, requires_grad=True), few, w1, w2, None) == HAS_GROUPED_MM
