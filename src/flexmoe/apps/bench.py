@@ -655,11 +655,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "path) (default: none)")
     a("--hf", default=None, metavar="FAMILY",
       help="time one Hugging Face MoE block on HF's experts implementations and on flexmoe (flexmoe.apps.bench_hf): "
-           "mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss or all; needs transformers")
+           "mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss or all; needs transformers (default: off)")
     a("--hf-memory-gib", type=float, default=1.0,
       help="--hf: skip HF batched_mm where its per-pair weight copies need more than this (default: 1)")
     a("--auto-trials", type=int, default=None,
-      help="distributed: timed trials per candidate for parallel='auto' (MeasuringChooser(trials); default: its own)")
+      help="distributed: timed trials per candidate for parallel='auto' (default: MeasuringChooser's own count)")
     a("--auto-runs", type=int, default=1,
       help="distributed: tune parallel='auto' this many times from scratch, each timed against the best static")
     a("--json", action="store_true", help="print the report as JSON")
