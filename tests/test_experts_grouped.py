@@ -187,4 +187,5 @@ def test_use_grouped_mm_without_grad_keeps_the_loop_for_few_active_experts() -> 
     with torch.no_grad():
         assert not use_grouped_mm(torch.zeros(8, 4), few, w1, w2, None)
         assert use_grouped_mm(torch.zeros(48, 4), many, w1, w2, None) == HAS_GROUPED_MM
-    assert use_grouped_mm(torch.zeros(8, 4, requires_grad=True), few, w1, w2, None) == HAS_GROUPED_MM
+    # With autograd (training) the loop is kept whatever the experts: it measured faster forward + backward.
+    assert not use_grouped_mm(torch.zeros(48, 4, requires_grad=True), many, w1, w2, None)

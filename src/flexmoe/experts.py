@@ -201,10 +201,10 @@ def expert_ffn(
     return looped_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
 
 
-# Where torch's grouped GEMM beats the per-expert loop, measured forward + backward side by side on a 2-core
-# AVX2 CPU with torch 2.13 (docs/architecture.md, "Expert compute"): float32 only (it has no float64 kernel;
-# bf16 / fp16 and GPUs are not measured, so they keep the loop), and only once the experts are small enough
-# that the loop's per-expert calls cost more than they save: at most this many rows per expert on average.
+# Where torch's grouped GEMM beats the per-expert loop, measured side by side on a quiet 2-core AVX2 CPU with
+# torch 2.13 (docs/architecture.md, "Expert compute"): inference only (see use_grouped_mm), float32 only (it has
+# no float64 kernel; bf16 / fp16 and GPUs are not measured, so they keep the loop), and at most this many rows
+# per expert on average (the largest measured).
 _GROUPED_MM_DTYPES = (torch.float32,)
 _GROUPED_MM_MAX_ROWS_PER_EXPERT = 512
 # At H=64 (E=256) the grouped GEMM measured no faster than the loop (0.97-1.03x, and worse in one loaded run):
@@ -218,9 +218,9 @@ _DECODE_LOOP_MAX_ACTIVE_SHARE = 4
 
 def use_grouped_mm(rows: Tensor, counts: list[int], w1: Tensor, w2: Tensor, w3: Tensor | None) -> bool:
     """Whether :func:`expert_ffn` runs :func:`grouped_expert_ffn` for these rows and weights (the measured rule
-    above): :func:`grouped_mm_supported`, float32, a hidden size of at least ``_GROUPED_MM_MIN_HIDDEN``, the
-    experts average at most ``_GROUPED_MM_MAX_ROWS_PER_EXPERT`` rows, (without autograd) more than a quarter of
-    the experts have rows, and the call is not being traced by ``torch.compile``."""
+    above): :func:`grouped_mm_supported`, float32, not traced by ``torch.compile``, a hidden size of at least
+    ``_GROUPED_MM_MIN_HIDDEN``, no autograd (inference), more than a quarter of the experts have rows and they
+    average at most ``_GROUPED_MM_MAX_ROWS_PER_EXPERT`` rows."""
     if not counts or rows.dtype not in _GROUPED_MM_DTYPES or not grouped_mm_supported(rows, w1, w2, w3):
         return False
     if torch.compiler.is_compiling():
@@ -228,11 +228,15 @@ def use_grouped_mm(rows: Tensor, counts: list[int], w1: Tensor, w2: Tensor, w3: 
         return False
     if w1.shape[-1] < _GROUPED_MM_MIN_HIDDEN:
         return False
-    if not _needs_grad(rows, w1, w2, w3):
-        # Decoding: the grouped kernel still visits every empty group, the loop only the experts with rows.
-        active = sum(1 for n in counts if n)
-        if active * _DECODE_LOOP_MAX_ACTIVE_SHARE <= len(counts):
-            return False
+    if _needs_grad(rows, w1, w2, w3):
+        # Forward + backward on a quiet machine, the loop won at every shape measured (grouped/loop 1.14 at
+        # E=8 H=1024, 1.23 at E=64 H=256, 1.17 at E=128 H=128, 1.05 at E=256 H=64; T=4096 M=512 fp32):
+        # the grouped kernel's backward is the slow half on this CPU. Training keeps the loop.
+        return False
+    # Inference: the grouped kernel still visits every empty group, the loop only the experts with rows.
+    active = sum(1 for n in counts if n)
+    if active * _DECODE_LOOP_MAX_ACTIVE_SHARE <= len(counts):
+        return False
     return rows.shape[0] <= _GROUPED_MM_MAX_ROWS_PER_EXPERT * len(counts)
 
 
