@@ -291,11 +291,7 @@ def grouped_expert_ffn(
         assert row_expert is not None  # made above whenever the experts have biases
         return out + b.index_select(0, row_expert)
 
-    if w3 is not None:
-        h = gated_unit(linear(rows, w1, b1), linear(rows, w3, b3), activation, glu_limit)
-    else:
-        h = activation(linear(rows, w1, b1))
-    return linear(h, w2, b2)
+    return _ffn(rows, linear, w1, b1, w2, b2, w3, b3, activation, glu_limit)
 
 
 def looped_expert_ffn(
@@ -326,14 +322,8 @@ def looped_expert_ffn(
                                          per_expert(b2), per_expert(w3), per_expert(b3)):
         if x.shape[0] == 0:
             continue
-        if a3 is not None:
-            h = gated_unit(_linear(x, a1, c1), _linear(x, a3, c3), activation, glu_limit)
-        else:
-            h = activation(_linear(x, a1, c1))
-        outputs.append(_linear(h, a2, c2))
-    if not outputs:
-        return rows.new_zeros(rows.shape[0], w2.shape[-1])
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        outputs.append(_ffn(x, _linear, a1, c1, a2, c2, a3, c3, activation, glu_limit))
+    return _joined(outputs, rows, w2)
 
 
 def _active_experts_ffn(
@@ -358,18 +348,20 @@ def _active_experts_ffn(
             continue
         x = rows[start : start + n]
         start += n
-        if w3 is not None:
-            h = gated_unit(_linear(x, w1[e], _at(b1, e)), _linear(x, w3[e], _at(b3, e)), activation, glu_limit)
-        else:
-            h = activation(_linear(x, w1[e], _at(b1, e)))
-        outputs.append(_linear(h, w2[e], _at(b2, e)))
-    if not outputs:
-        return rows.new_zeros(rows.shape[0], w2.shape[-1])
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        outputs.append(_ffn(x, _linear, w1[e], _at(b1, e), w2[e], _at(b2, e), _at(w3, e), _at(b3, e), activation,
+                            glu_limit))
+    return _joined(outputs, rows, w2)
 
 
 def _at(p: Tensor | None, e: int) -> Tensor | None:
     return p[e] if p is not None else None
+
+
+def _joined(outputs: list[Tensor], rows: Tensor, w2: Tensor) -> Tensor:
+    """The experts' outputs, in order, as ``[N, M]`` (zeros ``[N, M]`` when no expert had rows)."""
+    if not outputs:
+        return rows.new_zeros(rows.shape[0], w2.shape[-1])
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
 def _needs_grad(*tensors: Tensor | None) -> bool:
@@ -396,10 +388,28 @@ def padded_expert_ffn(
     def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:  # [E, R, in] @ [E, in, out] (+ [E, out])
         return torch.baddbmm(b.unsqueeze(1), x, w) if b is not None else torch.bmm(x, w)
 
+    return _ffn(rows, linear, w1, b1, w2, b2, w3, b3, activation, glu_limit)
+
+
+def _ffn(
+    x: Tensor,
+    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor],
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    w3: Tensor | None,
+    b3: Tensor | None,
+    activation: Callable[[Tensor], Tensor],
+    glu_limit: float | None,
+) -> Tensor:
+    """The expert FFN once, whatever ``linear(x, w, b)`` does (one expert's addmm, a grouped GEMM over all
+    experts, a batched matmul over padded ones): ``linear(act(x w1 + b1), w2, b2)``, or with ``w3`` the gated
+    unit (:func:`gated_unit`) of the ``w1`` and ``w3`` projections."""
     if w3 is not None:
-        h = gated_unit(linear(rows, w1, b1), linear(rows, w3, b3), activation, glu_limit)
+        h = gated_unit(linear(x, w1, b1), linear(x, w3, b3), activation, glu_limit)
     else:
-        h = activation(linear(rows, w1, b1))
+        h = activation(linear(x, w1, b1))
     return linear(h, w2, b2)
 
 
