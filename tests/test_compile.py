@@ -50,6 +50,19 @@ def _grads(moe: nn.Module, x: Tensor, out: Tensor, grad: Tensor) -> dict[str, Te
     return grads
 
 
+def _assert_matches_reference(got: Tensor, grads: dict[str, Tensor], ref: Any, x64: Tensor,
+                              params: dict[str, Tensor], *, names: tuple[str, ...] | None = None,
+                              rtol: float = 1e-10, atol: float = 1e-12) -> None:
+    """The compiled output and gradients (of x and of ``names``, default every reference parameter) equal the
+    float64 reference's."""
+    torch.testing.assert_close(got, ref.y.detach(), rtol=rtol, atol=atol)
+    assert x64.grad is not None
+    torch.testing.assert_close(grads["x"], x64.grad, rtol=rtol, atol=atol)
+    for name in params if names is None else names:
+        assert params[name].grad is not None
+        torch.testing.assert_close(grads[name], params[name].grad, rtol=rtol, atol=atol, msg=name)
+
+
 CAPACITY_CASES = {
     "cf=1.0 with drops": (dict(k=2, capacity_factor=1.0), dict(k=2, capacity_factor=1.0)),
     "explicit capacity, batch-prioritized, score at dispatch": (
@@ -92,12 +105,7 @@ def test_capacity_mode_compiles_fullgraph_and_matches_the_reference(case: str) -
     assert plan.capacity == ref.capacity
     assert plan.slot.tolist() == ref.slot
     assert plan.tokens_per_expert.tolist() == ref.tokens_per_expert
-    torch.testing.assert_close(got, ref.y.detach(), rtol=1e-10, atol=1e-12)
-    assert x64.grad is not None
-    torch.testing.assert_close(grads["x"], x64.grad, rtol=1e-10, atol=1e-12)
-    for name, p in params.items():
-        assert p.grad is not None
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
+    _assert_matches_reference(got, grads, ref, x64, params)
 
 
 FAMILY_CASES = {
@@ -171,10 +179,7 @@ def test_custom_experts_compile_with_static_counts() -> None:
     grads = _grads(moe, x, got, grad)
     ref.y.backward(grad)
     assert moe.last_plan is not None and moe.last_plan.counts == [moe.last_plan.capacity] * 4
-    torch.testing.assert_close(got, ref.y.detach(), rtol=1e-10, atol=1e-12)
-    assert x64.grad is not None and params["experts.scale"].grad is not None
-    torch.testing.assert_close(grads["x"], x64.grad, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(grads["experts.scale"], params["experts.scale"].grad, rtol=1e-10, atol=1e-12)
+    _assert_matches_reference(got, grads, ref, x64, params, names=("experts.scale",))
 
 
 @pytest.mark.slow
@@ -220,10 +225,7 @@ def test_dropless_compiles_with_its_graph_breaks_and_matches_the_reference() -> 
     grads = _grads(moe, x, got, grad)
     ref.y.backward(grad)
     assert moe.last_plan is not None and not moe.last_plan.padded
-    torch.testing.assert_close(got, ref.y.detach(), rtol=1e-10, atol=1e-12)
-    assert x64.grad is not None and params["experts.w1"].grad is not None
-    torch.testing.assert_close(grads["x"], x64.grad, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(grads["experts.w1"], params["experts.w1"].grad, rtol=1e-10, atol=1e-12)
+    _assert_matches_reference(got, grads, ref, x64, params, names=("experts.w1",))
 
 
 # ---- inductor: the real backend, C++ kernels ---------------------------------------------------------------
@@ -246,12 +248,7 @@ def test_inductor_capacity_mode_matches_the_reference(options: dict[str, Any]) -
     got = torch.compile(moe, fullgraph=True)(x)
     grads = _grads(moe, x, got, grad)
     ref.y.backward(grad)
-    torch.testing.assert_close(got, ref.y.detach(), rtol=1e-9, atol=1e-11)
-    assert x64.grad is not None
-    torch.testing.assert_close(grads["x"], x64.grad, rtol=1e-9, atol=1e-11)
-    for name, p in params.items():
-        assert p.grad is not None
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-11, msg=name)
+    _assert_matches_reference(got, grads, ref, x64, params, rtol=1e-9, atol=1e-11)
 
 
 # ---- the bench suite's "compile" group ---------------------------------------------------------------------
