@@ -9,12 +9,14 @@ a field of that name, so a new option is one field (and its docstring line) in o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from flexmoe.dispatch import combine, dispatch
+from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch, sum_rows_by_token
 from flexmoe.experts import ExpertOptions, FeedForwardExperts
 from flexmoe.parallel.auto import MeasuringChooser
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
@@ -24,11 +26,12 @@ from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.strategy import ExpertStrategy, LayerShape, build_strategy, check_parallel_options
 from flexmoe.routing.bias_balance import bias_update
 from flexmoe.routing.build import build_plan
+from flexmoe.routing.capacity import count_per_expert, sort_pairs_by_expert
 from flexmoe.routing.families import num_sequences_of
 from flexmoe.routing.options import RoutingOptions
-from flexmoe.routing.plan import RoutingPlan
+from flexmoe.routing.plan import RoutingPlan, check_logits, resolve_capacity
 from flexmoe.routing.routers import build_router, route
-from flexmoe.routing.scores import check_group_options
+from flexmoe.routing.scores import check_group_options, routed_weights, router_scores, select_experts
 from flexmoe.routing.topology import topology_gate
 from flexmoe.shared import SharedExpertGate
 from flexmoe.tuning.policies import resolve_shadow
@@ -193,9 +196,9 @@ class MoELayer(nn.Module):
         self.strategy: ExpertStrategy = self._strategy_for(parallel)
         self.last_choice: ParallelSetting | None = None
         self.last_shadowed: list[int] = []
-        self.aux_loss: Tensor | None = None
-        self.z_loss: Tensor | None = None
-        self.last_plan: RoutingPlan | None = None
+        # The last call's plan; after a call served without one, the function that builds it when first read.
+        self._last_plan: RoutingPlan | None = None
+        self._deferred_plan: Callable[[], RoutingPlan] | None = None
 
     # ---- the data path ----------------------------------------------------------------------------------
 
@@ -210,15 +213,17 @@ class MoELayer(nn.Module):
         self._check_input(x)
         routing, parallel, pinned = self._call_options(call_options)
         tokens = x.reshape(-1, self.model_dim)  # [T, M]
+        num_sequences = num_sequences_of(x, self.model_dim, routing.capacity_per, routing.aux_loss_type)
+        if self._serves_without_plan(routing, tokens):
+            served = self._forward_without_plan(tokens, routing, parallel, pinned, num_sequences)
+            if served is not None:
+                return served.to(x.dtype).reshape(x.shape)
 
         logits = route(self.router, tokens, dtype=routing.router_dtype, training=self.training,
                        jitter=routing.jitter, gate_noise=routing.gate_noise,
                        input_dropout=routing.router_input_dropout)  # [T, E]
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
-                          topology=self.topology,
-                          num_sequences=num_sequences_of(x, self.model_dim, routing.capacity_per,
-                                                         routing.aux_loss_type),
-                          padded=self._padded_layout(routing))
+                          topology=self.topology, num_sequences=num_sequences, padded=self._padded_layout(routing))
         expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
         expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned, plan.padded)  # [N, M]
         y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
@@ -228,8 +233,80 @@ class MoELayer(nn.Module):
         if self.pending_load is not None and self.training and not _in_backward():
             # Counted once per forward; a recomputation under activation checkpointing runs inside backward.
             self.pending_load += plan.load.detach()
-        self.aux_loss, self.z_loss, self.last_plan = plan.aux_loss, plan.z_loss, plan
+        self._last_plan, self._deferred_plan = plan, None
         return y.to(x.dtype).reshape(x.shape)
+
+    def _serves_without_plan(self, routing: RoutingOptions, tokens: Tensor) -> bool:
+        """Whether this call may take :meth:`_forward_without_plan`: no autograd, evaluation mode, eager, top-k
+        routing in token order with one capacity over the call, and few enough pairs for combine's scatter-add
+        (decoding and small evaluation batches)."""
+        if torch.is_grad_enabled() or self.training or torch.compiler.is_compiling():
+            return False
+        if routing.selection != "topk" or self.topology is not None or routing.batch_prioritized:
+            return False
+        return routing.capacity_per == "call" and 0 < tokens.shape[0] * routing.k * self.model_dim <= \
+            SCATTER_MAX_ELEMENTS
+
+    def _forward_without_plan(self, tokens: Tensor, routing: RoutingOptions, parallel: ParallelOptions,
+                              pinned: frozenset[str], num_sequences: int | None) -> Tensor | None:
+        """tokens: ``[T, M]`` -> ``[T, M]`` (or None when an expert is over its capacity: the full path then drops
+        the pairs), computing only what the output needs (docs/architecture.md, "Decoding").
+
+        The same routing functions as :func:`~flexmoe.routing.plan.make_plan` pick the experts and weights, and
+        the rows are in the plan's order (by expert, then slot), so the experts compute exactly the full path's
+        rows. What only the plan holds (slots, losses) is left to :func:`build_plan`, run on this call's logits
+        when ``last_plan``, ``aux_loss`` or ``z_loss`` is first read. Decoding's calls are a few tokens, where the
+        number of small ops, not the FLOPs, is the cost outside the experts.
+        """
+        k = routing.k
+        logits = route(self.router, tokens, dtype=routing.router_dtype)  # [T, E]; evaluation: no exploration
+        num_tokens, num_experts = check_logits(logits, k)
+        scores = router_scores(logits, routing.score_func)
+        expert_index, _ = select_experts(scores, k, selection_bias=self.expert_bias,
+                                         num_expert_groups=routing.num_expert_groups,
+                                         num_limited_groups=routing.num_limited_groups)  # [T, k]
+        counts = count_per_expert(expert_index, num_experts).tolist()
+        max_load = max(counts)
+        if max_load > resolve_capacity(num_tokens, num_experts, k, routing.capacity_factor, routing.capacity,
+                                       max_load):
+            return None
+        _, weight = routed_weights(scores, expert_index, normalize_weights=routing.normalize_weights,
+                                   route_scale=routing.route_scale)  # [T, k]
+        _, by_expert = sort_pairs_by_expert(expert_index)  # [T*k] choice-major pairs in row order
+        row_token = by_expert % num_tokens
+        row_weight = weight.t().reshape(-1).index_select(0, by_expert).to(tokens.dtype)
+        rows = tokens.index_select(0, row_token)  # [N, M] sorted by expert
+        if routing.score_at == "dispatch":
+            rows = rows * row_weight.unsqueeze(-1)
+        out = self._run_experts(rows, counts, parallel, pinned)
+        y = sum_rows_by_token(out, row_token, row_weight.to(out.dtype) if routing.score_at == "combine" else None,
+                              num_tokens)
+        if self.shared is not None:
+            y = y + self._shared_output(tokens).to(y.dtype)
+        # The bias as it was for this call (a later update must not change what this call's plan says).
+        bias = None if self.expert_bias is None else self.expert_bias.clone()
+        self._last_plan = None
+        self._deferred_plan = partial(build_plan, logits, routing, selection_bias=bias, num_sequences=num_sequences)
+        return y
+
+    @property
+    def last_plan(self) -> RoutingPlan | None:
+        """The :class:`~flexmoe.routing.RoutingPlan` of the last call (None before the first)."""
+        if self._deferred_plan is not None:
+            self._last_plan, self._deferred_plan = self._deferred_plan(), None
+        return self._last_plan
+
+    @property
+    def aux_loss(self) -> Tensor | None:
+        """The last call's balance loss (differentiable when the call recorded autograd), ``last_plan.aux_loss``."""
+        plan = self.last_plan
+        return None if plan is None else plan.aux_loss
+
+    @property
+    def z_loss(self) -> Tensor | None:
+        """The last call's router z-loss, ``last_plan.z_loss``."""
+        plan = self.last_plan
+        return None if plan is None else plan.z_loss
 
     def _padded_layout(self, routing: RoutingOptions) -> bool:
         """Whether this call pads every expert's rows to the capacity: under ``torch.compile``, in capacity mode,

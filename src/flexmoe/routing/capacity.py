@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["CAPACITY_PER", "count_per_expert", "assign_slots", "assign_sequence_slots", "kept_counts"]
+__all__ = ["CAPACITY_PER", "count_per_expert", "sort_pairs_by_expert", "assign_slots", "assign_sequence_slots",
+           "kept_counts"]
 
 CAPACITY_PER = ("call", "sequence")
 
@@ -23,47 +24,58 @@ CAPACITY_PER = ("call", "sequence")
 def count_per_expert(expert_index: Tensor, num_experts: int) -> Tensor:
     """``[E]`` long: how many entries of ``expert_index`` (any shape, values in ``[0, E)``) name each expert.
 
-    A scatter-add into ``[E]`` rather than ``torch.bincount``: the result's shape is known before the values
-    are, so ``torch.compile`` traces it without a graph break (docs/architecture.md, "Compiling the layer").
+    Eager: ``torch.bincount``, one op. Traced by ``torch.compile``: a scatter-add into ``[E]``, whose shape is
+    known before the values are, so the graph does not break (docs/architecture.md, "Compiling the layer").
     """
     flat = expert_index.reshape(-1)
+    if not torch.compiler.is_compiling():
+        return torch.bincount(flat, minlength=num_experts)
     return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def sort_pairs_by_expert(expert_index: Tensor) -> tuple[Tensor, Tensor]:
+    """The (token, choice) pairs of ``expert_index`` ``[T, k]`` in slot order: by expert, and within an expert
+    every token's 1st choice before any token's 2nd choice, tokens in order.
+
+    Returns ``(sorted_expert [k*T], by_expert [k*T])``: ``by_expert`` lists choice-major pair indices
+    ``p = choice * T + token`` (the rows of the dropless plan), ``sorted_expert`` their experts.
+    """
+    return torch.sort(expert_index.t().reshape(-1), stable=True)
 
 
 def assign_slots(
     expert_index: Tensor,
     num_experts: int,
-    priority: Tensor,
+    priority: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Slots in priority order, before any capacity is applied.
 
-    expert_index: ``[T, k]``; priority: ``[T]`` the token order within one choice.
+    expert_index: ``[T, k]``; priority: ``[T]`` the token order within one choice (None: token order).
     Returns ``(slot [T, k], load [E], order [T*k])`` where ``order`` lists the flat pair indices
     ``token * k + choice`` sorted by (expert, slot): a pair's slot is its rank among the pairs of its expert.
     """
     num_tokens, k = expert_index.shape
     device = expert_index.device
-    # Pairs in priority order: choice-major, then tokens in `priority` order.
-    pair_token = priority.repeat(k)  # [k*T]
-    pair_choice = torch.arange(k, device=device).repeat_interleave(num_tokens)
-    pair_expert = expert_index[pair_token, pair_choice]
-    by_expert = torch.sort(pair_expert, stable=True).indices  # priority order kept within each expert
-    load = count_per_expert(pair_expert, num_experts)
+    ranked = expert_index if priority is None else expert_index.index_select(0, priority)
+    sorted_expert, by_expert = sort_pairs_by_expert(ranked)
+    load = count_per_expert(ranked, num_experts)
     starts = torch.cumsum(load, 0) - load
-    sorted_expert = pair_expert[by_expert]
-    slot_sorted = torch.arange(num_tokens * k, device=device) - starts[sorted_expert]
-    flat_pair = pair_token[by_expert] * k + pair_choice[by_expert]
-    slot = torch.empty(num_tokens * k, dtype=torch.long, device=device)
-    slot[flat_pair] = slot_sorted
+    slot_sorted = torch.arange(num_tokens * k, device=device) - starts.index_select(0, sorted_expert)
+    choice = torch.div(by_expert, num_tokens, rounding_mode="floor")
+    token = by_expert - choice * num_tokens
+    if priority is not None:
+        token = priority.index_select(0, token)
+    flat_pair = token * k + choice
+    slot = torch.empty(num_tokens * k, dtype=torch.long, device=device).index_copy_(0, flat_pair, slot_sorted)
     return slot.view(num_tokens, k), load, flat_pair
 
 
-def assign_sequence_slots(expert_index: Tensor, num_experts: int, priority: Tensor, num_sequences: int
+def assign_sequence_slots(expert_index: Tensor, num_experts: int, priority: Tensor | None, num_sequences: int
                           ) -> tuple[Tensor, Tensor, Tensor]:
     """Slots counted per (expert, sequence).
 
     expert_index: ``[T, k]`` with ``T = B * S`` tokens sequence-major (token t is in sequence ``t // S``);
-    priority: ``[T]`` the token order within one choice. Returns ``(slot [T, k], unit_load [E, B],
+    priority: ``[T]`` the token order within one choice (None: token order). Returns ``(slot [T, k], unit_load [E, B],
     order [T*k])``: ``unit_load[e, b]`` pairs of sequence b chose e, ``order`` the flat pairs sorted by
     (expert, sequence, slot). With ``num_sequences == 1`` this is :func:`assign_slots`.
     """

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmoe.routing.capacity import count_per_expert
-
 __all__ = ["load_balancing_loss", "router_z_loss", "AUX_LOSS_TYPES", "all_choices_balance_loss",
            "sequence_balance_loss", "balance_loss"]
 
@@ -21,10 +19,13 @@ def load_balancing_loss(probs: Tensor, first_choice: Tensor) -> Tensor:
     num_tokens, num_experts = probs.shape
     if num_tokens == 0:
         return probs.sum() * 0.0
-    counts = count_per_expert(first_choice, num_experts).to(probs.dtype)
-    fraction = counts / num_tokens
-    mean_prob = probs.mean(dim=0)
-    return num_experts * torch.sum(fraction * mean_prob)
+    return _counted_mean_prob(probs, first_choice) * (num_experts / num_tokens)
+
+
+def _counted_mean_prob(probs: Tensor, expert_index: Tensor) -> Tensor:
+    """``sum_e count_e * P_e`` with ``count_e`` the entries of ``expert_index`` naming e and ``P_e`` the mean of
+    ``probs[:, e]``: summed over the entries (``sum_i P_{expert_index[i]}``), which needs no count per expert."""
+    return probs.mean(dim=0).index_select(0, expert_index.reshape(-1)).sum()
 
 
 def router_z_loss(logits: Tensor) -> Tensor:
@@ -44,8 +45,7 @@ def all_choices_balance_loss(probs: Tensor, expert_index: Tensor) -> Tensor:
     num_tokens, num_experts = probs.shape
     if num_tokens == 0:
         return probs.sum() * 0.0
-    counts = count_per_expert(expert_index, num_experts).to(probs.dtype)
-    return num_experts * torch.sum(counts / num_tokens * probs.mean(dim=0))
+    return _counted_mean_prob(probs, expert_index) * (num_experts / num_tokens)
 
 
 def sequence_balance_loss(probs: Tensor, expert_index: Tensor, num_sequences: int) -> Tensor:

@@ -109,6 +109,16 @@ class RoutingPlan:
         return len(self.counts)
 
     @property
+    def every_pair_has_row(self) -> bool:
+        """True when every (token, choice) pair has a row: nothing dropped or skipped (a dropless top-k plan).
+        Combine and dispatch's backward then need no mask for missing pairs. Never for a padded plan, whose
+        counts stay on the device, nor for expert choice, whose pair grid ``[T, E]`` is mostly empty."""
+        if self.padded or self.kind == "expert_choice":
+            return False
+        return isinstance(self.num_dropped, int) and isinstance(self.num_skipped, int) \
+            and self.num_dropped == 0 and self.num_skipped == 0
+
+    @property
     def row_expert(self) -> Tensor:
         """``[N]`` the expert of each row."""
         device = self.tokens_per_expert.device
@@ -141,11 +151,10 @@ def resolve_capacity(
     return min(int(max_load), math.ceil(k * -capacity_factor * num_tokens / num_experts))
 
 
-def _priority_order(probs_topk: Tensor, batch_prioritized: bool) -> Tensor:
-    """``[T]`` the order in which tokens claim slots within one choice."""
-    num_tokens = probs_topk.shape[0]
+def _priority_order(probs_topk: Tensor, batch_prioritized: bool) -> Tensor | None:
+    """``[T]`` the order in which tokens claim slots within one choice; None for token order."""
     if not batch_prioritized:
-        return torch.arange(num_tokens, device=probs_topk.device)
+        return None
     # Descending top-1 probability; the stable sort keeps token order among equals.
     return torch.sort(probs_topk[:, 0], descending=True, stable=True).indices
 
@@ -255,7 +264,7 @@ def plan_from_pairs(
     :class:`RoutingPlan`; active: ``[T, k]`` bool, the pairs to dispatch (default all). Inactive pairs are
     *skipped*: they claim no slot, get ``slot == -1``, are left out of ``load`` and counted in ``num_skipped``,
     not in ``num_dropped``. Capacity as in :func:`resolve_capacity` over the active pairs' loads.
-    priority: ``[T]`` the token order within one choice (default token order).
+    priority: ``[T]`` the token order within one choice (None: token order).
     num_sequences: B when every one of the B sequences (``T / B`` consecutive tokens each) has its own capacity
     (``capacity_per="sequence"``, :mod:`flexmoe.routing.capacity`): slots then count within (expert, sequence)
     and ``capacity`` is per sequence. None: one capacity over the call.
@@ -265,8 +274,6 @@ def plan_from_pairs(
     num_tokens, num_experts = logits.shape
     k = expert_index.shape[1]
     device = logits.device
-    if priority is None:
-        priority = torch.arange(num_tokens, device=device)
     num_units = 1 if num_sequences is None else num_sequences
     num_active: int | Tensor  # a tensor only in a padded plan, which never brings it to the host
     if active is None:
@@ -288,26 +295,30 @@ def plan_from_pairs(
                             num_active, aux_loss, kind)
     assert isinstance(num_active, int)  # only a padded plan keeps it on the device
     order = order[:num_active]
-    load = unit_load.sum(dim=1)
+    load = unit_load.sum(dim=1) if num_units > 1 else unit_load.view(-1)
 
     unit_list = unit_load.tolist()  # the one host sync: row counts size every later tensor
     max_load = max((n for row in unit_list for n in row), default=0)
     cap = resolve_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity, max_load)
-    counts = kept_counts(unit_list, cap)
-    rows = order[slot.view(-1)[order] < cap]  # kept pairs, sorted by (expert, [sequence,] slot)
-    kept = slot < cap if active is None else active & (slot < cap)
-    slot = torch.where(kept, slot, torch.full_like(slot, -1))
+    # Every pair keeps its row when no unit is over capacity (always so in dropless mode): no masking then.
+    drops = max_load > cap
+    counts = kept_counts(unit_list, cap) if drops or num_units > 1 else [n for row in unit_list for n in row]
+    rows = order[slot.view(-1).index_select(0, order) < cap] if drops else order  # sorted by (expert, [seq,] slot)
+    if drops or active is not None:
+        kept = slot < cap if active is None else active & (slot < cap)
+        slot = torch.where(kept, slot, torch.full_like(slot, -1))
     num_dropped = num_active - sum(counts)
+    row_token = torch.div(rows, k, rounding_mode="floor")
 
     return RoutingPlan(
         expert_index=expert_index,
         slot=slot,
         weight=weight,
         probs_topk=probs_topk,
-        row_token=torch.div(rows, k, rounding_mode="floor"),
-        row_choice=rows % k,
-        row_weight=weight.reshape(-1)[rows],
-        tokens_per_expert=torch.tensor(counts, dtype=torch.long, device=device),
+        row_token=row_token,
+        row_choice=rows - row_token * k,
+        row_weight=weight.reshape(-1).index_select(0, rows),
+        tokens_per_expert=load if not drops else torch.tensor(counts, dtype=torch.long, device=device),
         load=load,
         counts=counts,
         capacity=cap,

@@ -105,14 +105,19 @@ def route(
     ``input_dropout`` drops router input features, ``gate_noise`` adds N(0, gate_noise^2) to the logits.
     The built-in routers see x in ``dtype``; a custom router module sees x as is and its logits are cast.
     """
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        builtin = isinstance(router, (LinearRouter, CosineRouter))
-        h = x.to(dtype) if builtin else x
-        if training and jitter > 0:
-            h = h * torch.empty_like(h).uniform_(1.0 - jitter, 1.0 + jitter)
-        if training and input_dropout > 0:
-            h = F.dropout(h, p=input_dropout, training=True)
-        logits = router(h).to(dtype)
-        if training and gate_noise > 0:
-            logits = logits + torch.randn_like(logits) * gate_noise
+    if torch.is_autocast_enabled(x.device.type):
+        # The router computes in `dtype` whatever autocast says (entering the context only when autocast is on:
+        # it costs a decoding call measurable time).
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return route(router, x, dtype=dtype, training=training, jitter=jitter, gate_noise=gate_noise,
+                         input_dropout=input_dropout)
+    builtin = isinstance(router, (LinearRouter, CosineRouter))
+    h = x.to(dtype) if builtin else x
+    if training and jitter > 0:
+        h = h * torch.empty_like(h).uniform_(1.0 - jitter, 1.0 + jitter)
+    if training and input_dropout > 0:
+        h = F.dropout(h, p=input_dropout, training=True)
+    logits = router(h).to(dtype)
+    if training and gate_noise > 0:
+        logits = logits + torch.randn_like(logits) * gate_noise
     return logits

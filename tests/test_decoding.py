@@ -1,0 +1,141 @@
+"""The no-grad evaluation path (decoding): a call that builds no plan gives the reference's numbers, and the plan
+it leaves to be read later is the one the full path would have built (docs/architecture.md, "Decoding")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexmoe.layer as layer_module
+from flexmoe import MoELayer
+from reference import reference_for_layer
+from test_layer import M, T, assert_close, assert_plan_matches, make_input, make_layer
+
+TOL64 = 1e-10
+
+
+def count_plan_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the layer's calls of build_plan (one entry per call)."""
+    calls: list[int] = []
+    real = layer_module.build_plan
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(layer_module, "build_plan", counted)
+    return calls
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("options", [{"capacity_factor": 0.0}, {"capacity_factor": 4.0},
+                                     {"capacity_factor": 0.0, "score_at": "dispatch"},
+                                     {"capacity_factor": 0.0, "normalize_weights": False}])
+def test_no_grad_call_matches_reference_and_defers_the_plan(monkeypatch: pytest.MonkeyPatch, k: int,
+                                                            options: dict) -> None:
+    moe = make_layer(k=k, seed=3, **options).eval()
+    x = make_input(seed=4)
+    builds = count_plan_builds(monkeypatch)
+    with torch.no_grad():
+        y = moe(x)
+    assert builds == []  # served without a plan
+    ref, _, _ = reference_for_layer(moe, x, k=k, **options)
+    assert_close(y, ref.y, TOL64, "output")
+    assert_plan_matches(moe, ref)  # the plan, built now from the call's logits
+    assert builds == [1]
+    assert_close(moe.aux_loss, ref.aux_loss, TOL64, "aux_loss")
+    assert_close(moe.z_loss, ref.z_loss, TOL64, "z_loss")
+    assert builds == [1]  # built once
+
+
+def test_over_capacity_takes_the_full_path_and_drops(monkeypatch: pytest.MonkeyPatch) -> None:
+    moe = make_layer(k=2, capacity_factor=0.5, seed=5).eval()
+    x = make_input(seed=6)
+    builds = count_plan_builds(monkeypatch)
+    with torch.no_grad():
+        y = moe(x)
+    ref, _, _ = reference_for_layer(moe, x, k=2, capacity_factor=0.5)
+    assert ref.num_dropped > 0 and builds == [1]
+    assert_close(y, ref.y, TOL64, "output")
+    assert_plan_matches(moe, ref)
+
+
+def test_one_token_and_leading_shapes() -> None:
+    moe = make_layer(k=2, capacity_factor=0.0, seed=7).eval()
+    for shape in [(1, M), (M,), (2, 1, M)]:
+        x = make_input(shape, seed=8)
+        with torch.no_grad():
+            y = moe(x)
+        ref, _, _ = reference_for_layer(moe, x, k=2, capacity_factor=0.0)
+        assert y.shape == x.shape
+        assert_close(y.reshape(ref.y.shape), ref.y, TOL64, f"output for {shape}")
+
+
+@pytest.mark.parametrize("options", [
+    {"score_func": "sigmoid", "num_expert_groups": 4, "num_limited_groups": 2, "route_scale": 2.5,
+     "balance": "bias", "shared_experts": 1},
+    {"router": "cosine", "glu": True, "activation": "silu", "shared_experts": 2, "shared_gate": True},
+])
+def test_family_options_equal_the_full_path(options: dict) -> None:
+    """Options the dense reference does not model: the no-grad call equals the full path of the same layer (the
+    full path is checked against the families' references in test_routing_families.py)."""
+    moe = make_layer(k=3, capacity_factor=0.0, num_experts=8, seed=9, **options).eval()
+    if moe.expert_bias is not None:
+        moe.expert_bias.copy_(torch.linspace(-0.3, 0.3, 8, dtype=moe.expert_bias.dtype))
+    x = make_input(seed=10)
+    with torch.no_grad():
+        fast = moe(x)
+        fast_plan = moe.last_plan
+    full = moe(x)  # grad enabled: the full path
+    assert_close(fast, full, TOL64, "output")
+    assert torch.equal(fast_plan.expert_index, moe.last_plan.expert_index)
+    assert torch.equal(fast_plan.slot, moe.last_plan.slot)
+    assert_close(fast_plan.aux_loss, moe.last_plan.aux_loss, TOL64, "aux_loss")
+
+
+def test_plan_keeps_the_bias_of_its_call() -> None:
+    moe = make_layer(k=2, capacity_factor=0.0, balance="bias", seed=11).eval()
+    moe.expert_bias.copy_(torch.tensor([0.5, 0.0, 0.0, 0.0, -0.5], dtype=moe.expert_bias.dtype))
+    x = make_input(seed=12)
+    with torch.no_grad():
+        moe(x)
+        biased = moe.last_plan.expert_index.clone()  # read right away
+        moe(x)
+        moe.expert_bias.zero_()  # changed after the call, before its plan is read
+        assert torch.equal(moe.last_plan.expert_index, biased)
+        moe(x)
+        assert not torch.equal(moe.last_plan.expert_index, biased)  # the bias does change this routing
+
+
+def test_errors_are_those_of_the_full_path() -> None:
+    moe = make_layer(k=2, capacity_factor=0.0, seed=13).eval()
+    bad = make_input(seed=14)
+    bad[3, 0] = float("nan")
+    with torch.no_grad(), pytest.raises(ValueError, match="NaN or infinity"):
+        moe(bad)
+    sequence = make_layer(k=2, capacity_factor=0.0, aux_loss_type="sequence", seed=15).eval()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"aux_loss_type='sequence' needs x of shape"):
+        sequence(make_input(seed=16))
+
+
+def test_float32_decoding_shape_matches_float64_reference() -> None:
+    """E=16, k=4 float32 at one token per call, the shape decoding runs at (scaled down)."""
+    torch.manual_seed(17)
+    moe = MoELayer(M, 16, 32, k=4, capacity_factor=0.0).eval()
+    for step in range(3):
+        x = make_input((1, M), seed=20 + step, dtype=torch.float32)
+        with torch.no_grad():
+            y = moe(x)
+        ref, _, _ = reference_for_layer(moe, x, k=4, capacity_factor=0.0)
+        assert_close(y, ref.y, 2e-5, f"output at step {step}")
+    assert moe.last_plan.counts == ref.tokens_per_expert
+
+
+def test_training_mode_and_grad_take_the_full_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    moe = make_layer(k=2, capacity_factor=0.0, seed=18)
+    builds = count_plan_builds(monkeypatch)
+    with torch.no_grad():
+        moe.train()(make_input(seed=19))
+    moe.eval()(make_input(seed=19))
+    assert builds == [1, 1]
+    assert T * 2 == sum(moe.last_plan.counts)
