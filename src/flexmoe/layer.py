@@ -349,7 +349,8 @@ class MoELayer(nn.Module):
 
         padded: every expert has the same number of rows (a padded plan, one process): the built-in experts run
         them as one batched ``[E, R, M]`` block."""
-        strategy = self.strategy if options == self.parallel_options else self._strategy_for(options)
+        same = options is self.parallel_options or options == self.parallel_options
+        strategy = self.strategy if same else self._strategy_for(options)
         experts = self.experts
 
         def run(expert_rows: Tensor) -> Tensor:
