@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from flexmoe.validation import check_int, describe_value
 
 __all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_ffn", "grouped_expert_ffn",
-           "looped_expert_ffn",
-           "use_grouped_mm", "grouped_mm_supported", "gated_unit", "check_glu_limit", "resolve_activation"]
+           "looped_expert_ffn", "use_grouped_mm", "grouped_mm_supported", "gated_unit", "hidden_unit",
+           "check_glu_limit", "resolve_activation", "activation_name"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -41,6 +41,11 @@ def resolve_activation(activation: str | Callable[[Tensor], Tensor]) -> Callable
     if activation in _ACTIVATIONS:
         return _ACTIVATIONS[activation]
     raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)} or a callable, got {activation!r}")
+
+
+def activation_name(activation: Callable[[Tensor], Tensor]) -> str | None:
+    """The name :func:`resolve_activation` knows ``activation`` by, or None for any other callable."""
+    return next((name for name, fn in _ACTIVATIONS.items() if fn is activation), None)
 
 
 @dataclass(frozen=True)
@@ -406,11 +411,15 @@ def _ffn(
     """The expert FFN once, whatever ``linear(x, w, b)`` does (one expert's addmm, a grouped GEMM over all
     experts, a batched matmul over padded ones): ``linear(act(x w1 + b1), w2, b2)``, or with ``w3`` the gated
     unit (:func:`gated_unit`) of the ``w1`` and ``w3`` projections."""
-    if w3 is not None:
-        h = gated_unit(linear(x, w1, b1), linear(x, w3, b3), activation, glu_limit)
-    else:
-        h = activation(linear(x, w1, b1))
+    h = hidden_unit(linear(x, w1, b1), linear(x, w3, b3) if w3 is not None else None, activation, glu_limit)
     return linear(h, w2, b2)
+
+
+def hidden_unit(pre1: Tensor, pre3: Tensor | None, activation: Callable[[Tensor], Tensor],
+                glu_limit: float | None) -> Tensor:
+    """The experts' hidden activations ``[n, H]`` from the pre-activations ``[n, H]`` of ``w1`` and (gated
+    experts) ``w3``: ``activation(pre1)``, or the gated unit (:func:`gated_unit`). Elementwise."""
+    return gated_unit(pre1, pre3, activation, glu_limit) if pre3 is not None else activation(pre1)
 
 
 def gated_unit(gate: Tensor, up: Tensor, activation: Callable[[Tensor], Tensor], limit: float | None) -> Tensor:
