@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flexmoe.segment_ffn import segment_expert_ffn
 from flexmoe.validation import check_int, describe_value
 
 __all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_ffn", "grouped_expert_ffn",
-           "looped_expert_ffn", "use_grouped_mm", "grouped_mm_supported", "gated_unit", "hidden_unit",
+           "looped_expert_ffn", "segmented_expert_ffn", "use_grouped_mm", "grouped_mm_supported", "gated_unit", "hidden_unit",
            "check_glu_limit", "resolve_activation", "activation_name"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -297,6 +298,27 @@ def grouped_expert_ffn(
         return out + b.index_select(0, row_expert)
 
     return _ffn(rows, linear, w1, b1, w2, b2, w3, b3, activation, glu_limit)
+
+
+def segmented_expert_ffn(
+    rows: Tensor,
+    counts: list[int],
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    w3: Tensor | None,
+    b3: Tensor | None,
+    activation: Callable[[Tensor], Tensor],
+    glu_limit: float | None = None,
+) -> Tensor:
+    """:func:`expert_ffn` as the per-expert loop with a hand-written backward, one autograd node for all experts
+    (:func:`flexmoe.segment_ffn.segment_expert_ffn`; shapes as there). The same matmuls as
+    :func:`looped_expert_ffn`, written into full-size buffers; the elementwise unit runs once over all rows."""
+    def unit(pre1: Tensor, pre3: Tensor | None) -> Tensor:
+        return hidden_unit(pre1, pre3, activation, glu_limit)
+
+    return segment_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, unit)
 
 
 def looped_expert_ffn(

@@ -82,7 +82,7 @@ def _backward_impl(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: 
                    needs: list[bool]) -> list[Tensor]:
     """-> the gradients of ``rows, w1, b1, w2, b2, w3, b3`` (an empty tensor where ``needs`` is False)."""
     segments = padded_segments(unit_rows.tolist(), capacity, w1.shape[0])
-    recorded = record_unit(pre1, pre3 if w3 is not None else None, _unit(activation, glu_limit))
+    recorded = record_unit(pre1, pre3 if w3 is not None else None, _unit(activation, glu_limit), functional=True)
     grads = segment_ffn_backward(grad_out.contiguous(), rows.contiguous(), segments, w1, w2, w3, recorded, needs,
                                  padded=True)
     return [g if g is not None else rows.new_empty(0) for g in grads]

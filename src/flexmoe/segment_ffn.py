@@ -69,16 +69,25 @@ def segment_ffn_forward(rows: Tensor, segments: Sequence[Segment], w1: Tensor, b
     return out, pre1, pre3, recorded
 
 
-def record_unit(pre1: Tensor, pre3: Tensor | None, unit: Unit) -> RecordedUnit:
+def record_unit(pre1: Tensor, pre3: Tensor | None, unit: Unit, *, functional: bool = False) -> RecordedUnit:
     """``(h, vjp)``: ``h = unit(pre1, pre3)`` and its vector-Jacobian product, ``vjp(grad_h)`` giving the
-    gradients of ``pre1`` (and ``pre3``), by ``torch.func.vjp`` on the elementwise call alone, so that any unit
-    works. (``torch.func`` rather than ``torch.autograd.grad``: it also records inside a custom op's kernel,
-    where autograd is switched off.)"""
-    if pre3 is None:
-        recorded = torch.func.vjp(lambda p1: unit(p1, None), pre1)
-    else:
-        recorded = torch.func.vjp(unit, pre1, pre3)
-    return recorded[0], recorded[1]
+    gradients of ``pre1`` (and ``pre3``), by autograd on the elementwise call alone, so that any unit works.
+
+    ``functional``: by ``torch.func.vjp``, which also records inside a custom op's kernel (where autograd is
+    switched off) but refuses saved-tensor hooks (activation checkpointing); else by ``torch.autograd``."""
+    if functional:
+        recorded = (torch.func.vjp(lambda p1: unit(p1, None), pre1) if pre3 is None
+                    else torch.func.vjp(unit, pre1, pre3))
+        return recorded[0], recorded[1]
+    with torch.enable_grad():
+        inputs = tuple(p.detach().requires_grad_() for p in ((pre1,) if pre3 is None else (pre1, pre3)))
+        h = unit(inputs[0], inputs[1] if pre3 is not None else None)
+
+    def vjp(grad_h: Tensor) -> tuple[Tensor, ...]:
+        # retain_graph: a second backward through the outer graph (retain_graph there) needs it again.
+        return torch.autograd.grad(h, inputs, grad_h, retain_graph=True)
+
+    return h.detach(), vjp
 
 
 def segment_ffn_backward(grad_out: Tensor, rows: Tensor, segments: Sequence[Segment], w1: Tensor, w2: Tensor,
