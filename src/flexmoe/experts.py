@@ -25,8 +25,8 @@ from flexmoe.segment_ffn import segment_expert_ffn
 from flexmoe.validation import check_int, describe_value
 
 __all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_ffn", "grouped_expert_ffn",
-           "looped_expert_ffn", "segmented_expert_ffn", "use_grouped_mm", "grouped_mm_supported", "gated_unit", "hidden_unit",
-           "check_glu_limit", "resolve_activation", "activation_name"]
+           "looped_expert_ffn", "segmented_expert_ffn", "use_grouped_mm", "grouped_mm_supported", "gated_unit",
+           "hidden_unit", "check_glu_limit", "resolve_activation", "activation_name"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
