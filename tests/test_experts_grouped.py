@@ -15,6 +15,7 @@ from flexmoe.experts import (
     looped_expert_ffn,
     segmented_expert_ffn,
     use_grouped_mm,
+    use_segmented,
 )
 from reference import ref_ffn_expert
 
@@ -296,3 +297,23 @@ def test_segmented_path_under_activation_checkpointing(use_reentrant: bool) -> N
     for leaf, e in zip(leaves, expected_grads):
         assert leaf.grad is not None
         torch.testing.assert_close(leaf.grad, e, rtol=1e-10, atol=1e-12)
+
+
+def test_use_segmented_rule_and_expert_ffn_through_it() -> None:
+    """Training with little work per expert (E=128 H=128, E=256 H=64 measured faster) takes the hand-written
+    backward; large experts, inference, float64 and autocast keep the autograd loop. expert_ffn gives the
+    reference's numbers either way."""
+    rows = torch.zeros(128 * 256, 4, requires_grad=True)
+    small = (torch.zeros(128, 4, 128, requires_grad=True), None, torch.zeros(128, 128, 4), None, None, None)
+    large = (torch.zeros(64, 4, 256, requires_grad=True), None, torch.zeros(64, 256, 4), None, None, None)
+    assert use_segmented(rows, [256] * 128, *small)
+    assert not use_segmented(rows, [512] * 64, *large)  # E=64 H=256: measured no faster
+    with torch.no_grad():
+        assert not use_segmented(rows, [256] * 128, *small)  # inference: the loop over active experts
+    assert not use_segmented(rows.double(), [256] * 128, *(t.double() if t is not None else None for t in small))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not use_segmented(rows, [256] * 128, *small)
+    counts = [3, 0, 5, 1]
+    assert use_segmented(torch.zeros(9, 8, requires_grad=True), counts, torch.zeros(4, 8, 12), None,
+                         torch.zeros(4, 12, 8, requires_grad=True), None, None, None)
+    _check_path(expert_ffn, torch.float32, counts, glu=True)  # through the segmented path, as the rule says
