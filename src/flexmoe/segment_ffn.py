@@ -49,8 +49,8 @@ def segment_ffn_forward(rows: Tensor, segments: Sequence[Segment], w1: Tensor, b
     Returns ``(out [N, M], pre1 [N, H], pre3 [N, H] or None, recorded)``: the pre-activations and, with
     ``record``, the unit's output and derivative (:func:`record_unit`), what the backward needs (without,
     the backward records the unit again from the pre-activations: one more elementwise pass, nothing but
-    tensors kept). ``padded``: some rows lie outside every segment; their
-    ``out`` is zero and their pre-activations zero (the unit runs over every row, so they must hold numbers).
+    tensors kept). ``padded``: some rows lie outside every segment; their ``out`` is zero and their
+    pre-activations zero (the unit runs over every row, so they must hold numbers).
     """
     num_rows, hidden = rows.shape[0], w1.shape[-1]
     alloc = torch.zeros if padded else torch.empty
@@ -208,7 +208,7 @@ def segment_expert_ffn(rows: Tensor, counts: Sequence[int], w1: Tensor, b1: Tens
                        b2: Tensor | None, w3: Tensor | None, b3: Tensor | None, unit: Unit) -> Tensor:
     """The expert FFN as one autograd node: rows ``[N, M]`` sorted by expert, ``counts[e]`` rows each
     (``sum(counts) == N``); weights as in :func:`segment_ffn_forward` (views are fine: the gradients come back
-    contiguous) -> ``[N, M]``."""
+    contiguous) -> ``[N, M]``. Differentiable once (no double backward)."""
     if sum(counts) != rows.shape[0]:
         raise ValueError(f"counts must sum to the number of rows {rows.shape[0]}, got {sum(counts)}")
     return _SegmentExpertFFN.apply(rows.contiguous(), w1, b1, w2, b2, w3, b3, contiguous_segments(counts), unit)
