@@ -199,6 +199,27 @@ def test_padded_op_computes_the_real_rows_and_matches_eager_and_the_reference(ca
     _assert_matches_reference(got, got_grads, ref, x64, params, **tol)
 
 
+def test_unnamed_activation_keeps_the_batched_matmuls_and_matches_the_reference() -> None:
+    """The op takes activations by name: a callable one runs the padded block through the batched matmuls
+    (padding rows computed and never combined), with the same numbers."""
+    def tanh_gate(h: Tensor) -> Tensor:
+        return h * torch.tanh(h)
+
+    torch.manual_seed(0)
+    moe = MoELayer(8, 8, 12, k=2, capacity=2, activation=tanh_gate, dtype=torch.float64, router_dtype=torch.float64)
+    x = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    grad = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    want = moe(x)
+    want_grads = _grads(moe, x, want, grad)
+    torch._dynamo.reset()
+    assert _padded_rows_seen(moe, x) == []  # the op never ran
+    got = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    got_grads = _grads(moe, x, got, grad)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
 def _padded_rows_seen(moe: MoELayer, x: Tensor) -> list[int]:
     """The rows flexmoe::padded_expert_ffn computes in one compiled call (its per-unit count of real rows)."""
     from flexmoe import padded_ffn_op
