@@ -138,7 +138,7 @@ def padded_experts_forward(experts: FeedForwardExperts, rows: Tensor, plan: Rout
     if (not padded_op_available() or activation is None or plan.capacity < 1
             or torch.is_autocast_enabled(rows.device.type)):
         num_experts = len(plan.counts)
-        return experts.forward_padded(rows.view(num_experts, plan.counts[0], -1)).flatten(0, 1)
+        return experts.forward_padded(rows.view(num_experts, plan.counts[0], rows.shape[-1])).flatten(0, 1)
     out, _, _ = torch.ops.flexmoe.padded_expert_ffn(rows, padded_unit_rows(plan), plan.capacity, experts.w1,
                                                     experts.b1, experts.w2, experts.b2, experts.w3, experts.b3,
                                                     activation, experts.glu_limit)
