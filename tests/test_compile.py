@@ -155,6 +155,117 @@ def test_routing_options_compile_fullgraph_and_equal_eager(case: str) -> None:
         assert moe.pending_load.tolist() == (2 * want_plan.load).tolist()
 
 
+# The padded plan's real rows only (flexmoe::padded_expert_ffn): E=8 and E=64, with and without biases and the
+# gated unit, a capacity small enough that some experts overflow while others get nothing.
+PADDED_OP_CASES = {
+    "E=8 bias gelu": dict(num_experts=8, tokens=8, k=2, capacity=2),
+    "E=8 no bias, glu silu": dict(num_experts=8, tokens=8, k=2, capacity=2, bias=False, glu=True,
+                                  activation="silu"),
+    "E=64 bias, glu silu": dict(num_experts=64, tokens=30, k=2, capacity=1, glu=True, activation="silu"),
+    "E=64 no bias relu": dict(num_experts=64, tokens=30, k=3, capacity=1, bias=False, activation="relu"),
+}
+
+
+_CXX = next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+needs_cxx = pytest.mark.skipif(_CXX is None, reason="inductor on CPU compiles C++: no g++, c++ or clang++ on PATH")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=[pytest.mark.slow, needs_cxx])])
+@pytest.mark.parametrize("case", list(PADDED_OP_CASES))
+def test_padded_op_computes_the_real_rows_and_matches_eager_and_the_reference(case: str, backend: str) -> None:
+    options = dict(PADDED_OP_CASES[case])
+    num_experts, tokens = options.pop("num_experts"), options.pop("tokens")
+    torch.manual_seed(0)
+    moe = MoELayer(8, num_experts, 12, dtype=torch.float64, router_dtype=torch.float64, **options)
+    x = torch.randn(tokens, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    grad = torch.randn(tokens, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ref_options = {n: options[n] for n in ("k", "capacity") if n in options}
+    ref, x64, params = reference_for_layer(moe, x, activation=str(options.get("activation", "gelu")),
+                                           glu=bool(options.get("glu")), **ref_options)
+    ref.y.backward(grad)
+    loads = ref.load
+    assert max(loads) > ref.capacity and 0 in loads  # some experts overflow, some get no row
+
+    want = moe(x)
+    want_grads = _grads(moe, x, want, grad)
+    got = torch.compile(moe, fullgraph=True, backend=backend)(x)
+    got_grads = _grads(moe, x, got, grad)
+    assert moe.last_plan is not None and moe.last_plan.padded
+    tol = dict(rtol=1e-10, atol=1e-12) if backend == "aot_eager" else dict(rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(got, want, **tol)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **tol, msg=name)
+    _assert_matches_reference(got, got_grads, ref, x64, params, **tol)
+
+
+def test_unnamed_activation_keeps_the_batched_matmuls_and_matches_the_reference() -> None:
+    """The op takes activations by name: a callable one runs the padded block through the batched matmuls
+    (padding rows computed and never combined), with the same numbers."""
+    def tanh_gate(h: Tensor) -> Tensor:
+        return h * torch.tanh(h)
+
+    torch.manual_seed(0)
+    moe = MoELayer(8, 8, 12, k=2, capacity=2, activation=tanh_gate, dtype=torch.float64, router_dtype=torch.float64)
+    x = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    grad = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    want = moe(x)
+    want_grads = _grads(moe, x, want, grad)
+    torch._dynamo.reset()
+    assert _padded_rows_seen(moe, x) == []  # the op never ran
+    got = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    got_grads = _grads(moe, x, got, grad)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def _padded_rows_seen(moe: MoELayer, x: Tensor) -> list[int]:
+    """The rows flexmoe::padded_expert_ffn computes in one compiled call (its per-unit count of real rows)."""
+    from flexmoe import padded_ffn_op
+
+    seen: list[int] = []
+    original = padded_ffn_op.padded_segments
+
+    def spy(unit_rows: list[int], capacity: int, num_experts: int) -> Any:
+        seen.extend(unit_rows)
+        return original(unit_rows, capacity, num_experts)
+
+    padded_ffn_op.padded_segments = spy
+    try:
+        torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    finally:
+        padded_ffn_op.padded_segments = original
+    return seen
+
+
+def test_padded_op_with_capacity_per_sequence_matches_eager() -> None:
+    """Switch's per-sequence capacity: each (expert, sequence) unit's real rows lead its block of C rows."""
+    torch.manual_seed(0)
+    moe = MoELayer(8, 8, 12, k=2, capacity_factor=1.0, capacity_per="sequence", glu=True, activation="silu",
+                   dtype=torch.float64, router_dtype=torch.float64)
+    x = torch.randn(3, 10, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    grad = torch.randn(3, 10, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    want = moe(x)
+    want_plan = moe.last_plan
+    want_grads = _grads(moe, x, want, grad)
+    got = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    got_grads = _grads(moe, x, got, grad)
+    assert want_plan is not None and want_plan.num_dropped > 0
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+    # The op saw, per (expert, sequence), that unit's kept pairs: the eager plan's counts, sequence by sequence.
+    torch._dynamo.reset()
+    seen = _padded_rows_seen(moe, x)
+    per_unit = [0] * 24
+    for t, (experts, slots) in enumerate(zip(want_plan.expert_index.tolist(), want_plan.slot.tolist())):
+        for e, slot in zip(experts, slots):
+            if slot >= 0:
+                per_unit[e * 3 + t // 10] += 1
+    assert seen == per_unit and sum(seen) == sum(want_plan.counts)
+
+
 class ScaledIdentityExperts(nn.Module):
     """A custom expert (the ``forward(x, counts)`` protocol): expert e multiplies its rows by ``scale[e]``."""
 
@@ -229,9 +340,6 @@ def test_dropless_compiles_with_its_graph_breaks_and_matches_the_reference() -> 
 
 
 # ---- inductor: the real backend, C++ kernels ---------------------------------------------------------------
-
-_CXX = next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
-needs_cxx = pytest.mark.skipif(_CXX is None, reason="inductor on CPU compiles C++: no g++, c++ or clang++ on PATH")
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
-"""The experts' two compute paths (one grouped GEMM per matrix, or one addmm pair per expert) against a plain
-row-by-row float64 reference, forward and gradients: empty experts, all rows on one expert, E=256."""
+"""The experts' compute paths (one grouped GEMM per matrix; one addmm pair per expert, through autograd or with
+the hand-written backward of flexmoe.segment_ffn) against a plain row-by-row float64 reference, forward and
+gradients: empty experts, all rows on one expert, E=256, views, bf16, activation checkpointing."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flexmoe.experts import expert_ffn, gated_unit, grouped_expert_ffn, looped_expert_ffn, use_grouped_mm
+from flexmoe.experts import (
+    expert_ffn,
+    gated_unit,
+    grouped_expert_ffn,
+    looped_expert_ffn,
+    segmented_expert_ffn,
+    use_grouped_mm,
+    use_segmented,
+)
 from reference import ref_ffn_expert
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
@@ -189,3 +198,122 @@ def test_use_grouped_mm_without_grad_keeps_the_loop_for_few_active_experts() -> 
         assert use_grouped_mm(torch.zeros(48, 4), many, w1, w2, None) == HAS_GROUPED_MM
     # With autograd (training) the loop is kept whatever the experts: it measured faster forward + backward.
     assert not use_grouped_mm(torch.zeros(48, 4, requires_grad=True), many, w1, w2, None)
+
+
+# ---- the loop with the hand-written backward (flexmoe.segment_ffn) -------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", list(COUNTS))
+@pytest.mark.parametrize("glu,bias,glu_limit", [(False, True, None), (False, False, None), (True, True, None),
+                                                (True, False, 7.0)])
+def test_segmented_path_matches_the_reference(dtype: torch.dtype, case: str, glu: bool, bias: bool,
+                                              glu_limit: float | None) -> None:
+    _check_path(segmented_expert_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit)
+
+
+def test_segmented_path_with_256_experts_and_no_rows() -> None:
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 3, (256,), generator=gen).tolist()
+    _check_path(segmented_expert_ffn, torch.float64, counts, model_dim=4, hidden=8, glu=True)
+    _check_path(segmented_expert_ffn, torch.float64, [0, 0, 0], model_dim=4, hidden=8)
+
+
+def _row_by_row(rows: torch.Tensor, counts: list[int], w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                b2: torch.Tensor, act) -> torch.Tensor:
+    """Each row through its expert, one row at a time (any activation callable)."""
+    expert_of_row = [e for e, n in enumerate(counts) for _ in range(n)]
+    return torch.stack([act(rows[i] @ w1[e] + b1[e]) @ w2[e] + b2[e] for i, e in enumerate(expert_of_row)])
+
+
+def test_segmented_path_takes_views_and_any_activation() -> None:
+    """Expert parallelism passes hidden shards (slices), Hugging Face transposed views; the gradients reach the
+    tensors the views were taken from. The activation is any elementwise callable."""
+    gen = torch.Generator().manual_seed(4)
+    counts = [4, 0, 7]
+    rows = torch.randn(11, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    w1_full = torch.randn(3, 12, 8, generator=gen, dtype=torch.float64, requires_grad=True)  # stored [E, H, M]
+    w2_full = torch.randn(3, 12, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    b1_full = torch.randn(3, 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    b2 = torch.randn(3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    leaves = [rows, w1_full, w2_full, b1_full, b2]
+
+    def act(h: torch.Tensor) -> torch.Tensor:
+        return h * torch.tanh(h)
+
+    def views() -> tuple[torch.Tensor, ...]:  # one hidden shard of three, w1 transposed to [E, M, H]
+        return w1_full.transpose(1, 2)[:, :, 4:8], b1_full[:, 4:8], w2_full[:, 4:8]
+
+    grad = torch.randn(11, 8, generator=gen, dtype=torch.float64)
+    w1, b1, w2 = views()
+    expected = _row_by_row(rows, counts, w1, b1, w2, b2, act)
+    expected_grads = torch.autograd.grad(expected, leaves, grad)
+    w1, b1, w2 = views()
+    got = segmented_expert_ffn(rows, counts, w1, b1, w2, b2, None, None, act)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    for g, e in zip(torch.autograd.grad(got, leaves, grad), expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+def test_segmented_path_in_bfloat16() -> None:
+    counts = [5, 0, 3, 8]
+    weights64 = _weights(4, 16, 32, glu=True, bias=True)
+    gen = torch.Generator().manual_seed(6)
+    rows64 = torch.randn(16, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(16, 16, generator=gen, dtype=torch.float64)
+    expected = _reference(rows64, counts, weights64, True, None)
+    names = [n for n, w in weights64.items() if w is not None]
+    expected_grads = torch.autograd.grad(expected, [rows64] + [weights64[n] for n in names], grad)
+    rows = rows64.detach().bfloat16().requires_grad_()
+    weights = {n: (w.detach().bfloat16().requires_grad_() if w is not None else None) for n, w in weights64.items()}
+    got = _run(segmented_expert_ffn, rows, counts, weights, True, None)
+    assert got.dtype == torch.bfloat16
+    # bf16 keeps 8 bits of mantissa: errors up to about 1% of the largest entry, as the autograd loop's.
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-2 * float(expected.detach().abs().max()))
+    got_grads = torch.autograd.grad(got, [rows] + [weights[n] for n in names], grad.bfloat16())
+    for name, g, e in zip(["rows"] + names, got_grads, expected_grads):
+        assert g.dtype == torch.bfloat16, name
+        torch.testing.assert_close(g.double(), e, rtol=0, atol=1e-2 * float(e.abs().max()), msg=name)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_segmented_path_under_activation_checkpointing(use_reentrant: bool) -> None:
+    counts = [3, 0, 5, 1]
+    weights = _weights(4, 8, 12, glu=True, bias=True)
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randn(9, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(9, 8, generator=gen, dtype=torch.float64)
+    names = [n for n, w in weights.items() if w is not None]
+    leaves = [rows] + [weights[n] for n in names]
+    expected = _reference(rows, counts, weights, True, None)
+    expected_grads = torch.autograd.grad(expected, leaves, grad)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return _run(segmented_expert_ffn, x, counts, weights, True, None)
+
+    got = torch.utils.checkpoint.checkpoint(run, rows, use_reentrant=use_reentrant)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    got.backward(grad)
+    for leaf, e in zip(leaves, expected_grads):
+        assert leaf.grad is not None
+        torch.testing.assert_close(leaf.grad, e, rtol=1e-10, atol=1e-12)
+
+
+def test_use_segmented_rule_and_expert_ffn_through_it() -> None:
+    """Training with little work per expert (E=128 H=128, E=256 H=64 measured faster) takes the hand-written
+    backward; large experts, inference, float64 and autocast keep the autograd loop. expert_ffn gives the
+    reference's numbers either way."""
+    rows = torch.zeros(128 * 256, 4, requires_grad=True)
+    small = (torch.zeros(128, 4, 128, requires_grad=True), None, torch.zeros(128, 128, 4), None, None, None)
+    large = (torch.zeros(64, 4, 256, requires_grad=True), None, torch.zeros(64, 256, 4), None, None, None)
+    assert use_segmented(rows, [256] * 128, *small)
+    assert not use_segmented(rows, [512] * 64, *large)  # E=64 H=256: measured no faster
+    with torch.no_grad():
+        assert not use_segmented(rows, [256] * 128, *small)  # inference: the loop over active experts
+    assert not use_segmented(rows.double(), [256] * 128, *(t.double() if t is not None else None for t in small))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not use_segmented(rows, [256] * 128, *small)
+    counts = [3, 0, 5, 1]
+    assert use_segmented(torch.zeros(9, 8, requires_grad=True), counts, torch.zeros(4, 8, 12), None,
+                         torch.zeros(4, 12, 8, requires_grad=True), None, None, None)
+    _check_path(expert_ffn, torch.float32, counts, glu=True)  # through the segmented path, as the rule says

@@ -5,7 +5,8 @@ counts ``counts: list[int]`` (``sum(counts) == N``) and returns ``[N, M]``. Any 
 passed to ``MoELayer(experts=...)``.
 
 Under ``torch.compile`` in capacity mode the layer pads every expert to the same number of rows
-(docs/architecture.md, "Compiling the layer"): the built-in experts then run :func:`padded_expert_ffn` on the
+(docs/architecture.md, "Compiling the layer"): the built-in experts then compute only the real rows through a
+custom op (:mod:`flexmoe.padded_ffn_op`), or where it cannot run :func:`padded_expert_ffn` on the
 ``[E, R, M]`` view (batched matmuls); a custom expert module gets its usual call with ``counts = [R] * E``.
 """
 
@@ -21,11 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flexmoe.segment_ffn import segment_expert_ffn
 from flexmoe.validation import check_int, describe_value
 
 __all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_ffn", "grouped_expert_ffn",
-           "looped_expert_ffn",
-           "use_grouped_mm", "grouped_mm_supported", "gated_unit", "check_glu_limit", "resolve_activation"]
+           "looped_expert_ffn", "segmented_expert_ffn", "use_segmented", "use_grouped_mm", "grouped_mm_supported",
+           "gated_unit", "hidden_unit", "check_glu_limit", "resolve_activation", "activation_name"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -41,6 +43,11 @@ def resolve_activation(activation: str | Callable[[Tensor], Tensor]) -> Callable
     if activation in _ACTIVATIONS:
         return _ACTIVATIONS[activation]
     raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)} or a callable, got {activation!r}")
+
+
+def activation_name(activation: Callable[[Tensor], Tensor]) -> str | None:
+    """The name :func:`resolve_activation` knows ``activation`` by, or None for any other callable."""
+    return next((name for name, fn in _ACTIVATIONS.items() if fn is activation), None)
 
 
 @dataclass(frozen=True)
@@ -192,13 +199,43 @@ def expert_ffn(
     ``[E, H]`` / ``[E, M]`` or None -> ``[N, M]``. H may be a hidden shard (expert parallelism), the result then
     a partial sum. ``glu_limit``: GPT-OSS's clamped gated unit (:func:`gated_unit`).
 
-    Two ways compute the same numbers (up to float rounding): one grouped GEMM per matrix over all experts
-    (:func:`grouped_expert_ffn`) where :func:`use_grouped_mm` says it is faster, else one ``addmm`` pair per
-    expert (:func:`looped_expert_ffn`).
+    Three ways compute the same numbers (up to float rounding): one grouped GEMM per matrix over all experts
+    (:func:`grouped_expert_ffn`) where :func:`use_grouped_mm` says it is faster, the per-expert loop with a
+    hand-written backward (:func:`segmented_expert_ffn`) where :func:`use_segmented` says so, else one ``addmm``
+    pair per expert through autograd (:func:`looped_expert_ffn`).
     """
     if use_grouped_mm(rows, counts, w1, w2, w3):
         return grouped_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
+    if use_segmented(rows, counts, w1, b1, w2, b2, w3, b3):
+        return segmented_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
     return looped_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
+
+
+# Training, forward + backward, T=4096 M=512 k=8 fp32 on a 2-core AVX2 CPU, side by side (docs/architecture.md,
+# "Expert compute"): the hand-written backward beat the autograd loop only where each expert has little work,
+# rows per expert times hidden size at most this (E=128 H=128: 256 rows x 128, segmented/loop 0.90-0.95; E=256
+# H=64: 0.84-0.89); above it the loop was as fast or faster (E=64 H=256, 512 rows x 256: 1.02-1.06; E=8 H=1024,
+# k=2: 1.05-1.10).
+_SEGMENTED_MAX_WORK_PER_EXPERT = 256 * 128
+_SEGMENTED_DTYPES = (torch.float32,)
+
+
+def use_segmented(rows: Tensor, counts: list[int], w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
+                  w3: Tensor | None, b3: Tensor | None) -> bool:
+    """Whether :func:`expert_ffn` runs :func:`segmented_expert_ffn` (the measured rule above): autograd records
+    (training), float32 on the CPU (the only case measured), not traced by ``torch.compile`` (traced code keeps
+    the loop), no autocast, and at most ``_SEGMENTED_MAX_WORK_PER_EXPERT`` rows x hidden per expert on
+    average."""
+    if not counts or rows.dtype not in _SEGMENTED_DTYPES or rows.device.type != "cpu":
+        return False
+    if not _needs_grad(rows, w1, b1, w2, b2, w3, b3) or torch.compiler.is_compiling():
+        return False
+    if torch.is_autocast_enabled(rows.device.type):
+        return False
+    weights = [t for t in (w1, b1, w2, b2, w3, b3) if t is not None]
+    if any(t.dtype != rows.dtype or t.device != rows.device for t in weights):
+        return False
+    return rows.shape[0] * w1.shape[-1] <= _SEGMENTED_MAX_WORK_PER_EXPERT * len(counts)
 
 
 # Where torch's grouped GEMM beats the per-expert loop, measured side by side on a quiet 2-core AVX2 CPU with
@@ -292,6 +329,27 @@ def grouped_expert_ffn(
         return out + b.index_select(0, row_expert)
 
     return _ffn(rows, linear, w1, b1, w2, b2, w3, b3, activation, glu_limit)
+
+
+def segmented_expert_ffn(
+    rows: Tensor,
+    counts: list[int],
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    w3: Tensor | None,
+    b3: Tensor | None,
+    activation: Callable[[Tensor], Tensor],
+    glu_limit: float | None = None,
+) -> Tensor:
+    """:func:`expert_ffn` as the per-expert loop with a hand-written backward, one autograd node for all experts
+    (:func:`flexmoe.segment_ffn.segment_expert_ffn`; shapes as there). The same matmuls as
+    :func:`looped_expert_ffn`, written into full-size buffers; the elementwise unit runs once over all rows."""
+    def unit(pre1: Tensor, pre3: Tensor | None) -> Tensor:
+        return hidden_unit(pre1, pre3, activation, glu_limit)
+
+    return segment_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, unit)
 
 
 def looped_expert_ffn(
@@ -406,11 +464,15 @@ def _ffn(
     """The expert FFN once, whatever ``linear(x, w, b)`` does (one expert's addmm, a grouped GEMM over all
     experts, a batched matmul over padded ones): ``linear(act(x w1 + b1), w2, b2)``, or with ``w3`` the gated
     unit (:func:`gated_unit`) of the ``w1`` and ``w3`` projections."""
-    if w3 is not None:
-        h = gated_unit(linear(x, w1, b1), linear(x, w3, b3), activation, glu_limit)
-    else:
-        h = activation(linear(x, w1, b1))
+    h = hidden_unit(linear(x, w1, b1), linear(x, w3, b3) if w3 is not None else None, activation, glu_limit)
     return linear(h, w2, b2)
+
+
+def hidden_unit(pre1: Tensor, pre3: Tensor | None, activation: Callable[[Tensor], Tensor],
+                glu_limit: float | None) -> Tensor:
+    """The experts' hidden activations ``[n, H]`` from the pre-activations ``[n, H]`` of ``w1`` and (gated
+    experts) ``w3``: ``activation(pre1)``, or the gated unit (:func:`gated_unit`). Elementwise."""
+    return gated_unit(pre1, pre3, activation, glu_limit) if pre3 is not None else activation(pre1)
 
 
 def gated_unit(gate: Tensor, up: Tensor, activation: Callable[[Tensor], Tensor], limit: float | None) -> Tensor:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch, sum_rows_by_token
 from flexmoe.experts import ExpertOptions, FeedForwardExperts
+from flexmoe.padded_ffn_op import padded_experts_forward
 from flexmoe.parallel.auto import MeasuringChooser
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
 from flexmoe.parallel.groups import check_config_agreement, default_ranks_per_node, resolve_group
@@ -225,7 +226,8 @@ class MoELayer(nn.Module):
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
                           topology=self.topology, num_sequences=num_sequences, padded=self._padded_layout(routing))
         expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
-        expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned, plan.padded)  # [N, M]
+        expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned,
+                                          plan if plan.padded else None)  # [N, M]
         y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
         if self.shared is not None:
             y = y + self._shared_output(tokens).to(y.dtype)
@@ -344,18 +346,18 @@ class MoELayer(nn.Module):
         return routing, parallel, frozenset(parallel_given)
 
     def _run_experts(self, rows: Tensor, counts: list[int], options: ParallelOptions,
-                     pinned: frozenset[str], padded: bool = False) -> Tensor:
+                     pinned: frozenset[str], padded_plan: RoutingPlan | None = None) -> Tensor:
         """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype, by this call's strategy.
 
-        padded: every expert has the same number of rows (a padded plan, one process): the built-in experts run
-        them as one batched ``[E, R, M]`` block."""
+        padded_plan: the rows are this padded plan's (one process, every expert the same number of rows): the
+        built-in experts compute only its real rows (:func:`flexmoe.padded_ffn_op.padded_experts_forward`)."""
         same = options is self.parallel_options or options == self.parallel_options
         strategy = self.strategy if same else self._strategy_for(options)
         experts = self.experts
 
         def run(expert_rows: Tensor) -> Tensor:
-            if padded and isinstance(experts, FeedForwardExperts):
-                return experts.forward_padded(expert_rows.view(len(counts), counts[0], self.model_dim)).flatten(0, 1)
+            if padded_plan is not None and isinstance(experts, FeedForwardExperts):
+                return padded_experts_forward(experts, expert_rows, padded_plan)
             return strategy.run(expert_rows, counts, options, pinned)
 
         expert_dtype = _parameter_dtype(experts)

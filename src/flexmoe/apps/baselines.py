@@ -35,8 +35,9 @@ __all__ = ["expert_floor", "grouped_floor", "grouped_floor_kind", "padded_bmm_fl
 
 def expert_floor(experts: FeedForwardExperts, rows: Tensor, counts: list[int]) -> Tensor:
     """rows: ``[N, M]`` sorted by expert, counts: rows per expert -> ``[N, M]``: each expert's FFN on its rows
-    by one ``addmm`` pair per expert (:func:`flexmoe.experts.looped_expert_ffn` on the experts' weights, with
-    no routing around it), whichever path the layer itself takes."""
+    by one ``addmm`` pair per expert through autograd (:func:`flexmoe.experts.looped_expert_ffn` on the experts'
+    weights, with no routing around it), whichever path the layer itself takes (in training it may be the
+    hand-written backward, :func:`flexmoe.experts.segmented_expert_ffn`)."""
     e = experts
     return looped_expert_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation, glu_limit=e.glu_limit)
 
