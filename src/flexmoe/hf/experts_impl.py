@@ -11,14 +11,18 @@ combines. No weights are copied, and gradients reach HF's parameters (and, throu
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+import torch
 from torch import Tensor, nn
 
 from flexmoe.dispatch import combine, dispatch
-from flexmoe.experts import expert_ffn, resolve_activation
-from flexmoe.hf.families import expert_unit, expert_weights
+from flexmoe.experts import gated_unit, grouped_expert_ffn, looped_expert_ffn, resolve_activation, use_grouped_mm
+from flexmoe.hf.families import StoredExperts, expert_unit, stored_experts
 from flexmoe.routing.plan import plan_from_choices
 
-__all__ = ["flexmoe_experts_forward", "register", "IMPLEMENTATION_NAME"]
+__all__ = ["flexmoe_experts_forward", "stored_experts_ffn", "register", "IMPLEMENTATION_NAME"]
 
 IMPLEMENTATION_NAME = "flexmoe"
 
@@ -33,16 +37,68 @@ def flexmoe_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index:
     ``_apply_gate``, a post-expert norm) raises ``ValueError`` naming the class.
     """
     activation, glu_limit = expert_unit(self)
-    weights = expert_weights(self)  # views of self's parameters: [E, M, H], [E, H, M], ...
-    num_experts = weights["w1"].shape[0]
+    stored = stored_experts(self)
+    num_experts = stored.up.shape[0]
     active = top_k_index < num_experts if getattr(self, "_is_expert_parallel", False) else None
     plan = plan_from_choices(top_k_index, top_k_weights, num_experts, active=active)
     rows = dispatch(hidden_states, plan)  # [N, M] sorted by expert
     # Matmuls of mixed dtypes fail: compute in the parameters' dtype, as HF's own implementations do.
-    rows = rows.to(weights["w1"].dtype)
-    out = expert_ffn(rows, plan.counts, weights["w1"], weights.get("b1"), weights["w2"], weights.get("b2"),
-                     weights.get("w3"), weights.get("b3"), resolve_activation(activation), glu_limit=glu_limit)
+    rows = rows.to(stored.up.dtype)
+    out = stored_experts_ffn(rows, plan.counts, stored, resolve_activation(activation), glu_limit)
     return combine(out, plan).to(hidden_states.dtype)
+
+
+def stored_experts_ffn(rows: Tensor, counts: list[int], stored: StoredExperts,
+                       activation: Callable[[Tensor], Tensor], glu_limit: float | None = None) -> Tensor:
+    """:func:`flexmoe.experts.expert_ffn` on an HF experts module's tensors as HF stores them: ``rows [N, M]``
+    sorted by expert, ``counts [E]`` -> ``[N, M]``.
+
+    The gate and up projections stay one matmul over HF's fused ``gate_up_proj`` per expert (its output split
+    after), two matmuls per expert instead of three. Under autograd the loop unbinds HF's tensors as stored, so
+    each expert's weight gradient comes back in the parameter's own layout: unbinding flexmoe's
+    ``[E, M, H]`` views of them (:func:`expert_weights`) costs, per step, a stack of transposed pieces, a
+    zero-filled ``[E, M, 2H]`` per half and a layout-changing copy when the gradient is accumulated.
+    Without autograd :func:`use_grouped_mm` picks the grouped GEMM or the loop over the active experts, as
+    ``expert_ffn`` does, on the ``[E, in, out]`` views (free without gradients).
+    """
+    unit: Callable[[Tensor], Tensor] = activation
+    if stored.gated:
+        unit = functools.partial(_gated, stored=stored, activation=activation, glu_limit=glu_limit)
+    up, down = stored.in_out(stored.up), stored.in_out(stored.down)  # [E, M, out], [E, H, M]
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                             for t in (rows, stored.up, stored.up_bias, stored.down,
+                                                       stored.down_bias))):
+        # The rule's hidden size is H (a narrow view: the same strides as the fused matrix it stands for).
+        hidden = up.narrow(-1, 0, stored.hidden_dim)
+        ffn = grouped_expert_ffn if use_grouped_mm(rows, counts, hidden, down, None) else looped_expert_ffn
+        return ffn(rows, counts, up, stored.up_bias, down, stored.down_bias, None, None, unit)
+    num_experts = len(counts)
+
+    def each(t: Tensor | None) -> list[Tensor | None]:
+        return list(t.unbind(0)) if t is not None else [None] * num_experts
+
+    ups, downs = stored.up.unbind(0), stored.down.unbind(0)
+
+    def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:  # w: one expert's matrix as HF stores it
+        if stored.transposed:  # [in, out]
+            return torch.addmm(b, x, w) if b is not None else x @ w
+        return torch.nn.functional.linear(x, w, b)  # [out, in]
+
+    outputs = []
+    for x, w_up, b_up, w_down, b_down in zip(rows.split(counts), ups, each(stored.up_bias), downs,
+                                             each(stored.down_bias)):
+        if x.shape[0]:
+            outputs.append(linear(unit(linear(x, w_up, b_up)), w_down, b_down))
+    if not outputs:
+        return rows.new_zeros(rows.shape[0], down.shape[-1])
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def _gated(projected: Tensor, *, stored: StoredExperts, activation: Callable[[Tensor], Tensor],
+           glu_limit: float | None) -> Tensor:
+    """The gated unit on the fused up projection's output ``[n, 2H]`` -> ``[n, H]``."""
+    gate, up = stored.halves(projected)
+    return gated_unit(gate, up, activation, glu_limit)
 
 
 def register() -> None:

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from flexmoe.experts import resolve_activation
 
-__all__ = ["Family", "FAMILIES", "family_of", "expert_weights", "expert_unit", "shared_mlp_weights"]
+__all__ = ["Family", "FAMILIES", "family_of", "StoredExperts", "stored_experts", "expert_weights", "expert_unit",
+           "shared_mlp_weights"]
 
 # HF's activation names that flexmoe has under a name of its own (same function); others pass as a callable.
 _ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu": "gelu"}
@@ -66,41 +67,82 @@ def expert_unit(experts: Any) -> tuple[str | Callable[[Tensor], Tensor], float |
     return act_fn, None
 
 
+@dataclass(frozen=True)
+class StoredExperts:
+    """An HF experts module's tensors as HF stores them, and how to read them.
+
+    ``up``: ``gate_up_proj`` (gated) or ``up_proj``, ``[E, out, M]`` (``[E, M, out]`` when ``transposed``), out
+    = 2H gated (gate then up halves when ``concatenated``, else interleaved gate/up columns) or H;
+    ``down``: ``down_proj``, ``[E, M, H]`` (``[E, H, M]`` transposed); ``up_bias [E, out]``,
+    ``down_bias [E, M]`` or None. ``gated``: the unit is ``act(gate) * up`` over the two halves of ``up``'s
+    output.
+    """
+
+    up: Tensor
+    up_bias: Tensor | None
+    down: Tensor
+    down_bias: Tensor | None
+    transposed: bool
+    gated: bool
+    concatenated: bool
+
+    @property
+    def hidden_dim(self) -> int:
+        """H, the experts' hidden size."""
+        return int(self.down.shape[1] if self.transposed else self.down.shape[2])
+
+    def in_out(self, w: Tensor) -> Tensor:
+        """``up`` or ``down`` as ``[E, in, out]`` (flexmoe's layout): a view, transposed unless HF's already is."""
+        return w if self.transposed else w.transpose(1, 2)
+
+    def halves(self, t: Tensor) -> tuple[Tensor, Tensor]:
+        """The gate and up parts ``[..., H]`` of a gated ``[..., 2H]`` (the up projection's output, its bias or
+        its ``[E, M, 2H]`` weight): views, and ``split`` / ``unbind`` pass one gradient back (slices would each
+        write theirs into a zero-filled copy)."""
+        if self.concatenated:
+            gate, up = t.split(self.hidden_dim, dim=-1)
+            return gate, up
+        gate, up = t.unflatten(-1, (self.hidden_dim, 2)).unbind(-1)
+        return gate, up
+
+
+def stored_experts(experts: Any) -> StoredExperts:
+    """The tensors of an HF experts module as it stores them (:class:`StoredExperts`); no copy, no view.
+
+    Raises ``ValueError`` naming the class when the module does not keep fused 3-D expert tensors.
+    """
+    name = type(experts).__name__
+    has_gate = bool(getattr(experts, "has_gate", True))
+    has_bias = bool(getattr(experts, "has_bias", False))
+    up_name = "gate_up_proj" if has_gate else "up_proj"
+    if not hasattr(experts, "down_proj") or not hasattr(experts, up_name):
+        raise ValueError(f"{name} does not store its experts as fused 3-D tensors (gate_up_proj / down_proj)")
+    return StoredExperts(up=getattr(experts, up_name),
+                         up_bias=getattr(experts, f"{up_name}_bias") if has_bias else None,
+                         down=experts.down_proj, down_bias=experts.down_proj_bias if has_bias else None,
+                         transposed=bool(getattr(experts, "is_transposed", False)), gated=has_gate,
+                         concatenated=bool(getattr(experts, "is_concatenated", True)))
+
+
 def expert_weights(experts: Any) -> dict[str, Tensor]:
     """flexmoe's expert tensors as views of an HF experts module's parameters.
 
     Returns ``w1, w2`` and, as the module has them, ``w3`` (gated experts) and ``b1, b2, b3`` (biases):
     ``w1, w3: [E, M, H]``, ``w2: [E, H, M]``, ``b1, b3: [E, H]``, ``b2: [E, M]``.
     """
-    name = type(experts).__name__
-    transposed = bool(getattr(experts, "is_transposed", False))
-    concatenated = bool(getattr(experts, "is_concatenated", True))
-    has_gate = bool(getattr(experts, "has_gate", True))
-    has_bias = bool(getattr(experts, "has_bias", False))
-    if not hasattr(experts, "down_proj") or not hasattr(experts, "gate_up_proj" if has_gate else "up_proj"):
-        raise ValueError(f"{name} does not store its experts as fused 3-D tensors (gate_up_proj / down_proj)")
-
-    def in_out(w: Tensor) -> Tensor:  # HF's [E, out, in] (or [E, in, out] transposed) -> [E, in, out]
-        return w if transposed else w.transpose(1, 2)
-
-    weights: dict[str, Tensor] = {"w2": in_out(experts.down_proj)}
-    if has_bias:
-        weights["b2"] = experts.down_proj_bias
-    if not has_gate:
-        weights["w1"] = in_out(experts.up_proj)
-        if has_bias:
-            weights["b1"] = experts.up_proj_bias
+    stored = stored_experts(experts)
+    weights: dict[str, Tensor] = {"w2": stored.in_out(stored.down)}
+    if stored.down_bias is not None:
+        weights["b2"] = stored.down_bias
+    up = stored.in_out(stored.up)  # [E, M, 2H] gated, else [E, M, H]
+    if not stored.gated:
+        weights["w1"] = up
+        if stored.up_bias is not None:
+            weights["b1"] = stored.up_bias
         return weights
-    gate_up = in_out(experts.gate_up_proj)  # [E, M, 2H]
-    gate_up_bias = experts.gate_up_proj_bias if has_bias else None
-    if concatenated:
-        hidden = gate_up.shape[-1] // 2
-        halves: Callable[[Tensor], tuple[Tensor, Tensor]] = lambda t: (t[..., :hidden], t[..., hidden:])  # noqa: E731
-    else:
-        halves = lambda t: (t[..., ::2], t[..., 1::2])  # noqa: E731
-    weights["w1"], weights["w3"] = halves(gate_up)
-    if gate_up_bias is not None:
-        weights["b1"], weights["b3"] = halves(gate_up_bias)
+    weights["w1"], weights["w3"] = stored.halves(up)
+    if stored.up_bias is not None:
+        weights["b1"], weights["b3"] = stored.halves(stored.up_bias)
     return weights
 
 
