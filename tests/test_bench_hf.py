@@ -105,6 +105,14 @@ def test_train_step_and_decode_reports(one_thread: None) -> None:
     assert "training step" in text and "decoding" in text
 
 
+def test_deepseek_v3_train_step_builds_and_matches_hf(one_thread: None) -> None:
+    """DeepSeek-V3's causal LM (latent attention: its rotary head_dim is qk_rope_head_dim) trains one step; the
+    bench first checks the converted loss and gradients against HF's (a mismatch raises)."""
+    train = bench_train_step("deepseek_v3", steps=1, warmup=0, shape=HFShape("t", tokens=32, model_dim=256,
+                                                                               experts=8, k=2, hidden_dim=16))
+    assert train["family"] == "deepseek_v3" and train["converted_over_hf"] > 0
+
+
 def test_suite_groups_list_every_family_and_shape() -> None:
     hf = suite_checks(["hf"])
     assert len(hf) == sum(len(shapes_of(f)) for f in FAMILY_NAMES) + 1 == 14

@@ -324,7 +324,7 @@ def build_causal_lm(family: str, seed: int = 0, shape: HFShape = TRAIN_SHAPE) ->
         extra.pop("intermediate_size")  # their routed experts' hidden size, set by _config
     if family == "deepseek_v3":  # every layer MoE; its latent attention at small ranks
         extra.update(first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=64, qk_rope_head_dim=16,
-                     qk_nope_head_dim=48, v_head_dim=64)
+                     qk_nope_head_dim=48, v_head_dim=64, head_dim=16)  # head_dim: the rotary part
     if family == "gpt_oss":
         extra.update(layer_types=["full_attention"] * 2)
     if family == "qwen2_moe":
