@@ -361,3 +361,25 @@ def test_bench_families_times_both_routings_against_their_floors() -> None:
     assert all(r["rows_computed"] == 64 * 8 and r["dropped_fraction"] == 0 and r["x_floor"] > 0
                for r in report["rows"])  # dropless: every (token, choice) pair computed
     assert "E=64 k=8" in report["config"] and "deepseek x floor / topk x floor" in format_families(report)
+
+
+def test_plan_from_choices_lays_out_the_given_choices_with_zero_losses() -> None:
+    """A plan from choices made elsewhere: every active pair one row, by expert then (choice, token) order; the
+    caller owns the losses, so both are zero (not the z-loss of the placeholder logits)."""
+    from flexmoe.routing.plan import plan_from_choices
+
+    expert_index = torch.tensor([[2, 0], [0, 3], [2, 1]])
+    weight = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    active = torch.tensor([[True, True], [True, False], [True, True]])
+    plan = plan_from_choices(expert_index, weight, 4, active=active)
+    # The reference order: experts ascending; within one, 1st choices (in token order) before 2nd choices.
+    want = [(e, j, t) for e in range(4) for j in range(2) for t in range(3)
+            if active[t, j] and int(expert_index[t, j]) == e]
+    assert plan.row_token.tolist() == [t for _, _, t in want]
+    assert plan.row_choice.tolist() == [j for _, j, _ in want]
+    assert plan.counts == [2, 1, 2, 0]
+    assert torch.equal(plan.row_weight, torch.stack([weight[t, j] for _, j, t in want]))
+    assert float(plan.z_loss) == 0.0 and float(plan.aux_loss) == 0.0
+    assert plan.num_skipped == 1 and plan.num_dropped == 0
+    with pytest.raises(ValueError, match="expert_index must lie in"):
+        plan_from_choices(torch.tensor([[4, 0]]), torch.ones(1, 2), 4)

@@ -257,6 +257,7 @@ def plan_from_pairs(
     kind: str = "topk",
     num_sequences: int | None = None,
     padded: bool = False,
+    z_loss: Tensor | None = None,
 ) -> RoutingPlan:
     """The plan for chosen pairs: the one place that assigns slots, applies the capacity and lays out rows.
 
@@ -270,6 +271,7 @@ def plan_from_pairs(
     and ``capacity`` is per sequence. None: one capacity over the call.
     padded: lay the rows out padded, ``capacity`` rows per (expert, sequence) unit (:func:`_padded_plan`); the
     capacity must then be known before routing (``capacity_factor > 0`` or ``capacity``), else ``ValueError``.
+    z_loss: the plan's z-loss (None: the router z-loss of ``logits``).
     """
     num_tokens, num_experts = logits.shape
     k = expert_index.shape[1]
@@ -292,7 +294,7 @@ def plan_from_pairs(
     if padded:
         cap = _static_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity)
         return _padded_plan(logits, expert_index, probs_topk, weight, masked_index, slot, unit_load, cap,
-                            num_active, aux_loss, kind)
+                            num_active, aux_loss, kind, z_loss)
     assert isinstance(num_active, int)  # only a padded plan keeps it on the device
     order = order[:num_active]
     load = unit_load.sum(dim=1) if num_units > 1 else unit_load.view(-1)
@@ -325,7 +327,7 @@ def plan_from_pairs(
         num_dropped=num_dropped,
         dropped_fraction=num_dropped / max(num_tokens * k, 1),
         aux_loss=aux_loss,
-        z_loss=router_z_loss(logits),
+        z_loss=router_z_loss(logits) if z_loss is None else z_loss,
         num_skipped=num_tokens * k - num_active,
         kind=kind,
     )
@@ -350,11 +352,12 @@ def plan_from_choices(expert_index: Tensor, weight: Tensor, num_experts: int, *,
         if low < 0 or high >= num_experts:
             raise ValueError(f"expert_index must lie in [0, num_experts={num_experts}), got values in [{low}, {high}]")
     num_tokens = expert_index.shape[0]
-    # Zero logits only give plan_from_pairs the expert count (and a zero z-loss); no routing reads them.
+    # Zero logits only give plan_from_pairs the expert count; no routing reads them, and their z-loss
+    # ((log E)^2) would be a made-up number: both losses are zero.
     logits = weight.new_zeros(num_tokens, num_experts)
     zero = weight.new_zeros(())
     return plan_from_pairs(logits, expert_index, weight.detach(), weight, active=active, capacity_factor=0.0,
-                           aux_loss=zero)
+                           aux_loss=zero, z_loss=zero)
 
 
 def _static_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, capacity: int | None) -> int:
@@ -377,6 +380,7 @@ def _padded_plan(
     num_active: int | Tensor,
     aux_loss: Tensor,
     kind: str,
+    z_loss: Tensor | None = None,
 ) -> RoutingPlan:
     """The plan with every (expert, sequence) unit padded to ``cap`` rows: ``N = E * B * cap`` rows.
 
@@ -420,7 +424,7 @@ def _padded_plan(
         num_dropped=num_dropped,
         dropped_fraction=num_dropped / max(num_pairs, 1),
         aux_loss=aux_loss,
-        z_loss=router_z_loss(logits),
+        z_loss=router_z_loss(logits) if z_loss is None else z_loss,
         num_skipped=num_pairs - num_active,
         kind=kind,
         padded=True,
