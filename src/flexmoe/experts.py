@@ -27,7 +27,8 @@ from flexmoe.validation import check_int, describe_value
 
 __all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_ffn", "grouped_expert_ffn",
            "looped_expert_ffn", "segmented_expert_ffn", "use_segmented", "use_grouped_mm", "grouped_mm_supported",
-           "gated_unit", "hidden_unit", "check_glu_limit", "resolve_activation", "activation_name"]
+           "gated_unit", "hidden_unit", "check_glu_limit", "resolve_activation", "activation_name", "needs_grad",
+           "joined_outputs"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -228,7 +229,7 @@ def use_segmented(rows: Tensor, counts: list[int], w1: Tensor, b1: Tensor | None
     average."""
     if not counts or rows.dtype not in _SEGMENTED_DTYPES or rows.device.type != "cpu":
         return False
-    if not _needs_grad(rows, w1, b1, w2, b2, w3, b3) or torch.compiler.is_compiling():
+    if not needs_grad(rows, w1, b1, w2, b2, w3, b3) or torch.compiler.is_compiling():
         return False
     if torch.is_autocast_enabled(rows.device.type):
         return False
@@ -265,7 +266,7 @@ def use_grouped_mm(rows: Tensor, counts: list[int], w1: Tensor, w2: Tensor, w3: 
         return False
     if w1.shape[-1] < _GROUPED_MM_MIN_HIDDEN:
         return False
-    if _needs_grad(rows, w1, w2, w3):
+    if needs_grad(rows, w1, w2, w3):
         # Forward + backward on a quiet machine, the loop won at every shape measured (grouped/loop 1.14 at
         # E=8 H=1024, 1.23 at E=64 H=256, 1.17 at E=128 H=128, 1.05 at E=256 H=64; T=4096 M=512 fp32):
         # the grouped kernel's backward is the slow half on this CPU. Training keeps the loop.
@@ -369,7 +370,7 @@ def looped_expert_ffn(
     tensor; without autograd it costs nothing, so then only the experts that have rows are visited (decoding
     touches a few of many)."""
     num_experts = len(counts)
-    if not _needs_grad(rows, w1, b1, w2, b2, w3, b3):
+    if not needs_grad(rows, w1, b1, w2, b2, w3, b3):
         return _active_experts_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
 
     def per_expert(p: Tensor | None) -> list[Tensor | None]:
@@ -381,7 +382,7 @@ def looped_expert_ffn(
         if x.shape[0] == 0:
             continue
         outputs.append(_ffn(x, _linear, a1, c1, a2, c2, a3, c3, activation, glu_limit))
-    return _joined(outputs, rows, w2)
+    return joined_outputs(outputs, rows, w2)
 
 
 def _active_experts_ffn(
@@ -408,21 +409,21 @@ def _active_experts_ffn(
         start += n
         outputs.append(_ffn(x, _linear, w1[e], _at(b1, e), w2[e], _at(b2, e), _at(w3, e), _at(b3, e), activation,
                             glu_limit))
-    return _joined(outputs, rows, w2)
+    return joined_outputs(outputs, rows, w2)
 
 
 def _at(p: Tensor | None, e: int) -> Tensor | None:
     return p[e] if p is not None else None
 
 
-def _joined(outputs: list[Tensor], rows: Tensor, w2: Tensor) -> Tensor:
+def joined_outputs(outputs: list[Tensor], rows: Tensor, w2: Tensor) -> Tensor:
     """The experts' outputs, in order, as ``[N, M]`` (zeros ``[N, M]`` when no expert had rows)."""
     if not outputs:
         return rows.new_zeros(rows.shape[0], w2.shape[-1])
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
-def _needs_grad(*tensors: Tensor | None) -> bool:
+def needs_grad(*tensors: Tensor | None) -> bool:
     """Whether autograd records an operation on these tensors."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 

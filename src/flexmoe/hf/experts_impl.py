@@ -18,7 +18,15 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.dispatch import combine, dispatch
-from flexmoe.experts import gated_unit, grouped_expert_ffn, looped_expert_ffn, resolve_activation, use_grouped_mm
+from flexmoe.experts import (
+    gated_unit,
+    grouped_expert_ffn,
+    joined_outputs,
+    looped_expert_ffn,
+    needs_grad,
+    resolve_activation,
+    use_grouped_mm,
+)
 from flexmoe.hf.families import StoredExperts, expert_unit, stored_experts
 from flexmoe.routing.plan import plan_from_choices
 
@@ -65,9 +73,7 @@ def stored_experts_ffn(rows: Tensor, counts: list[int], stored: StoredExperts,
     if stored.gated:
         unit = functools.partial(_gated, stored=stored, activation=activation, glu_limit=glu_limit)
     up, down = stored.in_out(stored.up), stored.in_out(stored.down)  # [E, M, out], [E, H, M]
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                             for t in (rows, stored.up, stored.up_bias, stored.down,
-                                                       stored.down_bias))):
+    if not needs_grad(rows, stored.up, stored.up_bias, stored.down, stored.down_bias):
         # The rule's hidden size is H (a narrow view: the same strides as the fused matrix it stands for).
         hidden = up.narrow(-1, 0, stored.hidden_dim)
         ffn = grouped_expert_ffn if use_grouped_mm(rows, counts, hidden, down, None) else looped_expert_ffn
@@ -89,9 +95,7 @@ def stored_experts_ffn(rows: Tensor, counts: list[int], stored: StoredExperts,
                                              each(stored.down_bias)):
         if x.shape[0]:
             outputs.append(linear(unit(linear(x, w_up, b_up)), w_down, b_down))
-    if not outputs:
-        return rows.new_zeros(rows.shape[0], down.shape[-1])
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    return joined_outputs(outputs, rows, down)
 
 
 def _gated(projected: Tensor, *, stored: StoredExperts, activation: Callable[[Tensor], Tensor],

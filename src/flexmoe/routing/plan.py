@@ -304,7 +304,7 @@ def plan_from_pairs(
     cap = resolve_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity, max_load)
     # Every pair keeps its row when no unit is over capacity (always so in dropless mode): no masking then.
     drops = max_load > cap
-    counts = kept_counts(unit_list, cap) if drops or num_units > 1 else [n for row in unit_list for n in row]
+    counts = kept_counts(unit_list, cap)
     rows = order[slot.view(-1).index_select(0, order) < cap] if drops else order  # sorted by (expert, [seq,] slot)
     if drops or active is not None:
         kept = slot < cap if active is None else active & (slot < cap)
