@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch, sum_rows_by_token
 from flexmoe.experts import ExpertOptions, FeedForwardExperts
+from flexmoe.fused_experts import HiddenUnit, fused_experts, use_fused
 from flexmoe.padded_ffn_op import padded_experts_forward
 from flexmoe.parallel.auto import MeasuringChooser
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
@@ -225,10 +226,13 @@ class MoELayer(nn.Module):
                        input_dropout=routing.router_input_dropout)  # [T, E]
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
                           topology=self.topology, num_sequences=num_sequences, padded=self._padded_layout(routing))
-        expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
-        expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned,
-                                          plan if plan.padded else None)  # [N, M]
-        y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
+        if self._runs_fused(tokens, plan, routing):
+            y = self._fused_experts(tokens, plan)  # [T, M]
+        else:
+            expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
+            expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned,
+                                              plan if plan.padded else None)  # [N, M]
+            y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
         if self.shared is not None:
             y = y + self._shared_output(tokens).to(y.dtype)
 
@@ -237,6 +241,24 @@ class MoELayer(nn.Module):
             self.pending_load += plan.load.detach()
         self._last_plan, self._deferred_plan = plan, None
         return y.to(x.dtype).reshape(x.shape)
+
+    def _runs_fused(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions) -> bool:
+        """Whether dispatch, the experts and combine run fused, expert by expert (:mod:`flexmoe.fused_experts`):
+        the built-in experts, all in this process, weights applied at combine, and where
+        :func:`~flexmoe.fused_experts.use_fused` says it is faster (training with many small experts)."""
+        experts = self.experts
+        if not isinstance(experts, FeedForwardExperts) or self.ep_group.distributed or plan.padded:
+            return False
+        return routing.score_at == "combine" and use_fused(tokens, plan.counts, experts.w1, experts.b1, experts.w2,
+                                                           experts.b2, experts.w3, experts.b3)
+
+    def _fused_experts(self, tokens: Tensor, plan: RoutingPlan) -> Tensor:
+        """tokens: ``[T, M]`` -> ``[T, M]``, the weighted sum of each token's experts (:func:`fused_experts`)."""
+        e = self.experts
+        assert isinstance(e, FeedForwardExperts)  # checked by _runs_fused
+        self.last_choice, self.last_shadowed = self.strategy.last_choice, []
+        return fused_experts(tokens, plan.row_token, plan.row_weight.to(tokens.dtype), plan.counts, e.w1, e.b1,
+                             e.w2, e.b2, e.w3, e.b3, HiddenUnit(e.activation, e.glu_limit))
 
     def _serves_without_plan(self, routing: RoutingOptions, tokens: Tensor) -> bool:
         """Whether this call may take :meth:`_forward_without_plan`: no autograd, evaluation mode, eager, top-k
