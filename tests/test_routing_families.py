@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 
 from flexmoe import MoELayer
+from flexmoe.routing.scores import _TOPK_MIN_SCORES, top_k
+from reference import ref_top_k
 
 M, H = 6, 5
 
@@ -383,3 +385,22 @@ def test_plan_from_choices_lays_out_the_given_choices_with_zero_losses() -> None
     assert plan.num_skipped == 1 and plan.num_dropped == 0
     with pytest.raises(ValueError, match="expert_index must lie in"):
         plan_from_choices(torch.tensor([[4, 0]]), torch.ones(1, 2), 4)
+
+
+@pytest.mark.parametrize("case", ["distinct", "many ties", "tie at the boundary"])
+def test_top_k_of_many_scores_breaks_ties_towards_the_lower_expert(case: str) -> None:
+    """From 2^15 scores top_k asks torch.topk first; its answer must stay the reference's, ties included."""
+    T, E, k = 512, 64, 8
+    assert T * E >= _TOPK_MIN_SCORES  # the torch.topk path is the one under test
+    g = torch.Generator().manual_seed(7)
+    probs = torch.rand(T, E, generator=g, dtype=torch.float64)
+    if case == "many ties":
+        probs = (probs * 8).round() / 8  # 9 distinct values over 64 experts: ties everywhere
+    elif case == "tie at the boundary":
+        order = probs[3].argsort(descending=True)
+        probs[3, order[k]] = probs[3, order[k - 1]]  # the k-th and (k+1)-th best of token 3 are equal
+    values, indices = top_k(probs, k)
+    for t in range(T):
+        want = ref_top_k(probs[t].tolist(), k)
+        assert indices[t].tolist() == want, f"token {t}"
+        assert values[t].tolist() == [probs[t, e].item() for e in want]
