@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import Tensor
 
+import flexmoe.fused_experts as fused_module
 import flexmoe.layer as layer_module
 from flexmoe import MoELayer
 from flexmoe.experts import resolve_activation
-from flexmoe.fused_experts import HiddenUnit, fused_experts, use_fused
+from flexmoe.fused_experts import CHUNK_ROWS, HiddenUnit, expert_chunks, fused_experts, use_fused
 from reference import ref_activation, reference_for_layer
 from test_layer import assert_close
 
@@ -79,9 +80,10 @@ CASES = [  # activation, glu, bias, glu_limit
 
 
 @pytest.mark.parametrize("activation,glu,bias,glu_limit", CASES)
-@pytest.mark.parametrize("k,keep", [(1, 1.0), (2, 0.7), (3, 1.0)])
+@pytest.mark.parametrize("k,keep,chunk_rows", [(1, 1.0, 1), (2, 0.7, 9), (3, 1.0, CHUNK_ROWS)])
 def test_fused_experts_match_a_dense_loop(activation: str, glu: bool, bias: bool, glu_limit: float | None, k: int,
-                                          keep: float) -> None:
+                                          keep: float, chunk_rows: int) -> None:
+    """chunk_rows 1: one expert per chunk; 9: a few; the default: every expert in one chunk."""
     T, E, M, H = 13, 6, 5, 7
     row_token, row_expert, counts = random_rows(T, E, k, keep, seed=k)
     p = make_params(E, M, H, glu, bias, seed=3)
@@ -96,7 +98,7 @@ def test_fused_experts_match_a_dense_loop(activation: str, glu: bool, bias: bool
         fn, ref_act = resolve_activation(activation), ref_activation(activation)
     leaves = [x, row_weight, *p.values()]
     y = fused_experts(x, row_token, row_weight, counts, p["w1"], p.get("b1"), p["w2"], p.get("b2"), p.get("w3"),
-                      p.get("b3"), HiddenUnit(fn, glu_limit))
+                      p.get("b3"), HiddenUnit(fn, glu_limit), chunk_rows=chunk_rows)
     got = torch.autograd.grad(y, leaves, grad_y)
     want_y = dense_reference(x, row_token, row_expert, row_weight, p, ref_act, glu_limit)
     want = torch.autograd.grad(want_y, leaves, grad_y)
@@ -125,6 +127,15 @@ def test_experts_without_rows_get_zero_gradients_and_tokens_without_rows_zero_ou
     assert_close(y, want, TOL64, "output")
 
 
+def test_expert_chunks_hold_whole_consecutive_experts() -> None:
+    counts = [3, 0, 2, 5, 0, 0, 1, 4]
+    assert expert_chunks(counts, 4) == [(0, 5, [(0, 0, 3), (2, 3, 2)]), (5, 5, [(3, 0, 5)]),
+                                        (10, 5, [(6, 0, 1), (7, 1, 4)])]
+    assert expert_chunks(counts, 100) == [(0, 15, [(0, 0, 3), (2, 3, 2), (3, 5, 5), (6, 10, 1), (7, 11, 4)])]
+    assert expert_chunks([0, 0, 2, 0], 1) == [(0, 2, [(2, 0, 2)])]
+    assert expert_chunks([0, 0], 1) == []
+
+
 def test_counts_must_cover_the_rows() -> None:
     p = make_params(2, 3, 4, glu=False, bias=False, seed=0)
     with pytest.raises(ValueError, match="counts must sum"):
@@ -138,6 +149,8 @@ def test_use_fused_rule() -> None:
     w1, w2 = torch.zeros(64, 512, 256), torch.zeros(64, 256, 512)
     assert use_fused(x, rows_per_expert, w1, w2)  # E=64 H=256, training: measured faster
     assert not use_fused(x, [1024] * 8, torch.zeros(8, 512, 1024), torch.zeros(8, 1024, 512))  # E=8 H=1024: slower
+    small = torch.zeros(2048, 128, requires_grad=True)  # the training job's GPT layer: a 2 MiB [N, M] block
+    assert not use_fused(small, [512] * 8, torch.zeros(8, 128, 256), torch.zeros(8, 256, 128))
     with torch.no_grad():
         assert not use_fused(x, rows_per_expert, w1, w2)  # no autograd: not measured
     assert not use_fused(x.double(), rows_per_expert, w1.double(), w2.double())  # float32 only
@@ -147,6 +160,9 @@ def test_use_fused_rule() -> None:
 
 
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the layer's calls of fused_experts, and lets the small layers of these tests take it (the rule
+    sends only blocks of 32 MiB and more there: too slow to test many cases at that size)."""
+    monkeypatch.setattr(fused_module, "_FUSED_MIN_ROW_ELEMENTS", 0)
     calls: list[int] = []
     real = layer_module.fused_experts
 
@@ -201,3 +217,25 @@ def test_layer_under_activation_checkpointing(monkeypatch: pytest.MonkeyPatch) -
     moe64(x64).square().sum().backward()  # float64: the three-stage path
     for got, want in zip(grads, [x64.grad] + [p.grad for p in moe64.parameters()]):
         assert_close(got, want, 1e-5, "gradient")
+
+
+def test_a_fine_grained_training_call_takes_it_by_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """T=2048 M=512 E=64 k=8: a 32 MiB [N, M] block, 256 rows x 64 hidden per expert; against the same layer in
+    float64, which takes the three stages."""
+    calls: list[int] = []
+    real = layer_module.fused_experts
+    monkeypatch.setattr(layer_module, "fused_experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    torch.manual_seed(2)
+    moe = MoELayer(512, 64, 64, k=8, capacity_factor=0.0)
+    x = torch.randn(2048, 512, requires_grad=True)
+    grad_y = torch.randn(2048, 512)
+    (moe(x) * grad_y).sum().backward()
+    assert calls == [1]
+    moe64 = MoELayer(512, 64, 64, k=8, capacity_factor=0.0, dtype=torch.float64)
+    moe64.load_state_dict(moe.state_dict())
+    x64 = x.detach().double().requires_grad_()
+    (moe64(x64) * grad_y.double()).sum().backward()
+    assert calls == [1]
+    assert_close(x.grad, x64.grad, 1e-5, "grad x")
+    for (name, p), p64 in zip(moe.named_parameters(), moe64.parameters()):
+        assert_close(p.grad, p64.grad, 1e-5, f"grad {name}")

@@ -5,8 +5,9 @@ The three-stage path (:func:`flexmoe.dispatch.dispatch`, the experts, :func:`fle
 the dispatched rows ``[N, M]`` and the experts' output ``[N, M]`` (``N = T * k``) to memory, keeps both for
 backward, and in backward writes two more such tensors. With many small experts (E >= 64, k = 8) those passes
 over fresh ``[N, M]`` buffers cost as much as a fifth of the step. Here each expert's rows are gathered from the
-tokens, pass through its FFN and are added, weighted, into their tokens' output while they are still in cache;
-only the pre-activations ``[N, H]`` are kept for backward.
+tokens, pass through its FFN and are added, weighted, into their tokens' output while they are still in cache
+(small experts a few at a time, :func:`expert_chunks`); only the pre-activations and ``h`` (``[N, H]`` in
+pieces) are kept for backward.
 
 For expert ``e`` with rows ``r`` (tokens ``t_r``, combine weights ``w_r``)::
 
@@ -224,34 +225,38 @@ class _FusedExperts(torch.autograd.Function):
 
 def fused_experts(tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: Sequence[int], w1: Tensor,
                   b1: Tensor | None, w2: Tensor, b2: Tensor | None, w3: Tensor | None, b3: Tensor | None,
-                  unit: HiddenUnit) -> Tensor:
+                  unit: HiddenUnit, *, chunk_rows: int = CHUNK_ROWS) -> Tensor:
     """``y[t] = sum over the rows r of token t of row_weight[r] * expert_e(r)(tokens[t])``: dispatch, the experts'
     FFN and a weighted combine in one pass per expert (module docstring).
 
     tokens: ``[T, M]``; row_token: ``[N]`` the token of each row, rows sorted by expert, ``counts[e]`` rows each;
     row_weight: ``[N]`` in tokens' dtype; w1, w3: ``[E, M, H]``, w2: ``[E, H, M]``, biases ``[E, H]`` / ``[E, M]``
-    or None; unit: the experts' hidden unit -> ``[T, M]``. Differentiable once
+    or None; unit: the experts' hidden unit; chunk_rows: the experts are taken in chunks of at least this many
+    rows (:func:`expert_chunks`) -> ``[T, M]``. Differentiable once
     in tokens, row_weight and every weight.
     """
     if sum(counts) != row_token.shape[0]:
         raise ValueError(f"counts must sum to the number of rows {row_token.shape[0]}, got {sum(counts)}")
     return _FusedExperts.apply(tokens.contiguous(), row_weight, w1, b1, w2, b2, w3, b3, row_token,
-                               expert_chunks(counts), unit)
+                               expert_chunks(counts, chunk_rows), unit)
 
 
 # Training, forward + backward, T=4096 M=512 k=8 fp32, dropless, on a quiet 2-core AVX2 CPU, side by side with the
-# three-stage path and the loop floor (docs/architecture.md, "Fused experts"): fused/floor 0.96 at E=64 H=256
-# (three-stage 1.18-1.29), 1.03 at E=128 H=128 (1.22), 1.08 at E=256 H=64 (1.25); at E=8 H=1024 k=2 (1024 rows
-# of 1024 hidden units per expert) it lost, 1.44 against 1.28. Fused is chosen up to the largest measured win:
-# rows per expert times hidden size at most this, on average.
-_FUSED_MAX_WORK_PER_EXPERT = 512 * 256
+# three-stage path and the loop floor (docs/architecture.md, "Fused experts"): the layer over the floor 1.06 at
+# E=64 H=256 (three stages 1.18-1.29), 1.01 at E=128 H=128 (1.22), 1.00 at E=256 H=64 (1.25). It lost where the
+# three stages' [N, M] blocks are small enough for the allocator to reuse (below 32 MiB, glibc's largest mmap
+# threshold): the training job's GPT layer (T=2048 M=128 E=8 H=256 k=2, a 2 MiB block) 1.41-1.58 against
+# 1.27-1.40; and where each expert's matmuls are large: E=8 H=1024 k=2 (1024 rows x 1024) 1.44 against 1.28.
+_FUSED_MIN_ROW_ELEMENTS = 1 << 23  # rows x model_dim: 32 MiB in float32
+_FUSED_MAX_WORK_PER_EXPERT = 512 * 256  # rows per expert x hidden size, on average
 _FUSED_DTYPES = (torch.float32,)
 
 
 def use_fused(tokens: Tensor, counts: Sequence[int], w1: Tensor, *weights: Tensor | None) -> bool:
     """Whether a call runs :func:`fused_experts` (the measured rule above): autograd records (training),
     float32 on the CPU (the only case measured), not traced by ``torch.compile``, no autocast, the tokens and
-    every weight in one dtype and device, and at most ``_FUSED_MAX_WORK_PER_EXPERT`` rows x hidden per expert."""
+    every weight in one dtype and device, at least ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]`` block and
+    at most ``_FUSED_MAX_WORK_PER_EXPERT`` rows x hidden per expert."""
     if not counts or tokens.dtype not in _FUSED_DTYPES or tokens.device.type != "cpu":
         return False
     present = [t for t in (w1, *weights) if t is not None]
@@ -261,4 +266,6 @@ def use_fused(tokens: Tensor, counts: Sequence[int], w1: Tensor, *weights: Tenso
         return False
     if any(t.dtype != tokens.dtype or t.device != tokens.device for t in present):
         return False
-    return sum(counts) * w1.shape[-1] <= _FUSED_MAX_WORK_PER_EXPERT * len(counts)
+    num_rows = sum(counts)
+    return (num_rows * tokens.shape[-1] >= _FUSED_MIN_ROW_ELEMENTS
+            and num_rows * w1.shape[-1] <= _FUSED_MAX_WORK_PER_EXPERT * len(counts))
