@@ -70,7 +70,9 @@ class HiddenUnit:
 
 # Experts with few rows are taken a few at a time: the gathers, the elementwise work and the scatter-add run once
 # per chunk of consecutive experts of at least this many rows (the matmuls stay per expert), so their op count
-# stays that of E=64, k=8 at T=4096 (512 rows per expert) when E is 128 or 256.
+# stays that of E=64, k=8 at T=4096 (512 rows per expert) when E is 128 or 256. Fused experts over the loop floor,
+# E=64/128/256, two runs: chunks of 256 rows 1.06/1.04/1.01 and 1.01/1.12/-, 512 1.05/1.01/0.91 and 0.99/0.99/-,
+# 1024 1.04/0.97/0.89 and 1.04/1.01/-, 2048 1.03/0.96/0.93 and 1.05/1.02/-: within the noise but for 256.
 CHUNK_ROWS = 512
 
 Chunk = tuple[int, int, list[tuple[int, int, int]]]  # (first row, rows, [(expert, first row in the chunk, rows)])
