@@ -17,8 +17,9 @@ For expert ``e`` with rows ``r`` (tokens ``t_r``, combine weights ``w_r``)::
                grad h_r = w_r * d_r,  grad w2[e] = sum_r h_r^T (w_r g_r),  grad b2[e] = sum_r w_r g_r
                grad p_r = unit's vjp,  grad w1[e] = sum_r x[t_r]^T grad p_r,  grad x[t_r] += grad p_r @ w1[e]^T
 
-and likewise ``w3`` for gated experts. The unit's derivative comes from autograd on the elementwise call alone
-(:func:`flexmoe.segment_ffn.record_unit`), so any activation and GPT-OSS's clamped unit work.
+and likewise ``w3`` for gated experts. The unit's derivative is autograd's own formula for the named activations
+and autograd on the elementwise call alone otherwise (:class:`HiddenUnit`), so any activation and GPT-OSS's
+clamped unit work.
 """
 
 from __future__ import annotations
