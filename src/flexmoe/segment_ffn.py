@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 __all__ = ["Unit", "Segment", "RecordedUnit", "contiguous_segments", "segment_ffn_forward", "record_unit",
-           "segment_ffn_backward", "segment_expert_ffn"]
+           "segment_ffn_backward", "segment_expert_ffn", "linear_into", "weight_grad_into", "expert_grad_buffer"]
 
 Unit = Callable[[Tensor, "Tensor | None"], Tensor]  # (pre1 [n, H], pre3 [n, H] or None) -> h [n, H], elementwise
 Segment = tuple[int, int, int]  # (expert, first row, number of rows), rows > 0
@@ -58,14 +58,14 @@ def segment_ffn_forward(rows: Tensor, segments: Sequence[Segment], w1: Tensor, b
     pre3 = alloc(num_rows, hidden, dtype=rows.dtype, device=rows.device) if w3 is not None else None
     for e, start, n in segments:
         x = rows[start:start + n]
-        _linear_into(pre1[start:start + n], x, w1[e], b1, e)
+        linear_into(pre1[start:start + n], x, w1[e], b1, e)
         if w3 is not None and pre3 is not None:
-            _linear_into(pre3[start:start + n], x, w3[e], b3, e)
+            linear_into(pre3[start:start + n], x, w3[e], b3, e)
     recorded = record_unit(pre1, pre3, unit) if record else None
     h = recorded[0] if recorded is not None else unit(pre1, pre3)
     out = alloc(num_rows, w2.shape[-1], dtype=rows.dtype, device=rows.device)
     for e, start, n in segments:
-        _linear_into(out[start:start + n], h[start:start + n], w2[e], b2, e)
+        linear_into(out[start:start + n], h[start:start + n], w2[e], b2, e)
     return out, pre1, pre3, recorded
 
 
@@ -106,10 +106,10 @@ def segment_ffn_backward(grad_out: Tensor, rows: Tensor, segments: Sequence[Segm
     active = sorted({e for e, _, _ in segments})
 
     def weight_buffer(like: Tensor | None, wanted: bool) -> Tensor | None:
-        return _expert_buffer(like.shape, like, active, num_experts) if wanted and like is not None else None
+        return expert_grad_buffer(like.shape, like, active, num_experts) if wanted and like is not None else None
 
     def bias_buffer(size: int, wanted: bool) -> Tensor | None:
-        return _expert_buffer((num_experts, size), w1, active, num_experts) if wanted else None
+        return expert_grad_buffer((num_experts, size), w1, active, num_experts) if wanted else None
 
     hidden, model_dim = w1.shape[-1], w2.shape[-1]
     grad_w2, grad_b2 = weight_buffer(w2, need_w2), bias_buffer(model_dim, need_b2)
@@ -122,7 +122,7 @@ def segment_ffn_backward(grad_out: Tensor, rows: Tensor, segments: Sequence[Segm
         g, first = grad_out[start:start + n], e not in seen
         seen.add(e)
         torch.mm(g, w2[e].transpose(0, 1), out=grad_h[start:start + n])
-        _weight_grad_into(grad_w2, grad_b2, e, h[start:start + n], g, first)
+        weight_grad_into(grad_w2, grad_b2, e, h[start:start + n], g, first)
     grad_pre = unit_vjp(grad_h)
     grad_pre1, grad_pre3 = grad_pre[0], (grad_pre[1] if len(grad_pre) > 1 else None)
 
@@ -132,10 +132,10 @@ def segment_ffn_backward(grad_out: Tensor, rows: Tensor, segments: Sequence[Segm
         x, first = rows[start:start + n], e not in seen
         seen.add(e)
         g1 = grad_pre1[start:start + n]
-        _weight_grad_into(grad_w1, grad_b1, e, x, g1, first)
+        weight_grad_into(grad_w1, grad_b1, e, x, g1, first)
         g3 = grad_pre3[start:start + n] if grad_pre3 is not None else None
         if g3 is not None:
-            _weight_grad_into(grad_w3, grad_b3, e, x, g3, first)
+            weight_grad_into(grad_w3, grad_b3, e, x, g3, first)
         if grad_x is not None:
             gx = grad_x[start:start + n]
             torch.mm(g1, w1[e].transpose(0, 1), out=gx)
@@ -144,7 +144,7 @@ def segment_ffn_backward(grad_out: Tensor, rows: Tensor, segments: Sequence[Segm
     return [grad_x, grad_w1, grad_b1, grad_w2, grad_b2, grad_w3, grad_b3]
 
 
-def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None, e: int) -> None:
+def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None, e: int) -> None:
     """out = x @ w (+ b[e]); out: a contiguous block of rows of a full-size buffer."""
     if b is not None:
         torch.addmm(b[e], x, w, out=out)
@@ -152,7 +152,7 @@ def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None, e: int) ->
         torch.mm(x, w, out=out)
 
 
-def _weight_grad_into(grad_w: Tensor | None, grad_b: Tensor | None, e: int, x: Tensor, g: Tensor,
+def weight_grad_into(grad_w: Tensor | None, grad_b: Tensor | None, e: int, x: Tensor, g: Tensor,
                       first: bool) -> None:
     """grad_w[e] (+)= x.T @ g and grad_b[e] (+)= g summed over rows: written by the expert's first segment,
     added to by the others (several sequences of one expert in a padded plan)."""
@@ -168,7 +168,7 @@ def _weight_grad_into(grad_w: Tensor | None, grad_b: Tensor | None, e: int, x: T
             grad_b[e].add_(g.sum(0))
 
 
-def _expert_buffer(shape: Sequence[int], like: Tensor, active: list[int], num_experts: int) -> Tensor:
+def expert_grad_buffer(shape: Sequence[int], like: Tensor, active: list[int], num_experts: int) -> Tensor:
     """A contiguous ``[E, ...]`` gradient buffer; the experts without rows (nothing writes them) are zeroed."""
     buffer = torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
     for e in sorted(set(range(num_experts)) - set(active)):
