@@ -96,9 +96,11 @@ def test_op_computes_real_rows_only_and_matches_the_reference(case: str, dtype: 
 
     got_p = {n: t.to(dtype).requires_grad_() if t is not None else None for n, t in p64.items()}
     got_rows = rows64.to(dtype).requires_grad_()
-    out, *_ = torch.ops.flexmoe.padded_expert_ffn(
+    out, *saved = torch.ops.flexmoe.padded_expert_ffn(
         got_rows, torch.tensor(UNIT_ROWS), CAPACITY, got_p["w1"], got_p["b1"], got_p["w2"], got_p["b2"],
         got_p["w3"], got_p["b3"], activation, glu_limit)
+    # The pre-activations and the unit's output only ride along for the backward: no gradient flows into them.
+    assert out.requires_grad and not any(t.requires_grad for t in saved)
     out.backward(grad64.to(dtype))
 
     tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)

@@ -211,6 +211,9 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     rows, unit_rows, capacity, w1, b1, w2, b2, w3, b3, activation, glu_limit = inputs
     _, pre1, pre3, h = output
     ctx.save_for_backward(rows, unit_rows, w1, w2, w3, pre1, pre3, h)
+    # What the backward needs rides out as outputs; nothing flows back through them, and left differentiable
+    # autograd (and the compiled backward graph) would fill an [N, H] zero gradient for each.
+    ctx.mark_non_differentiable(pre1, pre3, h)
     ctx.capacity, ctx.activation, ctx.glu_limit = capacity, activation, glu_limit
     ctx.present = (True, True, b1 is not None, True, b2 is not None, w3 is not None, b3 is not None)
 
