@@ -6,13 +6,18 @@ first and padding after, so that no shape depends on the routing. Batched matmul
 the padding too. Here the experts' FFN is one ``torch.library`` custom op, ``flexmoe::padded_expert_ffn``,
 opaque to dynamo and inductor (``fullgraph=True`` still holds): it receives the padded rows and the number of
 real rows of each unit as a device tensor, reads that on the host (the op is not traced, only its
-``register_fake`` shapes are), and runs :mod:`flexmoe.segment_ffn` over the real rows only; padding rows
-output zeros. Its backward is a second custom op on the same functions.
+``register_fake`` shapes are), and loops over the units' real rows only: each unit's matmuls and its
+elementwise unit one after the other, written into full-size buffers (``out=``, the matmul helpers of
+:mod:`flexmoe.segment_ffn`); padding rows output zeros and are never computed, not even elementwise. Its
+backward is a second custom op, the same loop: the unit's derivative is the aten kernel eager autograd runs for
+a named activation (no recomputation; the forward keeps the unit's output), ``torch.func.vjp`` of the gated
+unit on that unit's rows.
 
 Needs ``torch.library.custom_op`` (torch >= 2.4): :func:`padded_op_available` says whether it is there; the
 layer otherwise keeps :meth:`flexmoe.experts.FeedForwardExperts.forward_padded`.
 """
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -21,7 +26,7 @@ from torch import Tensor
 
 from flexmoe.experts import FeedForwardExperts, activation_name, hidden_unit, resolve_activation
 from flexmoe.routing.plan import RoutingPlan
-from flexmoe.segment_ffn import Segment, record_unit, segment_ffn_backward, segment_ffn_forward
+from flexmoe.segment_ffn import Segment, expert_grad_buffer, linear_into, weight_grad_into
 
 __all__ = ["padded_op_available", "padded_unit_rows", "padded_segments", "padded_experts_forward"]
 
@@ -59,38 +64,143 @@ def _unit(activation: str, glu_limit: float | None) -> partial[Tensor]:
     return partial(hidden_unit, activation=resolve_activation(activation), glu_limit=glu_limit)
 
 
+# The plain (not gated) units by name: their forward written into a buffer, and their derivative by the aten kernel
+# eager autograd runs for them (GeluBackward0, ReluBackward0, SiluBackward0), so that nothing is recomputed.
+# derivative(grad_h, pre1, h, out) writes d loss / d pre1 into out (which may be grad_h itself).
+_UNIT_INTO: dict[str, Callable[[Tensor, Tensor], object]] = {
+    "gelu": lambda pre1, out: torch.ops.aten.gelu.out(pre1, out=out),
+    "relu": lambda pre1, out: torch.ops.aten.relu.out(pre1, out=out),
+    "silu": lambda pre1, out: torch.ops.aten.silu.out(pre1, out=out),
+}
+_UNIT_DERIVATIVE: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], object]] = {
+    "gelu": lambda grad_h, pre1, h, out: torch.ops.aten.gelu_backward.grad_input(grad_h, pre1, grad_input=out),
+    "relu": lambda grad_h, pre1, h, out: torch.ops.aten.threshold_backward.grad_input(grad_h, h, 0,
+                                                                                      grad_input=out),
+    "silu": lambda grad_h, pre1, h, out: torch.ops.aten.silu_backward.grad_input(grad_h, pre1, grad_input=out),
+}
+
+
+def padding_ranges(unit_rows: list[int], capacity: int) -> list[tuple[int, int]]:
+    """The padding rows of a padded layout as ``(start, stop)`` row ranges, neighbours merged: unit ``u`` holds
+    rows ``u * capacity .. (u + 1) * capacity - 1``, its ``unit_rows[u]`` real rows first."""
+    ranges: list[tuple[int, int]] = []
+    for u, n in enumerate(unit_rows):
+        start, stop = u * capacity + n, (u + 1) * capacity
+        if start == stop:
+            continue
+        if ranges and ranges[-1][1] == start:
+            ranges[-1] = (ranges[-1][0], stop)
+        else:
+            ranges.append((start, stop))
+    return ranges
+
+
+def _zero_rows(t: Tensor, ranges: list[tuple[int, int]]) -> None:
+    for start, stop in ranges:
+        t[start:stop].zero_()
+
+
 def _forward_impl(rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, b1: Tensor | None, w2: Tensor,
                   b2: Tensor | None, w3: Tensor | None, b3: Tensor | None, activation: str,
-                  glu_limit: float | None) -> tuple[Tensor, Tensor, Tensor]:
-    """-> ``(out [N, M], pre1 [N, H], pre3 [N, H] or [0])``: the output and what the backward needs."""
-    segments = padded_segments(unit_rows.tolist(), capacity, w1.shape[0])
-    out, pre1, pre3, _ = segment_ffn_forward(rows.contiguous(), segments, w1, b1, w2, b2, w3, b3,
-                                             _unit(activation, glu_limit), padded=True, record=False)
-    return out, pre1, pre3 if pre3 is not None else rows.new_empty(0)
+                  glu_limit: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> ``(out [N, M], pre1 [N, H], pre3 [N, H] or [0], h [N, H])``: the output (zeros on padding rows) and
+    what the backward needs, the pre-activations and the unit's output (their padding rows are never read and
+    hold whatever the allocator gave).
+
+    Expert by expert over the real rows only, the matmuls and the elementwise unit of a unit's rows one after
+    the other while they are in cache, each written into its place in the full-size buffers (``out=``)."""
+    counts = unit_rows.tolist()
+    segments = padded_segments(counts, capacity, w1.shape[0])
+    rows = rows.contiguous()
+    num_rows, hidden = rows.shape[0], w1.shape[-1]
+    out = rows.new_empty(num_rows, w2.shape[-1])
+    pre1, h = rows.new_empty(num_rows, hidden), rows.new_empty(num_rows, hidden)
+    pre3 = rows.new_empty(num_rows, hidden) if w3 is not None else rows.new_empty(0)
+    unit_into = _UNIT_INTO.get(activation) if w3 is None else None
+    unit = _unit(activation, glu_limit)
+    for e, start, n in segments:
+        x, span = rows[start:start + n], slice(start, start + n)
+        linear_into(pre1[span], x, w1[e], b1, e)
+        if w3 is not None:
+            linear_into(pre3[span], x, w3[e], b3, e)
+        if unit_into is not None:
+            unit_into(pre1[span], h[span])
+        else:
+            h[span] = unit(pre1[span], pre3[span] if w3 is not None else None)
+        linear_into(out[span], h[span], w2[e], b2, e)
+    _zero_rows(out, padding_ranges(counts, capacity))
+    return out, pre1, pre3, h
 
 
 def _forward_fake(rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, b1: Tensor | None, w2: Tensor,
                   b2: Tensor | None, w3: Tensor | None, b3: Tensor | None, activation: str,
-                  glu_limit: float | None) -> tuple[Tensor, Tensor, Tensor]:
+                  glu_limit: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     num_rows, hidden = rows.shape[0], w1.shape[-1]
     pre3 = rows.new_empty(num_rows, hidden) if w3 is not None else rows.new_empty(0)
-    return rows.new_empty(num_rows, w2.shape[-1]), rows.new_empty(num_rows, hidden), pre3
+    return (rows.new_empty(num_rows, w2.shape[-1]), rows.new_empty(num_rows, hidden), pre3,
+            rows.new_empty(num_rows, hidden))
 
 
 def _backward_impl(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, w2: Tensor,
-                   w3: Tensor | None, pre1: Tensor, pre3: Tensor, activation: str, glu_limit: float | None,
-                   needs: list[bool]) -> list[Tensor]:
-    """-> the gradients of ``rows, w1, b1, w2, b2, w3, b3`` (an empty tensor where ``needs`` is False)."""
-    segments = padded_segments(unit_rows.tolist(), capacity, w1.shape[0])
-    recorded = record_unit(pre1, pre3 if w3 is not None else None, _unit(activation, glu_limit), functional=True)
-    grads = segment_ffn_backward(grad_out.contiguous(), rows.contiguous(), segments, w1, w2, w3, recorded, needs,
-                                 padded=True)
+                   w3: Tensor | None, pre1: Tensor, pre3: Tensor, h: Tensor, activation: str,
+                   glu_limit: float | None, needs: list[bool]) -> list[Tensor]:
+    """-> the gradients of ``rows, w1, b1, w2, b2, w3, b3`` (an empty tensor where ``needs`` is False).
+
+    Expert by expert over the real rows, as the forward: ``grad_h`` of a unit's rows goes through the unit's
+    derivative in place while in cache (a scratch buffer as large as the largest unit, reused), and every
+    gradient is written into its full-size buffer (experts without rows: zeros; padding rows of ``rows``:
+    zeros)."""
+    need_x, need_w1, need_b1, need_w2, need_b2, need_w3, need_b3 = needs
+    counts = unit_rows.tolist()
+    segments = padded_segments(counts, capacity, w1.shape[0])
+    grad_out, rows = grad_out.contiguous(), rows.contiguous()
+    num_experts, hidden, model_dim = w1.shape[0], w1.shape[-1], w2.shape[-1]
+    active = sorted({e for e, _, _ in segments})
+
+    def weight_buffer(like: Tensor | None, wanted: bool) -> Tensor | None:
+        return expert_grad_buffer(like.shape, like, active, num_experts) if wanted and like is not None else None
+
+    def bias_buffer(size: int, wanted: bool) -> Tensor | None:
+        return expert_grad_buffer((num_experts, size), w1, active, num_experts) if wanted else None
+
+    grad_w1, grad_b1 = weight_buffer(w1, need_w1), bias_buffer(hidden, need_b1)
+    grad_w2, grad_b2 = weight_buffer(w2, need_w2), bias_buffer(model_dim, need_b2)
+    grad_w3, grad_b3 = weight_buffer(w3, need_w3), bias_buffer(hidden, need_b3)
+    grad_x = rows.new_empty(rows.shape) if need_x else None
+    derivative = _UNIT_DERIVATIVE.get(activation) if w3 is None else None
+    unit = _unit(activation, glu_limit)
+    scratch = rows.new_empty(max((n for _, _, n in segments), default=0), hidden)
+    seen: set[int] = set()
+    for e, start, n in segments:
+        span, first = slice(start, start + n), e not in seen
+        seen.add(e)
+        g, x = grad_out[span], rows[span]
+        weight_grad_into(grad_w2, grad_b2, e, h[span], g, first)
+        grad_h = torch.mm(g, w2[e].transpose(0, 1), out=scratch[:n])
+        grad_pre3: Tensor | None = None
+        if derivative is not None:
+            grad_pre1 = grad_h
+            derivative(grad_h, pre1[span], h[span], grad_pre1)
+        elif w3 is None:
+            (grad_pre1,) = torch.func.vjp(lambda p1: unit(p1, None), pre1[span])[1](grad_h)
+        else:
+            grad_pre1, grad_pre3 = torch.func.vjp(unit, pre1[span], pre3[span])[1](grad_h)
+        weight_grad_into(grad_w1, grad_b1, e, x, grad_pre1, first)
+        if grad_pre3 is not None:
+            weight_grad_into(grad_w3, grad_b3, e, x, grad_pre3, first)
+        if grad_x is not None:
+            torch.mm(grad_pre1, w1[e].transpose(0, 1), out=grad_x[span])
+            if grad_pre3 is not None and w3 is not None:
+                grad_x[span].addmm_(grad_pre3, w3[e].transpose(0, 1))
+    if grad_x is not None:
+        _zero_rows(grad_x, padding_ranges(counts, capacity))
+    grads = [grad_x, grad_w1, grad_b1, grad_w2, grad_b2, grad_w3, grad_b3]
     return [g if g is not None else rows.new_empty(0) for g in grads]
 
 
 def _backward_fake(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, w2: Tensor,
-                   w3: Tensor | None, pre1: Tensor, pre3: Tensor, activation: str, glu_limit: float | None,
-                   needs: list[bool]) -> list[Tensor]:
+                   w3: Tensor | None, pre1: Tensor, pre3: Tensor, h: Tensor, activation: str,
+                   glu_limit: float | None, needs: list[bool]) -> list[Tensor]:
     num_experts, hidden, model_dim = w1.shape[0], w1.shape[-1], w2.shape[-1]
     shapes = [rows.shape, w1.shape, (num_experts, hidden), w2.shape, (num_experts, model_dim),
               w3.shape if w3 is not None else (0,), (num_experts, hidden)]
@@ -99,19 +209,22 @@ def _backward_fake(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     rows, unit_rows, capacity, w1, b1, w2, b2, w3, b3, activation, glu_limit = inputs
-    _, pre1, pre3 = output
-    ctx.save_for_backward(rows, unit_rows, w1, w2, w3, pre1, pre3)
+    _, pre1, pre3, h = output
+    ctx.save_for_backward(rows, unit_rows, w1, w2, w3, pre1, pre3, h)
+    # What the backward needs rides out as outputs; nothing flows back through them, and left differentiable
+    # autograd (and the compiled backward graph) would fill an [N, H] zero gradient for each.
+    ctx.mark_non_differentiable(pre1, pre3, h)
     ctx.capacity, ctx.activation, ctx.glu_limit = capacity, activation, glu_limit
     ctx.present = (True, True, b1 is not None, True, b2 is not None, w3 is not None, b3 is not None)
 
 
-def _backward(ctx: Any, grad_out: Tensor, _grad_pre1: Tensor,
-              _grad_pre3: Tensor) -> tuple[Tensor | None, ...]:
-    rows, unit_rows, w1, w2, w3, pre1, pre3 = ctx.saved_tensors
+def _backward(ctx: Any, grad_out: Tensor, _grad_pre1: Tensor, _grad_pre3: Tensor,
+              _grad_h: Tensor) -> tuple[Tensor | None, ...]:
+    rows, unit_rows, w1, w2, w3, pre1, pre3, h = ctx.saved_tensors
     wanted = (ctx.needs_input_grad[0], *ctx.needs_input_grad[3:9])
     needs = [bool(want and present) for want, present in zip(wanted, ctx.present)]
     grads = torch.ops.flexmoe.padded_expert_ffn_backward(grad_out, rows, unit_rows, ctx.capacity,
-                                                          w1, w2, w3, pre1, pre3, ctx.activation,
+                                                          w1, w2, w3, pre1, pre3, h, ctx.activation,
                                                           ctx.glu_limit, needs)
     g = [grad if need else None for grad, need in zip(grads, needs)]
     return g[0], None, None, g[1], g[2], g[3], g[4], g[5], g[6], None, None
@@ -139,7 +252,7 @@ def padded_experts_forward(experts: FeedForwardExperts, rows: Tensor, plan: Rout
             or torch.is_autocast_enabled(rows.device.type)):
         num_experts = len(plan.counts)
         return experts.forward_padded(rows.view(num_experts, plan.counts[0], rows.shape[-1])).flatten(0, 1)
-    out, _, _ = torch.ops.flexmoe.padded_expert_ffn(rows, padded_unit_rows(plan), plan.capacity, experts.w1,
+    out, _, _, _ = torch.ops.flexmoe.padded_expert_ffn(rows, padded_unit_rows(plan), plan.capacity, experts.w1,
                                                     experts.b1, experts.w2, experts.b2, experts.w3, experts.b3,
                                                     activation, experts.glu_limit)
     return out

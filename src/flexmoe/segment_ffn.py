@@ -1,9 +1,9 @@
 """The experts' FFN over row segments, with a hand-written backward (docs/architecture.md, "Expert compute").
 
 Each expert computes ``unit(x w1 + b1, x w3 + b3) w2 + b2`` on its rows. The rows of one call are laid out as
-*segments*, ``(expert, first row, rows)``, at most one per expert in an unpadded plan and one per
-(expert, sequence) unit in a padded one (docs/architecture.md, "Compiling the layer"); rows outside every
-segment are padding: their output and gradient are zero.
+*segments*, ``(expert, first row, rows)``, back to back, one per expert that has rows. (The compiled padded
+layout, with padding rows between segments, has its own loop in :mod:`flexmoe.padded_ffn_op`, which calls the
+matmul helpers here.)
 
 Autograd through the plain per-expert loop records a dozen nodes per expert (split and unbind views, two
 ``addmm`` and their bias sums, the activation, the ``cat``) and its backward stacks all E weight gradients and
@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 __all__ = ["Unit", "Segment", "RecordedUnit", "contiguous_segments", "segment_ffn_forward", "record_unit",
-           "segment_ffn_backward", "segment_expert_ffn"]
+           "segment_ffn_backward", "segment_expert_ffn", "linear_into", "weight_grad_into", "expert_grad_buffer"]
 
 Unit = Callable[[Tensor, "Tensor | None"], Tensor]  # (pre1 [n, H], pre3 [n, H] or None) -> h [n, H], elementwise
 Segment = tuple[int, int, int]  # (expert, first row, number of rows), rows > 0
@@ -42,43 +42,34 @@ def contiguous_segments(counts: Sequence[int]) -> list[Segment]:
 
 
 def segment_ffn_forward(rows: Tensor, segments: Sequence[Segment], w1: Tensor, b1: Tensor | None, w2: Tensor,
-                        b2: Tensor | None, w3: Tensor | None, b3: Tensor | None, unit: Unit, *, padded: bool,
-                        record: bool) -> tuple[Tensor, Tensor, Tensor | None, RecordedUnit | None]:
+                        b2: Tensor | None, w3: Tensor | None, b3: Tensor | None,
+                        unit: Unit) -> tuple[Tensor, Tensor, Tensor | None, RecordedUnit]:
     """rows: ``[N, M]``; w1, w3: ``[E, M, H]``, w2: ``[E, H, M]``, biases ``[E, H]`` / ``[E, M]`` or None.
 
-    Returns ``(out [N, M], pre1 [N, H], pre3 [N, H] or None, recorded)``: the pre-activations and, with
-    ``record``, the unit's output and derivative (:func:`record_unit`), what the backward needs (without,
-    the backward records the unit again from the pre-activations: one more elementwise pass, nothing but
-    tensors kept). ``padded``: some rows lie outside every segment; their ``out`` is zero and their
-    pre-activations zero (the unit runs over every row, so they must hold numbers).
+    Returns ``(out [N, M], pre1 [N, H], pre3 [N, H] or None, recorded)``: the pre-activations and the unit's
+    output and derivative (:func:`record_unit`), what the backward needs. The segments cover every row.
     """
     num_rows, hidden = rows.shape[0], w1.shape[-1]
-    alloc = torch.zeros if padded else torch.empty
-    pre1 = alloc(num_rows, hidden, dtype=rows.dtype, device=rows.device)
-    pre3 = alloc(num_rows, hidden, dtype=rows.dtype, device=rows.device) if w3 is not None else None
+    pre1 = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
+    pre3 = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device) if w3 is not None else None
     for e, start, n in segments:
         x = rows[start:start + n]
-        _linear_into(pre1[start:start + n], x, w1[e], b1, e)
+        linear_into(pre1[start:start + n], x, w1[e], b1, e)
         if w3 is not None and pre3 is not None:
-            _linear_into(pre3[start:start + n], x, w3[e], b3, e)
-    recorded = record_unit(pre1, pre3, unit) if record else None
-    h = recorded[0] if recorded is not None else unit(pre1, pre3)
-    out = alloc(num_rows, w2.shape[-1], dtype=rows.dtype, device=rows.device)
+            linear_into(pre3[start:start + n], x, w3[e], b3, e)
+    recorded = record_unit(pre1, pre3, unit)
+    h = recorded[0]
+    out = torch.empty(num_rows, w2.shape[-1], dtype=rows.dtype, device=rows.device)
     for e, start, n in segments:
-        _linear_into(out[start:start + n], h[start:start + n], w2[e], b2, e)
+        linear_into(out[start:start + n], h[start:start + n], w2[e], b2, e)
     return out, pre1, pre3, recorded
 
 
-def record_unit(pre1: Tensor, pre3: Tensor | None, unit: Unit, *, functional: bool = False) -> RecordedUnit:
+def record_unit(pre1: Tensor, pre3: Tensor | None, unit: Unit) -> RecordedUnit:
     """``(h, vjp)``: ``h = unit(pre1, pre3)`` and its vector-Jacobian product, ``vjp(grad_h)`` giving the
-    gradients of ``pre1`` (and ``pre3``), by autograd on the elementwise call alone, so that any unit works.
-
-    ``functional``: by ``torch.func.vjp``, which also records inside a custom op's kernel (where autograd is
-    switched off) but refuses saved-tensor hooks (activation checkpointing); else by ``torch.autograd``."""
-    if functional:
-        recorded = (torch.func.vjp(lambda p1: unit(p1, None), pre1) if pre3 is None
-                    else torch.func.vjp(unit, pre1, pre3))
-        return recorded[0], recorded[1]
+    gradients of ``pre1`` (and ``pre3``), by autograd on the elementwise call alone, so that any unit works
+    (``torch.autograd`` rather than ``torch.func.vjp``, which refuses the saved-tensor hooks of activation
+    checkpointing)."""
     with torch.enable_grad():
         inputs = tuple(p.detach().requires_grad_() for p in ((pre1,) if pre3 is None else (pre1, pre3)))
         h = unit(inputs[0], inputs[1] if pre3 is not None else None)
@@ -91,14 +82,12 @@ def record_unit(pre1: Tensor, pre3: Tensor | None, unit: Unit, *, functional: bo
 
 
 def segment_ffn_backward(grad_out: Tensor, rows: Tensor, segments: Sequence[Segment], w1: Tensor, w2: Tensor,
-                         w3: Tensor | None, recorded: RecordedUnit, needs: Sequence[bool], *,
-                         padded: bool) -> list[Tensor | None]:
+                         w3: Tensor | None, recorded: RecordedUnit, needs: Sequence[bool]) -> list[Tensor | None]:
     """The gradients of :func:`segment_ffn_forward`: ``[rows, w1, b1, w2, b2, w3, b3]``, each None where
     ``needs`` (the same seven flags) is False; a flag must be False for a bias or ``w3`` that does not exist.
 
     grad_out: ``[N, M]``; recorded: :func:`record_unit` of the forward's pre-activations. Every gradient is
-    written into a full-size buffer (experts without rows get zeros; padding rows of ``rows`` too): no stack,
-    no cat.
+    written into a full-size buffer (experts without rows get zeros): no stack, no cat.
     """
     need_x, need_w1, need_b1, need_w2, need_b2, need_w3, need_b3 = needs
     h, unit_vjp = recorded
@@ -106,36 +95,36 @@ def segment_ffn_backward(grad_out: Tensor, rows: Tensor, segments: Sequence[Segm
     active = sorted({e for e, _, _ in segments})
 
     def weight_buffer(like: Tensor | None, wanted: bool) -> Tensor | None:
-        return _expert_buffer(like.shape, like, active, num_experts) if wanted and like is not None else None
+        return expert_grad_buffer(like.shape, like, active, num_experts) if wanted and like is not None else None
 
     def bias_buffer(size: int, wanted: bool) -> Tensor | None:
-        return _expert_buffer((num_experts, size), w1, active, num_experts) if wanted else None
+        return expert_grad_buffer((num_experts, size), w1, active, num_experts) if wanted else None
 
     hidden, model_dim = w1.shape[-1], w2.shape[-1]
     grad_w2, grad_b2 = weight_buffer(w2, need_w2), bias_buffer(model_dim, need_b2)
     grad_w1, grad_b1 = weight_buffer(w1, need_w1), bias_buffer(hidden, need_b1)
     grad_w3, grad_b3 = weight_buffer(w3, need_w3), bias_buffer(hidden, need_b3)
 
-    grad_h = (torch.zeros_like if padded else torch.empty_like)(h)
+    grad_h = torch.empty_like(h)
     seen: set[int] = set()
     for e, start, n in segments:
         g, first = grad_out[start:start + n], e not in seen
         seen.add(e)
         torch.mm(g, w2[e].transpose(0, 1), out=grad_h[start:start + n])
-        _weight_grad_into(grad_w2, grad_b2, e, h[start:start + n], g, first)
+        weight_grad_into(grad_w2, grad_b2, e, h[start:start + n], g, first)
     grad_pre = unit_vjp(grad_h)
     grad_pre1, grad_pre3 = grad_pre[0], (grad_pre[1] if len(grad_pre) > 1 else None)
 
-    grad_x = ((torch.zeros_like if padded else torch.empty_like)(rows)) if need_x else None
+    grad_x = torch.empty_like(rows) if need_x else None
     seen.clear()
     for e, start, n in segments:
         x, first = rows[start:start + n], e not in seen
         seen.add(e)
         g1 = grad_pre1[start:start + n]
-        _weight_grad_into(grad_w1, grad_b1, e, x, g1, first)
+        weight_grad_into(grad_w1, grad_b1, e, x, g1, first)
         g3 = grad_pre3[start:start + n] if grad_pre3 is not None else None
         if g3 is not None:
-            _weight_grad_into(grad_w3, grad_b3, e, x, g3, first)
+            weight_grad_into(grad_w3, grad_b3, e, x, g3, first)
         if grad_x is not None:
             gx = grad_x[start:start + n]
             torch.mm(g1, w1[e].transpose(0, 1), out=gx)
@@ -144,7 +133,7 @@ def segment_ffn_backward(grad_out: Tensor, rows: Tensor, segments: Sequence[Segm
     return [grad_x, grad_w1, grad_b1, grad_w2, grad_b2, grad_w3, grad_b3]
 
 
-def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None, e: int) -> None:
+def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None, e: int) -> None:
     """out = x @ w (+ b[e]); out: a contiguous block of rows of a full-size buffer."""
     if b is not None:
         torch.addmm(b[e], x, w, out=out)
@@ -152,7 +141,7 @@ def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None, e: int) ->
         torch.mm(x, w, out=out)
 
 
-def _weight_grad_into(grad_w: Tensor | None, grad_b: Tensor | None, e: int, x: Tensor, g: Tensor,
+def weight_grad_into(grad_w: Tensor | None, grad_b: Tensor | None, e: int, x: Tensor, g: Tensor,
                       first: bool) -> None:
     """grad_w[e] (+)= x.T @ g and grad_b[e] (+)= g summed over rows: written by the expert's first segment,
     added to by the others (several sequences of one expert in a padded plan)."""
@@ -168,7 +157,7 @@ def _weight_grad_into(grad_w: Tensor | None, grad_b: Tensor | None, e: int, x: T
             grad_b[e].add_(g.sum(0))
 
 
-def _expert_buffer(shape: Sequence[int], like: Tensor, active: list[int], num_experts: int) -> Tensor:
+def expert_grad_buffer(shape: Sequence[int], like: Tensor, active: list[int], num_experts: int) -> Tensor:
     """A contiguous ``[E, ...]`` gradient buffer; the experts without rows (nothing writes them) are zeroed."""
     buffer = torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
     for e in sorted(set(range(num_experts)) - set(active)):
@@ -182,8 +171,7 @@ class _SegmentExpertFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
                 w3: Tensor | None, b3: Tensor | None, segments: list[Segment], unit: Unit) -> Tensor:
-        out, _, _, recorded = segment_ffn_forward(rows, segments, w1, b1, w2, b2, w3, b3, unit, padded=False,
-                                                  record=True)
+        out, _, _, recorded = segment_ffn_forward(rows, segments, w1, b1, w2, b2, w3, b3, unit)
         ctx.save_for_backward(rows, w1, w2, w3)
         # The unit's derivative (it holds what it needs, the pre-activations) rides along outside
         # save_for_backward.
@@ -199,8 +187,7 @@ class _SegmentExpertFFN(torch.autograd.Function):
         for i, present in zip((2, 4, 6), ctx.bias_present):
             needs[i] = needs[i] and present
         needs[5] = needs[5] and w3 is not None
-        grads = segment_ffn_backward(grad_out.contiguous(), rows, ctx.segments, w1, w2, w3, ctx.recorded, needs,
-                                     padded=False)
+        grads = segment_ffn_backward(grad_out.contiguous(), rows, ctx.segments, w1, w2, w3, ctx.recorded, needs)
         return (*grads, None, None)
 
 

@@ -1,0 +1,119 @@
+"""flexmoe::padded_expert_ffn called directly (no compiling), forward and backward, against a row-by-row float64
+reference: a padded layout of several sequences per expert (an expert's weight gradients summed over its
+units), units without rows, an expert without any, padding rows holding garbage that must not leak into the
+output or the gradients, every named activation and the gated units."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from flexmoe.padded_ffn_op import padded_op_available, padding_ranges
+from reference import ref_activation
+
+pytestmark = pytest.mark.skipif(not padded_op_available(), reason="this torch has no torch.library.custom_op")
+
+CAPACITY = 4
+# 3 experts x 2 sequences: expert 0 has a full unit and an empty one, expert 1 two partial units, expert 2 none.
+UNIT_ROWS = [4, 0, 2, 3, 0, 0]
+NUM_EXPERTS, MODEL_DIM, HIDDEN = 3, 5, 7
+
+
+def test_padding_ranges_lists_the_rows_after_each_units_real_rows_merged() -> None:
+    assert padding_ranges(UNIT_ROWS, CAPACITY) == [(4, 8), (10, 12), (15, 24)]
+    assert padding_ranges([4, 4], 4) == []
+    assert padding_ranges([0, 0], 3) == [(0, 6)]
+    assert padding_ranges([1, 3, 0], 3) == [(1, 3), (6, 9)]
+
+
+def _reference_row(x: Tensor, e: int, p: dict[str, Tensor | None], activation: str, glu: bool,
+                   glu_limit: float | None) -> Tensor:
+    """Expert e on one row, written out: act(x w1 + b1) [gated by x w3 + b3] w2 + b2."""
+    def linear(w: str, b: str) -> Tensor:
+        weight, bias = p[w], p[b]
+        assert weight is not None
+        out = x @ weight[e]
+        return out + bias[e] if bias is not None else out
+
+    act = ref_activation(activation)
+    gate = linear("w1", "b1")
+    if not glu:
+        h = act(gate)
+    elif glu_limit is None:
+        h = act(gate) * linear("w3", "b3")
+    else:
+        up = linear("w3", "b3")
+        h = act(torch.where(gate > glu_limit, torch.full_like(gate, glu_limit), gate)) * (
+            torch.where(up.abs() > glu_limit, torch.sign(up) * glu_limit, up) + 1)
+    return linear_out(h, e, p)
+
+
+def linear_out(h: Tensor, e: int, p: dict[str, Tensor | None]) -> Tensor:
+    w2, b2 = p["w2"], p["b2"]
+    assert w2 is not None
+    return h @ w2[e] + (b2[e] if b2 is not None else 0)
+
+
+CASES = {
+    "gelu bias": dict(activation="gelu", glu=False, bias=True, glu_limit=None),
+    "relu no bias": dict(activation="relu", glu=False, bias=False, glu_limit=None),
+    "silu bias": dict(activation="silu", glu=False, bias=True, glu_limit=None),
+    "glu silu bias": dict(activation="silu", glu=True, bias=True, glu_limit=None),
+    "glu silu clamped, no bias": dict(activation="silu", glu=True, bias=False, glu_limit=0.4),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", list(CASES))
+def test_op_computes_real_rows_only_and_matches_the_reference(case: str, dtype: torch.dtype) -> None:
+    options = CASES[case]
+    activation, glu, bias, glu_limit = (options["activation"], options["glu"], options["bias"],
+                                        options["glu_limit"])
+    gen = torch.Generator().manual_seed(0)
+
+    def r(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.7
+
+    p64: dict[str, Tensor | None] = {
+        "w1": r(NUM_EXPERTS, MODEL_DIM, HIDDEN), "b1": r(NUM_EXPERTS, HIDDEN) if bias else None,
+        "w2": r(NUM_EXPERTS, HIDDEN, MODEL_DIM), "b2": r(NUM_EXPERTS, MODEL_DIM) if bias else None,
+        "w3": r(NUM_EXPERTS, MODEL_DIM, HIDDEN) if glu else None,
+        "b3": r(NUM_EXPERTS, HIDDEN) if glu and bias else None}
+    num_rows = len(UNIT_ROWS) * CAPACITY
+    rows64, grad64 = r(num_rows, MODEL_DIM), r(num_rows, MODEL_DIM)
+    real = [u * CAPACITY + i for u, n in enumerate(UNIT_ROWS) for i in range(n)]
+    padding = sorted(set(range(num_rows)) - set(real))
+    rows64[padding] = float("nan")  # never read: neither the output nor any gradient may see it
+    units_per_expert = len(UNIT_ROWS) // NUM_EXPERTS
+
+    # Reference: each real row through its expert, float64 autograd.
+    ref_p = {n: t.clone().requires_grad_() if t is not None else None for n, t in p64.items()}
+    ref_rows = rows64.clone().requires_grad_()
+    ref_out = {i: _reference_row(ref_rows[i], i // CAPACITY // units_per_expert, ref_p, activation, glu,
+                                 glu_limit) for i in real}
+    torch.stack([ref_out[i] for i in real]).mul(grad64[real]).sum().backward()
+
+    got_p = {n: t.to(dtype).requires_grad_() if t is not None else None for n, t in p64.items()}
+    got_rows = rows64.to(dtype).requires_grad_()
+    out, *saved = torch.ops.flexmoe.padded_expert_ffn(
+        got_rows, torch.tensor(UNIT_ROWS), CAPACITY, got_p["w1"], got_p["b1"], got_p["w2"], got_p["b2"],
+        got_p["w3"], got_p["b3"], activation, glu_limit)
+    # The pre-activations and the unit's output only ride along for the backward: no gradient flows into them.
+    assert out.requires_grad and not any(t.requires_grad for t in saved)
+    out.backward(grad64.to(dtype))
+
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    assert torch.equal(out[padding], torch.zeros(len(padding), MODEL_DIM, dtype=dtype))
+    torch.testing.assert_close(out[real].double(), torch.stack([ref_out[i] for i in real]).detach(), **tol)
+    assert got_rows.grad is not None and ref_rows.grad is not None
+    assert torch.equal(got_rows.grad[padding], torch.zeros(len(padding), MODEL_DIM, dtype=dtype))
+    torch.testing.assert_close(got_rows.grad[real].double(), ref_rows.grad[real], **tol)
+    for name, ref_t in ref_p.items():
+        got_t = got_p[name]
+        if ref_t is None or got_t is None:
+            assert ref_t is None and got_t is None
+            continue
+        assert got_t.grad is not None and ref_t.grad is not None
+        assert torch.equal(got_t.grad[2], torch.zeros_like(got_t.grad[2]))  # expert 2 had no rows
+        torch.testing.assert_close(got_t.grad.double(), ref_t.grad, **tol, msg=name)
