@@ -77,7 +77,7 @@ def order_pairs_on_host(choices: list[list[int]], num_experts: int) -> HostPairO
     for token_choices in choices:
         for e in token_choices:
             if not 0 <= e < num_experts:
-                raise ValueError(f"expert indices must lie in [0, num_experts={num_experts}), got {e}")
+                raise ValueError(f"expert_index must lie in [0, num_experts={num_experts}), got {e}")
             counts[e] += 1
     next_row, start = [], 0
     for n in counts:
