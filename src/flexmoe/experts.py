@@ -397,23 +397,19 @@ def _active_experts_ffn(
     activation: Callable[[Tensor], Tensor],
     glu_limit: float | None,
 ) -> Tensor:
-    """:func:`looped_expert_ffn` without autograd: the loop over the experts that have rows only. Each projection
-    joins its experts' outputs into one ``[N, H]`` tensor, so that the elementwise hidden unit runs once over all
-    rows rather than once per expert (decoding: 8 one-row experts made 8 tiny activation calls, each paying the
-    thread pool's start-up; docs/architecture.md, "Decoding")."""
+    """:func:`looped_expert_ffn` without autograd: the loop over the experts that have rows only."""
     if sum(counts) != rows.shape[0]:
         raise ValueError(f"counts must sum to the number of rows {rows.shape[0]}, got {sum(counts)}")
-    spans, start = [], 0
+    outputs = []
+    start = 0
     for e, n in enumerate(counts):
-        if n:
-            spans.append((e, start, start + n))
+        if n == 0:
+            continue
+        x = rows[start : start + n]
         start += n
-
-    def project(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:  # [N, in] -> [N, out], each expert its w[e]
-        return joined_outputs([_linear(x[s:t], w[e], _at(b, e)) for e, s, t in spans], x, w)
-
-    pre3 = project(rows, w3, b3) if w3 is not None else None
-    return project(hidden_unit(project(rows, w1, b1), pre3, activation, glu_limit), w2, b2)
+        outputs.append(_ffn(x, _linear, w1[e], _at(b1, e), w2[e], _at(b2, e), _at(w3, e), _at(b3, e), activation,
+                            glu_limit))
+    return joined_outputs(outputs, rows, w2)
 
 
 def _at(p: Tensor | None, e: int) -> Tensor | None:
