@@ -8,6 +8,10 @@ import torch
 
 import flexmoe.layer as layer_module
 from flexmoe import MoELayer
+from flexmoe.dispatch import sum_choices_by_token
+from flexmoe.experts import looped_expert_ffn
+from flexmoe.routing.capacity import HOST_ORDER_MAX_PAIRS, order_pairs_on_host
+from flexmoe.routing.plan import all_finite
 from reference import reference_for_layer
 from test_layer import M, T, assert_close, assert_plan_matches, make_input, make_layer
 
@@ -139,3 +143,90 @@ def test_training_mode_and_grad_take_the_full_path(monkeypatch: pytest.MonkeyPat
     moe.eval()(make_input(seed=19))
     assert builds == [1, 1]
     assert T * 2 == sum(moe.last_plan.counts)
+
+
+# ---- calls of a few pairs: rows ordered on the host, combined by one gather and one batched matmul --------------
+
+
+@pytest.mark.parametrize(("tokens", "k"), [(1, 8), (3, 5), (8, 8), (16, 4)])
+@pytest.mark.parametrize("options", [{}, {"score_at": "dispatch"}, {"normalize_weights": False}])
+def test_few_pairs_call_matches_reference(monkeypatch: pytest.MonkeyPatch, tokens: int, k: int,
+                                          options: dict) -> None:
+    assert tokens * k <= HOST_ORDER_MAX_PAIRS  # the host-ordered path
+    moe = make_layer(k=k, capacity_factor=0.0, num_experts=12, seed=30 + k, **options).eval()
+    x = make_input((tokens, M), seed=31 + tokens)
+    builds = count_plan_builds(monkeypatch)
+    with torch.no_grad():
+        y = moe(x)
+    assert builds == []
+    ref, _, _ = reference_for_layer(moe, x, k=k, capacity_factor=0.0, **options)
+    assert_close(y, ref.y, TOL64, "output")
+    assert_plan_matches(moe, ref)
+
+
+def test_order_pairs_on_host_is_the_stable_sort_by_expert() -> None:
+    """Reference: Python's sort of the choice-major pairs ``c * T + t`` by (expert, pair index)."""
+    g = torch.Generator().manual_seed(40)
+    num_experts = 6
+    for _ in range(20):
+        tokens, k = int(torch.randint(1, 10, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+        choices = torch.randint(0, num_experts, (tokens, k), generator=g).tolist()  # repeats allowed
+        order = order_pairs_on_host(choices, num_experts)
+
+        def expert_of(p: int, tokens: int = tokens, choices: list = choices) -> int:
+            return choices[p % tokens][p // tokens]
+
+        want = sorted(range(tokens * k), key=lambda p: (expert_of(p), p))
+        assert order.row_pair == want
+        assert order.row_token == [p % tokens for p in want]
+        assert order.counts == [sum(row.count(e) for row in choices) for e in range(num_experts)]
+        assert order.pair_row == [want.index(c * tokens + t) for t in range(tokens) for c in range(k)]
+    for bad in (-1, num_experts):
+        with pytest.raises(ValueError, match="expert_index must lie in"):
+            order_pairs_on_host([[0, bad]], num_experts)
+
+
+def test_sum_choices_by_token_matches_a_dense_loop() -> None:
+    g = torch.Generator().manual_seed(41)
+    tokens, k, width = 4, 3, 5
+    rows = torch.randn(tokens * k, width, generator=g, dtype=torch.float64)
+    pair_row = torch.randperm(tokens * k, generator=g)
+    weight = torch.rand(tokens, k, generator=g, dtype=torch.float64)
+    want = torch.zeros(tokens, width, dtype=torch.float64)
+    unweighted = torch.zeros(tokens, width, dtype=torch.float64)
+    for t in range(tokens):
+        for c in range(k):
+            want[t] += weight[t, c] * rows[pair_row[t * k + c]]
+            unweighted[t] += rows[pair_row[t * k + c]]
+    assert_close(sum_choices_by_token(rows, pair_row, weight, tokens), want, TOL64, "weighted")
+    assert_close(sum_choices_by_token(rows, pair_row, None, tokens), unweighted, TOL64, "unweighted")
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_no_grad_expert_loop_matches_a_dense_loop(glu: bool) -> None:
+    """The loop over active experts (one hidden-unit call for all rows) against each row through its expert."""
+    g = torch.Generator().manual_seed(42)
+    counts, width, hidden = [2, 0, 3, 0, 1], 6, 7
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    w1, b1, w2, b2 = rand(5, width, hidden), rand(5, hidden), rand(5, hidden, width), rand(5, width)
+    w3, b3 = (rand(5, width, hidden), rand(5, hidden)) if glu else (None, None)
+    rows = rand(sum(counts), width)
+    experts_of_rows = [e for e, n in enumerate(counts) for _ in range(n)]
+    want = torch.stack([
+        (torch.nn.functional.gelu(x @ w1[e] + b1[e]) * ((x @ w3[e] + b3[e]) if glu else 1.0)) @ w2[e] + b2[e]
+        for x, e in zip(rows, experts_of_rows)])
+    with torch.no_grad():
+        got = looped_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, torch.nn.functional.gelu)
+    assert_close(got, want, TOL64, "expert rows")
+
+
+def test_all_finite_is_exact() -> None:
+    big = torch.full((4,), 3e38, dtype=torch.float32)  # a plain sum would overflow to inf
+    assert all_finite(big) and all_finite(-big) and all_finite(torch.zeros(0))
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        t = big.clone()
+        t[2] = bad
+        assert not all_finite(t)

@@ -278,6 +278,30 @@ def test_flexmoe_experts_forward_skips_hf_expert_parallel_sentinels_and_checks_i
         flexmoe_experts_forward(experts, x, index, weight)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_flexmoe_experts_forward_decoding_call_matches_a_dense_loop(family):
+    """A no-grad call of a few pairs (rows ordered on the host, no plan): HF eager's experts on the same choices,
+    token by token, are the reference; an index outside [0, E) is still refused."""
+    from flexmoe.hf.experts_impl import flexmoe_experts_forward
+
+    model = tiny_model(family)
+    experts = model.model.layers[0].mlp.experts
+    eager = copy.deepcopy(experts)
+    eager.config._experts_implementation = "eager"
+    num_experts = experts.gate_up_proj.shape[0]
+    g = torch.Generator().manual_seed(1)
+    for tokens in (1, 3):
+        x = torch.randn(tokens, experts.gate_up_proj.shape[1 if family == "gpt_oss" else 2], generator=g)
+        index = torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(tokens)])
+        weight = torch.rand(tokens, 2, generator=g)
+        with torch.no_grad():
+            got = flexmoe_experts_forward(experts, x, index, weight)
+            want = torch.stack([eager(x[t : t + 1], index[t : t + 1], weight[t : t + 1])[0] for t in range(tokens)])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad(), pytest.raises(ValueError, match="expert_index must lie in"):
+        flexmoe_experts_forward(experts, x, torch.full_like(index, num_experts), weight)
+
+
 def test_flexmoe_experts_implementation_refuses_a_unit_it_does_not_know():
     from transformers.integrations.moe import use_experts_implementation
 

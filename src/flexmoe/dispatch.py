@@ -24,7 +24,7 @@ from torch import Tensor
 
 from flexmoe.routing.plan import RoutingPlan
 
-__all__ = ["dispatch", "combine", "pair_rows", "sum_rows_by_token", "SCATTER_MAX_ELEMENTS"]
+__all__ = ["dispatch", "combine", "pair_rows", "sum_rows_by_token", "sum_choices_by_token", "SCATTER_MAX_ELEMENTS"]
 
 # Gather by pairs only while the pair grid is at most this many times the number of rows.
 _MAX_PAIRS_PER_ROW = 2
@@ -153,3 +153,16 @@ def sum_rows_by_token(rows: Tensor, row_token: Tensor, row_weight: Tensor | None
     """
     weighted = rows if row_weight is None else rows * row_weight.unsqueeze(-1)
     return weighted.new_zeros(num_tokens, rows.shape[-1]).index_add(0, row_token, weighted)
+
+
+def sum_choices_by_token(rows: Tensor, pair_row: Tensor, weight: Tensor | None, num_tokens: int) -> Tensor:
+    """``out[t] = sum over the choices c of weight[t, c] * rows[pair_row[t * k + c]]``: one gather of the pair rows
+    and one batched matmul (or sum, unweighted), where every pair has a row (dropless).
+
+    rows: ``[N, M]``, pair_row: ``[T * k]`` the row of each token-major pair, weight: ``[T, k]`` in rows' dtype or
+    None -> ``[T, M]``. The weights stay in the router's ``[T, k]`` order: nothing is permuted but the rows.
+    """
+    by_pair = rows.index_select(0, pair_row).view(num_tokens, -1, rows.shape[-1])  # [T, k, M]
+    if weight is None:
+        return by_pair.sum(1)
+    return torch.bmm(weight.unsqueeze(1), by_pair).squeeze(1)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch, sum_rows_by_token
+from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch, sum_choices_by_token, sum_rows_by_token
 from flexmoe.experts import ExpertOptions, FeedForwardExperts
 from flexmoe.fused_experts import HiddenUnit, fused_experts, use_fused
 from flexmoe.padded_ffn_op import padded_experts_forward
@@ -28,7 +28,7 @@ from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.strategy import ExpertStrategy, LayerShape, build_strategy, check_parallel_options
 from flexmoe.routing.bias_balance import bias_update
 from flexmoe.routing.build import build_plan
-from flexmoe.routing.capacity import count_per_expert, sort_pairs_by_expert
+from flexmoe.routing.capacity import HOST_ORDER_MAX_PAIRS, count_per_expert, order_pairs_on_host, sort_pairs_by_expert
 from flexmoe.routing.families import num_sequences_of
 from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan, check_logits, resolve_capacity
@@ -289,22 +289,40 @@ class MoELayer(nn.Module):
         expert_index, _ = select_experts(scores, k, selection_bias=self.expert_bias,
                                          num_expert_groups=routing.num_expert_groups,
                                          num_limited_groups=routing.num_limited_groups)  # [T, k]
-        counts = count_per_expert(expert_index, num_experts).tolist()
+        few_pairs = num_tokens * k <= HOST_ORDER_MAX_PAIRS
+        if few_pairs:
+            order = order_pairs_on_host(expert_index.tolist(), num_experts)
+            counts = order.counts
+        else:
+            counts = count_per_expert(expert_index, num_experts).tolist()
         max_load = max(counts)
         if max_load > resolve_capacity(num_tokens, num_experts, k, routing.capacity_factor, routing.capacity,
                                        max_load):
             return None
         _, weight = routed_weights(scores, expert_index, normalize_weights=routing.normalize_weights,
                                    route_scale=routing.route_scale)  # [T, k]
-        _, by_expert = sort_pairs_by_expert(expert_index)  # [T*k] choice-major pairs in row order
-        row_token = by_expert % num_tokens
-        row_weight = weight.t().reshape(-1).index_select(0, by_expert).to(tokens.dtype)
+        weight = weight.to(tokens.dtype)
+        scaled = routing.score_at == "dispatch"
+        if few_pairs:
+            # One small tensor for the three index lists (each torch.tensor call costs as much as a kernel).
+            index = torch.tensor(order.row_token + order.pair_row + (order.row_pair if scaled else []),
+                                 device=tokens.device)
+            num_pairs = num_tokens * k
+            row_token, pair_row, by_expert = index[:num_pairs], index[num_pairs:2 * num_pairs], index[2 * num_pairs:]
+        else:
+            _, by_expert = sort_pairs_by_expert(expert_index)  # [T*k] choice-major pairs in row order
+            row_token = by_expert % num_tokens
         rows = tokens.index_select(0, row_token)  # [N, M] sorted by expert
-        if routing.score_at == "dispatch":
-            rows = rows * row_weight.unsqueeze(-1)
+        if scaled:
+            rows = rows * weight.t().reshape(-1).index_select(0, by_expert).unsqueeze(-1)
         out = self._run_experts(rows, counts, parallel, pinned)
-        y = sum_rows_by_token(out, row_token, row_weight.to(out.dtype) if routing.score_at == "combine" else None,
-                              num_tokens)
+        combine_weight = None if scaled else weight.to(out.dtype)
+        if few_pairs:
+            y = sum_choices_by_token(out, pair_row, combine_weight, num_tokens)
+        else:
+            row_weight = None if combine_weight is None else \
+                combine_weight.t().reshape(-1).index_select(0, by_expert)
+            y = sum_rows_by_token(out, row_token, row_weight, num_tokens)
         if self.shared is not None:
             y = y + self._shared_output(tokens).to(y.dtype)
         # The bias as it was for this call (a later update must not change what this call's plan says).

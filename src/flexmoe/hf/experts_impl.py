@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from flexmoe.dispatch import combine, dispatch
+from flexmoe.dispatch import combine, dispatch, sum_choices_by_token
 from flexmoe.experts import (
     gated_unit,
     grouped_expert_ffn,
@@ -28,6 +28,7 @@ from flexmoe.experts import (
     use_grouped_mm,
 )
 from flexmoe.hf.families import StoredExperts, expert_unit, stored_experts
+from flexmoe.routing.capacity import HOST_ORDER_MAX_PAIRS, order_pairs_on_host
 from flexmoe.routing.plan import plan_from_choices
 
 __all__ = ["flexmoe_experts_forward", "stored_experts_ffn", "register", "IMPLEMENTATION_NAME"]
@@ -47,13 +48,35 @@ def flexmoe_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index:
     activation, glu_limit = expert_unit(self)
     stored = stored_experts(self)
     num_experts = stored.up.shape[0]
-    active = top_k_index < num_experts if getattr(self, "_is_expert_parallel", False) else None
+    expert_parallel = getattr(self, "_is_expert_parallel", False)
+    if (not expert_parallel and top_k_index.dim() == 2 and top_k_weights.shape == top_k_index.shape
+            and top_k_index.numel() <= HOST_ORDER_MAX_PAIRS
+            and not needs_grad(hidden_states, top_k_weights, stored.up, stored.up_bias, stored.down,
+                               stored.down_bias)):
+        return _few_pairs_forward(hidden_states, top_k_index, top_k_weights, stored, resolve_activation(activation),
+                                  glu_limit)
+    active = top_k_index < num_experts if expert_parallel else None
     plan = plan_from_choices(top_k_index, top_k_weights, num_experts, active=active)
     rows = dispatch(hidden_states, plan)  # [N, M] sorted by expert
     # Matmuls of mixed dtypes fail: compute in the parameters' dtype, as HF's own implementations do.
     rows = rows.to(stored.up.dtype)
     out = stored_experts_ffn(rows, plan.counts, stored, resolve_activation(activation), glu_limit)
     return combine(out, plan).to(hidden_states.dtype)
+
+
+def _few_pairs_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, stored: StoredExperts,
+                       activation: Callable[[Tensor], Tensor], glu_limit: float | None) -> Tensor:
+    """:func:`flexmoe_experts_forward` for a decoding call (no autograd, one process, at most
+    ``HOST_ORDER_MAX_PAIRS`` pairs): the rows are ordered on the host and combined by one gather and one batched
+    matmul, as :class:`~flexmoe.MoELayer` decodes (docs/architecture.md, "Decoding"); no plan is built.
+    ``hidden_states [T, M]``, ``top_k_index`` / ``top_k_weights [T, k]`` -> ``[T, M]``."""
+    num_tokens = top_k_index.shape[0]
+    order = order_pairs_on_host(top_k_index.tolist(), stored.up.shape[0])
+    index = torch.tensor(order.row_token + order.pair_row, device=hidden_states.device)
+    row_token, pair_row = index[: len(order.row_token)], index[len(order.row_token):]
+    rows = hidden_states.index_select(0, row_token).to(stored.up.dtype)  # [N, M] sorted by expert
+    out = stored_experts_ffn(rows, order.counts, stored, activation, glu_limit)
+    return sum_choices_by_token(out, pair_row, top_k_weights.to(out.dtype), num_tokens).to(hidden_states.dtype)
 
 
 def stored_experts_ffn(rows: Tensor, counts: list[int], stored: StoredExperts,

@@ -12,13 +12,19 @@ slots unchanged and its order already sorts the pairs by (expert, sequence, slot
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-__all__ = ["CAPACITY_PER", "count_per_expert", "sort_pairs_by_expert", "assign_slots", "assign_sequence_slots",
-           "kept_counts"]
+__all__ = ["CAPACITY_PER", "HOST_ORDER_MAX_PAIRS", "count_per_expert", "sort_pairs_by_expert", "order_pairs_on_host",
+           "HostPairOrder", "assign_slots", "assign_sequence_slots", "kept_counts"]
 
 CAPACITY_PER = ("call", "sequence")
+
+# Up to this many (token, choice) pairs a call orders its rows on the host (order_pairs_on_host): decoding's
+# T=1 and T=8 at k=8. Larger calls keep the tensor sort (the Python loop grows with the pairs).
+HOST_ORDER_MAX_PAIRS = 64
 
 
 def count_per_expert(expert_index: Tensor, num_experts: int) -> Tensor:
@@ -41,6 +47,51 @@ def sort_pairs_by_expert(expert_index: Tensor) -> tuple[Tensor, Tensor]:
     ``p = choice * T + token`` (the rows of the dropless plan), ``sorted_expert`` their experts.
     """
     return torch.sort(expert_index.t().reshape(-1), stable=True)
+
+
+class HostPairOrder(NamedTuple):
+    """The dropless rows of a few (token, choice) pairs, as Python lists (see :func:`order_pairs_on_host`).
+
+    counts: ``[E]`` rows per expert; row_token: ``[N]`` each row's token; row_pair: ``[N]`` each row's choice-major
+    pair ``choice * T + token`` (:func:`sort_pairs_by_expert`'s ``by_expert``); pair_row: ``[T * k]`` the row of
+    each token-major pair ``token * k + choice``.
+    """
+
+    counts: list[int]
+    row_token: list[int]
+    row_pair: list[int]
+    pair_row: list[int]
+
+
+def order_pairs_on_host(choices: list[list[int]], num_experts: int) -> HostPairOrder:
+    """:func:`sort_pairs_by_expert` and :func:`count_per_expert` for ``choices = expert_index.tolist()``
+    (``[T][k]``, values in ``[0, E)``), by a counting sort in Python.
+
+    The rows come in the same order (by expert, then choice, then token). For a call of a few pairs (decoding)
+    one host read of the choices and this loop cost less than the sort, bincount, division and their reads
+    (docs/architecture.md, "Decoding").
+    """
+    num_tokens = len(choices)
+    k = len(choices[0]) if choices else 0
+    counts = [0] * num_experts
+    for token_choices in choices:
+        for e in token_choices:
+            if not 0 <= e < num_experts:
+                raise ValueError(f"expert_index must lie in [0, num_experts={num_experts}), got {e}")
+            counts[e] += 1
+    next_row, start = [], 0
+    for n in counts:
+        next_row.append(start)
+        start += n
+    num_pairs = num_tokens * k
+    row_token, row_pair, pair_row = [0] * num_pairs, [0] * num_pairs, [0] * num_pairs
+    for c in range(k):  # choice-major, token by token: the stable sort's order within an expert
+        for t in range(num_tokens):
+            e = choices[t][c]
+            r = next_row[e]
+            next_row[e] = r + 1
+            row_token[r], row_pair[r], pair_row[t * k + c] = t, c * num_tokens + t, r
+    return HostPairOrder(counts, row_token, row_pair, pair_row)
 
 
 def assign_slots(
