@@ -48,6 +48,9 @@ EVAL_RUNNER = (
     "    out[f'out{i}'] = model(torch.arange(64).reshape(2, 32) * 5 % 256)[0].detach()\n"
     "    out[f'w1_{i}'] = model.blocks[1].mlp.experts.w1.detach().clone()\n"
     "save_file(out, f'{sys.argv[1]}/rank{dist.get_rank()}.safetensors')\n"
+    # Every rank past its last all-to-all before any tears the group down: a rank that destroyed it while a
+    # peer's exchange was still in flight made that peer abort ("terminate called", exit -6) once in a full run.
+    "dist.barrier()\n"
     "dist.destroy_process_group()\n"
 )
 
