@@ -304,11 +304,7 @@ class MoELayer(nn.Module):
         weight = weight.to(tokens.dtype)
         scaled = routing.score_at == "dispatch"
         if few_pairs:
-            # One small tensor for the three index lists (each torch.tensor call costs as much as a kernel).
-            index = torch.tensor(order.row_token + order.pair_row + (order.row_pair if scaled else []),
-                                 device=tokens.device)
-            num_pairs = num_tokens * k
-            row_token, pair_row, by_expert = index[:num_pairs], index[num_pairs:2 * num_pairs], index[2 * num_pairs:]
+            row_token, pair_row, by_expert = order.index_tensors(tokens.device, with_row_pair=scaled)
         else:
             _, by_expert = sort_pairs_by_expert(expert_index)  # [T*k] choice-major pairs in row order
             row_token = by_expert % num_tokens

@@ -72,8 +72,7 @@ def _few_pairs_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights
     ``hidden_states [T, M]``, ``top_k_index`` / ``top_k_weights [T, k]`` -> ``[T, M]``."""
     num_tokens = top_k_index.shape[0]
     order = order_pairs_on_host(top_k_index.tolist(), stored.up.shape[0])
-    index = torch.tensor(order.row_token + order.pair_row, device=hidden_states.device)
-    row_token, pair_row = index[: len(order.row_token)], index[len(order.row_token):]
+    row_token, pair_row, _ = order.index_tensors(hidden_states.device)
     rows = hidden_states.index_select(0, row_token).to(stored.up.dtype)  # [N, M] sorted by expert
     out = stored_experts_ffn(rows, order.counts, stored, activation, glu_limit)
     return sum_choices_by_token(out, pair_row, top_k_weights.to(out.dtype), num_tokens).to(hidden_states.dtype)

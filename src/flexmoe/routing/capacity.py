@@ -62,6 +62,15 @@ class HostPairOrder(NamedTuple):
     row_pair: list[int]
     pair_row: list[int]
 
+    def index_tensors(self, device: torch.device, *, with_row_pair: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """``(row_token [N], pair_row [T * k], row_pair)`` as long tensors on ``device`` (``row_pair`` ``[N]`` with
+        ``with_row_pair``, else empty), made by one ``torch.tensor`` call (on a decoding call each costs as much
+        as a kernel)."""
+        n, end = len(self.row_token), len(self.row_token) + len(self.pair_row)
+        index = torch.tensor(self.row_token + self.pair_row + (self.row_pair if with_row_pair else []),
+                             device=device)
+        return index[:n], index[n:end], index[end:]
+
 
 def order_pairs_on_host(choices: list[list[int]], num_experts: int) -> HostPairOrder:
     """:func:`sort_pairs_by_expert` and :func:`count_per_expert` for ``choices = expert_index.tolist()``
