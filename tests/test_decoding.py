@@ -18,17 +18,22 @@ from test_layer import M, T, assert_close, assert_plan_matches, make_input, make
 TOL64 = 1e-10
 
 
-def count_plan_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the layer's calls of build_plan (one entry per call)."""
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """Counts the calls of ``module.<name>`` for the rest of the test (one entry per call)."""
     calls: list[int] = []
-    real = layer_module.build_plan
+    real = getattr(module, name)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(layer_module, "build_plan", counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
+
+
+def count_plan_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the layer's calls of build_plan (one entry per call)."""
+    return count_calls(monkeypatch, layer_module, "build_plan")
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

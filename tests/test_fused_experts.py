@@ -14,6 +14,7 @@ from flexmoe import MoELayer
 from flexmoe.experts import resolve_activation
 from flexmoe.fused_experts import CHUNK_ROWS, HiddenUnit, expert_chunks, fused_experts, use_fused
 from reference import ref_activation, reference_for_layer
+from test_decoding import count_calls
 from test_layer import assert_close
 
 TOL64 = 1e-10
@@ -163,15 +164,7 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the layer's calls of fused_experts, and lets the small layers of these tests take it (the rule
     sends only blocks of 32 MiB and more there: too slow to test many cases at that size)."""
     monkeypatch.setattr(fused_module, "_FUSED_MIN_ROW_ELEMENTS", 0)
-    calls: list[int] = []
-    real = layer_module.fused_experts
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(layer_module, "fused_experts", counted)
-    return calls
+    return count_calls(monkeypatch, layer_module, "fused_experts")
 
 
 @pytest.mark.parametrize("options", [{"k": 2, "capacity_factor": 0.0}, {"k": 3, "capacity_factor": 1.0},
@@ -222,9 +215,7 @@ def test_layer_under_activation_checkpointing(monkeypatch: pytest.MonkeyPatch) -
 def test_a_fine_grained_training_call_takes_it_by_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """T=2048 M=512 E=64 k=8: a 32 MiB [N, M] block, 256 rows x 64 hidden per expert; against the same layer in
     float64, which takes the three stages."""
-    calls: list[int] = []
-    real = layer_module.fused_experts
-    monkeypatch.setattr(layer_module, "fused_experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = count_calls(monkeypatch, layer_module, "fused_experts")
     torch.manual_seed(2)
     moe = MoELayer(512, 64, 64, k=8, capacity_factor=0.0)
     x = torch.randn(2048, 512, requires_grad=True)
