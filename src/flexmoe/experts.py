@@ -27,8 +27,8 @@ from flexmoe.validation import check_int, describe_value
 
 __all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_ffn", "grouped_expert_ffn",
            "looped_expert_ffn", "segmented_expert_ffn", "use_segmented", "use_grouped_mm", "grouped_mm_supported",
-           "gated_unit", "hidden_unit", "check_glu_limit", "resolve_activation", "activation_name", "needs_grad",
-           "joined_outputs"]
+           "gated_unit", "hidden_unit", "check_glu_limit", "resolve_activation", "activation_name",
+           "activation_derivative", "needs_grad", "joined_outputs"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -49,6 +49,22 @@ def resolve_activation(activation: str | Callable[[Tensor], Tensor]) -> Callable
 def activation_name(activation: Callable[[Tensor], Tensor]) -> str | None:
     """The name :func:`resolve_activation` knows ``activation`` by, or None for any other callable."""
     return next((name for name, fn in _ACTIVATIONS.items() if fn is activation), None)
+
+
+# The derivative eager autograd runs for each named activation (GeluBackward0, ReluBackward0, SiluBackward0):
+# derivative(grad, pre, out) writes d loss / d pre into out (which may be grad itself) and returns it.
+_ACTIVATION_DERIVATIVES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "gelu": lambda grad, pre, out: torch.ops.aten.gelu_backward.grad_input(grad, pre, grad_input=out),
+    "relu": lambda grad, pre, out: torch.ops.aten.threshold_backward.grad_input(grad, pre, 0, grad_input=out),
+    "silu": lambda grad, pre, out: torch.ops.aten.silu_backward.grad_input(grad, pre, grad_input=out),
+}
+
+
+def activation_derivative(activation: Callable[[Tensor], Tensor]) -> Callable[[Tensor, Tensor, Tensor], Tensor] | None:
+    """``derivative(grad, pre, out)`` for a named activation (the kernel eager autograd runs, writing
+    ``activation'(pre) * grad`` into ``out``), or None for any other callable."""
+    name = activation_name(activation)
+    return None if name is None else _ACTIVATION_DERIVATIVES.get(name)
 
 
 @dataclass(frozen=True)

@@ -32,18 +32,10 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from flexmoe.experts import activation_name, hidden_unit, needs_grad
+from flexmoe.experts import activation_derivative, hidden_unit, needs_grad
 from flexmoe.segment_ffn import record_unit
 
 __all__ = ["HiddenUnit", "CHUNK_ROWS", "expert_chunks", "fused_experts", "use_fused"]
-
-# The derivatives autograd itself uses for the named activations: (grad of the output, input) -> grad of the input.
-_ACTIVATION_BACKWARD: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "gelu": lambda grad, pre: torch.ops.aten.gelu_backward(grad, pre),
-    "silu": lambda grad, pre: torch.ops.aten.silu_backward(grad, pre),
-    "relu": lambda grad, pre: torch.ops.aten.threshold_backward(grad, pre, 0.0),
-}
-
 
 @dataclass(frozen=True)
 class HiddenUnit:
@@ -58,15 +50,15 @@ class HiddenUnit:
         return hidden_unit(pre1, pre3, self.activation, self.glu_limit)
 
     def backward(self, grad_h: Tensor, pre1: Tensor, pre3: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """grad_h: ``[n, H]`` -> the gradients of pre1 and pre3 (None without gating)."""
-        name = activation_name(self.activation)
-        derivative = _ACTIVATION_BACKWARD.get(name) if name is not None else None
-        if derivative is None or self.glu_limit is not None:
+        """grad_h: ``[n, H]`` (overwritten) -> the gradients of pre1 and pre3 (None without gating)."""
+        derivative = activation_derivative(self.activation) if self.glu_limit is None else None
+        if derivative is None:
             grads = record_unit(pre1, pre3, self)[1](grad_h)
             return grads[0], (grads[1] if len(grads) > 1 else None)
         if pre3 is None:
-            return derivative(grad_h, pre1), None
-        return derivative(grad_h * pre3, pre1), grad_h * self.activation(pre1)
+            return derivative(grad_h, pre1, grad_h), None
+        grad_pre3 = grad_h * self.activation(pre1)
+        return derivative(grad_h.mul_(pre3), pre1, grad_h), grad_pre3
 
 
 # Experts with few rows are taken a few at a time: the gathers, the elementwise work and the scatter-add run once

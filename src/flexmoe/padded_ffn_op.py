@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmoe.experts import FeedForwardExperts, activation_name, hidden_unit, resolve_activation
+from flexmoe.experts import FeedForwardExperts, activation_derivative, activation_name, hidden_unit, resolve_activation
 from flexmoe.routing.plan import RoutingPlan
 from flexmoe.segment_ffn import Segment, expert_grad_buffer, linear_into, weight_grad_into
 
@@ -64,19 +64,12 @@ def _unit(activation: str, glu_limit: float | None) -> partial[Tensor]:
     return partial(hidden_unit, activation=resolve_activation(activation), glu_limit=glu_limit)
 
 
-# The plain (not gated) units by name: their forward written into a buffer, and their derivative by the aten kernel
-# eager autograd runs for them (GeluBackward0, ReluBackward0, SiluBackward0), so that nothing is recomputed.
-# derivative(grad_h, pre1, h, out) writes d loss / d pre1 into out (which may be grad_h itself).
+# The plain (not gated) units by name, written into a buffer (their derivative: flexmoe.experts.activation_derivative,
+# the aten kernel eager autograd runs, so that nothing is recomputed).
 _UNIT_INTO: dict[str, Callable[[Tensor, Tensor], object]] = {
     "gelu": lambda pre1, out: torch.ops.aten.gelu.out(pre1, out=out),
     "relu": lambda pre1, out: torch.ops.aten.relu.out(pre1, out=out),
     "silu": lambda pre1, out: torch.ops.aten.silu.out(pre1, out=out),
-}
-_UNIT_DERIVATIVE: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], object]] = {
-    "gelu": lambda grad_h, pre1, h, out: torch.ops.aten.gelu_backward.grad_input(grad_h, pre1, grad_input=out),
-    "relu": lambda grad_h, pre1, h, out: torch.ops.aten.threshold_backward.grad_input(grad_h, h, 0,
-                                                                                      grad_input=out),
-    "silu": lambda grad_h, pre1, h, out: torch.ops.aten.silu_backward.grad_input(grad_h, pre1, grad_input=out),
 }
 
 
@@ -167,7 +160,7 @@ def _backward_impl(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: 
     grad_w2, grad_b2 = weight_buffer(w2, need_w2), bias_buffer(model_dim, need_b2)
     grad_w3, grad_b3 = weight_buffer(w3, need_w3), bias_buffer(hidden, need_b3)
     grad_x = rows.new_empty(rows.shape) if need_x else None
-    derivative = _UNIT_DERIVATIVE.get(activation) if w3 is None else None
+    derivative = activation_derivative(resolve_activation(activation)) if w3 is None else None
     unit = _unit(activation, glu_limit)
     scratch = rows.new_empty(max((n for _, _, n in segments), default=0), hidden)
     seen: set[int] = set()
@@ -180,7 +173,7 @@ def _backward_impl(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: 
         grad_pre3: Tensor | None = None
         if derivative is not None:
             grad_pre1 = grad_h
-            derivative(grad_h, pre1[span], h[span], grad_pre1)
+            derivative(grad_h, pre1[span], grad_pre1)
         elif w3 is None:
             (grad_pre1,) = torch.func.vjp(lambda p1: unit(p1, None), pre1[span])[1](grad_h)
         else:
