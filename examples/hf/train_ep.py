@@ -27,4 +27,5 @@ for step in range(1, 51):
 flexmoe.hf.to_hf(model)  # HF's blocks again, each gathering every rank's experts: every rank calls it
 if rank == 0:
     model.save_pretrained("runs/mixtral-ep")  # plain transformers loads it (AutoModelForCausalLM.from_pretrained)
+del ddp  # DDP holds the process group: free it, so destroying the group joins gloo's threads (a clean exit)
 dist.destroy_process_group()

@@ -17,6 +17,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose: this module's functions take ``group=group.WORLD`` as
+# default arguments, evaluated at import. Imported later (DDP's constructor imports it, through torch._dynamo)
+# they keep the world group alive past ``destroy_process_group()`` (torch 2.13), and then gloo's worker threads
+# outlive the interpreter; see "Clean exits" in docs/architecture.md.
+import torch.distributed.nn.functional  # noqa: F401
+
 __all__ = [
     "CollectiveError",
     "ConfigMismatchError",

@@ -8,10 +8,13 @@ the same order on every rank.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +58,24 @@ def _launched_by_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def _end_process_group() -> None:
+    """At exit: destroy the process group this module created, before the interpreter shuts down.
+
+    Destroying the group joins gloo's worker threads if nothing else holds it. A script's own objects (its
+    ``ParallelEnv``, a DDP wrapper) usually still do at exit; then a worker thread may still be releasing the
+    last collective's tensors, which needs the GIL, and a thread asking for it during shutdown aborts the
+    process. The short sleep hands the GIL (and the CPU) over first. See "Clean exits" in docs/architecture.md.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    _SESSIONS.clear()
+    gc.collect()
+    world = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    if world() is not None:
+        time.sleep(0.05)
+
+
 def _resolve_backend(backend: str | None) -> str | None:
     if backend == "nccl" and not torch.cuda.is_available():
         # Tutel's default backend; without CUDA the same program runs on CPU with gloo.
@@ -94,6 +115,7 @@ def create_groups_from_world(group_count: int, include_init: str | None = None,
         _BACKEND["backend"] = backend
         if not dist.is_initialized() and _launched_by_torchrun():
             dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=600))
+            atexit.register(_end_process_group)  # Tutel's scripts never destroy the group they create
     if group_count in _SESSIONS:
         return _SESSIONS[group_count]
 
