@@ -46,6 +46,19 @@ def test_floors_compute_the_experts_on_the_routed_rows(floor, dtype: torch.dtype
         torch.testing.assert_close(g, e, **tol)
 
 
+@pytest.mark.parametrize("floor", [expert_floor, grouped_floor, padded_bmm_floor])
+@pytest.mark.parametrize("glu", [False, True])
+def test_floors_without_autograd_compute_the_experts_on_the_routed_rows(floor, glu: bool) -> None:
+    """Decoding times the floors under no_grad, where expert_floor runs its own per-expert loop."""
+    torch.manual_seed(0)
+    experts = FeedForwardExperts(5, 8, 12, glu=glu, activation="silu" if glu else "gelu", dtype=torch.float64)
+    counts = [3, 0, 6, 1, 0]
+    rows = torch.randn(sum(counts), 8, dtype=torch.float64)
+    with torch.no_grad():
+        expected = _dense_loop(experts, rows, counts)
+        torch.testing.assert_close(floor(experts, rows, counts), expected)
+
+
 def test_grouped_floor_kind_follows_the_dtype() -> None:
     experts = FeedForwardExperts(2, 8, 8)
     expected = "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "padded bmm"

@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from flexmoe.experts import (
+    JOINED_UNIT_MAX_ELEMENTS,
     expert_ffn,
     gated_unit,
     grouped_expert_ffn,
+    joined_unit_ffn,
     looped_expert_ffn,
     segmented_expert_ffn,
     use_grouped_mm,
@@ -112,6 +114,37 @@ def test_grouped_path_matches_the_reference_float32(case: str, glu: bool, bias: 
 def test_looped_path_and_expert_ffn_match_the_reference(dtype: torch.dtype, case: str) -> None:
     _check_path(looped_expert_ffn, dtype, COUNTS[case], glu=True)
     _check_path(expert_ffn, dtype, COUNTS[case])
+
+
+def _check_without_autograd(path, dtype: torch.dtype, counts: list[int], *, glu: bool, bias: bool,
+                            glu_limit: float | None, model_dim: int = 8, hidden: int = 12) -> None:
+    weights64 = _weights(len(counts), model_dim, hidden, glu=glu, bias=bias)
+    rows64 = torch.randn(sum(counts), model_dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    expected = _reference(rows64, counts, weights64, glu, glu_limit)
+    with torch.no_grad():
+        weights = {n: (w.detach().to(dtype) if w is not None else None) for n, w in weights64.items()}
+        got = _run(path, rows64.to(dtype), counts, weights, glu, glu_limit)
+    assert got.shape == expected.shape and got.dtype == dtype
+    tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 2e-5, "rtol": 2e-5}
+    torch.testing.assert_close(got.double(), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", list(COUNTS))
+@pytest.mark.parametrize("glu,bias,glu_limit", [(False, True, None), (False, False, None), (True, True, None),
+                                                (True, False, 7.0)])
+def test_joined_unit_path_without_autograd_matches_the_reference(dtype: torch.dtype, case: str, glu: bool,
+                                                                 bias: bool, glu_limit: float | None) -> None:
+    """The decoding path: each expert's matmuls into its rows of one buffer, the unit once over all rows."""
+    _check_without_autograd(joined_unit_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit)
+    _check_without_autograd(looped_expert_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit)
+
+
+def test_looped_path_without_autograd_above_the_joined_size_matches_the_reference() -> None:
+    counts = [300, 0, 400]  # 700 rows x 256 hidden: the per-expert loop
+    assert sum(counts) * 256 > JOINED_UNIT_MAX_ELEMENTS
+    _check_without_autograd(looped_expert_ffn, torch.float32, counts, glu=False, bias=True, glu_limit=None,
+                            model_dim=16, hidden=256)
 
 
 @requires_grouped_mm

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from flexmoe.experts import activation_derivative, hidden_unit, needs_grad
+from flexmoe.experts import activation_derivative, addmm_into, hidden_unit, needs_grad
 from flexmoe.segment_ffn import record_unit
 
 __all__ = ["HiddenUnit", "CHUNK_ROWS", "expert_chunks", "fused_experts", "use_fused"]
@@ -91,14 +91,6 @@ def expert_chunks(counts: Sequence[int], min_rows: int = CHUNK_ROWS) -> list[Chu
     return chunks
 
 
-def _linear_into(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None) -> None:
-    """out = x @ w (+ b); out: rows of a chunk's buffer."""
-    if b is not None:
-        torch.addmm(b, x, w, out=out)
-    else:
-        torch.mm(x, w, out=out)
-
-
 def _per_expert(p: Tensor | None, num_experts: int) -> Sequence[Tensor | None]:
     """``p[e]`` for every expert, as views made in one call (indexing in the loop costs a dispatch each)."""
     return p.unbind(0) if p is not None else [None] * num_experts
@@ -125,13 +117,13 @@ class _FusedExperts(torch.autograd.Function):
             pre1 = x.new_empty(n, hidden)
             pre3 = x.new_empty(n, hidden) if w3 is not None else None
             for e, a, m in members:
-                _linear_into(pre1[a:a + m], x[a:a + m], w1s[e], b1s[e])  # type: ignore[arg-type]
+                addmm_into(pre1[a:a + m], x[a:a + m], w1s[e], b1s[e])  # type: ignore[arg-type]
                 if pre3 is not None:
-                    _linear_into(pre3[a:a + m], x[a:a + m], w3s[e], b3s[e])  # type: ignore[arg-type]
+                    addmm_into(pre3[a:a + m], x[a:a + m], w3s[e], b3s[e])  # type: ignore[arg-type]
             h = unit(pre1, pre3)
             out = x.new_empty(n, model_dim)
             for e, a, m in members:
-                _linear_into(out[a:a + m], h[a:a + m], w2s[e], b2s[e])  # type: ignore[arg-type]
+                addmm_into(out[a:a + m], h[a:a + m], w2s[e], b2s[e])  # type: ignore[arg-type]
             y.index_add_(0, token, out.mul_(row_weight[start:start + n].unsqueeze(-1)))
             kept += [pre1, h] if pre3 is None else [pre1, pre3, h]
         ctx.save_for_backward(tokens, row_weight, w1, b2, w2, w3, row_token, *kept)

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from torch import Tensor
 
@@ -24,7 +26,10 @@ from flexmoe.experts import (
     gated_unit,
     grouped_expert_ffn,
     grouped_mm_supported,
+    hidden_unit,
+    joined_outputs,
     looped_expert_ffn,
+    needs_grad,
 )
 from flexmoe.layer import MoELayer
 from flexmoe.routing.plan import make_plan
@@ -37,9 +42,27 @@ def expert_floor(experts: FeedForwardExperts, rows: Tensor, counts: list[int]) -
     """rows: ``[N, M]`` sorted by expert, counts: rows per expert -> ``[N, M]``: each expert's FFN on its rows
     by one ``addmm`` pair per expert through autograd (:func:`flexmoe.experts.looped_expert_ffn` on the experts'
     weights, with no routing around it), whichever path the layer itself takes (in training it may be the
-    hand-written backward, :func:`flexmoe.experts.segmented_expert_ffn`)."""
+    hand-written backward, :func:`flexmoe.experts.segmented_expert_ffn`).
+
+    Without autograd the floor stays that loop, each expert's unit on its own rows, where the layer's experts
+    may apply the unit once over all rows (:func:`flexmoe.experts.joined_unit_ffn`)."""
     e = experts
-    return looped_expert_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation, glu_limit=e.glu_limit)
+    if needs_grad(rows, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3):
+        return looped_expert_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation,
+                                 glu_limit=e.glu_limit)
+    w1, b1, w2, b2, w3, b3 = e.w1, e.b1, e.w2, e.b2, e.w3, e.b3
+    outputs = []
+    for i, start, n in zip(range(len(counts)), accumulate(counts, initial=0), counts):
+        if n:  # only the experts with rows: decoding touches a few of many
+            x = rows[start:start + n]
+            pre1 = _addmm(x, w1[i], b1, i)
+            pre3 = _addmm(x, w3[i], b3, i) if w3 is not None else None
+            outputs.append(_addmm(hidden_unit(pre1, pre3, e.activation, e.glu_limit), w2[i], b2, i))
+    return joined_outputs(outputs, rows, w2)
+
+
+def _addmm(x: Tensor, w: Tensor, b: Tensor | None, i: int) -> Tensor:
+    return torch.addmm(b[i], x, w) if b is not None else x @ w
 
 
 def grouped_floor_kind(experts: FeedForwardExperts, rows: Tensor) -> str:
