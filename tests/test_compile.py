@@ -18,7 +18,7 @@ import torch
 import torch._dynamo
 from torch import Tensor, nn
 
-from flexmoe import MoELayer
+from flexmoe import MoELayer, padded_fused_op
 from reference import reference_for_layer
 
 # Dropless mode: the per-expert counts reach the host once (plan_from_pairs' ``tolist``). torch._dynamo.explain
@@ -173,6 +173,45 @@ needs_cxx = pytest.mark.skipif(_CXX is None, reason="inductor on CPU compiles C+
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=[pytest.mark.slow, needs_cxx])])
 @pytest.mark.parametrize("case", list(PADDED_OP_CASES))
 def test_padded_op_computes_the_real_rows_and_matches_eager_and_the_reference(case: str, backend: str) -> None:
+    _check_padded_case(case, backend, "flexmoe::padded_expert_ffn")
+
+
+@pytest.fixture
+def fused_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused op's rule, without its measured sizes and dtype: the small float64 cases take it."""
+    monkeypatch.setattr(padded_fused_op, "fused_size_rule", lambda *sizes: True)
+    monkeypatch.setattr(padded_fused_op, "FUSED_DTYPES", (torch.float32, torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=[pytest.mark.slow, needs_cxx])])
+@pytest.mark.parametrize("case", list(PADDED_OP_CASES))
+def test_fused_padded_op_matches_eager_and_the_reference(case: str, backend: str, fused_everywhere: None) -> None:
+    """Compiled training with many small experts runs dispatch, the FFN and combine in one custom op
+    (flexmoe::padded_fused_experts, eager's fused experts over the padded plan)."""
+    _check_padded_case(case, backend, "flexmoe::padded_fused_experts")
+
+
+def test_fused_padded_op_with_capacity_per_sequence_equals_eager(fused_everywhere: None) -> None:
+    """Several sequences per expert: each expert's weight gradients summed over its units."""
+    torch.manual_seed(0)
+    moe = MoELayer(8, 4, 12, k=2, capacity_factor=1.0, capacity_per="sequence", glu=True, activation="silu",
+                   dtype=torch.float64, router_dtype=torch.float64)
+    x = torch.randn(3, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    grad = torch.randn(3, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    want = moe(x)
+    want_grads = _grads(moe, x, want, grad)
+    with torch.profiler.profile() as prof:
+        got = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+        got_grads = _grads(moe, x, got, grad)
+    assert "flexmoe::padded_fused_experts" in {e.key for e in prof.key_averages()}
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def _check_padded_case(case: str, backend: str, op: str) -> None:
+    """The compiled layer (which must run ``op``) against the eager layer and the float64 reference."""
     options = dict(PADDED_OP_CASES[case])
     num_experts, tokens = options.pop("num_experts"), options.pop("tokens")
     torch.manual_seed(0)
@@ -188,8 +227,10 @@ def test_padded_op_computes_the_real_rows_and_matches_eager_and_the_reference(ca
 
     want = moe(x)
     want_grads = _grads(moe, x, want, grad)
-    got = torch.compile(moe, fullgraph=True, backend=backend)(x)
-    got_grads = _grads(moe, x, got, grad)
+    with torch.profiler.profile() as prof:
+        got = torch.compile(moe, fullgraph=True, backend=backend)(x)
+        got_grads = _grads(moe, x, got, grad)
+    assert op in {e.key for e in prof.key_averages()}
     assert moe.last_plan is not None and moe.last_plan.padded
     tol = dict(rtol=1e-10, atol=1e-12) if backend == "aot_eager" else dict(rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(got, want, **tol)

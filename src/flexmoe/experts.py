@@ -29,7 +29,7 @@ from flexmoe.validation import check_int, describe_value
 __all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_ffn", "grouped_expert_ffn",
            "looped_expert_ffn", "segmented_expert_ffn", "use_segmented", "use_grouped_mm", "grouped_mm_supported",
            "gated_unit", "hidden_unit", "check_glu_limit", "resolve_activation", "activation_name",
-           "activation_derivative", "needs_grad", "joined_outputs", "joined_unit_ffn", "addmm_into",
+           "activation_derivative", "activation_into", "needs_grad", "joined_outputs", "joined_unit_ffn", "addmm_into",
            "JOINED_UNIT_MAX_ELEMENTS"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -67,6 +67,20 @@ def activation_derivative(activation: Callable[[Tensor], Tensor]) -> Callable[[T
     ``activation'(pre) * grad`` into ``out``), or None for any other callable."""
     name = activation_name(activation)
     return None if name is None else _ACTIVATION_DERIVATIVES.get(name)
+
+
+# Each named activation written into a given buffer (its aten out= variant): activation(pre, out) -> out.
+_ACTIVATIONS_INTO: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "gelu": lambda pre, out: torch.ops.aten.gelu.out(pre, out=out),
+    "relu": lambda pre, out: torch.ops.aten.relu.out(pre, out=out),
+    "silu": lambda pre, out: torch.ops.aten.silu.out(pre, out=out),
+}
+
+
+def activation_into(activation: Callable[[Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor] | None:
+    """``into(pre, out)`` writing a named activation of ``pre`` into ``out``, or None for any other callable."""
+    name = activation_name(activation)
+    return None if name is None else _ACTIVATIONS_INTO.get(name)
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,11 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from flexmoe.experts import activation_derivative, addmm_into, hidden_unit, needs_grad
+from flexmoe.experts import activation_derivative, activation_into, addmm_into, hidden_unit, needs_grad
 from flexmoe.segment_ffn import record_unit
 
-__all__ = ["HiddenUnit", "CHUNK_ROWS", "expert_chunks", "fused_experts", "use_fused"]
+__all__ = ["HiddenUnit", "CHUNK_ROWS", "expert_chunks", "fused_experts", "fused_forward", "fused_backward",
+           "fused_size_rule", "use_fused"]
 
 @dataclass(frozen=True)
 class HiddenUnit:
@@ -48,6 +49,16 @@ class HiddenUnit:
     def __call__(self, pre1: Tensor, pre3: Tensor | None) -> Tensor:
         """pre1, pre3: ``[n, H]`` (pre3 None without gating) -> h ``[n, H]``."""
         return hidden_unit(pre1, pre3, self.activation, self.glu_limit)
+
+    def into(self, pre1: Tensor, pre3: Tensor | None, out: Tensor) -> Tensor:
+        """h = unit(pre1, pre3) written into ``out`` ``[n, H]``: by the activation's out= kernel where it has one
+        (no temporary), else computed and copied."""
+        into = activation_into(self.activation) if self.glu_limit is None else None
+        if into is None:
+            return out.copy_(self(pre1, pre3))
+        if pre3 is None:
+            return into(pre1, out)
+        return into(pre1, out).mul_(pre3)
 
     def backward(self, grad_h: Tensor, pre1: Tensor, pre3: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """grad_h: ``[n, H]`` (overwritten) -> the gradients of pre1 and pre3 (None without gating)."""
@@ -96,6 +107,153 @@ def _per_expert(p: Tensor | None, num_experts: int) -> Sequence[Tensor | None]:
     return p.unbind(0) if p is not None else [None] * num_experts
 
 
+KeptBuffers = Callable[[int, int], tuple[Tensor, Tensor | None, Tensor]]
+
+
+def fused_forward(tokens: Tensor, row_token: Tensor, row_weight: Tensor, weights: Sequence[Tensor | None],
+                  chunks: list[Chunk], unit: HiddenUnit, kept_buffers: KeptBuffers | None = None,
+                  ) -> tuple[Tensor, list[Tensor]]:
+    """The forward of :func:`fused_experts`: ``y [T, M]`` and what the backward needs, per chunk ``pre1,
+    (pre3,) h`` (``[n, H]`` each).
+
+    weights: ``(w1, b1, w2, b2, w3, b3)``; chunks: rows ``start .. start + n`` of ``row_token`` / ``row_weight``
+    (:func:`expert_chunks`, or one per unit of a padded plan). ``kept_buffers(start, n)`` gives the places to
+    keep a chunk's ``pre1, pre3, h`` in (views of full-size outputs, for the compiled op); by default each chunk
+    gets its own pieces."""
+    w1, b1, w2, b2, w3, b3 = weights
+    assert w1 is not None and w2 is not None
+    num_experts, hidden, model_dim = w1.shape[0], w1.shape[-1], w2.shape[-1]
+    y = tokens.new_zeros(tokens.shape[0], model_dim)
+    kept: list[Tensor] = []
+    w1s, b1s, w2s, b2s, w3s, b3s = (_per_expert(p, num_experts) for p in (w1, b1, w2, b2, w3, b3))
+    for start, n, members in chunks:
+        token = row_token[start:start + n]
+        x = tokens.index_select(0, token)  # [n, M]
+        if kept_buffers is not None:
+            pre1, pre3, h_place = kept_buffers(start, n)
+        else:
+            pre1, h_place = x.new_empty(n, hidden), None
+            pre3 = x.new_empty(n, hidden) if w3 is not None else None
+        for e, a, m in members:
+            addmm_into(pre1[a:a + m], x[a:a + m], w1s[e], b1s[e])  # type: ignore[arg-type]
+            if pre3 is not None:
+                addmm_into(pre3[a:a + m], x[a:a + m], w3s[e], b3s[e])  # type: ignore[arg-type]
+        h = unit(pre1, pre3) if h_place is None else unit.into(pre1, pre3, h_place)
+        out = x.new_empty(n, model_dim)
+        for e, a, m in members:
+            addmm_into(out[a:a + m], h[a:a + m], w2s[e], b2s[e])  # type: ignore[arg-type]
+        y.index_add_(0, token, out.mul_(row_weight[start:start + n].unsqueeze(-1)))
+        kept += [pre1, h] if pre3 is None else [pre1, pre3, h]
+    return y, kept
+
+
+def fused_backward(grad_y: Tensor, tokens: Tensor, row_token: Tensor, row_weight: Tensor,
+                   weights: Sequence[Tensor | None], chunks: list[Chunk], unit: HiddenUnit, kept: Sequence[Tensor],
+                   needs: Sequence[bool]) -> list[Tensor | None]:
+    """The gradients of :func:`fused_forward`: ``[tokens, row_weight, w1, b1, w2, b2, w3, b3]``, each None where
+    ``needs`` (eight flags) is False; a flag must be False for a bias or ``w3`` that does not exist.
+    ``row_weight``'s gradient is written for the chunks' rows only (a padded plan's empty rows: left as they are;
+    the caller zeroes them)."""
+    w1, _, w2, b2, w3, _ = weights
+    assert w1 is not None and w2 is not None
+    need_x, need_weight, need_w1, need_b1, need_w2, need_b2, need_w3, need_b3 = needs
+    grad_y = grad_y.contiguous()
+    num_experts, hidden, model_dim = w1.shape[0], w1.shape[-1], w2.shape[-1]
+    active = {e for _, _, members in chunks for e, _, _ in members}
+
+    def buffer(shape: Sequence[int], wanted: bool) -> Tensor | None:
+        """A gradient ``[E, ...]``: every expert with rows writes its own slice, the others are zeroed."""
+        if not wanted:
+            return None
+        grad = grad_y.new_empty(tuple(shape))
+        for e in range(num_experts):
+            if e not in active:
+                grad[e].zero_()
+        return grad
+
+    grad_w1, grad_w2 = buffer(w1.shape, need_w1), buffer(w2.shape, need_w2)
+    grad_w3 = buffer(w3.shape, need_w3) if w3 is not None else None
+    grad_b1 = buffer((num_experts, hidden), need_b1)
+    grad_b2 = buffer((num_experts, model_dim), need_b2)
+    grad_b3 = buffer((num_experts, hidden), need_b3)
+    gw1, gw2, gw3, gb1, gb2, gb3 = (_per_expert(p, num_experts)
+                                    for p in (grad_w1, grad_w2, grad_w3, grad_b1, grad_b2, grad_b3))
+    w1s, w2s, w3s, b2s = (_per_expert(p, num_experts) for p in (w1, w2, w3, b2))
+    grad_tokens = torch.zeros_like(tokens) if need_x else None
+    grad_weight = row_weight.new_empty(row_weight.shape) if need_weight else None
+    pieces = iter(kept)
+    seen: set[int] = set()
+
+    for start, n, members in chunks:
+        pre1 = next(pieces)
+        pre3 = next(pieces) if w3 is not None else None
+        h = next(pieces)
+        token = row_token[start:start + n]
+        weight = row_weight[start:start + n].unsqueeze(-1)  # [n, 1]
+        g = grad_y.index_select(0, token)  # [n, M]: the gradient of the weighted output
+        d = g.new_empty(n, hidden)  # the gradient of h, before the weight
+        for e, a, m in members:
+            torch.mm(g[a:a + m], w2s[e].transpose(0, 1), out=d[a:a + m])  # type: ignore[union-attr]
+        if grad_weight is not None:  # <g_r, out_r> = <d_r, h_r> + <g_r, b2[e]>
+            chunk_grad = grad_weight[start:start + n]
+            torch.linalg.vecdot(d, h, out=chunk_grad)
+            for e, a, m in members:
+                bias = b2s[e]
+                if bias is not None:
+                    chunk_grad[a:a + m].addmv_(g[a:a + m], bias)
+        # An expert's first chunk writes its weight gradients, later ones (a padded plan's other sequences) add.
+        first = [e not in seen for e, _, _ in members]
+        seen.update(e for e, _, _ in members)
+        if grad_w2 is not None or grad_b2 is not None:
+            weighted_h = h * weight
+            for (e, a, m), writes in zip(members, first):
+                _weight_grad(gw2[e], weighted_h[a:a + m], g[a:a + m], writes)
+                _bias_grad(gb2[e], g[a:a + m], writes, weight[a:a + m, 0])
+        grad_pre1, grad_pre3 = unit.backward(d.mul_(weight), pre1, pre3)
+        x = tokens.index_select(0, token) if grad_w1 is not None or grad_w3 is not None else None
+        grad_x = g.new_empty(n, model_dim) if grad_tokens is not None else None
+        for (e, a, m), writes in zip(members, first):
+            if x is not None:
+                _weight_grad(gw1[e], x[a:a + m], grad_pre1[a:a + m], writes)
+            _bias_grad(gb1[e], grad_pre1[a:a + m], writes)
+            if grad_pre3 is not None:
+                if x is not None:
+                    _weight_grad(gw3[e], x[a:a + m], grad_pre3[a:a + m], writes)
+                _bias_grad(gb3[e], grad_pre3[a:a + m], writes)
+            if grad_x is not None:
+                torch.mm(grad_pre1[a:a + m], w1s[e].transpose(0, 1), out=grad_x[a:a + m])  # type: ignore
+                if grad_pre3 is not None:
+                    grad_x[a:a + m].addmm_(grad_pre3[a:a + m], w3s[e].transpose(0, 1))  # type: ignore
+        if grad_tokens is not None and grad_x is not None:
+            grad_tokens.index_add_(0, token, grad_x)
+    return [grad_tokens, grad_weight, grad_w1, grad_b1, grad_w2, grad_b2, grad_w3, grad_b3]
+
+
+def _weight_grad(grad: Tensor | None, x: Tensor, g: Tensor, writes: bool) -> None:
+    """grad (+)= x^T g: ``[in, out]`` from ``x [n, in]`` and ``g [n, out]``."""
+    if grad is None:
+        return
+    if writes:
+        torch.mm(x.transpose(0, 1), g, out=grad)
+    else:
+        grad.addmm_(x.transpose(0, 1), g)
+
+
+def _bias_grad(grad: Tensor | None, g: Tensor, writes: bool, weight: Tensor | None = None) -> None:
+    """grad (+)= the rows of ``g [n, out]`` summed (weighted by ``weight [n]``, if given)."""
+    if grad is None:
+        return
+    if weight is not None:
+        if writes:
+            torch.mv(g.transpose(0, 1), weight, out=grad)
+        else:
+            grad.addmv_(g.transpose(0, 1), weight)
+    elif writes:
+        torch.sum(g, 0, out=grad)
+    else:
+        grad.add_(g.sum(0))
+
+
 class _FusedExperts(torch.autograd.Function):
     """One autograd node: ``tokens [T, M]`` and ``row_weight [N]`` in, ``y [T, M]`` out (module docstring).
 
@@ -107,107 +265,20 @@ class _FusedExperts(torch.autograd.Function):
     def forward(ctx: Any, tokens: Tensor, row_weight: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor,
                 b2: Tensor | None, w3: Tensor | None, b3: Tensor | None, row_token: Tensor, chunks: list[Chunk],
                 unit: HiddenUnit) -> Tensor:
-        num_experts, hidden, model_dim = w1.shape[0], w1.shape[-1], w2.shape[-1]
-        y = tokens.new_zeros(tokens.shape[0], model_dim)
-        kept: list[Tensor] = []  # per chunk: pre1, (pre3,) h
-        w1s, b1s, w2s, b2s, w3s, b3s = (_per_expert(p, num_experts) for p in (w1, b1, w2, b2, w3, b3))
-        for start, n, members in chunks:
-            token = row_token[start:start + n]
-            x = tokens.index_select(0, token)  # [n, M]
-            pre1 = x.new_empty(n, hidden)
-            pre3 = x.new_empty(n, hidden) if w3 is not None else None
-            for e, a, m in members:
-                addmm_into(pre1[a:a + m], x[a:a + m], w1s[e], b1s[e])  # type: ignore[arg-type]
-                if pre3 is not None:
-                    addmm_into(pre3[a:a + m], x[a:a + m], w3s[e], b3s[e])  # type: ignore[arg-type]
-            h = unit(pre1, pre3)
-            out = x.new_empty(n, model_dim)
-            for e, a, m in members:
-                addmm_into(out[a:a + m], h[a:a + m], w2s[e], b2s[e])  # type: ignore[arg-type]
-            y.index_add_(0, token, out.mul_(row_weight[start:start + n].unsqueeze(-1)))
-            kept += [pre1, h] if pre3 is None else [pre1, pre3, h]
+        y, kept = fused_forward(tokens, row_token, row_weight, (w1, b1, w2, b2, w3, b3), chunks, unit)
         ctx.save_for_backward(tokens, row_weight, w1, b2, w2, w3, row_token, *kept)
         ctx.chunks, ctx.unit = chunks, unit
-        ctx.present = (b1 is not None, b2 is not None, b3 is not None)
+        ctx.present = (True, True, True, b1 is not None, True, b2 is not None, w3 is not None, b3 is not None)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:
         tokens, row_weight, w1, b2, w2, w3, row_token, *kept = ctx.saved_tensors
-        need_x, need_weight, need_w1, need_b1, need_w2, need_b2, need_w3, need_b3 = ctx.needs_input_grad[:8]
-        has_b1, has_b2, has_b3 = ctx.present
-        chunks: list[Chunk] = ctx.chunks
-        grad_y = grad_y.contiguous()
-        num_experts, hidden, model_dim = w1.shape[0], w1.shape[-1], w2.shape[-1]
-        active = {e for _, _, members in chunks for e, _, _ in members}
-
-        def buffer(shape: Sequence[int], wanted: bool) -> Tensor | None:
-            """A gradient ``[E, ...]``: every expert with rows writes its own slice, the others are zeroed."""
-            if not wanted:
-                return None
-            grad = grad_y.new_empty(tuple(shape))
-            for e in range(num_experts):
-                if e not in active:
-                    grad[e].zero_()
-            return grad
-
-        grad_w1, grad_w2 = buffer(w1.shape, need_w1), buffer(w2.shape, need_w2)
-        grad_w3 = buffer(w3.shape, need_w3) if w3 is not None else None
-        grad_b1 = buffer((num_experts, hidden), need_b1 and has_b1)
-        grad_b2 = buffer((num_experts, model_dim), need_b2 and has_b2)
-        grad_b3 = buffer((num_experts, hidden), need_b3 and has_b3)
-        gw1, gw2, gw3, gb1, gb2, gb3 = (_per_expert(p, num_experts)
-                                        for p in (grad_w1, grad_w2, grad_w3, grad_b1, grad_b2, grad_b3))
-        w1s, w2s, w3s, b2s = (_per_expert(p, num_experts) for p in (w1, w2, w3, b2))
-        grad_tokens = torch.zeros_like(tokens) if need_x else None
-        grad_weight = row_weight.new_empty(row_weight.shape) if need_weight else None
-        pieces = iter(kept)
-
-        for start, n, members in chunks:
-            pre1 = next(pieces)
-            pre3 = next(pieces) if w3 is not None else None
-            h = next(pieces)
-            token = row_token[start:start + n]
-            weight = row_weight[start:start + n].unsqueeze(-1)  # [n, 1]
-            g = grad_y.index_select(0, token)  # [n, M]: the gradient of the weighted output
-            d = g.new_empty(n, hidden)  # the gradient of h, before the weight
-            for e, a, m in members:
-                torch.mm(g[a:a + m], w2s[e].transpose(0, 1), out=d[a:a + m])  # type: ignore[union-attr]
-            if grad_weight is not None:  # <g_r, out_r> = <d_r, h_r> + <g_r, b2[e]>
-                chunk_grad = grad_weight[start:start + n]
-                torch.linalg.vecdot(d, h, out=chunk_grad)
-                for e, a, m in members:
-                    bias = b2s[e]
-                    if bias is not None:
-                        chunk_grad[a:a + m].addmv_(g[a:a + m], bias)
-            if grad_w2 is not None or grad_b2 is not None:
-                weighted_h = h * weight
-                for e, a, m in members:
-                    if grad_w2 is not None:
-                        torch.mm(weighted_h[a:a + m].transpose(0, 1), g[a:a + m], out=gw2[e])
-                    if grad_b2 is not None:
-                        torch.mv(g[a:a + m].transpose(0, 1), weight[a:a + m, 0], out=gb2[e])
-            grad_pre1, grad_pre3 = ctx.unit.backward(d.mul_(weight), pre1, pre3)
-            x = tokens.index_select(0, token) if grad_w1 is not None or grad_w3 is not None else None
-            grad_x = g.new_empty(n, model_dim) if grad_tokens is not None else None
-            for e, a, m in members:
-                if x is not None and grad_w1 is not None:
-                    torch.mm(x[a:a + m].transpose(0, 1), grad_pre1[a:a + m], out=gw1[e])
-                if grad_b1 is not None:
-                    torch.sum(grad_pre1[a:a + m], 0, out=gb1[e])
-                if grad_pre3 is not None:
-                    if x is not None and grad_w3 is not None:
-                        torch.mm(x[a:a + m].transpose(0, 1), grad_pre3[a:a + m], out=gw3[e])
-                    if grad_b3 is not None:
-                        torch.sum(grad_pre3[a:a + m], 0, out=gb3[e])
-                if grad_x is not None:
-                    torch.mm(grad_pre1[a:a + m], w1s[e].transpose(0, 1), out=grad_x[a:a + m])  # type: ignore
-                    if grad_pre3 is not None:
-                        grad_x[a:a + m].addmm_(grad_pre3[a:a + m], w3s[e].transpose(0, 1))  # type: ignore
-            if grad_tokens is not None and grad_x is not None:
-                grad_tokens.index_add_(0, token, grad_x)
-        return (grad_tokens, grad_weight, grad_w1, grad_b1, grad_w2, grad_b2, grad_w3, grad_b3, None, None, None)
+        needs = [bool(want and present) for want, present in zip(ctx.needs_input_grad[:8], ctx.present)]
+        grads = fused_backward(grad_y, tokens, row_token, row_weight, (w1, None, w2, b2, w3, None), ctx.chunks,
+                               ctx.unit, kept, needs)
+        return (*grads, None, None, None)
 
 
 def fused_experts(tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: Sequence[int], w1: Tensor,
@@ -253,6 +324,11 @@ def use_fused(tokens: Tensor, counts: Sequence[int], w1: Tensor, *weights: Tenso
         return False
     if any(t.dtype != tokens.dtype or t.device != tokens.device for t in present):
         return False
-    num_rows = sum(counts)
-    return (num_rows * tokens.shape[-1] >= _FUSED_MIN_ROW_ELEMENTS
-            and num_rows * w1.shape[-1] <= _FUSED_MAX_WORK_PER_EXPERT * len(counts))
+    return fused_size_rule(sum(counts), tokens.shape[-1], w1.shape[-1], len(counts))
+
+
+def fused_size_rule(num_rows: int, model_dim: int, hidden: int, num_experts: int) -> bool:
+    """The measured sizes of :func:`use_fused`: at least ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]``
+    block and at most ``_FUSED_MAX_WORK_PER_EXPERT`` rows x hidden per expert, on average."""
+    return (num_rows * model_dim >= _FUSED_MIN_ROW_ELEMENTS
+            and num_rows * hidden <= _FUSED_MAX_WORK_PER_EXPERT * num_experts)

@@ -20,6 +20,7 @@ from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch, sum_choice
 from flexmoe.experts import ExpertOptions, FeedForwardExperts
 from flexmoe.fused_experts import HiddenUnit, fused_experts, use_fused
 from flexmoe.padded_ffn_op import padded_experts_forward
+from flexmoe.padded_fused_op import padded_fused_experts, use_padded_fused
 from flexmoe.parallel.auto import MeasuringChooser
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
 from flexmoe.parallel.groups import check_config_agreement, default_ranks_per_node, resolve_group
@@ -245,18 +246,22 @@ class MoELayer(nn.Module):
     def _runs_fused(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions) -> bool:
         """Whether dispatch, the experts and combine run fused, expert by expert (:mod:`flexmoe.fused_experts`):
         the built-in experts, all in this process, weights applied at combine, and where
-        :func:`~flexmoe.fused_experts.use_fused` says it is faster (training with many small experts)."""
+        :func:`~flexmoe.fused_experts.use_fused` says it is faster (training with many small experts); a padded
+        plan (compiling) by the custom op of :mod:`flexmoe.padded_fused_op`."""
         experts = self.experts
-        if not isinstance(experts, FeedForwardExperts) or self.ep_group.distributed or plan.padded:
+        if not isinstance(experts, FeedForwardExperts) or self.ep_group.distributed or routing.score_at != "combine":
             return False
-        return routing.score_at == "combine" and use_fused(tokens, plan.counts, experts.w1, experts.b1, experts.w2,
-                                                           experts.b2, experts.w3, experts.b3)
+        if plan.padded:  # compiling: the fused experts as a custom op over the padded plan
+            return use_padded_fused(experts, tokens, plan)
+        return use_fused(tokens, plan.counts, experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3)
 
     def _fused_experts(self, tokens: Tensor, plan: RoutingPlan) -> Tensor:
         """tokens: ``[T, M]`` -> ``[T, M]``, the weighted sum of each token's experts (:func:`fused_experts`)."""
         e = self.experts
         assert isinstance(e, FeedForwardExperts)  # checked by _runs_fused
         self.last_choice, self.last_shadowed = self.strategy.last_choice, []
+        if plan.padded:
+            return padded_fused_experts(e, tokens, plan)
         return fused_experts(tokens, plan.row_token, plan.row_weight.to(tokens.dtype), plan.counts, e.w1, e.b1,
                              e.w2, e.b2, e.w3, e.b3, HiddenUnit(e.activation, e.glu_limit))
 

@@ -17,14 +17,20 @@ Needs ``torch.library.custom_op`` (torch >= 2.4): :func:`padded_op_available` sa
 layer otherwise keeps :meth:`flexmoe.experts.FeedForwardExperts.forward_padded`.
 """
 
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from flexmoe.experts import FeedForwardExperts, activation_derivative, activation_name, hidden_unit, resolve_activation
+from flexmoe.experts import (
+    FeedForwardExperts,
+    activation_derivative,
+    activation_into,
+    activation_name,
+    hidden_unit,
+    resolve_activation,
+)
 from flexmoe.routing.plan import RoutingPlan
 from flexmoe.segment_ffn import Segment, expert_grad_buffer, linear_into, weight_grad_into
 
@@ -64,15 +70,6 @@ def _unit(activation: str, glu_limit: float | None) -> partial[Tensor]:
     return partial(hidden_unit, activation=resolve_activation(activation), glu_limit=glu_limit)
 
 
-# The plain (not gated) units by name, written into a buffer (their derivative: flexmoe.experts.activation_derivative,
-# the aten kernel eager autograd runs, so that nothing is recomputed).
-_UNIT_INTO: dict[str, Callable[[Tensor, Tensor], object]] = {
-    "gelu": lambda pre1, out: torch.ops.aten.gelu.out(pre1, out=out),
-    "relu": lambda pre1, out: torch.ops.aten.relu.out(pre1, out=out),
-    "silu": lambda pre1, out: torch.ops.aten.silu.out(pre1, out=out),
-}
-
-
 def padding_ranges(unit_rows: list[int], capacity: int) -> list[tuple[int, int]]:
     """The padding rows of a padded layout as ``(start, stop)`` row ranges, neighbours merged: unit ``u`` holds
     rows ``u * capacity .. (u + 1) * capacity - 1``, its ``unit_rows[u]`` real rows first."""
@@ -109,7 +106,8 @@ def _forward_impl(rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, b1
     out = rows.new_empty(num_rows, w2.shape[-1])
     pre1, h = rows.new_empty(num_rows, hidden), rows.new_empty(num_rows, hidden)
     pre3 = rows.new_empty(num_rows, hidden) if w3 is not None else rows.new_empty(0)
-    unit_into = _UNIT_INTO.get(activation) if w3 is None else None
+    # The plain (not gated) unit written into h (its derivative: the aten kernel eager autograd runs).
+    unit_into = activation_into(resolve_activation(activation)) if w3 is None else None
     unit = _unit(activation, glu_limit)
     for e, start, n in segments:
         x, span = rows[start:start + n], slice(start, start + n)

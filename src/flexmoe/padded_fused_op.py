@@ -1,0 +1,187 @@
+"""The fused experts (:mod:`flexmoe.fused_experts`) on a padded plan, as one ``torch.library`` custom op for
+compiled training (docs/architecture.md, "Compiling the layer").
+
+Eager training with many small experts gathers each expert's tokens, runs its FFN and adds the weighted output
+into its tokens in one pass (:func:`flexmoe.fused_experts.fused_experts`), without the ``[N, M]`` dispatch and
+combine buffers of the three-stage path. A compiled graph in capacity mode pads every expert to the capacity
+and cannot read the per-expert counts on the host, so it kept the three stages over the padded rows. Here the
+fused pass is ``flexmoe::padded_fused_experts``, opaque to dynamo and inductor (``fullgraph=True`` holds): it
+receives the tokens, the padded plan's ``row_token`` / ``row_weight`` ``[N]`` and the real rows of each
+(expert, sequence) unit as a device tensor (:func:`flexmoe.padded_ffn_op.padded_unit_rows`), reads those on the
+host (the op itself is not traced, only its fake shapes), and runs :func:`~flexmoe.fused_experts.fused_forward`
+over each unit's real rows. What the backward needs (``pre1``, ``pre3``, ``h``) comes out as full-size ``[N, H]``
+non-differentiable outputs, their padding rows never written nor read; the backward is a second custom op over
+:func:`~flexmoe.fused_experts.fused_backward`.
+
+Named activations with a closed-form derivative only (the op receives names), no clamp (GPT-OSS keeps the
+three stages).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flexmoe.experts import FeedForwardExperts, activation_derivative, activation_name, needs_grad, resolve_activation
+from flexmoe.fused_experts import Chunk, HiddenUnit, fused_backward, fused_forward, fused_size_rule
+from flexmoe.padded_ffn_op import padded_op_available, padded_unit_rows, padding_ranges
+from flexmoe.routing.plan import RoutingPlan
+
+__all__ = ["padded_chunks", "use_padded_fused", "padded_fused_experts"]
+
+# A change to either op's signature needs a new name: inductor's on-disk cache keeps compiled graphs that call
+# the op, and a stale one fails at run time ("expected Tensor()").
+_OP = "flexmoe::padded_fused_experts"
+_BACKWARD_OP = "flexmoe::padded_fused_experts_backward"
+FUSED_DTYPES = (torch.float32,)  # where the fused experts were measured faster (eager and compiled)
+
+
+def padded_chunks(unit_rows: list[int], capacity: int, num_experts: int) -> list[Chunk]:
+    """The chunks (:func:`flexmoe.fused_experts.expert_chunks`' format) of a padded layout: one per unit with
+    rows; unit ``u = e * B + b`` starts at row ``u * capacity`` and holds ``unit_rows[u]`` real rows."""
+    units_per_expert = len(unit_rows) // num_experts
+    return [(u * capacity, n, [(u // units_per_expert, 0, n)]) for u, n in enumerate(unit_rows) if n]
+
+
+def _unit(activation: str) -> HiddenUnit:
+    return HiddenUnit(resolve_activation(activation))
+
+
+def _per_unit(unit_rows: Tensor, capacity: int, hidden: int, like: Tensor, wanted: bool) -> list[Tensor]:
+    """One ``[capacity, H]`` piece per unit (none when not ``wanted``): small enough for the allocator to reuse
+    from call to call, where one ``[N, H]`` buffer would be mapped afresh and page-fault as it is written."""
+    return [like.new_empty(capacity, hidden) for _ in range(unit_rows.shape[0])] if wanted else []
+
+
+def _kept_views(pre1: list[Tensor], pre3: list[Tensor], h: list[Tensor], counts: list[int]) -> list[Tensor]:
+    """The real rows of each unit with rows, in :func:`padded_chunks`' order: ``pre1, (pre3,) h`` each."""
+    views: list[Tensor] = []
+    for u, n in enumerate(counts):
+        if n:
+            views += [pre1[u][:n], h[u][:n]] if not pre3 else [pre1[u][:n], pre3[u][:n], h[u][:n]]
+    return views
+
+
+def _forward_impl(tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_rows: Tensor, capacity: int,
+                  w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, w3: Tensor | None,
+                  b3: Tensor | None, activation: str) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+    """-> ``(y [T, M], pre1, pre3, h)``: the last three one ``[capacity, H]`` piece per unit (pre3: none without
+    gating), their first ``unit_rows[u]`` rows written."""
+    counts = unit_rows.tolist()
+    chunks = padded_chunks(counts, capacity, w1.shape[0])
+    hidden = w1.shape[-1]
+    pre1 = _per_unit(unit_rows, capacity, hidden, tokens, True)
+    pre3 = _per_unit(unit_rows, capacity, hidden, tokens, w3 is not None)
+    h = _per_unit(unit_rows, capacity, hidden, tokens, True)
+    unit_of_row = {u * capacity: u for u, n in enumerate(counts) if n}
+
+    def kept_buffers(start: int, n: int) -> tuple[Tensor, Tensor | None, Tensor]:
+        u = unit_of_row[start]
+        return pre1[u][:n], (pre3[u][:n] if pre3 else None), h[u][:n]
+
+    y, _ = fused_forward(tokens.contiguous(), row_token, row_weight, (w1, b1, w2, b2, w3, b3), chunks,
+                         _unit(activation), kept_buffers)
+    return y, pre1, pre3, h
+
+
+def _forward_fake(tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_rows: Tensor, capacity: int,
+                  w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, w3: Tensor | None,
+                  b3: Tensor | None, activation: str) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+    hidden = w1.shape[-1]
+    return (tokens.new_empty(tokens.shape[0], w2.shape[-1]), _per_unit(unit_rows, capacity, hidden, tokens, True),
+            _per_unit(unit_rows, capacity, hidden, tokens, w3 is not None),
+            _per_unit(unit_rows, capacity, hidden, tokens, True))
+
+
+def _backward_impl(grad_y: Tensor, tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_rows: Tensor,
+                   capacity: int, w1: Tensor, w2: Tensor, b2: Tensor | None, w3: Tensor | None, pre1: list[Tensor],
+                   pre3: list[Tensor], h: list[Tensor], activation: str, needs: list[bool]) -> list[Tensor]:
+    """-> the gradients of ``tokens, row_weight, w1, b1, w2, b2, w3, b3`` (an empty tensor where ``needs`` is
+    False); the padding rows of ``row_weight``'s gradient are zeros."""
+    counts = unit_rows.tolist()
+    chunks = padded_chunks(counts, capacity, w1.shape[0])
+    grads = fused_backward(grad_y, tokens.contiguous(), row_token, row_weight, (w1, None, w2, b2, w3, None),
+                           chunks, _unit(activation), _kept_views(pre1, pre3, h, counts), needs)
+    grad_weight = grads[1]
+    if grad_weight is not None:
+        for start, stop in padding_ranges(counts, capacity):
+            grad_weight[start:stop].zero_()
+    return [g if g is not None else tokens.new_empty(0) for g in grads]
+
+
+def _backward_fake(grad_y: Tensor, tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_rows: Tensor,
+                   capacity: int, w1: Tensor, w2: Tensor, b2: Tensor | None, w3: Tensor | None, pre1: list[Tensor],
+                   pre3: list[Tensor], h: list[Tensor], activation: str, needs: list[bool]) -> list[Tensor]:
+    num_experts, hidden, model_dim = w1.shape[0], w1.shape[-1], w2.shape[-1]
+    shapes = [tokens.shape, row_weight.shape, w1.shape, (num_experts, hidden), w2.shape, (num_experts, model_dim),
+              w3.shape if w3 is not None else (0,), (num_experts, hidden)]
+    return [tokens.new_empty(shape if need else (0,)) for shape, need in zip(shapes, needs)]
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    tokens, row_token, row_weight, unit_rows, capacity, w1, b1, w2, b2, w3, b3, activation = inputs
+    _, pre1, pre3, h = output
+    ctx.save_for_backward(tokens, row_token, row_weight, unit_rows, w1, w2, b2, w3, *pre1, *pre3, *h)
+    ctx.mark_non_differentiable(*pre1, *pre3, *h)  # saved for the backward; nothing flows back through them
+    ctx.capacity, ctx.activation, ctx.units, ctx.gated = capacity, activation, len(pre1), bool(pre3)
+    ctx.present = (True, True, True, b1 is not None, True, b2 is not None, w3 is not None, b3 is not None)
+
+
+def _backward(ctx: Any, grad_y: Tensor, *_grad_kept: Any) -> tuple[Tensor | None, ...]:
+    tokens, row_token, row_weight, unit_rows, w1, w2, b2, w3, *kept = ctx.saved_tensors
+    u = ctx.units
+    pre1, h = kept[:u], kept[-u:]
+    pre3 = kept[u:2 * u] if ctx.gated else []
+    wanted = [ctx.needs_input_grad[i] for i in (0, 2, 5, 6, 7, 8, 9, 10)]
+    needs = [bool(want and present) for want, present in zip(wanted, ctx.present)]
+    grads = torch.ops.flexmoe.padded_fused_experts_backward(grad_y, tokens, row_token, row_weight, unit_rows,
+                                                             ctx.capacity, w1, w2, b2, w3, pre1, pre3, h,
+                                                             ctx.activation, needs)
+    g = [grad if need else None for grad, need in zip(grads, needs)]
+    return g[0], None, g[1], None, None, g[2], g[3], g[4], g[5], g[6], g[7], None
+
+
+def _register() -> None:
+    forward = torch.library.custom_op(_OP, _forward_impl, mutates_args=())
+    forward.register_fake(_forward_fake)
+    backward = torch.library.custom_op(_BACKWARD_OP, _backward_impl, mutates_args=())
+    backward.register_fake(_backward_fake)
+    torch.library.register_autograd(_OP, _backward, setup_context=_setup_context)
+
+
+if padded_op_available():
+    _register()
+
+
+def use_padded_fused(experts: FeedForwardExperts, tokens: Tensor, plan: RoutingPlan) -> bool:
+    """Whether a padded plan's call runs :func:`padded_fused_experts`: the op is there, a named activation with a
+    closed-form derivative and no clamp, autograd records, ``FUSED_DTYPES`` on the CPU, no autocast, and the
+    sizes where eager's fused experts measured faster (:func:`~flexmoe.fused_experts.fused_size_rule` on the
+    routed rows, at most ``T * k``: the padding is never computed)."""
+    if not (padded_op_available() and plan.padded and plan.capacity >= 1):
+        return False
+    activation = activation_name(experts.activation)
+    if activation is None or activation_derivative(experts.activation) is None or experts.glu_limit is not None:
+        return False
+    weights = [t for t in (experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3) if t is not None]
+    if not needs_grad(tokens, *weights) or torch.is_autocast_enabled(tokens.device.type):
+        return False
+    if tokens.dtype not in FUSED_DTYPES or tokens.device.type != "cpu":
+        return False
+    if any(t.dtype != tokens.dtype or t.device != tokens.device for t in weights):
+        return False
+    routed_rows = min(sum(plan.counts), plan.num_tokens * plan.k)
+    return fused_size_rule(routed_rows, tokens.shape[-1], experts.w1.shape[-1], experts.w1.shape[0])
+
+
+def padded_fused_experts(experts: FeedForwardExperts, tokens: Tensor, plan: RoutingPlan) -> Tensor:
+    """tokens: ``[T, M]`` -> ``[T, M]``, the weighted sum of each token's experts over a padded plan (module
+    docstring); where :func:`use_padded_fused` holds."""
+    name = activation_name(experts.activation)
+    assert name is not None  # checked by use_padded_fused
+    y, _, _, _ = torch.ops.flexmoe.padded_fused_experts(
+        tokens, plan.row_token, plan.row_weight.to(tokens.dtype), padded_unit_rows(plan), plan.capacity,
+        experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3, name)
+    return y

@@ -1,0 +1,128 @@
+"""flexmoe::padded_fused_experts called directly (no compiling), forward and backward, against a float64
+reference written with loops: a padded layout of several sequences per expert, units without rows, an expert
+without any, padding rows whose tokens and weights hold garbage (NaN weights) that must reach neither the output
+nor any gradient, tokens with no row; the named activations and the gated unit. And the rule that picks it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from flexmoe import MoELayer
+from flexmoe.padded_ffn_op import padded_op_available
+from flexmoe.padded_fused_op import padded_chunks, use_padded_fused
+from flexmoe.routing.build import build_plan
+from reference import ref_activation
+
+pytestmark = pytest.mark.skipif(not padded_op_available(), reason="this torch has no torch.library.custom_op")
+
+CAPACITY = 4
+# 3 experts x 2 sequences: expert 0 a full unit and an empty one, expert 1 two partial units, expert 2 none.
+UNIT_ROWS = [4, 0, 2, 3, 0, 0]
+NUM_EXPERTS, NUM_TOKENS, MODEL_DIM, HIDDEN = 3, 6, 5, 7
+
+CASES = {
+    "gelu bias": dict(activation="gelu", glu=False, bias=True),
+    "relu no bias": dict(activation="relu", glu=False, bias=False),
+    "glu silu bias": dict(activation="silu", glu=True, bias=True),
+    "glu gelu no bias": dict(activation="gelu", glu=True, bias=False),
+}
+
+
+def test_padded_chunks_are_the_units_with_rows() -> None:
+    assert padded_chunks(UNIT_ROWS, CAPACITY, NUM_EXPERTS) == [(0, 4, [(0, 0, 4)]), (8, 2, [(1, 0, 2)]),
+                                                                (12, 3, [(1, 0, 3)])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", list(CASES))
+def test_op_matches_the_reference_and_never_reads_padding(case: str, dtype: torch.dtype) -> None:
+    activation, glu, bias = CASES[case]["activation"], CASES[case]["glu"], CASES[case]["bias"]
+    gen = torch.Generator().manual_seed(0)
+
+    def r(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.7
+
+    p64: dict[str, Tensor | None] = {
+        "w1": r(NUM_EXPERTS, MODEL_DIM, HIDDEN), "b1": r(NUM_EXPERTS, HIDDEN) if bias else None,
+        "w2": r(NUM_EXPERTS, HIDDEN, MODEL_DIM), "b2": r(NUM_EXPERTS, MODEL_DIM) if bias else None,
+        "w3": r(NUM_EXPERTS, MODEL_DIM, HIDDEN) if glu else None,
+        "b3": r(NUM_EXPERTS, HIDDEN) if glu and bias else None}
+    num_rows = len(UNIT_ROWS) * CAPACITY
+    real = [u * CAPACITY + i for u, n in enumerate(UNIT_ROWS) for i in range(n)]
+    padding = sorted(set(range(num_rows)) - set(real))
+    row_token = torch.randint(0, NUM_TOKENS - 1, (num_rows,), generator=gen)  # the last token gets no row
+    row_weight64 = r(num_rows)
+    row_weight64[padding] = float("nan")
+    tokens64, grad64 = r(NUM_TOKENS, MODEL_DIM), r(NUM_TOKENS, MODEL_DIM)
+    units_per_expert = len(UNIT_ROWS) // NUM_EXPERTS
+    act = ref_activation(activation)
+
+    # Reference: y[t] = sum over the real rows r of token t of w_r * expert_e(r)(x_t), float64 autograd.
+    ref_p = {n: t.clone().requires_grad_() if t is not None else None for n, t in p64.items()}
+    ref_tokens, ref_weight = tokens64.clone().requires_grad_(), row_weight64.clone().requires_grad_()
+    ref_y = [torch.zeros(MODEL_DIM, dtype=torch.float64) for _ in range(NUM_TOKENS)]
+    for i in real:
+        e, t = i // CAPACITY // units_per_expert, int(row_token[i])
+        x = ref_tokens[t]
+        w1, w2, w3 = ref_p["w1"], ref_p["w2"], ref_p["w3"]
+        assert w1 is not None and w2 is not None
+        pre1 = x @ w1[e] + (ref_p["b1"][e] if ref_p["b1"] is not None else 0)
+        h = act(pre1)
+        if w3 is not None:
+            h = h * (x @ w3[e] + (ref_p["b3"][e] if ref_p["b3"] is not None else 0))
+        out = h @ w2[e] + (ref_p["b2"][e] if ref_p["b2"] is not None else 0)
+        ref_y[t] = ref_y[t] + ref_weight[i] * out
+    want = torch.stack(ref_y)
+    (want * grad64).sum().backward()
+
+    got_p = {n: t.to(dtype).requires_grad_() if t is not None else None for n, t in p64.items()}
+    got_tokens, got_weight = tokens64.to(dtype).requires_grad_(), row_weight64.to(dtype).requires_grad_()
+    y, pre1, pre3, h = torch.ops.flexmoe.padded_fused_experts(
+        got_tokens, row_token, got_weight, torch.tensor(UNIT_ROWS), CAPACITY, got_p["w1"], got_p["b1"], got_p["w2"],
+        got_p["b2"], got_p["w3"], got_p["b3"], activation)
+    assert len(pre1) == len(h) == len(UNIT_ROWS) and len(pre3) == (len(UNIT_ROWS) if glu else 0)
+    assert y.requires_grad and not any(t.requires_grad for t in [*pre1, *pre3, *h])  # saved for backward only
+    y.backward(grad64.to(dtype))
+
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(y.double(), want.detach(), **tol)
+    assert torch.equal(y[-1], torch.zeros(MODEL_DIM, dtype=dtype))  # the token without a row
+    assert got_tokens.grad is not None and ref_tokens.grad is not None
+    torch.testing.assert_close(got_tokens.grad.double(), ref_tokens.grad, **tol)
+    assert got_weight.grad is not None and ref_weight.grad is not None
+    assert torch.equal(got_weight.grad[padding], torch.zeros(len(padding), dtype=dtype))
+    torch.testing.assert_close(got_weight.grad[real].double(), ref_weight.grad[real], **tol)
+    for name, ref_t in ref_p.items():
+        got_t = got_p[name]
+        if ref_t is None or got_t is None:
+            assert ref_t is None and got_t is None
+            continue
+        assert got_t.grad is not None and ref_t.grad is not None
+        assert torch.equal(got_t.grad[2], torch.zeros_like(got_t.grad[2]))  # expert 2 had no rows
+        torch.testing.assert_close(got_t.grad.double(), ref_t.grad, **tol, msg=name)
+
+
+def _padded_plan(moe: MoELayer, x: Tensor):
+    logits = moe.router(x)
+    return build_plan(logits, moe.routing_options, training=True, padded=True)
+
+
+def test_rule_takes_fine_grained_float32_training_only() -> None:
+    torch.manual_seed(0)
+    fine = MoELayer(512, 64, 256, k=8, capacity_factor=1.25)
+    x = torch.randn(4096, 512)
+    plan = _padded_plan(fine, x)
+    assert use_padded_fused(fine.experts, x.requires_grad_(), plan)  # the bench's E=64 shape: measured faster
+    with torch.no_grad():
+        assert not use_padded_fused(fine.experts, x, plan)  # no autograd: not measured
+    coarse = MoELayer(512, 8, 1024, k=2, capacity_factor=1.25)
+    assert not use_padded_fused(coarse.experts, x, _padded_plan(coarse, x))  # E=8 H=1024: few large experts
+    small = MoELayer(128, 64, 256, k=8, capacity_factor=1.25)
+    y = torch.randn(512, 128, requires_grad=True)
+    assert not use_padded_fused(small.experts, y, _padded_plan(small, y))  # a small block
+    clamped = MoELayer(512, 64, 256, k=8, capacity_factor=1.25, glu=True, activation="silu", glu_limit=7.0)
+    assert not use_padded_fused(clamped.experts, x, _padded_plan(clamped, x))  # GPT-OSS's clamp: three stages
+    custom = MoELayer(512, 64, 256, k=8, capacity_factor=1.25, activation=torch.tanh)
+    assert not use_padded_fused(custom.experts, x, _padded_plan(custom, x))  # not a named activation
