@@ -155,7 +155,7 @@ def test_routing_options_compile_fullgraph_and_equal_eager(case: str) -> None:
         assert moe.pending_load.tolist() == (2 * want_plan.load).tolist()
 
 
-# The padded plan's real rows only (flexmoe::padded_expert_ffn): E=8 and E=64, with and without biases and the
+# The padded plan's real rows only (flexmoe::padded_experts): E=8 and E=64, with and without biases and the
 # gated unit, a capacity small enough that some experts overflow while others get nothing.
 PADDED_OP_CASES = {
     "E=8 bias gelu": dict(num_experts=8, tokens=8, k=2, capacity=2),
@@ -173,7 +173,7 @@ needs_cxx = pytest.mark.skipif(_CXX is None, reason="inductor on CPU compiles C+
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=[pytest.mark.slow, needs_cxx])])
 @pytest.mark.parametrize("case", list(PADDED_OP_CASES))
 def test_padded_op_computes_the_real_rows_and_matches_eager_and_the_reference(case: str, backend: str) -> None:
-    _check_padded_case(case, backend, "flexmoe::padded_expert_ffn")
+    _check_padded_case(case, backend, "flexmoe::padded_experts")
 
 
 @pytest.fixture
@@ -262,7 +262,7 @@ def test_unnamed_activation_keeps_the_batched_matmuls_and_matches_the_reference(
 
 
 def _padded_rows_seen(moe: MoELayer, x: Tensor) -> list[int]:
-    """The rows flexmoe::padded_expert_ffn computes in one compiled call (its per-unit count of real rows)."""
+    """The rows flexmoe::padded_experts computes in one compiled call (its per-unit count of real rows)."""
     from flexmoe import padded_ffn_op
 
     seen: list[int] = []

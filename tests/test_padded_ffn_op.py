@@ -1,4 +1,4 @@
-"""flexmoe::padded_expert_ffn called directly (no compiling), forward and backward, against a row-by-row float64
+"""flexmoe::padded_experts called directly (no compiling), forward and backward, against a row-by-row float64
 reference: a padded layout of several sequences per expert (an expert's weight gradients summed over its
 units), units without rows, an expert without any, padding rows holding garbage that must not leak into the
 output or the gradients, every named activation and the gated units."""
@@ -96,11 +96,14 @@ def test_op_computes_real_rows_only_and_matches_the_reference(case: str, dtype: 
 
     got_p = {n: t.to(dtype).requires_grad_() if t is not None else None for n, t in p64.items()}
     got_rows = rows64.to(dtype).requires_grad_()
-    out, *saved = torch.ops.flexmoe.padded_expert_ffn(
+    out, *saved = torch.ops.flexmoe.padded_experts(
         got_rows, torch.tensor(UNIT_ROWS), CAPACITY, got_p["w1"], got_p["b1"], got_p["w2"], got_p["b2"],
         got_p["w3"], got_p["b3"], activation, glu_limit)
     # The pre-activations and the unit's output only ride along for the backward: no gradient flows into them.
-    assert out.requires_grad and not any(t.requires_grad for t in saved)
+    pre1, pre3, h = saved  # one [capacity, H] piece per unit each (pre3: none without gating)
+    assert len(pre1) == len(h) == len(UNIT_ROWS) and len(pre3) == (len(UNIT_ROWS) if glu else 0)
+    assert all(t.shape == (CAPACITY, HIDDEN) for t in [*pre1, *pre3, *h])
+    assert out.requires_grad and not any(t.requires_grad for t in [*pre1, *pre3, *h])
     out.backward(grad64.to(dtype))
 
     tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)

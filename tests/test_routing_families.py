@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from flexmoe import MoELayer
-from flexmoe.routing.scores import _TOPK_MIN_SCORES, top_k
+from flexmoe.routing.scores import _TOPK_MIN_SCORES, top_k, top_k_by_unique_keys
 from reference import ref_top_k
 
 M, H = 6, 5
@@ -404,3 +404,28 @@ def test_top_k_of_many_scores_breaks_ties_towards_the_lower_expert(case: str) ->
         want = ref_top_k(probs[t].tolist(), k)
         assert indices[t].tolist() == want, f"token {t}"
         assert values[t].tolist() == [probs[t, e].item() for e in want]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["distinct", "many ties", "signed with zeros of both signs"])
+def test_top_k_by_unique_keys_is_the_reference_top_k(case: str, dtype: torch.dtype) -> None:
+    """The compiled graph's top-k (no sort, no host sync) against the plain reference: ties to the lower expert."""
+    T, E, k = 256, 64, 8
+    g = torch.Generator().manual_seed(3)
+    scores = torch.rand(T, E, generator=g)
+    if case == "many ties":
+        scores = (scores * 8).round() / 8
+    elif case == "signed with zeros of both signs":  # DeepSeek's bias-corrected scores can be negative
+        scores = ((scores - 0.5) * 8).round() / 4
+        scores[:, ::5] = 0.0
+        scores[:, 1::5] = -0.0
+        scores[0, :] = -3.0  # a whole row tied, negative
+        scores[1, :] = -1.0
+        scores[1, [5, 10, 20]] = torch.tensor([-0.0, -0.0, 0.0])  # the best three: zeros of both signs, tied
+    scores = scores.to(dtype)
+    values, indices = top_k_by_unique_keys(scores, k)
+    assert values.dtype == dtype
+    for t in range(T):
+        want = ref_top_k(scores[t].float().tolist(), k)
+        assert indices[t].tolist() == want, f"token {t}"
+        assert values[t].tolist() == [scores[t, e].item() for e in want]

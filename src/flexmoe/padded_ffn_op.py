@@ -3,12 +3,14 @@
 
 Under ``torch.compile`` in capacity mode every (expert, sequence) unit has ``capacity`` rows, its real rows
 first and padding after, so that no shape depends on the routing. Batched matmuls over ``[E, B*C, M]`` compute
-the padding too. Here the experts' FFN is one ``torch.library`` custom op, ``flexmoe::padded_expert_ffn``,
+the padding too. Here the experts' FFN is one ``torch.library`` custom op, ``flexmoe::padded_experts``,
 opaque to dynamo and inductor (``fullgraph=True`` still holds): it receives the padded rows and the number of
 real rows of each unit as a device tensor, reads that on the host (the op is not traced, only its
 ``register_fake`` shapes are), and loops over the units' real rows only: each unit's matmuls and its
-elementwise unit one after the other, written into full-size buffers (``out=``, the matmul helpers of
-:mod:`flexmoe.segment_ffn`); padding rows output zeros and are never computed, not even elementwise. Its
+elementwise unit one after the other, written in place (``out=``, the matmul helpers of
+:mod:`flexmoe.segment_ffn`); padding rows output zeros and are never computed, not even elementwise. The
+pre-activations and the unit's output, kept for the backward, come out as one piece per unit
+(:func:`unit_pieces`). Its
 backward is a second custom op, the same loop: the unit's derivative is the aten kernel eager autograd runs for
 a named activation (no recomputation; the forward keeps the unit's output), ``torch.func.vjp`` of the gated
 unit on that unit's rows.
@@ -36,8 +38,11 @@ from flexmoe.segment_ffn import Segment, expert_grad_buffer, linear_into, weight
 
 __all__ = ["padded_op_available", "padded_unit_rows", "padded_segments", "padded_experts_forward"]
 
-_OP = "flexmoe::padded_expert_ffn"
-_BACKWARD_OP = "flexmoe::padded_expert_ffn_backward"
+# A change to either op's signature needs a new name: inductor's on-disk cache keeps compiled graphs that call
+# the op, and a stale one fails at run time ("expected Tensor()"). (flexmoe::padded_expert_ffn returned its
+# saved tensors as [N, H] buffers.)
+_OP = "flexmoe::padded_experts"
+_BACKWARD_OP = "flexmoe::padded_experts_backward"
 
 
 def padded_op_available() -> bool:
@@ -85,6 +90,19 @@ def padding_ranges(unit_rows: list[int], capacity: int) -> list[tuple[int, int]]
     return ranges
 
 
+def unit_pieces(num_units: int, capacity: int, hidden: int, like: Tensor, wanted: bool = True) -> list[Tensor]:
+    """One ``[capacity, H]`` piece per unit (none when not ``wanted``), for what a custom op keeps for its
+    backward: pieces this small are reused by the allocator from call to call, while one ``[N, H]`` buffer
+    (40 MiB at E=64, T=4096, k=8, cf=1.25) is mapped afresh and page-faults as it is written (measured: ~3% of
+    the compiled step at E=8, H=1024, in the unit and the bias copies that first touch it)."""
+    return [like.new_empty(capacity, hidden) for _ in range(num_units)] if wanted else []
+
+
+def split_kept(kept: list[Tensor], units: int, gated: bool) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """The saved ``*pre1, *pre3, *h`` pieces (``units`` each, pre3 only when ``gated``) as three lists."""
+    return kept[:units], (kept[units:2 * units] if gated else []), kept[-units:]
+
+
 def _zero_rows(t: Tensor, ranges: list[tuple[int, int]]) -> None:
     for start, stop in ranges:
         t[start:stop].zero_()
@@ -92,48 +110,49 @@ def _zero_rows(t: Tensor, ranges: list[tuple[int, int]]) -> None:
 
 def _forward_impl(rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, b1: Tensor | None, w2: Tensor,
                   b2: Tensor | None, w3: Tensor | None, b3: Tensor | None, activation: str,
-                  glu_limit: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> ``(out [N, M], pre1 [N, H], pre3 [N, H] or [0], h [N, H])``: the output (zeros on padding rows) and
-    what the backward needs, the pre-activations and the unit's output (their padding rows are never read and
-    hold whatever the allocator gave).
+                  glu_limit: float | None) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+    """-> ``(out [N, M], pre1, pre3, h)``: the output (zeros on padding rows) and what the backward needs, the
+    pre-activations and the unit's output as one ``[capacity, H]`` piece per unit (:func:`unit_pieces`; pre3:
+    none without gating), their first ``unit_rows[u]`` rows written.
 
     Expert by expert over the real rows only, the matmuls and the elementwise unit of a unit's rows one after
-    the other while they are in cache, each written into its place in the full-size buffers (``out=``)."""
+    the other while they are in cache, each written into its place (``out=``)."""
     counts = unit_rows.tolist()
     segments = padded_segments(counts, capacity, w1.shape[0])
     rows = rows.contiguous()
     num_rows, hidden = rows.shape[0], w1.shape[-1]
     out = rows.new_empty(num_rows, w2.shape[-1])
-    pre1, h = rows.new_empty(num_rows, hidden), rows.new_empty(num_rows, hidden)
-    pre3 = rows.new_empty(num_rows, hidden) if w3 is not None else rows.new_empty(0)
+    pre1, h = unit_pieces(len(counts), capacity, hidden, rows), unit_pieces(len(counts), capacity, hidden, rows)
+    pre3 = unit_pieces(len(counts), capacity, hidden, rows, w3 is not None)
     # The plain (not gated) unit written into h (its derivative: the aten kernel eager autograd runs).
     unit_into = activation_into(resolve_activation(activation)) if w3 is None else None
     unit = _unit(activation, glu_limit)
     for e, start, n in segments:
-        x, span = rows[start:start + n], slice(start, start + n)
-        linear_into(pre1[span], x, w1[e], b1, e)
+        u = start // capacity
+        x, p1, hu = rows[start:start + n], pre1[u][:n], h[u][:n]
+        linear_into(p1, x, w1[e], b1, e)
         if w3 is not None:
-            linear_into(pre3[span], x, w3[e], b3, e)
+            linear_into(pre3[u][:n], x, w3[e], b3, e)
         if unit_into is not None:
-            unit_into(pre1[span], h[span])
+            unit_into(p1, hu)
         else:
-            h[span] = unit(pre1[span], pre3[span] if w3 is not None else None)
-        linear_into(out[span], h[span], w2[e], b2, e)
+            hu.copy_(unit(p1, pre3[u][:n] if w3 is not None else None))
+        linear_into(out[start:start + n], hu, w2[e], b2, e)
     _zero_rows(out, padding_ranges(counts, capacity))
     return out, pre1, pre3, h
 
 
 def _forward_fake(rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, b1: Tensor | None, w2: Tensor,
                   b2: Tensor | None, w3: Tensor | None, b3: Tensor | None, activation: str,
-                  glu_limit: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    num_rows, hidden = rows.shape[0], w1.shape[-1]
-    pre3 = rows.new_empty(num_rows, hidden) if w3 is not None else rows.new_empty(0)
-    return (rows.new_empty(num_rows, w2.shape[-1]), rows.new_empty(num_rows, hidden), pre3,
-            rows.new_empty(num_rows, hidden))
+                  glu_limit: float | None) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+    num_units, hidden = unit_rows.shape[0], w1.shape[-1]
+    return (rows.new_empty(rows.shape[0], w2.shape[-1]), unit_pieces(num_units, capacity, hidden, rows),
+            unit_pieces(num_units, capacity, hidden, rows, w3 is not None),
+            unit_pieces(num_units, capacity, hidden, rows))
 
 
 def _backward_impl(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, w2: Tensor,
-                   w3: Tensor | None, pre1: Tensor, pre3: Tensor, h: Tensor, activation: str,
+                   w3: Tensor | None, pre1: list[Tensor], pre3: list[Tensor], h: list[Tensor], activation: str,
                    glu_limit: float | None, needs: list[bool]) -> list[Tensor]:
     """-> the gradients of ``rows, w1, b1, w2, b2, w3, b3`` (an empty tensor where ``needs`` is False).
 
@@ -163,19 +182,19 @@ def _backward_impl(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: 
     scratch = rows.new_empty(max((n for _, _, n in segments), default=0), hidden)
     seen: set[int] = set()
     for e, start, n in segments:
-        span, first = slice(start, start + n), e not in seen
+        span, first, u = slice(start, start + n), e not in seen, start // capacity
         seen.add(e)
-        g, x = grad_out[span], rows[span]
-        weight_grad_into(grad_w2, grad_b2, e, h[span], g, first)
+        g, x, p1 = grad_out[span], rows[span], pre1[u][:n]
+        weight_grad_into(grad_w2, grad_b2, e, h[u][:n], g, first)
         grad_h = torch.mm(g, w2[e].transpose(0, 1), out=scratch[:n])
         grad_pre3: Tensor | None = None
         if derivative is not None:
             grad_pre1 = grad_h
-            derivative(grad_h, pre1[span], grad_pre1)
+            derivative(grad_h, p1, grad_pre1)
         elif w3 is None:
-            (grad_pre1,) = torch.func.vjp(lambda p1: unit(p1, None), pre1[span])[1](grad_h)
+            (grad_pre1,) = torch.func.vjp(lambda pre: unit(pre, None), p1)[1](grad_h)
         else:
-            grad_pre1, grad_pre3 = torch.func.vjp(unit, pre1[span], pre3[span])[1](grad_h)
+            grad_pre1, grad_pre3 = torch.func.vjp(unit, p1, pre3[u][:n])[1](grad_h)
         weight_grad_into(grad_w1, grad_b1, e, x, grad_pre1, first)
         if grad_pre3 is not None:
             weight_grad_into(grad_w3, grad_b3, e, x, grad_pre3, first)
@@ -190,7 +209,7 @@ def _backward_impl(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: 
 
 
 def _backward_fake(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, w2: Tensor,
-                   w3: Tensor | None, pre1: Tensor, pre3: Tensor, h: Tensor, activation: str,
+                   w3: Tensor | None, pre1: list[Tensor], pre3: list[Tensor], h: list[Tensor], activation: str,
                    glu_limit: float | None, needs: list[bool]) -> list[Tensor]:
     num_experts, hidden, model_dim = w1.shape[0], w1.shape[-1], w2.shape[-1]
     shapes = [rows.shape, w1.shape, (num_experts, hidden), w2.shape, (num_experts, model_dim),
@@ -201,22 +220,22 @@ def _backward_fake(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     rows, unit_rows, capacity, w1, b1, w2, b2, w3, b3, activation, glu_limit = inputs
     _, pre1, pre3, h = output
-    ctx.save_for_backward(rows, unit_rows, w1, w2, w3, pre1, pre3, h)
+    ctx.save_for_backward(rows, unit_rows, w1, w2, w3, *pre1, *pre3, *h)
     # What the backward needs rides out as outputs; nothing flows back through them, and left differentiable
-    # autograd (and the compiled backward graph) would fill an [N, H] zero gradient for each.
-    ctx.mark_non_differentiable(pre1, pre3, h)
+    # autograd (and the compiled backward graph) would fill a zero gradient for each.
+    ctx.mark_non_differentiable(*pre1, *pre3, *h)
     ctx.capacity, ctx.activation, ctx.glu_limit = capacity, activation, glu_limit
+    ctx.units, ctx.gated = len(pre1), bool(pre3)
     ctx.present = (True, True, b1 is not None, True, b2 is not None, w3 is not None, b3 is not None)
 
 
-def _backward(ctx: Any, grad_out: Tensor, _grad_pre1: Tensor, _grad_pre3: Tensor,
-              _grad_h: Tensor) -> tuple[Tensor | None, ...]:
-    rows, unit_rows, w1, w2, w3, pre1, pre3, h = ctx.saved_tensors
+def _backward(ctx: Any, grad_out: Tensor, *_grad_kept: Any) -> tuple[Tensor | None, ...]:
+    rows, unit_rows, w1, w2, w3, *kept = ctx.saved_tensors
+    pre1, pre3, h = split_kept(kept, ctx.units, ctx.gated)
     wanted = (ctx.needs_input_grad[0], *ctx.needs_input_grad[3:9])
     needs = [bool(want and present) for want, present in zip(wanted, ctx.present)]
-    grads = torch.ops.flexmoe.padded_expert_ffn_backward(grad_out, rows, unit_rows, ctx.capacity,
-                                                          w1, w2, w3, pre1, pre3, h, ctx.activation,
-                                                          ctx.glu_limit, needs)
+    grads = torch.ops.flexmoe.padded_experts_backward(grad_out, rows, unit_rows, ctx.capacity, w1, w2, w3, pre1,
+                                                       pre3, h, ctx.activation, ctx.glu_limit, needs)
     g = [grad if need else None for grad, need in zip(grads, needs)]
     return g[0], None, None, g[1], g[2], g[3], g[4], g[5], g[6], None, None
 
@@ -243,7 +262,7 @@ def padded_experts_forward(experts: FeedForwardExperts, rows: Tensor, plan: Rout
             or torch.is_autocast_enabled(rows.device.type)):
         num_experts = len(plan.counts)
         return experts.forward_padded(rows.view(num_experts, plan.counts[0], rows.shape[-1])).flatten(0, 1)
-    out, _, _, _ = torch.ops.flexmoe.padded_expert_ffn(rows, padded_unit_rows(plan), plan.capacity, experts.w1,
+    out, _, _, _ = torch.ops.flexmoe.padded_experts(rows, padded_unit_rows(plan), plan.capacity, experts.w1,
                                                     experts.b1, experts.w2, experts.b2, experts.w3, experts.b3,
                                                     activation, experts.glu_limit)
     return out

@@ -9,9 +9,9 @@ fused pass is ``flexmoe::padded_fused_experts``, opaque to dynamo and inductor (
 receives the tokens, the padded plan's ``row_token`` / ``row_weight`` ``[N]`` and the real rows of each
 (expert, sequence) unit as a device tensor (:func:`flexmoe.padded_ffn_op.padded_unit_rows`), reads those on the
 host (the op itself is not traced, only its fake shapes), and runs :func:`~flexmoe.fused_experts.fused_forward`
-over each unit's real rows. What the backward needs (``pre1``, ``pre3``, ``h``) comes out as full-size ``[N, H]``
-non-differentiable outputs, their padding rows never written nor read; the backward is a second custom op over
-:func:`~flexmoe.fused_experts.fused_backward`.
+over each unit's real rows. What the backward needs (``pre1``, ``pre3``, ``h``) comes out as non-differentiable
+outputs, one ``[capacity, H]`` piece per unit (:func:`flexmoe.padded_ffn_op.unit_pieces`), their padding rows
+never written nor read; the backward is a second custom op over :func:`~flexmoe.fused_experts.fused_backward`.
 
 Named activations with a closed-form derivative only (the op receives names), no clamp (GPT-OSS keeps the
 three stages).
@@ -26,7 +26,7 @@ from torch import Tensor
 
 from flexmoe.experts import FeedForwardExperts, activation_derivative, activation_name, needs_grad, resolve_activation
 from flexmoe.fused_experts import Chunk, HiddenUnit, fused_backward, fused_forward, fused_size_rule
-from flexmoe.padded_ffn_op import padded_op_available, padded_unit_rows, padding_ranges
+from flexmoe.padded_ffn_op import padded_op_available, padded_unit_rows, padding_ranges, split_kept, unit_pieces
 from flexmoe.routing.plan import RoutingPlan
 
 __all__ = ["padded_chunks", "use_padded_fused", "padded_fused_experts"]
@@ -49,12 +49,6 @@ def _unit(activation: str) -> HiddenUnit:
     return HiddenUnit(resolve_activation(activation))
 
 
-def _per_unit(unit_rows: Tensor, capacity: int, hidden: int, like: Tensor, wanted: bool) -> list[Tensor]:
-    """One ``[capacity, H]`` piece per unit (none when not ``wanted``): small enough for the allocator to reuse
-    from call to call, where one ``[N, H]`` buffer would be mapped afresh and page-fault as it is written."""
-    return [like.new_empty(capacity, hidden) for _ in range(unit_rows.shape[0])] if wanted else []
-
-
 def _kept_views(pre1: list[Tensor], pre3: list[Tensor], h: list[Tensor], counts: list[int]) -> list[Tensor]:
     """The real rows of each unit with rows, in :func:`padded_chunks`' order: ``pre1, (pre3,) h`` each."""
     views: list[Tensor] = []
@@ -71,10 +65,9 @@ def _forward_impl(tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_ro
     gating), their first ``unit_rows[u]`` rows written."""
     counts = unit_rows.tolist()
     chunks = padded_chunks(counts, capacity, w1.shape[0])
-    hidden = w1.shape[-1]
-    pre1 = _per_unit(unit_rows, capacity, hidden, tokens, True)
-    pre3 = _per_unit(unit_rows, capacity, hidden, tokens, w3 is not None)
-    h = _per_unit(unit_rows, capacity, hidden, tokens, True)
+    units, hidden = len(counts), w1.shape[-1]
+    pre1, h = unit_pieces(units, capacity, hidden, tokens), unit_pieces(units, capacity, hidden, tokens)
+    pre3 = unit_pieces(units, capacity, hidden, tokens, w3 is not None)
     unit_of_row = {u * capacity: u for u, n in enumerate(counts) if n}
 
     def kept_buffers(start: int, n: int) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -89,10 +82,9 @@ def _forward_impl(tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_ro
 def _forward_fake(tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_rows: Tensor, capacity: int,
                   w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, w3: Tensor | None,
                   b3: Tensor | None, activation: str) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-    hidden = w1.shape[-1]
-    return (tokens.new_empty(tokens.shape[0], w2.shape[-1]), _per_unit(unit_rows, capacity, hidden, tokens, True),
-            _per_unit(unit_rows, capacity, hidden, tokens, w3 is not None),
-            _per_unit(unit_rows, capacity, hidden, tokens, True))
+    units, hidden = unit_rows.shape[0], w1.shape[-1]
+    return (tokens.new_empty(tokens.shape[0], w2.shape[-1]), unit_pieces(units, capacity, hidden, tokens),
+            unit_pieces(units, capacity, hidden, tokens, w3 is not None), unit_pieces(units, capacity, hidden, tokens))
 
 
 def _backward_impl(grad_y: Tensor, tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_rows: Tensor,
@@ -131,9 +123,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad_y: Tensor, *_grad_kept: Any) -> tuple[Tensor | None, ...]:
     tokens, row_token, row_weight, unit_rows, w1, w2, b2, w3, *kept = ctx.saved_tensors
-    u = ctx.units
-    pre1, h = kept[:u], kept[-u:]
-    pre3 = kept[u:2 * u] if ctx.gated else []
+    pre1, pre3, h = split_kept(kept, ctx.units, ctx.gated)
     wanted = [ctx.needs_input_grad[i] for i in (0, 2, 5, 6, 7, 8, 9, 10)]
     needs = [bool(want and present) for want, present in zip(wanted, ctx.present)]
     grads = torch.ops.flexmoe.padded_fused_experts_backward(grad_y, tokens, row_token, row_weight, unit_rows,

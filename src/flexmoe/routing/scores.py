@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["SCORE_FUNCS", "top_k", "normalize_topk", "router_scores", "group_limited_mask", "select_experts",
-           "routed_weights", "check_group_options"]
+__all__ = ["SCORE_FUNCS", "top_k", "top_k_by_unique_keys", "normalize_topk", "router_scores", "group_limited_mask",
+           "select_experts", "routed_weights", "check_group_options"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -34,15 +34,37 @@ def top_k(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
     probs: ``[T, E]``. Returns ``(values [T, k], indices [T, k])``, largest first.
     """
-    if probs.numel() >= _TOPK_MIN_SCORES and not torch.compiler.is_compiling():
-        # torch.topk makes no promise on ties, but where each row's k + 1 best values are all distinct its answer
-        # is the only one, the stable sort's; one host sync tells, and ties (rare in float scores) take the sort.
-        values, indices = torch.topk(probs, min(k + 1, probs.shape[-1]), dim=-1)
-        if not bool((values[:, 1:] == values[:, :-1]).any()):
-            return values[:, :k], indices[:, :k]
+    if probs.numel() >= _TOPK_MIN_SCORES:
+        if torch.compiler.is_compiling():
+            if probs.dtype in _KEYED_DTYPES:
+                return top_k_by_unique_keys(probs, k)
+        else:
+            # torch.topk makes no promise on ties, but where each row's k + 1 best values are all distinct its
+            # answer is the only one, the stable sort's; one host sync tells, and ties (rare in float scores) take
+            # the sort.
+            values, indices = torch.topk(probs, min(k + 1, probs.shape[-1]), dim=-1)
+            if not bool((values[:, 1:] == values[:, :-1]).any()):
+                return values[:, :k], indices[:, :k]
     # A stable descending sort keeps equal values in index order.
     values, indices = torch.sort(probs, dim=-1, descending=True, stable=True)
     return values[:, :k], indices[:, :k]
+
+
+_KEYED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def top_k_by_unique_keys(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """:func:`top_k` without a sort or a host sync (for compiled graphs): ``torch.topk`` of keys that are all
+    distinct, so its answer is the only one. Each score's float32 bits, as an int32 ordered like the floats
+    (negative floats have their magnitude bits flipped; -0.0 is made +0.0 first, as the floats compare equal),
+    widened to int64, times E, plus ``E - 1 - index``: a larger score has a larger key, and of equal scores the
+    lower index does. probs: ``[T, E]`` float32, bfloat16 or float16 (exact in float32)."""
+    num_experts = probs.shape[-1]
+    bits = (probs.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    tie_break = num_experts - 1 - torch.arange(num_experts, device=probs.device)
+    _, indices = torch.topk(ordered * num_experts + tie_break, k, dim=-1)
+    return probs.gather(-1, indices), indices
 
 
 def normalize_topk(probs_topk: Tensor, normalize: bool) -> Tensor:
