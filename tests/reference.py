@@ -40,6 +40,7 @@ __all__ = [
     "reference_moe",
     "layer_params_f64",
     "reference_for_layer",
+    "random_expert_params",
 ]
 
 ExpertFn = Callable[[int, Tensor], Tensor]  # (expert e, one token x_t [M]) -> [M]
@@ -299,3 +300,15 @@ def reference_for_layer(
         expert_fn = expert(params)
     result = reference_moe(x64, logits, expert_fn, **routing)
     return result, x64, params
+
+
+def random_expert_params(generator: torch.Generator, num_experts: int, model_dim: int, hidden: int, *,
+                         glu: bool, bias: bool, scale: float = 0.7) -> dict[str, Tensor | None]:
+    """Random float64 expert weights ``w1, w3 [E, M, H]``, ``w2 [E, H, M]`` and biases (None where absent)."""
+    def r(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64) * scale
+
+    return {"w1": r(num_experts, model_dim, hidden), "b1": r(num_experts, hidden) if bias else None,
+            "w2": r(num_experts, hidden, model_dim), "b2": r(num_experts, model_dim) if bias else None,
+            "w3": r(num_experts, model_dim, hidden) if glu else None,
+            "b3": r(num_experts, hidden) if glu and bias else None}

@@ -18,7 +18,7 @@ import torch
 import torch._dynamo
 from torch import Tensor, nn
 
-from flexmoe import MoELayer, padded_fused_op
+from flexmoe import MoELayer, padded_ffn_op, padded_fused_op
 from reference import reference_for_layer
 
 # Dropless mode: the per-expert counts reach the host once (plan_from_pairs' ``tolist``). torch._dynamo.explain
@@ -191,25 +191,6 @@ def test_fused_padded_op_matches_eager_and_the_reference(case: str, backend: str
     _check_padded_case(case, backend, "flexmoe::padded_fused_experts")
 
 
-def test_fused_padded_op_with_capacity_per_sequence_equals_eager(fused_everywhere: None) -> None:
-    """Several sequences per expert: each expert's weight gradients summed over its units."""
-    torch.manual_seed(0)
-    moe = MoELayer(8, 4, 12, k=2, capacity_factor=1.0, capacity_per="sequence", glu=True, activation="silu",
-                   dtype=torch.float64, router_dtype=torch.float64)
-    x = torch.randn(3, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    grad = torch.randn(3, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    want = moe(x)
-    want_grads = _grads(moe, x, want, grad)
-    with torch.profiler.profile() as prof:
-        got = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
-        got_grads = _grads(moe, x, got, grad)
-    assert "flexmoe::padded_fused_experts" in {e.key for e in prof.key_averages()}
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    assert got_grads.keys() == want_grads.keys()
-    for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-10, atol=1e-12, msg=name)
-
-
 def _check_padded_case(case: str, backend: str, op: str) -> None:
     """The compiled layer (which must run ``op``) against the eager layer and the float64 reference."""
     options = dict(PADDED_OP_CASES[case])
@@ -261,27 +242,35 @@ def test_unnamed_activation_keeps_the_batched_matmuls_and_matches_the_reference(
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
-def _padded_rows_seen(moe: MoELayer, x: Tensor) -> list[int]:
-    """The rows flexmoe::padded_experts computes in one compiled call (its per-unit count of real rows)."""
-    from flexmoe import padded_ffn_op
+# Each op's function that receives the per-unit counts of real rows (called only inside that op).
+UNIT_ROWS_READERS = {"flexmoe::padded_experts": (padded_ffn_op, "padded_segments"),
+                     "flexmoe::padded_fused_experts": (padded_fused_op, "padded_chunks")}
 
+
+def _padded_rows_seen(moe: MoELayer, x: Tensor, op: str = "flexmoe::padded_experts") -> list[int]:
+    """The rows ``op`` computes in one compiled call (its per-unit count of real rows)."""
+    module, name = UNIT_ROWS_READERS[op]
     seen: list[int] = []
-    original = padded_ffn_op.padded_segments
+    original = getattr(module, name)
 
     def spy(unit_rows: list[int], capacity: int, num_experts: int) -> Any:
         seen.extend(unit_rows)
         return original(unit_rows, capacity, num_experts)
 
-    padded_ffn_op.padded_segments = spy
+    setattr(module, name, spy)
     try:
         torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
     finally:
-        padded_ffn_op.padded_segments = original
+        setattr(module, name, original)
     return seen
 
 
-def test_padded_op_with_capacity_per_sequence_matches_eager() -> None:
-    """Switch's per-sequence capacity: each (expert, sequence) unit's real rows lead its block of C rows."""
+@pytest.mark.parametrize("op", list(UNIT_ROWS_READERS))
+def test_padded_op_with_capacity_per_sequence_matches_eager(op: str, request: pytest.FixtureRequest) -> None:
+    """Switch's per-sequence capacity: each (expert, sequence) unit's real rows lead its block of C rows; the
+    fused op adds each expert's weight gradients over its units."""
+    if op == "flexmoe::padded_fused_experts":
+        request.getfixturevalue("fused_everywhere")
     torch.manual_seed(0)
     moe = MoELayer(8, 8, 12, k=2, capacity_factor=1.0, capacity_per="sequence", glu=True, activation="silu",
                    dtype=torch.float64, router_dtype=torch.float64)
@@ -298,7 +287,7 @@ def test_padded_op_with_capacity_per_sequence_matches_eager() -> None:
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-10, atol=1e-12, msg=name)
     # The op saw, per (expert, sequence), that unit's kept pairs: the eager plan's counts, sequence by sequence.
     torch._dynamo.reset()
-    seen = _padded_rows_seen(moe, x)
+    seen = _padded_rows_seen(moe, x, op)
     per_unit = [0] * 24
     for t, (experts, slots) in enumerate(zip(want_plan.expert_index.tolist(), want_plan.slot.tolist())):
         for e, slot in zip(experts, slots):

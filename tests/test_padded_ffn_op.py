@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from flexmoe.padded_ffn_op import padded_op_available, padding_ranges
-from reference import ref_activation
+from reference import random_expert_params, ref_activation
 
 pytestmark = pytest.mark.skipif(not padded_op_available(), reason="this torch has no torch.library.custom_op")
 
@@ -75,11 +75,7 @@ def test_op_computes_real_rows_only_and_matches_the_reference(case: str, dtype: 
     def r(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.7
 
-    p64: dict[str, Tensor | None] = {
-        "w1": r(NUM_EXPERTS, MODEL_DIM, HIDDEN), "b1": r(NUM_EXPERTS, HIDDEN) if bias else None,
-        "w2": r(NUM_EXPERTS, HIDDEN, MODEL_DIM), "b2": r(NUM_EXPERTS, MODEL_DIM) if bias else None,
-        "w3": r(NUM_EXPERTS, MODEL_DIM, HIDDEN) if glu else None,
-        "b3": r(NUM_EXPERTS, HIDDEN) if glu and bias else None}
+    p64 = random_expert_params(gen, NUM_EXPERTS, MODEL_DIM, HIDDEN, glu=glu, bias=bias)
     num_rows = len(UNIT_ROWS) * CAPACITY
     rows64, grad64 = r(num_rows, MODEL_DIM), r(num_rows, MODEL_DIM)
     real = [u * CAPACITY + i for u, n in enumerate(UNIT_ROWS) for i in range(n)]

@@ -13,7 +13,7 @@ from flexmoe import MoELayer
 from flexmoe.padded_ffn_op import padded_op_available
 from flexmoe.padded_fused_op import padded_chunks, use_padded_fused
 from flexmoe.routing.build import build_plan
-from reference import ref_activation
+from reference import random_expert_params, ref_activation
 
 pytestmark = pytest.mark.skipif(not padded_op_available(), reason="this torch has no torch.library.custom_op")
 
@@ -44,11 +44,7 @@ def test_op_matches_the_reference_and_never_reads_padding(case: str, dtype: torc
     def r(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.7
 
-    p64: dict[str, Tensor | None] = {
-        "w1": r(NUM_EXPERTS, MODEL_DIM, HIDDEN), "b1": r(NUM_EXPERTS, HIDDEN) if bias else None,
-        "w2": r(NUM_EXPERTS, HIDDEN, MODEL_DIM), "b2": r(NUM_EXPERTS, MODEL_DIM) if bias else None,
-        "w3": r(NUM_EXPERTS, MODEL_DIM, HIDDEN) if glu else None,
-        "b3": r(NUM_EXPERTS, HIDDEN) if glu and bias else None}
+    p64 = random_expert_params(gen, NUM_EXPERTS, MODEL_DIM, HIDDEN, glu=glu, bias=bias)
     num_rows = len(UNIT_ROWS) * CAPACITY
     real = [u * CAPACITY + i for u, n in enumerate(UNIT_ROWS) for i in range(n)]
     padding = sorted(set(range(num_rows)) - set(real))

@@ -19,6 +19,7 @@ Needs ``torch.library.custom_op`` (torch >= 2.4): :func:`padded_op_available` sa
 layer otherwise keeps :meth:`flexmoe.experts.FeedForwardExperts.forward_padded`.
 """
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -240,16 +241,22 @@ def _backward(ctx: Any, grad_out: Tensor, *_grad_kept: Any) -> tuple[Tensor | No
     return g[0], None, None, g[1], g[2], g[3], g[4], g[5], g[6], None, None
 
 
-def _register() -> None:
-    forward = torch.library.custom_op(_OP, _forward_impl, mutates_args=())
-    forward.register_fake(_forward_fake)
-    backward = torch.library.custom_op(_BACKWARD_OP, _backward_impl, mutates_args=())
-    backward.register_fake(_backward_fake)
-    torch.library.register_autograd(_OP, _backward, setup_context=_setup_context)
+def register_op_pair(name: str, impl: Callable[..., Any], fake: Callable[..., Any], backward_name: str,
+                     backward_impl: Callable[..., Any], backward_fake: Callable[..., Any],
+                     backward: Callable[..., Any], setup_context: Callable[..., None]) -> None:
+    """Register a custom op and its backward op (each with its fake, for tracing), and ``backward`` (which calls
+    the backward op) as the op's autograd formula. Nothing is registered on a torch without the API."""
+    if not padded_op_available():
+        return
+    forward_op = torch.library.custom_op(name, impl, mutates_args=())
+    forward_op.register_fake(fake)
+    backward_op = torch.library.custom_op(backward_name, backward_impl, mutates_args=())
+    backward_op.register_fake(backward_fake)
+    torch.library.register_autograd(name, backward, setup_context=setup_context)
 
 
-if padded_op_available():
-    _register()
+register_op_pair(_OP, _forward_impl, _forward_fake, _BACKWARD_OP, _backward_impl, _backward_fake, _backward,
+                 _setup_context)
 
 
 def padded_experts_forward(experts: FeedForwardExperts, rows: Tensor, plan: RoutingPlan) -> Tensor:

@@ -26,7 +26,14 @@ from torch import Tensor
 
 from flexmoe.experts import FeedForwardExperts, activation_derivative, activation_name, needs_grad, resolve_activation
 from flexmoe.fused_experts import Chunk, HiddenUnit, fused_backward, fused_forward, fused_size_rule
-from flexmoe.padded_ffn_op import padded_op_available, padded_unit_rows, padding_ranges, split_kept, unit_pieces
+from flexmoe.padded_ffn_op import (
+    padded_op_available,
+    padded_unit_rows,
+    padding_ranges,
+    register_op_pair,
+    split_kept,
+    unit_pieces,
+)
 from flexmoe.routing.plan import RoutingPlan
 
 __all__ = ["padded_chunks", "use_padded_fused", "padded_fused_experts"]
@@ -133,16 +140,8 @@ def _backward(ctx: Any, grad_y: Tensor, *_grad_kept: Any) -> tuple[Tensor | None
     return g[0], None, g[1], None, None, g[2], g[3], g[4], g[5], g[6], g[7], None
 
 
-def _register() -> None:
-    forward = torch.library.custom_op(_OP, _forward_impl, mutates_args=())
-    forward.register_fake(_forward_fake)
-    backward = torch.library.custom_op(_BACKWARD_OP, _backward_impl, mutates_args=())
-    backward.register_fake(_backward_fake)
-    torch.library.register_autograd(_OP, _backward, setup_context=_setup_context)
-
-
-if padded_op_available():
-    _register()
+register_op_pair(_OP, _forward_impl, _forward_fake, _BACKWARD_OP, _backward_impl, _backward_fake, _backward,
+                 _setup_context)
 
 
 def use_padded_fused(experts: FeedForwardExperts, tokens: Tensor, plan: RoutingPlan) -> bool:
