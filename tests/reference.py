@@ -41,6 +41,7 @@ __all__ = [
     "layer_params_f64",
     "reference_for_layer",
     "random_expert_params",
+    "assert_expert_grads",
 ]
 
 ExpertFn = Callable[[int, Tensor], Tensor]  # (expert e, one token x_t [M]) -> [M]
@@ -312,3 +313,17 @@ def random_expert_params(generator: torch.Generator, num_experts: int, model_dim
             "w2": r(num_experts, hidden, model_dim), "b2": r(num_experts, model_dim) if bias else None,
             "w3": r(num_experts, model_dim, hidden) if glu else None,
             "b3": r(num_experts, hidden) if glu and bias else None}
+
+
+def assert_expert_grads(got: dict[str, Tensor | None], ref: dict[str, Tensor | None], *, idle_expert: int,
+                        **tol: float) -> None:
+    """Every expert weight's gradient in ``got`` (any float dtype) equals the float64 reference's in ``ref`` (the
+    same weights present), and expert ``idle_expert``, which had no rows, has exact zeros."""
+    for name, ref_t in ref.items():
+        got_t = got[name]
+        if ref_t is None or got_t is None:
+            assert ref_t is None and got_t is None, name
+            continue
+        assert got_t.grad is not None and ref_t.grad is not None, name
+        assert torch.equal(got_t.grad[idle_expert], torch.zeros_like(got_t.grad[idle_expert])), name
+        torch.testing.assert_close(got_t.grad.double(), ref_t.grad, **tol, msg=name)

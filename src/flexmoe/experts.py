@@ -23,14 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flexmoe.segment_ffn import segment_expert_ffn
+from flexmoe.segment_ffn import addmm_into, segment_expert_ffn
 from flexmoe.validation import check_int, describe_value
 
 __all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_ffn", "grouped_expert_ffn",
            "looped_expert_ffn", "segmented_expert_ffn", "use_segmented", "use_grouped_mm", "grouped_mm_supported",
            "gated_unit", "hidden_unit", "check_glu_limit", "resolve_activation", "activation_name",
-           "activation_derivative", "activation_into", "needs_grad", "joined_outputs", "joined_unit_ffn", "addmm_into",
-           "JOINED_UNIT_MAX_ELEMENTS"]
+           "activation_derivative", "activation_into", "needs_grad", "joined_outputs", "joined_unit_ffn",
+           "active_experts_ffn", "JOINED_UNIT_MAX_ELEMENTS"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -403,7 +403,7 @@ def looped_expert_ffn(
     touches a few of many)."""
     num_experts = len(counts)
     if not needs_grad(rows, w1, b1, w2, b2, w3, b3):
-        return _active_experts_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
+        return _no_grad_experts_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
 
     def per_expert(p: Tensor | None) -> list[Tensor | None]:
         return list(p.unbind(0)) if p is not None else [None] * num_experts
@@ -417,7 +417,7 @@ def looped_expert_ffn(
     return joined_outputs(outputs, rows, w2)
 
 
-def _active_experts_ffn(
+def _no_grad_experts_ffn(
     rows: Tensor,
     counts: list[int],
     w1: Tensor,
@@ -429,14 +429,30 @@ def _active_experts_ffn(
     activation: Callable[[Tensor], Tensor],
     glu_limit: float | None,
 ) -> Tensor:
-    """:func:`looped_expert_ffn` without autograd: the loop over the experts that have rows only.
-
-    Few rows (decoding: a row or two per expert) take :func:`joined_unit_ffn`: the unit once over every row
-    instead of once per expert."""
+    """:func:`looped_expert_ffn` without autograd: the experts that have rows only. Few rows (decoding: a row or
+    two per expert) take :func:`joined_unit_ffn`, the unit once over every row; more take
+    :func:`active_experts_ffn`, each expert's unit on its own rows."""
     if sum(counts) != rows.shape[0]:
         raise ValueError(f"counts must sum to the number of rows {rows.shape[0]}, got {sum(counts)}")
     if 0 < rows.shape[0] * w1.shape[-1] <= JOINED_UNIT_MAX_ELEMENTS:
         return joined_unit_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
+    return active_experts_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
+
+
+def active_experts_ffn(
+    rows: Tensor,
+    counts: list[int],
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    w3: Tensor | None,
+    b3: Tensor | None,
+    activation: Callable[[Tensor], Tensor],
+    glu_limit: float | None,
+) -> Tensor:
+    """:func:`expert_ffn` (shapes as there) as the plain loop over the experts that have rows, each expert's
+    matmuls and unit on its own rows (the bench's floor without autograd)."""
     outputs = []
     start = 0
     for e, n in enumerate(counts):
@@ -485,14 +501,6 @@ def joined_unit_ffn(
     for e, start, n in segments:
         addmm_into(out[start:start + n], h[start:start + n], w2[e], _at(b2, e))
     return out
-
-
-def addmm_into(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None) -> None:
-    """out = x @ w (+ b), written into ``out`` (rows of a larger buffer): x ``[n, in]``, w ``[in, out]``."""
-    if b is not None:
-        torch.addmm(b, x, w, out=out)
-    else:
-        torch.mm(x, w, out=out)
 
 
 def _at(p: Tensor | None, e: int) -> Tensor | None:

@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from flexmoe.experts import activation_derivative, activation_into, addmm_into, hidden_unit, needs_grad
-from flexmoe.segment_ffn import record_unit
+from flexmoe.experts import activation_derivative, activation_into, hidden_unit, needs_grad
+from flexmoe.segment_ffn import add_bias_grad, add_weight_grad, addmm_into, expert_grad_buffer, record_unit
 
 __all__ = ["HiddenUnit", "CHUNK_ROWS", "expert_chunks", "fused_experts", "fused_forward", "fused_backward",
            "fused_size_rule", "use_fused"]
@@ -159,17 +159,10 @@ def fused_backward(grad_y: Tensor, tokens: Tensor, row_token: Tensor, row_weight
     need_x, need_weight, need_w1, need_b1, need_w2, need_b2, need_w3, need_b3 = needs
     grad_y = grad_y.contiguous()
     num_experts, hidden, model_dim = w1.shape[0], w1.shape[-1], w2.shape[-1]
-    active = {e for _, _, members in chunks for e, _, _ in members}
+    active = sorted({e for _, _, members in chunks for e, _, _ in members})
 
     def buffer(shape: Sequence[int], wanted: bool) -> Tensor | None:
-        """A gradient ``[E, ...]``: every expert with rows writes its own slice, the others are zeroed."""
-        if not wanted:
-            return None
-        grad = grad_y.new_empty(tuple(shape))
-        for e in range(num_experts):
-            if e not in active:
-                grad[e].zero_()
-        return grad
+        return expert_grad_buffer(shape, grad_y, active, num_experts) if wanted else None
 
     grad_w1, grad_w2 = buffer(w1.shape, need_w1), buffer(w2.shape, need_w2)
     grad_w3 = buffer(w3.shape, need_w3) if w3 is not None else None
@@ -207,19 +200,19 @@ def fused_backward(grad_y: Tensor, tokens: Tensor, row_token: Tensor, row_weight
         if grad_w2 is not None or grad_b2 is not None:
             weighted_h = h * weight
             for (e, a, m), writes in zip(members, first):
-                _weight_grad(gw2[e], weighted_h[a:a + m], g[a:a + m], writes)
-                _bias_grad(gb2[e], g[a:a + m], writes, weight[a:a + m, 0])
+                add_weight_grad(gw2[e], weighted_h[a:a + m], g[a:a + m], writes)
+                add_bias_grad(gb2[e], g[a:a + m], writes, weight[a:a + m, 0])
         grad_pre1, grad_pre3 = unit.backward(d.mul_(weight), pre1, pre3)
         x = tokens.index_select(0, token) if grad_w1 is not None or grad_w3 is not None else None
         grad_x = g.new_empty(n, model_dim) if grad_tokens is not None else None
         for (e, a, m), writes in zip(members, first):
             if x is not None:
-                _weight_grad(gw1[e], x[a:a + m], grad_pre1[a:a + m], writes)
-            _bias_grad(gb1[e], grad_pre1[a:a + m], writes)
+                add_weight_grad(gw1[e], x[a:a + m], grad_pre1[a:a + m], writes)
+            add_bias_grad(gb1[e], grad_pre1[a:a + m], writes)
             if grad_pre3 is not None:
                 if x is not None:
-                    _weight_grad(gw3[e], x[a:a + m], grad_pre3[a:a + m], writes)
-                _bias_grad(gb3[e], grad_pre3[a:a + m], writes)
+                    add_weight_grad(gw3[e], x[a:a + m], grad_pre3[a:a + m], writes)
+                add_bias_grad(gb3[e], grad_pre3[a:a + m], writes)
             if grad_x is not None:
                 torch.mm(grad_pre1[a:a + m], w1s[e].transpose(0, 1), out=grad_x[a:a + m])  # type: ignore
                 if grad_pre3 is not None:
@@ -227,31 +220,6 @@ def fused_backward(grad_y: Tensor, tokens: Tensor, row_token: Tensor, row_weight
         if grad_tokens is not None and grad_x is not None:
             grad_tokens.index_add_(0, token, grad_x)
     return [grad_tokens, grad_weight, grad_w1, grad_b1, grad_w2, grad_b2, grad_w3, grad_b3]
-
-
-def _weight_grad(grad: Tensor | None, x: Tensor, g: Tensor, writes: bool) -> None:
-    """grad (+)= x^T g: ``[in, out]`` from ``x [n, in]`` and ``g [n, out]``."""
-    if grad is None:
-        return
-    if writes:
-        torch.mm(x.transpose(0, 1), g, out=grad)
-    else:
-        grad.addmm_(x.transpose(0, 1), g)
-
-
-def _bias_grad(grad: Tensor | None, g: Tensor, writes: bool, weight: Tensor | None = None) -> None:
-    """grad (+)= the rows of ``g [n, out]`` summed (weighted by ``weight [n]``, if given)."""
-    if grad is None:
-        return
-    if weight is not None:
-        if writes:
-            torch.mv(g.transpose(0, 1), weight, out=grad)
-        else:
-            grad.addmv_(g.transpose(0, 1), weight)
-    elif writes:
-        torch.sum(g, 0, out=grad)
-    else:
-        grad.add_(g.sum(0))
 
 
 class _FusedExperts(torch.autograd.Function):

@@ -28,6 +28,7 @@ from flexmoe.experts import FeedForwardExperts, activation_derivative, activatio
 from flexmoe.fused_experts import Chunk, HiddenUnit, fused_backward, fused_forward, fused_size_rule
 from flexmoe.padded_ffn_op import (
     padded_op_available,
+    padded_segments,
     padded_unit_rows,
     padding_ranges,
     register_op_pair,
@@ -48,8 +49,7 @@ FUSED_DTYPES = (torch.float32,)  # where the fused experts were measured faster 
 def padded_chunks(unit_rows: list[int], capacity: int, num_experts: int) -> list[Chunk]:
     """The chunks (:func:`flexmoe.fused_experts.expert_chunks`' format) of a padded layout: one per unit with
     rows; unit ``u = e * B + b`` starts at row ``u * capacity`` and holds ``unit_rows[u]`` real rows."""
-    units_per_expert = len(unit_rows) // num_experts
-    return [(u * capacity, n, [(u // units_per_expert, 0, n)]) for u, n in enumerate(unit_rows) if n]
+    return [(start, n, [(e, 0, n)]) for e, start, n in padded_segments(unit_rows, capacity, num_experts)]
 
 
 def _unit(activation: str) -> HiddenUnit:

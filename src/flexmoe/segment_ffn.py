@@ -24,7 +24,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 __all__ = ["Unit", "Segment", "RecordedUnit", "contiguous_segments", "segment_ffn_forward", "record_unit",
-           "segment_ffn_backward", "segment_expert_ffn", "linear_into", "weight_grad_into", "expert_grad_buffer"]
+           "segment_ffn_backward", "segment_expert_ffn", "addmm_into", "linear_into", "add_weight_grad",
+           "add_bias_grad", "weight_grad_into", "expert_grad_buffer"]
 
 Unit = Callable[[Tensor, "Tensor | None"], Tensor]  # (pre1 [n, H], pre3 [n, H] or None) -> h [n, H], elementwise
 Segment = tuple[int, int, int]  # (expert, first row, number of rows), rows > 0
@@ -133,28 +134,51 @@ def segment_ffn_backward(grad_out: Tensor, rows: Tensor, segments: Sequence[Segm
     return [grad_x, grad_w1, grad_b1, grad_w2, grad_b2, grad_w3, grad_b3]
 
 
-def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None, e: int) -> None:
-    """out = x @ w (+ b[e]); out: a contiguous block of rows of a full-size buffer."""
+def addmm_into(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None) -> None:
+    """out = x @ w (+ b), written into ``out`` (rows of a larger buffer): x ``[n, in]``, w ``[in, out]``."""
     if b is not None:
-        torch.addmm(b[e], x, w, out=out)
+        torch.addmm(b, x, w, out=out)
     else:
         torch.mm(x, w, out=out)
+
+
+def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None, e: int) -> None:
+    """out = x @ w (+ b[e]); out: a contiguous block of rows of a full-size buffer."""
+    addmm_into(out, x, w, b[e] if b is not None else None)
+
+
+def add_weight_grad(grad: Tensor | None, x: Tensor, g: Tensor, writes: bool) -> None:
+    """grad (+)= x^T g, ``[in, out]`` from ``x [n, in]`` and ``g [n, out]``: written when ``writes`` (an expert's
+    first rows), else added to (its later rows: more sequences, or chunks, of one expert)."""
+    if grad is None:
+        return
+    if writes:
+        torch.mm(x.transpose(0, 1), g, out=grad)
+    else:
+        grad.addmm_(x.transpose(0, 1), g)
+
+
+def add_bias_grad(grad: Tensor | None, g: Tensor, writes: bool, weight: Tensor | None = None) -> None:
+    """grad (+)= the rows of ``g [n, out]`` summed, weighted by ``weight [n]`` if given (as :func:`add_weight_grad`)."""
+    if grad is None:
+        return
+    if weight is not None:
+        if writes:
+            torch.mv(g.transpose(0, 1), weight, out=grad)
+        else:
+            grad.addmv_(g.transpose(0, 1), weight)
+    elif writes:
+        torch.sum(g, 0, out=grad)
+    else:
+        grad.add_(g.sum(0))
 
 
 def weight_grad_into(grad_w: Tensor | None, grad_b: Tensor | None, e: int, x: Tensor, g: Tensor,
                       first: bool) -> None:
     """grad_w[e] (+)= x.T @ g and grad_b[e] (+)= g summed over rows: written by the expert's first segment,
     added to by the others (several sequences of one expert in a padded plan)."""
-    if grad_w is not None:
-        if first:
-            torch.mm(x.transpose(0, 1), g, out=grad_w[e])
-        else:
-            grad_w[e].addmm_(x.transpose(0, 1), g)
-    if grad_b is not None:
-        if first:
-            torch.sum(g, 0, out=grad_b[e])
-        else:
-            grad_b[e].add_(g.sum(0))
+    add_weight_grad(grad_w[e] if grad_w is not None else None, x, g, first)
+    add_bias_grad(grad_b[e] if grad_b is not None else None, g, first)
 
 
 def expert_grad_buffer(shape: Sequence[int], like: Tensor, active: list[int], num_experts: int) -> Tensor:

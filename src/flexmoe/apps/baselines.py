@@ -16,18 +16,15 @@
 
 from __future__ import annotations
 
-from itertools import accumulate
-
 import torch
 from torch import Tensor
 
 from flexmoe.experts import (
     FeedForwardExperts,
+    active_experts_ffn,
     gated_unit,
     grouped_expert_ffn,
     grouped_mm_supported,
-    hidden_unit,
-    joined_outputs,
     looped_expert_ffn,
     needs_grad,
 )
@@ -45,24 +42,13 @@ def expert_floor(experts: FeedForwardExperts, rows: Tensor, counts: list[int]) -
     hand-written backward, :func:`flexmoe.experts.segmented_expert_ffn`).
 
     Without autograd the floor stays that loop, each expert's unit on its own rows, where the layer's experts
-    may apply the unit once over all rows (:func:`flexmoe.experts.joined_unit_ffn`)."""
+    may apply the unit once over all rows (:func:`flexmoe.experts.joined_unit_ffn`):
+    :func:`flexmoe.experts.active_experts_ffn`."""
     e = experts
     if needs_grad(rows, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3):
         return looped_expert_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation,
                                  glu_limit=e.glu_limit)
-    w1, b1, w2, b2, w3, b3 = e.w1, e.b1, e.w2, e.b2, e.w3, e.b3
-    outputs = []
-    for i, start, n in zip(range(len(counts)), accumulate(counts, initial=0), counts):
-        if n:  # only the experts with rows: decoding touches a few of many
-            x = rows[start:start + n]
-            pre1 = _addmm(x, w1[i], b1, i)
-            pre3 = _addmm(x, w3[i], b3, i) if w3 is not None else None
-            outputs.append(_addmm(hidden_unit(pre1, pre3, e.activation, e.glu_limit), w2[i], b2, i))
-    return joined_outputs(outputs, rows, w2)
-
-
-def _addmm(x: Tensor, w: Tensor, b: Tensor | None, i: int) -> Tensor:
-    return torch.addmm(b[i], x, w) if b is not None else x @ w
+    return active_experts_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation, e.glu_limit)
 
 
 def grouped_floor_kind(experts: FeedForwardExperts, rows: Tensor) -> str:
