@@ -6,6 +6,7 @@ goes on their sys.path), and torch-free, so a launch costs no torch import.
 
 from __future__ import annotations
 
+import signal
 import socket
 import time
 
@@ -49,11 +50,14 @@ def test_a_failing_rank_ends_the_group_with_its_stderr() -> None:
     assert [r.exit_code for r in results] == [None, None, 1]  # None: killed
 
 
-def test_a_hanging_group_is_killed_at_the_timeout() -> None:
+def test_a_hanging_group_is_killed_at_the_timeout_and_says_where_it_hung() -> None:
     t0 = time.monotonic()
-    with pytest.raises(RanksFailed, match="sleepers did not finish in 2 s"):
+    with pytest.raises(RanksFailed, match="sleepers did not finish in 2 s") as failed:
         spawn_ranks(2, sleep_long, timeout=2, what="sleepers")
     assert time.monotonic() - t0 < 20
+    if hasattr(signal, "SIGUSR1"):  # each rank's Python stack, dumped before the kill, names the hanging call
+        assert 'in sleep_long' in str(failed.value)
+        assert all('in sleep_long' in r.stderr for r in failed.value.results)
 
 
 def test_bad_arguments() -> None:

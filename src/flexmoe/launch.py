@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -83,9 +84,14 @@ class RanksFailed(RuntimeError):
 def _rank_child(module: str, name: str, args_path: str, out_path: str, extra_path: str) -> None:
     """The child's side of :func:`spawn_ranks`: import the function, call it, write its return value as JSON,
     and leave without the interpreter's teardown (a dead peer can make a process group's destructor wait)."""
+    import faulthandler
     import importlib
     import importlib.util
+    import signal
     import traceback
+
+    if hasattr(signal, "SIGUSR1"):  # spawn_ranks asks a hanging rank for its stacks before it kills it
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     if extra_path:
         sys.path.insert(0, extra_path)
@@ -202,6 +208,19 @@ def spawn_ranks(world: int, target: Callable[..., Any] | Sequence[str], args: Se
     return results
 
 
+def _dump_stacks(procs: list[subprocess.Popen[bytes]], wait: float = 1.0) -> None:
+    """Ask ranks that ran past the deadline to write every thread's Python stack to their stderr (the
+    faulthandler a function rank registers on SIGUSR1), so the error says where they hung."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(wait)
+
+
 def _wait(procs: list[subprocess.Popen[bytes]], deadline: float, grace: float) -> tuple[bool, set[int]]:
     """Wait for every process; kill those still running at the deadline, or ``grace`` s after the first one
     exited non-zero. Returns (whether the deadline was hit, the ranks killed)."""
@@ -214,8 +233,11 @@ def _wait(procs: list[subprocess.Popen[bytes]], deadline: float, grace: float) -
         if failed_by is None and any(p.returncode not in (None, 0) for p in procs):
             failed_by = now + grace
         if now >= min(deadline, failed_by if failed_by is not None else deadline):
+            hung = failed_by is None or deadline <= failed_by
+            if hung:
+                _dump_stacks([procs[i] for i in running])
             for i in running:
                 procs[i].kill()
                 procs[i].wait()
-            return failed_by is None or deadline <= failed_by, set(running)
+            return hung, set(running)
         time.sleep(0.05)
