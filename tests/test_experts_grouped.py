@@ -9,13 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from flexmoe.experts import (
+    EMBEDDING_BAG_MAX_ROWS_PER_EXPERT,
     JOINED_UNIT_MAX_ELEMENTS,
+    embedding_bag_ffn,
     expert_ffn,
     gated_unit,
     grouped_expert_ffn,
     joined_unit_ffn,
     looped_expert_ffn,
     segmented_expert_ffn,
+    use_embedding_bag,
     use_grouped_mm,
     use_segmented,
 )
@@ -138,6 +141,59 @@ def test_joined_unit_path_without_autograd_matches_the_reference(dtype: torch.dt
     """The decoding path: each expert's matmuls into its rows of one buffer, the unit once over all rows."""
     _check_without_autograd(joined_unit_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit)
     _check_without_autograd(looped_expert_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", list(COUNTS))
+@pytest.mark.parametrize("glu,bias,glu_limit", [(False, True, None), (False, False, None), (True, True, None),
+                                                (True, False, 7.0)])
+def test_embedding_bag_path_without_autograd_matches_the_reference(dtype: torch.dtype, case: str, glu: bool,
+                                                                   bias: bool, glu_limit: float | None) -> None:
+    """The decoding path with no matmul: each row's products as weighted sums of its expert's weight rows."""
+    _check_without_autograd(embedding_bag_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit)
+
+
+def test_embedding_bag_path_with_model_dim_unlike_hidden_and_many_experts() -> None:
+    """The bags of w1 (model_dim long) and w2 (hidden long) differ; rows of the last of 256 experts."""
+    counts = [0] * 256
+    counts[0], counts[97], counts[255] = 2, 1, 3
+    _check_without_autograd(embedding_bag_ffn, torch.float32, counts, glu=True, bias=True, glu_limit=None,
+                            model_dim=24, hidden=40)
+    with torch.no_grad(), pytest.raises(ValueError, match="counts must sum"):
+        embedding_bag_ffn(torch.zeros(5, 24), counts, torch.zeros(256, 24, 40), None, torch.zeros(256, 40, 24),
+                          None, None, None, F.gelu)
+
+
+def test_use_embedding_bag_rule_and_expert_ffn_through_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    w1, w2 = torch.zeros(64, 16, 32), torch.zeros(64, 32, 16)
+    decode = [1] * 8 + [0] * 56  # one token, k=8
+    limit = EMBEDDING_BAG_MAX_ROWS_PER_EXPERT
+    with torch.no_grad():
+        assert use_embedding_bag(torch.zeros(8, 16), decode, w1, None, w2, None, None, None)
+        assert use_embedding_bag(torch.zeros(8 * limit, 16), [limit] * 8 + [0] * 56, w1, None, w2, None, None,
+                                 None)
+        assert not use_embedding_bag(torch.zeros(8 * limit + 1, 16), [limit + 1] + [limit] * 7 + [0] * 56, w1,
+                                     None, w2, None, None, None)
+        assert not use_embedding_bag(torch.zeros(0, 16), [0] * 64, w1, None, w2, None, None, None)
+        assert not use_embedding_bag(torch.zeros(8, 16, dtype=torch.float64), decode, w1.double(), None,
+                                     w2.double(), None, None, None)
+        transposed = torch.zeros(64, 32, 16).transpose(1, 2)  # [64, 16, 32], not contiguous: no flat view
+        assert not use_embedding_bag(torch.zeros(8, 16), decode, transposed, None, w2, None, None, None)
+    # With autograd (training) the matmuls run.
+    assert not use_embedding_bag(torch.zeros(8, 16, requires_grad=True), decode, w1, None, w2, None, None, None)
+
+    import flexmoe.experts as experts_module
+    calls = []
+    real = experts_module.embedding_bag_ffn
+    monkeypatch.setattr(experts_module, "embedding_bag_ffn", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    weights64 = _weights(64, 16, 32, glu=True, bias=True)
+    rows64 = torch.randn(8, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    weights = {n: (w.detach().float() if w is not None else None) for n, w in weights64.items()}
+    with torch.no_grad():
+        got = _run(expert_ffn, rows64.float(), decode, weights, True, None)
+    assert calls == [1]
+    torch.testing.assert_close(got.double(), _reference(rows64, decode, weights64, True, None), atol=2e-5,
+                               rtol=2e-5)
 
 
 def test_looped_path_without_autograd_above_the_joined_size_matches_the_reference() -> None:

@@ -16,7 +16,6 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any
 
 import torch
@@ -30,7 +29,8 @@ __all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_f
            "looped_expert_ffn", "segmented_expert_ffn", "use_segmented", "use_grouped_mm", "grouped_mm_supported",
            "gated_unit", "hidden_unit", "check_glu_limit", "resolve_activation", "activation_name",
            "activation_derivative", "activation_into", "needs_grad", "joined_outputs", "joined_unit_ffn",
-           "active_experts_ffn", "JOINED_UNIT_MAX_ELEMENTS"]
+           "active_experts_ffn", "JOINED_UNIT_MAX_ELEMENTS",
+           "embedding_bag_ffn", "use_embedding_bag", "EMBEDDING_BAG_MAX_ROWS_PER_EXPERT"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -232,11 +232,14 @@ def expert_ffn(
     ``[E, H]`` / ``[E, M]`` or None -> ``[N, M]``. H may be a hidden shard (expert parallelism), the result then
     a partial sum. ``glu_limit``: GPT-OSS's clamped gated unit (:func:`gated_unit`).
 
-    Three ways compute the same numbers (up to float rounding): one grouped GEMM per matrix over all experts
-    (:func:`grouped_expert_ffn`) where :func:`use_grouped_mm` says it is faster, the per-expert loop with a
-    hand-written backward (:func:`segmented_expert_ffn`) where :func:`use_segmented` says so, else one ``addmm``
-    pair per expert through autograd (:func:`looped_expert_ffn`).
+    Four ways compute the same numbers (up to float rounding): weighted sums of weight rows
+    (:func:`embedding_bag_ffn`) where :func:`use_embedding_bag` says so (decoding), one grouped GEMM per
+    matrix over all experts (:func:`grouped_expert_ffn`) where :func:`use_grouped_mm` says it is faster, the
+    per-expert loop with a hand-written backward (:func:`segmented_expert_ffn`) where :func:`use_segmented`
+    says so, else one ``addmm`` pair per expert through autograd (:func:`looped_expert_ffn`).
     """
+    if use_embedding_bag(rows, counts, w1, b1, w2, b2, w3, b3):
+        return embedding_bag_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
     if use_grouped_mm(rows, counts, w1, w2, w3):
         return grouped_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
     if use_segmented(rows, counts, w1, b1, w2, b2, w3, b3):
@@ -329,6 +332,77 @@ def _strides_aligned(t: Tensor) -> bool:
     """Every stride of a dimension longer than 1, other than a unit stride, is a multiple of 16 bytes."""
     return all(stride == 1 or (stride * t.element_size()) % 16 == 0
                for size, stride in zip(t.shape, t.stride()) if size > 1)
+
+
+# Without autograd, on the CPU, float32 calls averaging at most this many rows per expert that has rows run
+# embedding_bag_ffn: side by side on a quiet 2-core AVX2 CPU (torch 2.13, M=512) it took 0.37-0.64x the loop's
+# time from 1 to 4 rows per expert (E=64 H=256 k=8, gelu and GLU; E=8 H=1024 k=2, 0.89x for one token) and
+# still 0.93-0.96x at 8, although it reads an expert's weights once per row instead of once per expert
+# (docs/architecture.md, "Decoding"). GPUs and other dtypes are not measured and keep the matmuls.
+EMBEDDING_BAG_MAX_ROWS_PER_EXPERT = 4
+# The index tensors hold rows x max(M, H) entries: above this many the matmuls run instead (memory, not time).
+_EMBEDDING_BAG_MAX_INDICES = 1 << 22
+
+
+def use_embedding_bag(rows: Tensor, counts: list[int], w1: Tensor, b1: Tensor | None, w2: Tensor,
+                      b2: Tensor | None, w3: Tensor | None, b3: Tensor | None) -> bool:
+    """Whether :func:`expert_ffn` runs :func:`embedding_bag_ffn` (the measured rule above): no autograd, not
+    traced by ``torch.compile``, float32 on the CPU for rows and every weight, contiguous weight matrices, and at
+    most ``EMBEDDING_BAG_MAX_ROWS_PER_EXPERT`` rows per expert that has rows on average."""
+    if rows.shape[0] == 0 or rows.dtype != torch.float32 or rows.device.type != "cpu":
+        return False
+    if needs_grad(rows, w1, b1, w2, b2, w3, b3) or torch.compiler.is_compiling():
+        return False
+    tensors = [t for t in (w1, b1, w2, b2, w3, b3) if t is not None]
+    if any(t.dtype != rows.dtype or t.device != rows.device for t in tensors):
+        return False
+    if not all(w.is_contiguous() for w in (w1, w2, w3) if w is not None):
+        return False
+    if rows.shape[0] * max(w1.shape[1], w1.shape[2]) > _EMBEDDING_BAG_MAX_INDICES:
+        return False
+    active = sum(1 for n in counts if n)
+    return rows.shape[0] <= EMBEDDING_BAG_MAX_ROWS_PER_EXPERT * active
+
+
+def embedding_bag_ffn(
+    rows: Tensor,
+    counts: list[int],
+    w1: Tensor,
+    b1: Tensor | None,
+    w2: Tensor,
+    b2: Tensor | None,
+    w3: Tensor | None,
+    b3: Tensor | None,
+    activation: Callable[[Tensor], Tensor],
+    glu_limit: float | None = None,
+) -> Tensor:
+    """:func:`expert_ffn` (shapes as there) with every row's products taken as weighted sums of its expert's
+    weight rows, no matmul: ``x @ w[e] = sum_i x[i] * w[e][i, :]`` is ``F.embedding_bag`` over ``w`` viewed
+    as ``[E * in, out]``, one bag per row (indices ``e * in + i``, ``per_sample_weights`` the row). One call per
+    weight matrix covers all rows of all experts. No autograd; needs contiguous ``w1``, ``w2``, ``w3``.
+
+    Decoding routes a row or a few to each expert: per expert the matmuls then cost far more than the bytes
+    they read (measured, see ``EMBEDDING_BAG_MAX_ROWS_PER_EXPERT``), where the bags stream each row's weights
+    once, spread over the threads."""
+    num_experts = len(counts)
+    if sum(counts) != rows.shape[0]:
+        raise ValueError(f"counts must sum to the number of rows {rows.shape[0]}, got {sum(counts)}")
+    row_expert = torch.repeat_interleave(torch.arange(num_experts, device=rows.device),
+                                         torch.tensor(counts, device=rows.device), output_size=rows.shape[0])
+    # embedding_bag takes int32 indices: half the memory, while the flattened weight has fewer than 2^31 rows.
+    index_dtype = torch.int32 if num_experts * max(w1.shape[1], w1.shape[2]) < 2**31 else torch.int64
+    bags: dict[int, Tensor] = {}
+
+    def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        fan_in, fan_out = w.shape[1], w.shape[2]
+        if fan_in not in bags:  # [N, in]: row r's bag is its expert's in rows of the flattened weight
+            bags[fan_in] = ((row_expert * fan_in).unsqueeze(1)
+                            + torch.arange(fan_in, device=rows.device)).to(index_dtype)
+        out = F.embedding_bag(bags[fan_in], w.view(num_experts * fan_in, fan_out), per_sample_weights=x,
+                              mode="sum")
+        return out if b is None else out.add_(b.index_select(0, row_expert))
+
+    return _ffn(rows, linear, w1, b1, w2, b2, w3, b3, activation, glu_limit)
 
 
 def grouped_expert_ffn(
@@ -488,18 +562,22 @@ def joined_unit_ffn(
     Decoding routes a row or two to each of k experts: a unit call per expert then costs more than its matmuls
     (each elementwise call dispatches, and may wake the thread pool, for a few hundred elements)."""
     hidden = w1.shape[-1]
-    segments = [(e, start, n) for e, (start, n) in enumerate(zip(accumulate(counts, initial=0), counts)) if n]
+    experts = [e for e, n in enumerate(counts) if n]
+    sizes = [counts[e] for e in experts]
+    # One split per buffer gives every expert's rows as views in a single call: slicing each buffer per expert
+    # costs a dispatch per slice, and mm into a fresh slice measured ~3 us more than into a split view.
+    xs = rows.split(sizes)
     pre1 = rows.new_empty(rows.shape[0], hidden)
     pre3 = rows.new_empty(rows.shape[0], hidden) if w3 is not None else None
-    for e, start, n in segments:
-        x = rows[start:start + n]
-        addmm_into(pre1[start:start + n], x, w1[e], _at(b1, e))
-        if pre3 is not None and w3 is not None:
-            addmm_into(pre3[start:start + n], x, w3[e], _at(b3, e))
+    for e, x, p1 in zip(experts, xs, pre1.split(sizes)):
+        addmm_into(p1, x, w1[e], _at(b1, e))
+    if pre3 is not None and w3 is not None:
+        for e, x, p3 in zip(experts, xs, pre3.split(sizes)):
+            addmm_into(p3, x, w3[e], _at(b3, e))
     h = hidden_unit(pre1, pre3, activation, glu_limit)
     out = rows.new_empty(rows.shape[0], w2.shape[-1])
-    for e, start, n in segments:
-        addmm_into(out[start:start + n], h[start:start + n], w2[e], _at(b2, e))
+    for e, hx, o in zip(experts, h.split(sizes), out.split(sizes)):
+        addmm_into(o, hx, w2[e], _at(b2, e))
     return out
 
 
