@@ -88,3 +88,25 @@ def test_scenario(case: Scenario, check: Callable[[list[dict]], None] | None) ->
     assert not failures, f"{case.id}: {case.claim}: {len(failures)} failures:\n" + "\n".join(failures[:30])
     if check is not None:
         check(reports)
+
+
+def test_permute_rows_forward_and_gradient_match_indexing() -> None:
+    """The reorder around the local experts: values and the gradient against plain indexing, in float64."""
+    import torch
+
+    from flexmoe.parallel.expert_parallel import permute_rows
+
+    gen = torch.Generator().manual_seed(0)
+    order = torch.randperm(37, generator=gen)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(37)
+    x = torch.randn(37, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(37, 5, generator=gen, dtype=torch.float64)
+    got = permute_rows(x, order, inverse)
+    want = torch.stack([x[int(i)] for i in order])
+    assert torch.equal(got, want)
+    (grad,) = torch.autograd.grad((got * weight).sum(), x)
+    (want_grad,) = torch.autograd.grad((want * weight).sum(), x)
+    assert torch.equal(grad, want_grad)
+    empty = torch.zeros(0, dtype=torch.long)
+    assert permute_rows(torch.zeros(0, 5), empty, empty).shape == (0, 5)
