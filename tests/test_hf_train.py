@@ -10,6 +10,7 @@ process holding every expert that runs both halves and averages their losses.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import re
@@ -292,6 +293,11 @@ def ep_rank(family: str) -> dict:
         report["biases"].append([m.expert_bias.tolist() for m in model.moe_layers if m.expert_bias is not None])
         optimizer.step()
         optimizer.zero_grad()
+    # DDP holds the process group: free it first, so that destroying the group joins gloo's threads. Freed only
+    # at the return, after the destroy, its last reference took the group down in a destructor that hung
+    # (docs/architecture.md, "Clean exits").
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
     return report
 
