@@ -175,6 +175,8 @@ def test_use_embedding_bag_rule_and_expert_ffn_through_it(monkeypatch: pytest.Mo
         assert not use_embedding_bag(torch.zeros(8 * limit + 1, 16), [limit + 1] + [limit] * 7 + [0] * 56, w1,
                                      None, w2, None, None, None)
         assert not use_embedding_bag(torch.zeros(0, 16), [0] * 64, w1, None, w2, None, None, None)
+        # Two rows (E=8, k=2, one token): too few bags for the threads, the loop runs.
+        assert not use_embedding_bag(torch.zeros(2, 16), [1, 1] + [0] * 62, w1, None, w2, None, None, None)
         assert not use_embedding_bag(torch.zeros(8, 16, dtype=torch.float64), decode, w1.double(), None,
                                      w2.double(), None, None, None)
         transposed = torch.zeros(64, 32, 16).transpose(1, 2)  # [64, 16, 32], not contiguous: no flat view

@@ -335,11 +335,15 @@ def _strides_aligned(t: Tensor) -> bool:
 
 
 # Without autograd, on the CPU, float32 calls averaging at most this many rows per expert that has rows run
-# embedding_bag_ffn: side by side on a quiet 2-core AVX2 CPU (torch 2.13, M=512) it took 0.37-0.64x the loop's
-# time from 1 to 4 rows per expert (E=64 H=256 k=8, gelu and GLU; E=8 H=1024 k=2, 0.89x for one token) and
-# still 0.93-0.96x at 8, although it reads an expert's weights once per row instead of once per expert
-# (docs/architecture.md, "Decoding"). GPUs and other dtypes are not measured and keep the matmuls.
+# embedding_bag_ffn. Side by side on a quiet 2-core AVX2 CPU (torch 2.13, M=512, benchmarks/decode_experts.py)
+# it took, of the better loop's time: 0.36-0.84x from 1 to 4.3 rows per expert at E=64 H=256 k=8 (gelu and
+# GLU), 0.46-0.73x from 1.3 to 4 rows at E=8 H=1024 k=2; at 8 rows 0.63-0.67x (E=64) but 0.97x (E=8), at 16
+# rows 1.32x. It reads an expert's weights once per row instead of once per expert (docs/architecture.md,
+# "Decoding"). GPUs and other dtypes are not measured and keep the matmuls.
 EMBEDDING_BAG_MAX_ROWS_PER_EXPERT = 4
+# With fewer rows than this there are too few bags to spread over the threads: at E=8 k=2, one token (2 rows)
+# the bags took 1.12-1.17x the loop's time (benchmarks/decode_experts.py), at 4 rows 0.70-0.73x.
+_EMBEDDING_BAG_MIN_ROWS = 4
 # The index tensors hold rows x max(M, H) entries: above this many the matmuls run instead (memory, not time).
 _EMBEDDING_BAG_MAX_INDICES = 1 << 22
 
@@ -347,9 +351,10 @@ _EMBEDDING_BAG_MAX_INDICES = 1 << 22
 def use_embedding_bag(rows: Tensor, counts: list[int], w1: Tensor, b1: Tensor | None, w2: Tensor,
                       b2: Tensor | None, w3: Tensor | None, b3: Tensor | None) -> bool:
     """Whether :func:`expert_ffn` runs :func:`embedding_bag_ffn` (the measured rule above): no autograd, not
-    traced by ``torch.compile``, float32 on the CPU for rows and every weight, contiguous weight matrices, and at
-    most ``EMBEDDING_BAG_MAX_ROWS_PER_EXPERT`` rows per expert that has rows on average."""
-    if rows.shape[0] == 0 or rows.dtype != torch.float32 or rows.device.type != "cpu":
+    traced by ``torch.compile``, float32 on the CPU for rows and every weight, contiguous weight matrices, at
+    least ``_EMBEDDING_BAG_MIN_ROWS`` rows, and at most ``EMBEDDING_BAG_MAX_ROWS_PER_EXPERT`` rows per expert
+    that has rows on average."""
+    if rows.shape[0] < _EMBEDDING_BAG_MIN_ROWS or rows.dtype != torch.float32 or rows.device.type != "cpu":
         return False
     if needs_grad(rows, w1, b1, w2, b2, w3, b3) or torch.compiler.is_compiling():
         return False
