@@ -408,3 +408,30 @@ def test_use_segmented_rule_and_expert_ffn_through_it() -> None:
     assert use_segmented(torch.zeros(9, 8, requires_grad=True), counts, torch.zeros(4, 8, 12), None,
                          torch.zeros(4, 12, 8, requires_grad=True), None, None, None)
     _check_path(expert_ffn, torch.float32, counts, glu=True)  # through the segmented path, as the rule says
+
+
+def test_no_grad_path_choice_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without autograd: a row or two take the plain loop, a few per expert the bags (float32) or the joined
+    loop (other dtypes), many the plain loop again; each against the float64 reference."""
+    import flexmoe.experts as experts_module
+
+    taken: list[str] = []
+    for name in ("embedding_bag_ffn", "joined_unit_ffn", "active_experts_ffn"):
+        real = getattr(experts_module, name)
+        monkeypatch.setattr(experts_module, name,
+                            lambda *a, _real=real, _name=name, **kw: taken.append(_name) or _real(*a, **kw))
+    weights64 = _weights(64, 16, 32, glu=False, bias=True)
+    gen = torch.Generator().manual_seed(4)
+    cases = [([1, 1] + [0] * 62, torch.float32, "active_experts_ffn"),  # one token, k=2
+             ([1] * 8 + [0] * 56, torch.float32, "embedding_bag_ffn"),  # one token, k=8
+             ([1] * 8 + [0] * 56, torch.float64, "joined_unit_ffn"),
+             ([2500, 0, 2000] + [0] * 61, torch.float32, "active_experts_ffn")]  # 4500 rows x 32: above the joined size
+    for counts, dtype, path in cases:
+        taken.clear()
+        rows64 = torch.randn(sum(counts), 16, generator=gen, dtype=torch.float64)
+        weights = {n: (w.detach().to(dtype) if w is not None else None) for n, w in weights64.items()}
+        with torch.no_grad():
+            got = _run(expert_ffn, rows64.to(dtype), counts, weights, False, None)
+        assert taken == [path], (counts[:4], dtype, taken)
+        tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 2e-5, "rtol": 2e-5}
+        torch.testing.assert_close(got.double(), _reference(rows64, counts, weights64, False, None), **tol)

@@ -509,11 +509,11 @@ def _no_grad_experts_ffn(
     glu_limit: float | None,
 ) -> Tensor:
     """:func:`looped_expert_ffn` without autograd: the experts that have rows only. Few rows (decoding: a row or
-    two per expert) take :func:`joined_unit_ffn`, the unit once over every row; more take
-    :func:`active_experts_ffn`, each expert's unit on its own rows."""
+    two per expert, at least ``_JOINED_UNIT_MIN_ROWS`` in all) take :func:`joined_unit_ffn`, the unit once over
+    every row; more, or fewer, take :func:`active_experts_ffn`, each expert's unit on its own rows."""
     if sum(counts) != rows.shape[0]:
         raise ValueError(f"counts must sum to the number of rows {rows.shape[0]}, got {sum(counts)}")
-    if 0 < rows.shape[0] * w1.shape[-1] <= JOINED_UNIT_MAX_ELEMENTS:
+    if rows.shape[0] >= _JOINED_UNIT_MIN_ROWS and rows.shape[0] * w1.shape[-1] <= JOINED_UNIT_MAX_ELEMENTS:
         return joined_unit_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
     return active_experts_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
 
@@ -547,6 +547,10 @@ def active_experts_ffn(
 # Without autograd, calls of at most this many rows x hidden elements run the unit once over all rows
 # (:func:`joined_unit_ffn`): 512 rows of H=256 (decoding 64 tokens at k=8), a 512 KiB float32 buffer.
 JOINED_UNIT_MAX_ELEMENTS = 1 << 17
+# Below this many rows (one token at k <= 3) the plain loop measured faster, side by side: the loop over the
+# joined loop 0.64 at 1 row, 0.80-0.94 at 2 (E=64 H=256 gelu / GLU, E=8 H=1024 gelu; benchmarks/decode_experts.py
+# shows E=8 k=2 at T=1), 0.96-1.03 at 3.
+_JOINED_UNIT_MIN_ROWS = 4
 
 
 def joined_unit_ffn(
