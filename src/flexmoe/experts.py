@@ -268,8 +268,7 @@ def use_segmented(rows: Tensor, counts: list[int], w1: Tensor, b1: Tensor | None
         return False
     if torch.is_autocast_enabled(rows.device.type):
         return False
-    weights = [t for t in (w1, b1, w2, b2, w3, b3) if t is not None]
-    if any(t.dtype != rows.dtype or t.device != rows.device for t in weights):
+    if not _all_like(rows, w1, b1, w2, b2, w3, b3):
         return False
     return rows.shape[0] * w1.shape[-1] <= _SEGMENTED_MAX_WORK_PER_EXPERT * len(counts)
 
@@ -322,10 +321,15 @@ def grouped_mm_supported(rows: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None
     weights = (w1, w2) if w3 is None else (w1, w2, w3)
     if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if any(w.dtype != rows.dtype or w.device != rows.device for w in weights):
+    if not _all_like(rows, *weights):
         return False
     hidden = w1.shape[-1]
     return all(_strides_aligned(t) for t in (rows, *weights)) and (hidden * rows.element_size()) % 16 == 0
+
+
+def _all_like(rows: Tensor, *tensors: Tensor | None) -> bool:
+    """Every tensor given (None: absent) has the rows' dtype and device."""
+    return all(t.dtype == rows.dtype and t.device == rows.device for t in tensors if t is not None)
 
 
 def _strides_aligned(t: Tensor) -> bool:
@@ -358,8 +362,7 @@ def use_embedding_bag(rows: Tensor, counts: list[int], w1: Tensor, b1: Tensor | 
         return False
     if needs_grad(rows, w1, b1, w2, b2, w3, b3) or torch.compiler.is_compiling():
         return False
-    tensors = [t for t in (w1, b1, w2, b2, w3, b3) if t is not None]
-    if any(t.dtype != rows.dtype or t.device != rows.device for t in tensors):
+    if not _all_like(rows, w1, b1, w2, b2, w3, b3):
         return False
     if not all(w.is_contiguous() for w in (w1, w2, w3) if w is not None):
         return False
