@@ -41,12 +41,12 @@ HOT = (0, 1)  # with skewed routing these two experts get about half of the (tok
 # --- the reference: one process holding all experts ----------------------------------------------------------
 
 def make_pair(E: int, k: int, cf: float | None, world: int, rank: int, skewed: bool = False,
-              both: dict | None = None, **kw):
+              both: dict | None = None, dtype: torch.dtype = torch.float64, **kw):
     """A single-process reference holding all experts and the distributed layer with the same weights.
 
     cf: the capacity factor (None: the layer's default). both: options of the two layers (router kind, shared
     experts); kw: options of the distributed one. skewed: the router reads feature 0 (shifted by +1 in
-    :func:`inputs`) into the two HOT experts."""
+    :func:`inputs`) into the two HOT experts. dtype: the distributed layer's (the reference is float64)."""
     both = {**(both or {}), **({} if cf is None else {"capacity_factor": cf})}
     torch.manual_seed(1234)
     ref = MoELayer(M, E, H, k=k, group="single", dtype=torch.float64, **both)
@@ -54,7 +54,7 @@ def make_pair(E: int, k: int, cf: float | None, world: int, rank: int, skewed: b
         with torch.no_grad():
             ref.router.weight[:, 0] = 0.0
             ref.router.weight[list(HOT), 0] = 0.5
-    ep = MoELayer(M, E, H, k=k, dtype=torch.float64, **both, **kw)
+    ep = MoELayer(M, E, H, k=k, dtype=dtype, **both, **kw)
     ep.router.load_state_dict(ref.router.state_dict())
     if ref.shared is not None:
         ep.shared.load_state_dict(ref.shared.state_dict())
@@ -62,7 +62,7 @@ def make_pair(E: int, k: int, cf: float | None, world: int, rank: int, skewed: b
     local = shard_expert_state({n: p.detach() for n, p in ref.experts.named_parameters()}, layout, rank)
     with torch.no_grad():
         for n, p in ep.experts.named_parameters():
-            p.copy_(local[n])
+            p.copy_(local[n].to(dtype))
     return ref, ep, layout
 
 
@@ -105,8 +105,8 @@ def compare(tag: str, got: torch.Tensor | None, want: torch.Tensor, failures: li
     # float64 experts; the routing math runs in float32 (router_dtype), whose gradients sum in another order.
     if got is None:
         failures.append(f"{tag}: no gradient")
-    elif got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol / 10):
-        err = (got - want).abs().max().item() if got.shape == want.shape else "shape"
+    elif got.shape != want.shape or not torch.allclose(got.to(want.dtype), want, rtol=tol, atol=tol / 10):
+        err = (got.to(want.dtype) - want).abs().max().item() if got.shape == want.shape else "shape"
         failures.append(f"{tag}: mismatch (max err {err}, shapes {tuple(got.shape)} vs {tuple(want.shape)})")
 
 
@@ -121,30 +121,31 @@ def gathered_grads(ep: MoELayer, layout: ExpertLayout, world: int) -> dict[str, 
 
 
 def check_case(tag, ref, ep, layout, rank, world, failures, tokens=EP_TOKENS, skewed=False, cold=False,
-               x_grad=True, global_grads=False, **call) -> dict:
+               x_grad=True, global_grads=False, tol=1e-9, **call) -> dict:
     """This rank's output, input grad (if ``x_grad``) and router grads against the reference; expert grads as
     this rank's shard of the reference's, or (``global_grads``, which also checks the no-grad output) gathered
     into global form. Returns the reference's routed rows per rank and expert and the shadowed experts."""
     xs, ws = inputs(world, tokens, skewed, cold)
     want, total, counts = reference(ref, xs, ws, rank)
     ep.zero_grad(set_to_none=True)
-    x = xs[rank].clone().requires_grad_(x_grad)
+    dtype = ep.experts.w1.dtype
+    x = xs[rank].to(dtype, copy=True).requires_grad_(x_grad)
     y = ep(x, **call)
-    (y * ws[rank]).sum().backward()
-    compare(f"{tag} output", y.detach(), want["y"], failures)
+    (y * ws[rank].to(dtype)).sum().backward()
+    compare(f"{tag} output", y.detach(), want["y"], failures, tol)
     if x_grad:
-        compare(f"{tag} x.grad", x.grad, want["x.grad"], failures)
+        compare(f"{tag} x.grad", x.grad, want["x.grad"], failures, tol)
     for got, w in zip(ep.router.parameters(), want["router"]):
-        compare(f"{tag} router.grad", got.grad, w, failures)
+        compare(f"{tag} router.grad", got.grad, w, failures, tol)
     if global_grads:
         for n, g in gathered_grads(ep, layout, world).items():
-            compare(f"{tag} experts.{n}.grad (global)", g, total[n], failures)
+            compare(f"{tag} experts.{n}.grad (global)", g, total[n], failures, tol)
         with torch.no_grad():  # the inference path (no autograd Functions) gives the same output
-            compare(f"{tag} no_grad output", ep(xs[rank], **call), want["y"], failures)
+            compare(f"{tag} no_grad output", ep(xs[rank].to(dtype), **call), want["y"], failures, tol)
     else:
         local = shard_expert_state(total, layout, rank)
         for n, p in ep.experts.named_parameters():
-            compare(f"{tag} experts.{n}.grad", p.grad, local[n], failures)
+            compare(f"{tag} experts.{n}.grad", p.grad, local[n], failures, tol)
     return {"counts": counts, "shadowed": list(ep.last_shadowed)}
 
 
@@ -187,6 +188,33 @@ def scenario_ep_equivalence(rank: int, world: int, out: dict) -> None:
     except ValueError as e:
         if "valid r" not in str(e):
             failures.append(f"r=3 error unclear: {e}")
+    out["failures"], out["cases"] = failures, cases
+
+
+def scenario_token_exchange(rank: int, world: int, out: dict) -> None:
+    """r=1 d=1 sends tokens (each once per rank with one of its experts), fused experts in float32 and the plain
+    experts in float64; d=4 still sends rows. Counted by the exchanges of one forward: tokens, pair indices,
+    weights and the sums back (4) against rows and results (2 per chunk)."""
+    failures: list[str] = []
+    cases = 0
+    for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 2e-4)):
+        for E, k, cf, skewed in ((2 * world, 3, 0.0, False), (2 * world, 2, 1.0, False),
+                                 (2 * world, 2 * world, 0.0, False), (2 * world, 2, 0.0, True)):
+            ref, ep, layout = make_pair(E, k, cf, world, rank, skewed=skewed, dtype=dtype)
+            for d, exchanges in ((1, 4), (4, 8)):
+                tag = f"[{dtype} E={E} k={k} cf={cf} skewed={skewed} d={d}]"
+                try:
+                    stats = ep._ep.stats
+                    stats.reset()
+                    with torch.no_grad():
+                        ep(inputs(world, EP_TOKENS)[0][rank].to(dtype), r=1, overlap_degree=d)
+                    if stats.exchanges != exchanges:
+                        failures.append(f"{tag}: {stats.exchanges} exchanges in a forward, expected {exchanges}")
+                    check_case(tag, ref, ep, layout, rank, world, failures, skewed=skewed, cold=skewed,
+                               global_grads=True, tol=tol, r=1, overlap_degree=d)
+                except Exception:
+                    failures.append(f"{tag} raised:\n{traceback.format_exc()}")
+                cases += 1
     out["failures"], out["cases"] = failures, cases
 
 
@@ -643,6 +671,7 @@ def scenario_families(rank: int, world: int, out: dict) -> None:
 
 SCENARIOS = {
     "ep_equivalence": scenario_ep_equivalence,
+    "token_exchange": scenario_token_exchange,
     "auto": scenario_auto,
     "ddp": scenario_ddp,
     "mismatch": scenario_mismatch,

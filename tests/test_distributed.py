@@ -90,8 +90,12 @@ def test_two_rank_step_equals_single_process_step(two_rank_run) -> None:
     ckpt_a, ckpt_b = read_checkpoint(single / "checkpoints" / "step_000003"), \
         read_checkpoint(two / "checkpoints" / "step_000003")
     assert ckpt_b.meta["layout"]["trained_world_size"] == 2
+    # Adam moves a weight by up to lr = 1e-2 per step whatever its gradient's size. Where a gradient element is
+    # near zero by cancellation (comparable to Adam's eps, 1e-8), float32 rounding changes its step by up to a
+    # few percent of lr; the 2-rank run adds each token's expert outputs per rank first (token exchange), a
+    # different order than one process. Measured: at most 8e-5 on 0.5% of the dense MLP's weights.
     for name, t in ckpt_a.model.items():
-        torch.testing.assert_close(ckpt_b.model[name], t, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(ckpt_b.model[name], t, rtol=1e-4, atol=2e-4, msg=name)
 
 
 def test_checkpoint_from_two_ranks_loads_on_one_and_four(two_rank_run, tmp_path: Path) -> None:

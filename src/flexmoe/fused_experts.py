@@ -36,7 +36,7 @@ from flexmoe.experts import activation_derivative, activation_into, hidden_unit,
 from flexmoe.segment_ffn import add_bias_grad, add_weight_grad, addmm_into, expert_grad_buffer, record_unit
 
 __all__ = ["HiddenUnit", "CHUNK_ROWS", "expert_chunks", "fused_experts", "fused_forward", "fused_backward",
-           "fused_size_rule", "use_fused"]
+           "fused_size_rule", "fused_supported", "fused_work_rule", "use_fused"]
 
 @dataclass(frozen=True)
 class HiddenUnit:
@@ -279,24 +279,34 @@ _FUSED_DTYPES = (torch.float32,)
 
 
 def use_fused(tokens: Tensor, counts: Sequence[int], w1: Tensor, *weights: Tensor | None) -> bool:
-    """Whether a call runs :func:`fused_experts` (the measured rule above): autograd records (training),
-    float32 on the CPU (the only case measured), not traced by ``torch.compile``, no autocast, the tokens and
-    every weight in one dtype and device, at least ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]`` block and
-    at most ``_FUSED_MAX_WORK_PER_EXPERT`` rows x hidden per expert."""
-    if not counts or tokens.dtype not in _FUSED_DTYPES or tokens.device.type != "cpu":
+    """Whether a call runs :func:`fused_experts` (the measured rule above): :func:`fused_supported`, at least
+    ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]`` block and at most ``_FUSED_MAX_WORK_PER_EXPERT`` rows x
+    hidden per expert."""
+    if not counts or not fused_supported(tokens, w1, *weights):
         return False
-    present = [t for t in (w1, *weights) if t is not None]
+    return fused_size_rule(sum(counts), tokens.shape[-1], w1.shape[-1], len(counts))
+
+
+def fused_supported(tokens: Tensor, *weights: Tensor | None) -> bool:
+    """Where :func:`fused_experts` was measured faster at all: autograd records (training), float32 on the CPU,
+    not traced by ``torch.compile``, no autocast, the tokens and every weight in one dtype and device."""
+    if tokens.dtype not in _FUSED_DTYPES or tokens.device.type != "cpu":
+        return False
+    present = [t for t in weights if t is not None]
     if not needs_grad(tokens, *present) or torch.compiler.is_compiling():
         return False
     if torch.is_autocast_enabled(tokens.device.type):
         return False
-    if any(t.dtype != tokens.dtype or t.device != tokens.device for t in present):
-        return False
-    return fused_size_rule(sum(counts), tokens.shape[-1], w1.shape[-1], len(counts))
+    return all(t.dtype == tokens.dtype and t.device == tokens.device for t in present)
+
+
+def fused_work_rule(num_rows: int, hidden: int, num_experts: int) -> bool:
+    """At most ``_FUSED_MAX_WORK_PER_EXPERT`` rows x hidden per expert, on average (above it the experts'
+    matmuls are large and the three stages won)."""
+    return num_rows * hidden <= _FUSED_MAX_WORK_PER_EXPERT * num_experts
 
 
 def fused_size_rule(num_rows: int, model_dim: int, hidden: int, num_experts: int) -> bool:
     """The measured sizes of :func:`use_fused`: at least ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]``
     block and at most ``_FUSED_MAX_WORK_PER_EXPERT`` rows x hidden per expert, on average."""
-    return (num_rows * model_dim >= _FUSED_MIN_ROW_ELEMENTS
-            and num_rows * hidden <= _FUSED_MAX_WORK_PER_EXPERT * num_experts)
+    return num_rows * model_dim >= _FUSED_MIN_ROW_ELEMENTS and fused_work_rule(num_rows, hidden, num_experts)

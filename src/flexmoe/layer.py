@@ -229,6 +229,8 @@ class MoELayer(nn.Module):
                           topology=self.topology, num_sequences=num_sequences, padded=self._padded_layout(routing))
         if self._runs_fused(tokens, plan, routing):
             y = self._fused_experts(tokens, plan)  # [T, M]
+        elif (sent := self._exchange_tokens(tokens, plan, routing, parallel, pinned)) is not None:
+            y = sent  # [T, M]
         else:
             expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
             expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned,
@@ -264,6 +266,24 @@ class MoELayer(nn.Module):
             return padded_fused_experts(e, tokens, plan)
         return fused_experts(tokens, plan.row_token, plan.row_weight.to(tokens.dtype), plan.counts, e.w1, e.b1,
                              e.w2, e.b2, e.w3, e.b3, HiddenUnit(e.activation, e.glu_limit))
+
+    def _exchange_tokens(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions,
+                         parallel: ParallelOptions, pinned: frozenset[str]) -> Tensor | None:
+        """tokens: ``[T, M]`` -> ``[T, M]`` when this call's strategy sends each token once per rank instead of
+        one row per (token, expert) pair (:mod:`flexmoe.parallel.token_exchange`; expert parallelism at r = 1,
+        d = 1, weights applied at combine); None: the call dispatches rows."""
+        if self._ep is None or plan.padded or routing.score_at != "combine":
+            return None
+        strategy = self._strategy_of(parallel)
+        y = strategy.run_tokens(tokens, plan.row_token, plan.row_weight, plan.counts, parallel, pinned)
+        if y is not None:
+            self.last_choice, self.last_shadowed = strategy.last_choice, list(strategy.last_shadowed)
+        return y
+
+    def _strategy_of(self, options: ParallelOptions) -> ExpertStrategy:
+        """The strategy of a call with ``options``: the layer's own unless the call changed them."""
+        same = options is self.parallel_options or options == self.parallel_options
+        return self.strategy if same else self._strategy_for(options)
 
     def _serves_without_plan(self, routing: RoutingOptions, tokens: Tensor) -> bool:
         """Whether this call may take :meth:`_forward_without_plan`: no autograd, evaluation mode, eager, top-k
@@ -392,8 +412,7 @@ class MoELayer(nn.Module):
 
         padded_plan: the rows are this padded plan's (one process, every expert the same number of rows): the
         built-in experts compute only its real rows (:func:`flexmoe.padded_ffn_op.padded_experts_forward`)."""
-        same = options is self.parallel_options or options == self.parallel_options
-        strategy = self.strategy if same else self._strategy_for(options)
+        strategy = self._strategy_of(options)
         experts = self.experts
 
         def run(expert_rows: Tensor) -> Tensor:

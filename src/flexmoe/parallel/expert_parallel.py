@@ -15,6 +15,10 @@ single process holding all experts computes. How the work is spread is a :class:
 * ``overlap_degree`` d: chunks pipelined by :mod:`flexmoe.parallel.overlap`.
 * ``a2a``: "flat" or "2dh" (:mod:`flexmoe.parallel.alltoall`), ``ranks_per_node`` for 2dh.
 
+With whole built-in experts, ``r = 1`` and ``d = 1`` the layer sends tokens instead of rows (:meth:`run_tokens`,
+:mod:`flexmoe.parallel.token_exchange`): each token once per rank holding one of its experts, the weighted sum
+of its experts there coming back.
+
 The layout of parameters never changes with the setting (:mod:`flexmoe.parallel.layout`), so any setting may
 be used at any call. Gradients: every expert parameter receives the sum over all ranks' rows (each rank's
 loss differentiated through the exchanges), the same on every rank holding a copy.
@@ -34,6 +38,7 @@ from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, make_exc
 from flexmoe.parallel.groups import ExpertGroup
 from flexmoe.parallel.layout import HIDDEN_DIM, ExpertLayout
 from flexmoe.parallel.overlap import pipelined_exchange
+from flexmoe.parallel.token_exchange import exchange_tokens
 from flexmoe.parallel.weights import gather_from_peers, replica_grad
 
 __all__ = ["ParallelSetting", "ExpertParallel", "split_evenly", "permute_rows"]
@@ -173,6 +178,25 @@ class ExpertParallel:
             for idx, b in zip(route.send_index, back):
                 out = out.index_add(0, idx, b.to(out.dtype))  # sums the r partial results of replicated rows
         return _keep_in_graph(out, keep)
+
+    # ---- r = 1, d = 1: each token once per rank -------------------------------------------------------------
+
+    def serves_tokens(self, setting: ParallelSetting, tokens: Tensor) -> bool:
+        """Whether a call at ``setting`` may send tokens (:meth:`run_tokens`): r = 1 and d = 1 over whole built-in
+        experts, the tokens in the experts' dtype and device, no autocast."""
+        if setting.r != 1 or setting.overlap_degree != 1 or self.layout.shards_per_expert != 1 or not self.builtin:
+            return False
+        w1 = self._builtin_experts().w1
+        return (w1.dtype == tokens.dtype and w1.device == tokens.device
+                and not torch.is_autocast_enabled(tokens.device.type))
+
+    def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
+                   setting: ParallelSetting) -> Tensor:
+        """tokens: ``[T, M]``; row_token / row_weight: ``[N]`` a plan's rows, sorted by global expert, counts
+        ``[E]`` -> ``[T, M]``: each token's weighted sum over its experts, where :meth:`serves_tokens` holds."""
+        self.check(setting)
+        return exchange_tokens(tokens, row_token, row_weight.to(tokens.dtype), counts, self._builtin_experts(),
+                               self.eg, self.transport(setting), self.stats)
 
     # ---- r >= 1: who sends what where --------------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 
 Every strategy takes this rank's expert rows ``rows: [N, M]`` sorted by global expert with ``counts: [E]`` rows
 per expert, and returns ``[N, M]``: row n through expert ``row_expert[n]``, exactly what one process holding all
-experts computes.
+experts computes. Before dispatching rows the layer offers the call's tokens and plan to ``run_tokens``: the
+all-to-all strategies send tokens instead where the setting is r = 1, d = 1 over whole built-in experts
+(:mod:`flexmoe.parallel.token_exchange`), and return the combined ``[T, M]``; every other case returns None.
 
 * :class:`LocalExperts`: one process holds every expert; the rows go straight through the expert module.
 * :class:`AllToAllExperts`: expert parallelism with a static :class:`ParallelSetting` (r, overlap degree,
@@ -67,6 +69,13 @@ class ExpertStrategy(Protocol):
     def run(self, rows: Tensor, counts: list[int], options: ParallelOptions,
             pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor: ...
 
+    def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
+                   options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
+        """tokens: ``[T, M]``, a plan's rows (``row_token`` / ``row_weight``: ``[N]`` sorted by expert, counts
+        ``[E]``) -> ``[T, M]`` each token's weighted sum over its experts, when this call sends tokens rather
+        than rows (:mod:`flexmoe.parallel.token_exchange`); None: the caller dispatches rows and calls
+        :meth:`run` next."""
+
 
 class LocalExperts:
     """Every expert in this process (no expert-parallel group): the parallel options have nothing to change."""
@@ -80,6 +89,10 @@ class LocalExperts:
             pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
         return self.experts(rows, counts)
 
+    def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
+                   options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
+        return None
+
 
 class _GroupStrategy:
     """A strategy over an expert-parallel group: gathers every rank's counts, then :meth:`run_counted`."""
@@ -92,6 +105,10 @@ class _GroupStrategy:
     def run(self, rows: Tensor, counts: list[int], options: ParallelOptions,
             pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
         return self.run_counted(rows, counts, self.ep.gather_counts(counts), options, pinned)
+
+    def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
+                   options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
+        return None  # rows (pairwise schedule)
 
     def run_counted(self, rows: Tensor, counts: list[int], all_counts: list[list[int]], options: ParallelOptions,
                     pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
@@ -108,6 +125,14 @@ class AllToAllExperts(_GroupStrategy):
         self.ep.check(setting)
         self.last_choice = setting
         return self.ep.run(rows, counts, all_counts, setting)
+
+    def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
+                   options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
+        setting = options.setting
+        if not self.ep.serves_tokens(setting, tokens):
+            return None
+        self.last_choice = setting
+        return self.ep.run_tokens(tokens, row_token, row_weight, counts, setting)
 
 
 class PairwiseExperts(_GroupStrategy):
@@ -128,9 +153,36 @@ class AutoExperts(_GroupStrategy):
         super().__init__(ep)
         self.chooser, self.shape = chooser, shape
         self._pending_timer: StageTimer | None = None
+        # What run_tokens chose when it left the call to the rows path: (the call's counts, all counts, bucket,
+        # setting), taken by the run() of the same call (the same counts list) and dropped by any other.
+        self._chosen: tuple[list[int], list[list[int]], tuple, ParallelSetting] | None = None
+
+    def run(self, rows: Tensor, counts: list[int], options: ParallelOptions,
+            pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
+        chosen, self._chosen = self._chosen, None
+        if chosen is not None and chosen[0] is counts:  # run_tokens chose this call's setting, left the rows
+            _, all_counts, bucket, setting = chosen
+            return self._timed_rows(rows, counts, all_counts, bucket, setting)
+        return super().run(rows, counts, options, pinned)
 
     def run_counted(self, rows: Tensor, counts: list[int], all_counts: list[list[int]], options: ParallelOptions,
                     pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
+        bucket, setting = self._choose(all_counts, rows.dtype, options, pinned)
+        return self._timed_rows(rows, counts, all_counts, bucket, setting)
+
+    def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
+                   options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
+        all_counts = self.ep.gather_counts(counts)
+        bucket, setting = self._choose(all_counts, tokens.dtype, options, pinned)
+        if not self.ep.serves_tokens(setting, tokens):
+            self._chosen = (counts, all_counts, bucket, setting)  # for the rows path, which follows in this call
+            return None
+        timer = self._timer(bucket, setting)
+        return timer.leave(self.ep.run_tokens(timer.enter(tokens), row_token, row_weight, counts, setting))
+
+    def _choose(self, all_counts: list[list[int]], dtype: torch.dtype, options: ParallelOptions,
+                pinned: AbstractSet[str]) -> tuple[tuple, ParallelSetting]:
+        """This call's capacity bucket and setting: the chooser's pick among the candidates the call allows."""
         if self._pending_timer is not None:
             self._pending_timer.flush()
         r = options.r if "r" in pinned else None
@@ -147,11 +199,20 @@ class AutoExperts(_GroupStrategy):
         bucket = (capacity_bucket(all_counts), torch.is_grad_enabled(), r, overlap_degree, a2a, g)
         shape = self.shape
         context = AutoContext(self.ep.eg, all_counts, shape.model_dim, shape.hidden_dim, shape.num_experts, shape.k,
-                              rows.dtype, shape.glu)
+                              dtype, shape.glu)
         setting = self.chooser.choose(bucket, settings, context)
         self.last_choice = setting
+        return bucket, setting
+
+    def _timer(self, bucket: tuple, setting: ParallelSetting) -> StageTimer:
+        """Times this call's expert stage, forward and backward, for the chooser's record of ``setting``."""
         timer = StageTimer(lambda seconds: self.chooser.record(bucket, setting, seconds))
         self._pending_timer = timer
+        return timer
+
+    def _timed_rows(self, rows: Tensor, counts: list[int], all_counts: list[list[int]], bucket: tuple,
+                    setting: ParallelSetting) -> Tensor:
+        timer = self._timer(bucket, setting)
         return timer.leave(self.ep.run(timer.enter(rows), counts, all_counts, setting))
 
 
@@ -179,6 +240,10 @@ class ShadowedExperts:
         experts = ep.experts
         assert isinstance(experts, FeedForwardExperts)  # check_shadow_supported in __init__
         return run_shadowed(experts, ep.eg, ep.layout, rows, counts, all_counts, self.last_shadowed, run_rest)
+
+    def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
+                   options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
+        return None  # the shadowed experts' rows are split from the rest before the exchange
 
     def _choose(self, all_counts: list[list[int]], options: ParallelOptions) -> list[int]:
         if options.r == 0:
