@@ -6,8 +6,8 @@ back. With k = 8 over W ranks a token reaches on average ``W * (1 - (1 - 1/W)^k)
 W = 4), so most of those rows are copies. Here each rank sends:
 
 * each of its tokens once to every rank holding one of its experts (``[u, M]`` rows);
-* per pair, which of those rows it reads and which local expert computes it (two ints), and its combine
-  weight (one float, differentiable);
+* per pair its combine weight (differentiable), which of those rows it reads and which local expert computes
+  it, together as one float64 ``[n, 3]`` (one exchange, not two: each is a wait for the slowest rank);
 
 the receiving rank runs its experts fused with the weighted sum (:func:`flexmoe.fused_experts.fused_experts`,
 or the plain experts then a weighted sum for any other expert path), and sends back one row per token it
@@ -86,18 +86,21 @@ def exchange_tokens(tokens: Tensor, row_token: Tensor, row_weight: Tensor, count
     route = token_route(row_token, counts, tokens.shape[0], eg)
     rank, local_experts = eg.rank, experts.w1.shape[0]
     received = exchange(tokens.index_select(0, route.send_token), transport, route.token_splits, stats)
-    pair_info = exchange(torch.stack([route.pair_slot, route.pair_expert], dim=1), transport, route.pair_splits,
-                         stats)  # [n, 2] per received pair: its token among its source's rows, its local expert
-    weight = exchange(row_weight, transport, route.pair_splits, stats)  # [n]
+    # Per pair its weight, its token among those sent to its destination and its local expert, in one exchange
+    # (each exchange is a wait for the slowest rank): float64 holds the indices exactly (below 2^53).
+    pairs = torch.stack([row_weight.to(torch.float64), route.pair_slot.to(torch.float64),
+                         route.pair_expert.to(torch.float64)], dim=1)
+    received_pairs = exchange(pairs, transport, route.pair_splits, stats)  # [n, 3]
+    weight = received_pairs[:, 0].to(tokens.dtype)
+    pair_slot, local_expert = received_pairs[:, 1].detach().long(), received_pairs[:, 2].detach().long()
     # Each source's tokens follow the previous sources' in `received`.
     from_source = [route.token_splits[src][rank] for src in range(eg.world_size)]
     pairs_from = [route.pair_splits[src][rank] for src in range(eg.world_size)]
     token_offset = torch.repeat_interleave(
         torch.tensor([sum(from_source[:src]) for src in range(eg.world_size)], device=tokens.device),
         torch.tensor(pairs_from, device=tokens.device))
-    local_expert = pair_info[:, 1]
     order = torch.argsort(local_expert, stable=True)  # pairs by local expert, sources in order
-    local_token = (pair_info[:, 0] + token_offset).index_select(0, order)
+    local_token = (pair_slot + token_offset).index_select(0, order)
     local_weight = weight.index_select(0, order)
     local_counts = torch.bincount(local_expert, minlength=local_experts).tolist()
     partial = _weighted_experts(received, local_token, local_weight, local_counts, experts)  # [u', M]
