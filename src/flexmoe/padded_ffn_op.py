@@ -223,8 +223,11 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     _, pre1, pre3, h = output
     ctx.save_for_backward(rows, unit_rows, w1, w2, w3, *pre1, *pre3, *h)
     # What the backward needs rides out as outputs; nothing flows back through them, and left differentiable
-    # autograd (and the compiled backward graph) would fill a zero gradient for each.
+    # autograd (and the compiled backward graph) would fill a zero gradient for each. Eager autograd still
+    # materializes zeros for non-differentiable outputs unless told not to (measured: 9 ms of zero fills per
+    # E=64 backward of the fused op).
     ctx.mark_non_differentiable(*pre1, *pre3, *h)
+    ctx.set_materialize_grads(False)
     ctx.capacity, ctx.activation, ctx.glu_limit = capacity, activation, glu_limit
     ctx.units, ctx.gated = len(pre1), bool(pre3)
     ctx.present = (True, True, b1 is not None, True, b2 is not None, w3 is not None, b3 is not None)

@@ -124,6 +124,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     _, pre1, pre3, h = output
     ctx.save_for_backward(tokens, row_token, row_weight, unit_rows, w1, w2, b2, w3, *pre1, *pre3, *h)
     ctx.mark_non_differentiable(*pre1, *pre3, *h)  # saved for the backward; nothing flows back through them
+    ctx.set_materialize_grads(False)  # else eager autograd zero-fills a gradient for every kept piece, unread
     ctx.capacity, ctx.activation, ctx.units, ctx.gated = capacity, activation, len(pre1), bool(pre3)
     ctx.present = (True, True, True, b1 is not None, True, b2 is not None, w3 is not None, b3 is not None)
 
