@@ -191,27 +191,47 @@ def scenario_ep_equivalence(rank: int, world: int, out: dict) -> None:
     out["failures"], out["cases"] = failures, cases
 
 
+def _rows_each_way(plan, rank: int, world: int) -> tuple[int, int]:
+    """The rows this rank puts into one forward's exchanges, counted from its plan and its peers' by dense loops:
+    (sending tokens: each token once per rank it has experts on, one [3] row per pair, and the sums of the tokens
+    received back; sending rows: each pair, and the results of the pairs received back)."""
+    per_rank = len(plan.counts) // world
+    row_rank = [e // per_rank for e, n in enumerate(plan.counts) for _ in range(n)]
+    tokens = plan.row_token.tolist()
+    tokens_to = [len({t for t, d in zip(tokens, row_rank) if d == dest}) for dest in range(world)]
+    pairs_to = [row_rank.count(dest) for dest in range(world)]
+    every: list = [None] * world
+    dist.all_gather_object(every, (tokens_to, pairs_to))
+    tokens_in = sum(peer[0][rank] for peer in every)
+    pairs_in = sum(peer[1][rank] for peer in every)
+    return sum(tokens_to) + sum(pairs_to) + tokens_in, sum(pairs_to) + pairs_in
+
+
 def scenario_token_exchange(rank: int, world: int, out: dict) -> None:
     """r=1 d=1 sends tokens (each once per rank with one of its experts), fused experts in float32 and the plain
-    experts in float64; d=4 still sends rows. Counted by the exchanges of one forward: tokens, per pair (weight, index,
-    expert) and the sums back (3) against rows and results (2 per chunk)."""
+    experts in float64; token_exchange=False and d=4 send rows. Which one ran is told by the rows this rank put
+    into the forward's exchanges (CommStats.rows), against :func:`_rows_each_way`."""
     failures: list[str] = []
     cases = 0
     for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 2e-4)):
         for E, k, cf, skewed in ((2 * world, 3, 0.0, False), (2 * world, 2, 1.0, False),
                                  (2 * world, 2 * world, 0.0, False), (2 * world, 2, 0.0, True)):
             ref, ep, layout = make_pair(E, k, cf, world, rank, skewed=skewed, dtype=dtype)
-            for d, exchanges in ((1, 3), (4, 8)):
-                tag = f"[{dtype} E={E} k={k} cf={cf} skewed={skewed} d={d}]"
+            for call, sends_tokens in ((dict(overlap_degree=1), True), (dict(overlap_degree=4), False),
+                                       (dict(overlap_degree=1, token_exchange=False), False)):
+                tag = f"[{dtype} E={E} k={k} cf={cf} skewed={skewed} {call}]"
                 try:
                     stats = ep._ep.stats
                     stats.reset()
                     with torch.no_grad():
-                        ep(inputs(world, EP_TOKENS)[0][rank].to(dtype), r=1, overlap_degree=d)
-                    if stats.exchanges != exchanges:
-                        failures.append(f"{tag}: {stats.exchanges} exchanges in a forward, expected {exchanges}")
+                        ep(inputs(world, EP_TOKENS, skewed, skewed)[0][rank].to(dtype), **call)
+                    with_tokens, with_rows = _rows_each_way(ep.last_plan, rank, world)
+                    expected = with_tokens if sends_tokens else with_rows
+                    if stats.rows != expected:
+                        failures.append(f"{tag}: {stats.rows} rows into the exchanges, expected {expected} "
+                                        f"(tokens {with_tokens}, rows {with_rows})")
                     check_case(tag, ref, ep, layout, rank, world, failures, skewed=skewed, cold=skewed,
-                               global_grads=True, tol=tol, r=1, overlap_degree=d)
+                               global_grads=True, tol=tol, **call)
                 except Exception:
                     failures.append(f"{tag} raised:\n{traceback.format_exc()}")
                 cases += 1

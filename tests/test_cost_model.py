@@ -28,6 +28,8 @@ from flexmoe.tuning.cost_model import (
     prune_candidates,
     rank_candidates,
     score_candidates,
+    sends_tokens,
+    token_reach,
     valid_r,
 )
 from flexmoe.tuning.profile import ComputeSpec, LinkSpec, Profile, available_profiles, load_profile
@@ -83,6 +85,36 @@ def test_alpha_beta_all_to_all_by_hand() -> None:
     assert allgather_time(p, 80e6, 16, 8) == pytest.approx(15 * (1e-5 + 5e6 / 1e10))
     # Tree broadcast over 64: 6 latencies + the bytes once.
     assert broadcast_time(p, 1e7, 64, 8) == pytest.approx(6 * 1e-5 + 1e7 / 1e10)
+
+
+def test_token_exchange_volume_by_hand() -> None:
+    """Sending each token once per rank (r=1, d=1): a rank holding 16 of 64 experts misses a token's 8 distinct
+    experts with probability C(48, 8) / C(64, 8); the all-to-all carries T * (ranks reached) rows, not T * k."""
+    p = toy_profile()
+    cfg = LayerConfig(tokens=512, model_dim=512, hidden_dim=256, experts=64, k=8, capacity_factor=0.0, ranks=4)
+    reach = 1 - math.comb(48, 8) / math.comb(64, 8)
+    assert reach == pytest.approx(0.9147, abs=1e-4)
+    assert token_reach(cfg) == pytest.approx([reach] * 4)
+    assert sends_tokens(cfg)
+    tokens = layer_time(p, cfg)
+    rows = layer_time(p, replace(cfg, token_exchange=False))
+    assert tokens.details["a2a_bytes"] == pytest.approx(512 * 4 * reach * 512 * 4)
+    assert rows.details["a2a_bytes"] == pytest.approx(512 * 8 * 512 * 4)
+    assert tokens.details["sends_tokens"] and not rows.details["sends_tokens"]
+    # One extra exchange per direction: each pair's weight, token index and expert as float64.
+    pairs = a2a_flat_time(p, 512 * 8 * 24, 4, p.ranks_per_node)
+    bytes_saved = rows.details["a2a_bytes"] - tokens.details["a2a_bytes"]
+    assert rows.a2a - tokens.a2a == pytest.approx(4 * (a2a_flat_time(p, rows.details["a2a_bytes"], 4, 8)
+                                                       - a2a_flat_time(p, tokens.details["a2a_bytes"], 4, 8))
+                                                  - 2 * pairs)
+    assert bytes_saved > 0
+    # Skewed: the rank holding the hot expert is reached more often.
+    hot = token_reach(replace(cfg, skew=8.0))
+    assert hot[0] > reach > hot[1]
+    # Rows wherever the layer sends rows.
+    for other in (dict(overlap_degree=2), dict(r=0), dict(shadowed=(0,)), dict(padded_a2a=True),
+                  dict(dispatch="dense"), dict(ranks=1), dict(token_exchange=False)):
+        assert not sends_tokens(replace(cfg, **other)), other
 
 
 def test_2dh_gains_more_with_more_ranks() -> None:

@@ -56,9 +56,10 @@ CASES: list[tuple[Scenario, Callable[[list[dict]], None] | None]] = [
     *[(Scenario("ep_equivalence", w, "outputs and gradients equal one process (k=1,2; capacity and dropless; "
                 "E>W and E<W sharded; every valid r; d in 1,2,4; flat and 2dh)", timeout=240), _many_cases(21))
       for w in (2, 4)],
-    *[(Scenario("token_exchange", w, "r=1 d=1 sends each token once per rank: outputs, input, router and global "
-                "expert gradients equal one process (float64 plain and float32 fused experts; k < W, k = E, "
-                "capacity, skewed routing)", timeout=240), _many_cases(16)) for w in (2, 4)],
+    *[(Scenario("token_exchange", w, "r=1 d=1 sends each token once per rank (token_exchange=False and d=4: rows, "
+                "counted): outputs, input, router and global expert gradients equal one process (float64 plain and "
+                "float32 fused experts; k < W, k = E, capacity, skewed routing)", timeout=240), _many_cases(24))
+      for w in (2, 4)],
     (Scenario("auto", 2, "parallel='auto' chooses one setting on every rank and stays exact"), _auto_agrees),
     (Scenario("ddp", 2, "a 2-rank DDP step equals the single-process step on the global batch"), None),
     (Scenario("mismatch", 2, "a mismatched config fails on every rank naming the option and the rank"), None),

@@ -55,14 +55,17 @@ def transpose(splits: SplitMatrix) -> SplitMatrix:
 
 @dataclass
 class CommStats:
-    """Seconds the calling thread spent launching or waiting for exchanges (the exposed communication)."""
+    """Seconds the calling thread spent launching or waiting for exchanges (the exposed communication), how many
+    exchanges finished, and the rows this rank put into them (its own included)."""
 
     seconds: float = 0.0
     exchanges: int = 0
+    rows: int = 0
 
     def reset(self) -> None:
         self.seconds = 0.0
         self.exchanges = 0
+        self.rows = 0
 
 
 class _Stage:
@@ -153,12 +156,18 @@ class Exchange:
         """Start moving ``x`` (rows in destination order) per ``splits``; see the module docstring."""
         raise NotImplementedError
 
+    @staticmethod
+    def _count(x: Tensor, stats: CommStats | None) -> None:
+        if stats is not None:
+            stats.rows += x.shape[0]
+
 
 class FlatAllToAll(Exchange):
     name = "flat"
 
     def launch(self, x: Tensor, splits: SplitMatrix, stats: CommStats | None = None) -> PendingExchange:
         me, eg = self.eg.rank, self.eg
+        self._count(x, stats)
         send = list(splits[me])
         recv = [row[me] for row in splits]
 
@@ -206,6 +215,7 @@ class HierarchicalAllToAll(Exchange):
 
     def launch(self, x: Tensor, splits: SplitMatrix, stats: CommStats | None = None) -> PendingExchange:
         eg, G, N = self.eg, self.local, self.nodes
+        self._count(x, stats)
         n, lr = self.node, self.local_rank
         me = eg.rank
         tail = tuple(x.shape[1:])

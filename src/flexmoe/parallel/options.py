@@ -36,6 +36,9 @@ class ParallelOptions:
     shadow: False, or a :class:`~flexmoe.parallel.ShadowPolicy` choosing hot experts to replicate per step
         (the layer turns ``True`` into :class:`flexmoe.tuning.CostModelShadowPolicy`).
     chooser: what ``parallel="auto"`` decides with (None: a :class:`~flexmoe.parallel.MeasuringChooser`).
+    token_exchange: at r = 1 and d = 1 over whole built-in experts, send each token once to every rank holding
+        one of its experts and get back one weighted sum per rank (docs/architecture.md, "Each token once per
+        rank"); False sends one row per (token, expert) pair, as every other setting does.
     """
 
     r: int = 1
@@ -46,9 +49,12 @@ class ParallelOptions:
     schedule: str = "a2a"
     shadow: Any = False
     chooser: Chooser | None = None
+    token_exchange: bool = True
 
     def __post_init__(self) -> None:
         check_int("r", self.r, 0)
+        if not isinstance(self.token_exchange, bool):
+            raise TypeError(f"token_exchange must be a bool, got {self.token_exchange!r}")
         if isinstance(self.overlap_degree, bool) or not isinstance(self.overlap_degree, int) \
                 or self.overlap_degree < 1:
             raise ValueError(f"overlap_degree must be an int >= 1, got {self.overlap_degree!r}")

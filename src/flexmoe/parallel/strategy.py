@@ -129,7 +129,7 @@ class AllToAllExperts(_GroupStrategy):
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
                    options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
         setting = options.setting
-        if not self.ep.serves_tokens(setting, tokens):
+        if not options.token_exchange or not self.ep.serves_tokens(setting, tokens):
             return None
         self.last_choice = setting
         return self.ep.run_tokens(tokens, row_token, row_weight, counts, setting)
@@ -172,6 +172,8 @@ class AutoExperts(_GroupStrategy):
 
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
                    options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
+        if not options.token_exchange:
+            return None
         all_counts = self.ep.gather_counts(counts)
         bucket, setting = self._choose(all_counts, tokens.dtype, options, pinned)
         if not self.ep.serves_tokens(setting, tokens):

@@ -46,6 +46,8 @@ __all__ = [
     "pipelined_time",
     "ffn_times",
     "expert_rows",
+    "token_reach",
+    "sends_tokens",
     "valid_r",
     "layer_time",
     "slowdown_at",
@@ -84,6 +86,9 @@ class LayerConfig:
     shadowed: global ids of experts whose weights are broadcast to every rank (FasterMoE), E >= W only.
     padded_a2a: capacity mode exchanges the full E x C buffer (a fixed-size all-to-all, as Tutel and GShard do)
         rather than the real rows with uneven splits (flexmoe's layer). Dense dispatch always pads.
+    token_exchange: at r = 1, d = 1 over whole experts (index dispatch, no padding, no shadowing) each token goes
+        once to every rank holding one of its experts, as flexmoe's layer does (docs/architecture.md, "Each
+        token once per rank"); False prices one row per (token, expert) pair, as the peers send.
     """
 
     tokens: int
@@ -104,6 +109,7 @@ class LayerConfig:
     shadowed: tuple[int, ...] = ()
     glu: bool = False
     padded_a2a: bool = False
+    token_exchange: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tokens", "model_dim", "hidden_dim", "experts", "k", "ranks", "overlap_degree"):
@@ -361,6 +367,32 @@ def expert_rows(config: LayerConfig) -> list[float]:
     return rows
 
 
+def token_reach(config: LayerConfig) -> list[float]:
+    """Per rank, the chance that a token has at least one of its k experts there (it is then sent there once).
+
+    A rank whose experts take a share p of the pairs counts as ``n = p * E`` experts; a token's k experts are k
+    distinct ones, so it misses the rank with probability ``prod_{i<k} (E - n - i) / (E - i)`` (exact for even
+    shares: E=64, W=4, k=8 reaches 0.914 of the ranks, 3.66 per token)."""
+    e, k, per_rank = config.experts, config.k, config.experts_per_rank
+    shares = config.shares()
+    reach = []
+    for rank in range(config.ranks):
+        n = sum(shares[rank * per_rank:(rank + 1) * per_rank]) * e
+        miss = 1.0
+        for i in range(k):
+            miss *= max(e - n - i, 0.0) / (e - i)
+        reach.append(1.0 - miss)
+    return reach
+
+
+def sends_tokens(config: LayerConfig) -> bool:
+    """Whether the layer sends tokens rather than rows at this config (:func:`token_reach`): ``token_exchange``,
+    more than one rank, whole experts, r = 1, d = 1, index dispatch without padding, nothing shadowed."""
+    return (config.token_exchange and config.ranks > 1 and config.shards == 1 and config.resolved_r() == 1
+            and config.overlap_degree == 1 and config.dispatch == "index" and not config.padded_a2a
+            and not config.shadowed)
+
+
 def _ranks_per_node(profile: Profile, config: LayerConfig) -> int:
     """G of the all-to-all: the ranks grouped as one node (the config's, for 2DH, else the machine's)."""
     g = config.ranks_per_node or profile.ranks_per_node
@@ -466,6 +498,10 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
         local_rows = sum(min(t * k * sh, cap) for sh in shares)
     else:
         local_rows = e * cap
+    tokens_out = sends_tokens(config)
+    reach = token_reach(config) if tokens_out else []
+    if tokens_out:  # the tokens sent (gathered) and the partial sums back (scatter-added)
+        local_rows = t * sum(reach)
     out.router_plan = _router_plan_time(profile, config) * slow
     if config.dispatch == "dense":
         out.dispatch_combine = _dense_dispatch_combine_time(profile, config) * slow
@@ -531,6 +567,8 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
         if config.padded_a2a and config.capacity_factor != 0 or config.dispatch == "dense":
             send_rows = sum(cap for x in range(e) if x not in shadowed)
             recv_rows = w * cap * sum(1 for x in mine if x not in shadowed)
+        elif tokens_out:
+            send_rows, recv_rows = t * sum(reach), w * t * reach[straggler]
         else:
             send_rows = sum(t * k * shares[x] for x in range(e) if x not in shadowed)
             recv_rows = sum(rows_global[x] for x in mine if x not in shadowed)
@@ -543,11 +581,15 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
     comm_slow = slow if profile.comm_uses_compute else 1.0
     chunk_a2a = a2a_time(profile, volume / d, w, g, config.a2a) * comm_slow
     out.a2a = 4 * chunk_a2a * d  # dispatch + combine, forward and backward
+    # Sending tokens adds, per direction, the exchange of the pairs' weight, token index and expert ([T*k, 3]
+    # float64). Its count all-gather replaces the row exchange's (neither is priced).
+    pairs_a2a = a2a_time(profile, t * k * 24, w, g, config.a2a) * comm_slow if tokens_out else 0.0
+    out.a2a += 2 * pairs_a2a
     overhead = OPS_PER_CHUNK * profile.op_overhead_s if d > 1 else 0.0
     # Overlap needs an idle engine: with ranks outnumbering the cores that also move the bytes, nothing hides.
     eta = 0.0 if profile.comm_uses_compute and slow > 1 else profile.overlap_efficiency
-    fwd = pipelined_time(chunk_a2a, c_fwd / d, chunk_a2a, d, eta, overhead)
-    bwd = pipelined_time(chunk_a2a, c_bwd / d, chunk_a2a, d, eta, overhead)
+    fwd = pipelined_time(chunk_a2a, c_fwd / d, chunk_a2a, d, eta, overhead) + pairs_a2a
+    bwd = pipelined_time(chunk_a2a, c_bwd / d, chunk_a2a, d, eta, overhead) + pairs_a2a
     out.pipelined = fwd + bwd
 
     # ---- weights: gathered for r < s (forward all-gather, backward reduce-scatter of the gradients).
@@ -561,7 +603,7 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
 
     out.total = out.router_plan + out.dispatch_combine + out.pipelined + out.weights_comm + out.shadow_comm
     out.details = {"straggler_rank": straggler, "a2a_bytes": volume, "capacity": cap, "r": r, "shards": s,
-                   "ranks_per_node": g, "contention": slow}
+                   "ranks_per_node": g, "contention": slow, "sends_tokens": tokens_out}
     return out
 
 
@@ -626,13 +668,15 @@ def choose_shadowed(profile: Profile, config: LayerConfig, tokens_per_expert: Se
     """Which experts to shadow, given the global (token, choice) count each expert received this step.
 
     Greedy, hottest first (FasterMoE): shadow the next expert only while the layer gets faster, i.e. while the
-    straggler time saved exceeds the extra broadcast + reduce of its weights. Returns global expert ids.
+    straggler time saved exceeds the extra broadcast + reduce of its weights. Returns global expert ids. Priced
+    with the row exchange throughout: a layer that shadows sends rows, also when it shadows nothing.
     """
     if len(tokens_per_expert) != config.experts:
         raise ValueError(f"tokens_per_expert needs {config.experts} entries, got {len(tokens_per_expert)}")
     if config.ranks == 1 or config.shards > 1 or config.resolved_r() == 0 or sum(tokens_per_expert) <= 0:
         return []
-    base = replace(config, expert_shares=tuple(float(x) for x in tokens_per_expert), shadowed=())
+    base = replace(config, expert_shares=tuple(float(x) for x in tokens_per_expert), shadowed=(),
+                   token_exchange=False)
     best = predict(profile, base)
     chosen: list[int] = []
     limit = config.experts if max_shadowed is None else max_shadowed
