@@ -251,6 +251,7 @@ def scenario_auto(rank: int, world: int, out: dict) -> None:
     out["failures"] = failures
     out["choice"] = str(ep.last_choice)
     out["decisions"] = [d.describe() for d in ep.auto_decisions]
+    out["tried"] = sorted({str(s) for d in ep.auto_decisions for s in d.seconds})
 
 
 def scenario_ddp(rank: int, world: int, out: dict) -> None:

@@ -149,7 +149,7 @@ def test_expert_parallel_bench_four_ranks() -> None:
     report = run_ep_bench(bench)
     assert report["world_size"] == 4 and report["threads_per_rank"] == 1
     settings = [row["setting"] for row in report["settings"]]
-    assert settings == ["r=0 d=1 a2a=flat", "r=1 d=1 a2a=flat", "r=1 d=2 a2a=flat"]
+    assert settings == ["r=0 d=1 a2a=flat", "r=1 d=1 a2a=flat", "r=1 d=1 a2a=flat rows", "r=1 d=2 a2a=flat"]
     assert report["best_static"] in settings and report["best_static_with_auto"] in settings
     assert report["floor_ratio"] > 0
     assert len(report["auto"]) == len(report["auto_ratios"]) == 2

@@ -117,6 +117,26 @@ def test_token_exchange_volume_by_hand() -> None:
         assert not sends_tokens(replace(cfg, **other)), other
 
 
+def test_candidates_time_both_exchanges_at_r1_d1() -> None:
+    from flexmoe.parallel.auto import candidates
+    from flexmoe.parallel.expert_parallel import ParallelSetting
+
+    both = candidates([0, 1], 4, None, (1, 2), token_exchange=True)
+    assert [str(s) for s in both] == ["r=0 d=1 a2a=flat", "r=1 d=1 a2a=flat", "r=1 d=1 a2a=flat rows",
+                                      "r=1 d=2 a2a=flat"]
+    # Without the token exchange (sharded or custom experts) r = 1, d = 1 sends rows, once.
+    assert [str(s) for s in candidates([0, 1], 4, None, (1, 2))] == ["r=0 d=1 a2a=flat", "r=1 d=1 a2a=flat rows",
+                                                                     "r=1 d=2 a2a=flat"]
+    # The model prices each as the layer runs it.
+    p = toy_profile()
+    cfg = LayerConfig(tokens=512, model_dim=512, hidden_dim=256, experts=64, k=8, capacity_factor=0.0, ranks=4)
+    scored = dict((str(c), t) for t, c in score_candidates(p, cfg, both))
+    assert scored["r=1 d=1 a2a=flat"] == pytest.approx(predict(p, cfg))
+    assert scored["r=1 d=1 a2a=flat rows"] == pytest.approx(predict(p, replace(cfg, token_exchange=False)))
+    assert scored["r=1 d=1 a2a=flat"] != scored["r=1 d=1 a2a=flat rows"]
+    assert str(ParallelSetting(1, 2, "flat", None, False)) == "r=1 d=2 a2a=flat"  # rows anyway
+
+
 def test_2dh_gains_more_with_more_ranks() -> None:
     p = toy_profile()
     s = 16e6

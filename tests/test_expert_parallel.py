@@ -25,6 +25,9 @@ def _many_cases(minimum: int) -> Callable[[list[dict]], None]:
 def _auto_agrees(reports: list[dict]) -> None:
     assert len({rep["choice"] for rep in reports}) == 1, f"ranks chose different settings: {reports}"
     assert reports[0]["decisions"], "auto made no decision"
+    # r=1 d=1 is timed sending tokens and sending rows (whole built-in experts).
+    tried = reports[0]["tried"]
+    assert "r=1 d=1 a2a=flat" in tried and "r=1 d=1 a2a=flat rows" in tried, tried
 
 
 def _fails_fast(reports: list[dict]) -> None:

@@ -492,12 +492,14 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
     x, grad = _inputs(cfg, cfg.seed + 1 + rank)  # each rank its own tokens
     ep = layer._ep
     assert ep is not None  # a layer over a process group
-    settings = candidates(ep.valid_r(), world, layer.parallel_options.ranks_per_node, degrees)
+    settings = candidates(ep.valid_r(), world, layer.parallel_options.ranks_per_node, degrees,
+                          token_exchange=ep.can_send_tokens)
     exposed: dict[str, list[float]] = {str(s): [] for s in settings}  # seconds waiting on exchanges, per step
 
     def timed_setting(s: ParallelSetting) -> Callable[[], None]:
         step = _synced(_fwd_bwd(lambda: layer(x, r=s.r, overlap_degree=s.overlap_degree, a2a=s.a2a,
-                                              ranks_per_node=s.ranks_per_node), grad, layer))
+                                              ranks_per_node=s.ranks_per_node, token_exchange=s.token_exchange),
+                                grad, layer))
 
         def run() -> None:
             ep.stats.reset()

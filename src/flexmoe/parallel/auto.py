@@ -42,10 +42,12 @@ def candidates(
     world_size: int,
     ranks_per_node: int | None,
     degrees: Sequence[int] = DEFAULT_DEGREES,
+    token_exchange: bool = False,
 ) -> list[ParallelSetting]:
     """Every setting worth trying: each valid r; for r >= 1 each overlap degree and each all-to-all algorithm
     (2dh only when ``ranks_per_node`` splits the group into several multi-rank nodes). r = 0 needs no
-    all-to-all, so it appears once."""
+    all-to-all, so it appears once. With ``token_exchange`` (whole built-in experts), r = 1 and d = 1 appear
+    twice: sending tokens, then sending rows."""
     algos: list[tuple[str, int | None]] = [("flat", None)]
     if ranks_per_node is not None and 1 < ranks_per_node < world_size and world_size % ranks_per_node == 0:
         algos.append(("2dh", ranks_per_node))
@@ -56,7 +58,9 @@ def candidates(
             continue
         for d in degrees:
             for a2a, g in algos:
-                out.append(ParallelSetting(r, d, a2a, g))
+                out.append(ParallelSetting(r, d, a2a, g, token_exchange))
+                if token_exchange and r == 1 and d == 1:
+                    out.append(ParallelSetting(r, d, a2a, g, False))
     return out
 
 

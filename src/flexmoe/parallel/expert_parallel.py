@@ -73,10 +73,13 @@ class ParallelSetting:
     overlap_degree: int = 1
     a2a: str = "flat"
     ranks_per_node: int | None = None
+    # At r = 1, d = 1 over whole built-in experts: send tokens (:meth:`ExpertParallel.run_tokens`), else rows.
+    token_exchange: bool = True
 
     def __str__(self) -> str:
         algo = f"2dh/{self.ranks_per_node}" if self.a2a == "2dh" else self.a2a
-        return f"r={self.r} d={self.overlap_degree} a2a={algo}"
+        rows = " rows" if self.r == 1 and self.overlap_degree == 1 and not self.token_exchange else ""
+        return f"r={self.r} d={self.overlap_degree} a2a={algo}{rows}"
 
 
 def split_evenly(n: int, d: int) -> list[int]:
@@ -181,10 +184,15 @@ class ExpertParallel:
 
     # ---- r = 1, d = 1: each token once per rank -------------------------------------------------------------
 
+    @property
+    def can_send_tokens(self) -> bool:
+        """Whether any call may send tokens: whole built-in experts."""
+        return self.layout.shards_per_expert == 1 and self.builtin
+
     def serves_tokens(self, setting: ParallelSetting, tokens: Tensor) -> bool:
-        """Whether a call at ``setting`` may send tokens (:meth:`run_tokens`): r = 1 and d = 1 over whole built-in
-        experts, the tokens in the experts' dtype and device, no autocast."""
-        if setting.r != 1 or setting.overlap_degree != 1 or self.layout.shards_per_expert != 1 or not self.builtin:
+        """Whether a call at ``setting`` sends tokens (:meth:`run_tokens`): its ``token_exchange`` with r = 1 and
+        d = 1 over whole built-in experts, the tokens in the experts' dtype and device, no autocast."""
+        if not (setting.token_exchange and setting.r == 1 and setting.overlap_degree == 1 and self.can_send_tokens):
             return False
         w1 = self._builtin_experts().w1
         return (w1.dtype == tokens.dtype and w1.device == tokens.device

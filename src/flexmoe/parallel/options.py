@@ -38,7 +38,8 @@ class ParallelOptions:
     chooser: what ``parallel="auto"`` decides with (None: a :class:`~flexmoe.parallel.MeasuringChooser`).
     token_exchange: at r = 1 and d = 1 over whole built-in experts, send each token once to every rank holding
         one of its experts and get back one weighted sum per rank (docs/architecture.md, "Each token once per
-        rank"); False sends one row per (token, expert) pair, as every other setting does.
+        rank"); False sends one row per (token, expert) pair, as every other setting does. With
+        ``parallel="auto"``, True lets the chooser try both at r = 1, d = 1.
     """
 
     r: int = 1
@@ -76,7 +77,7 @@ class ParallelOptions:
     @property
     def setting(self) -> ParallelSetting:
         """The static setting these options run with."""
-        return ParallelSetting(self.r, self.overlap_degree, self.a2a, self.ranks_per_node)
+        return ParallelSetting(self.r, self.overlap_degree, self.a2a, self.ranks_per_node, self.token_exchange)
 
     @property
     def shadow_policy(self) -> ShadowPolicy | None:

@@ -129,7 +129,7 @@ class AllToAllExperts(_GroupStrategy):
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
                    options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
         setting = options.setting
-        if not options.token_exchange or not self.ep.serves_tokens(setting, tokens):
+        if not self.ep.serves_tokens(setting, tokens):
             return None
         self.last_choice = setting
         return self.ep.run_tokens(tokens, row_token, row_weight, counts, setting)
@@ -172,8 +172,6 @@ class AutoExperts(_GroupStrategy):
 
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
                    options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
-        if not options.token_exchange:
-            return None
         all_counts = self.ep.gather_counts(counts)
         bucket, setting = self._choose(all_counts, tokens.dtype, options, pinned)
         if not self.ep.serves_tokens(setting, tokens):
@@ -192,7 +190,8 @@ class AutoExperts(_GroupStrategy):
         a2a = options.a2a if "a2a" in pinned else None
         g = options.ranks_per_node
         valid = self.ep.valid_r()
-        settings = [s for s in candidates(valid, self.ep.eg.world_size, g)
+        tokens = options.token_exchange and self.ep.can_send_tokens
+        settings = [s for s in candidates(valid, self.ep.eg.world_size, g, token_exchange=tokens)
                     if (r is None or s.r == r) and (overlap_degree is None or s.overlap_degree == overlap_degree)
                     and (a2a is None or s.a2a == a2a)]
         if not settings:

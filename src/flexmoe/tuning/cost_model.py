@@ -618,18 +618,18 @@ _CANDIDATE_KEYS = ("r", "overlap_degree", "a2a")
 
 
 def _apply(config: LayerConfig, candidate: Any) -> LayerConfig:
-    """A candidate as a dict (r / overlap_degree or d / a2a / ranks_per_node), a tuple ``(r, d, a2a)``, or any
-    object with those attributes (the layer's ``ParallelSetting``); a ``ranks_per_node`` of None keeps the
-    config's."""
+    """A candidate as a dict (r / overlap_degree or d / a2a / ranks_per_node / token_exchange), a tuple
+    ``(r, d, a2a)``, or any object with those attributes (the layer's ``ParallelSetting``); a ``ranks_per_node``
+    of None keeps the config's."""
     if isinstance(candidate, dict):
         changes = {("overlap_degree" if key == "d" else key): value for key, value in candidate.items()}
-        unknown = set(changes) - set(_CANDIDATE_KEYS) - {"shadowed", "ranks_per_node"}
+        unknown = set(changes) - set(_CANDIDATE_KEYS) - {"shadowed", "ranks_per_node", "token_exchange"}
         if unknown:
             raise ValueError(f"unknown candidate keys {sorted(unknown)}")
     elif isinstance(candidate, tuple):
         changes = dict(zip(_CANDIDATE_KEYS, candidate))
     else:
-        changes = {key: getattr(candidate, key) for key in _CANDIDATE_KEYS + ("ranks_per_node",)
+        changes = {key: getattr(candidate, key) for key in _CANDIDATE_KEYS + ("ranks_per_node", "token_exchange")
                    if hasattr(candidate, key)}
     if changes.get("ranks_per_node") is None:
         changes.pop("ranks_per_node", None)
