@@ -275,7 +275,12 @@ class MoELayer(nn.Module):
         if self._ep is None or plan.padded or routing.score_at != "combine":
             return None
         strategy = self._strategy_of(parallel)
-        y = strategy.run_tokens(tokens, plan.row_token, plan.row_weight, plan.counts, parallel, pinned)
+
+        def rows_path(tokens_in: Tensor, run_rows: Callable[[Tensor], Tensor]) -> Tensor:
+            out = self._in_expert_dtype(run_rows, dispatch(tokens_in, plan))  # [N, M] by expert
+            return combine(out, plan)
+
+        y = strategy.run_tokens(tokens, plan.row_token, plan.row_weight, plan.counts, parallel, pinned, rows_path)
         if y is not None:
             self.last_choice, self.last_shadowed = strategy.last_choice, list(strategy.last_shadowed)
         return y
@@ -420,14 +425,17 @@ class MoELayer(nn.Module):
                 return padded_experts_forward(experts, expert_rows, padded_plan)
             return strategy.run(expert_rows, counts, options, pinned)
 
-        expert_dtype = _parameter_dtype(experts)
-        if expert_dtype is None or torch.is_autocast_enabled(rows.device.type) or expert_dtype == rows.dtype:
-            out = run(rows)
-        else:
-            # A float32 layer fed bf16 activations (or the reverse) computes in its parameters' dtype.
-            out = run(rows.to(expert_dtype)).to(rows.dtype)
+        out = self._in_expert_dtype(run, rows)
         self.last_choice, self.last_shadowed = strategy.last_choice, list(strategy.last_shadowed)
         return out
+
+    def _in_expert_dtype(self, run: Callable[[Tensor], Tensor], rows: Tensor) -> Tensor:
+        """``run(rows)`` in the experts' dtype, returned in rows' dtype: a float32 layer fed bf16 activations (or
+        the reverse) computes in its parameters' dtype (under autocast, as autocast says)."""
+        expert_dtype = _parameter_dtype(self.experts)
+        if expert_dtype is None or torch.is_autocast_enabled(rows.device.type) or expert_dtype == rows.dtype:
+            return run(rows)
+        return run(rows.to(expert_dtype)).to(rows.dtype)
 
     def _shared_output(self, tokens: Tensor) -> Tensor:
         """tokens: ``[T, M]`` -> ``[T, M]``, the sum of the shared experts' outputs (every token through each)."""

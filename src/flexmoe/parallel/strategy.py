@@ -4,7 +4,9 @@ Every strategy takes this rank's expert rows ``rows: [N, M]`` sorted by global e
 per expert, and returns ``[N, M]``: row n through expert ``row_expert[n]``, exactly what one process holding all
 experts computes. Before dispatching rows the layer offers the call's tokens and plan to ``run_tokens``: the
 all-to-all strategies send tokens instead where the setting is r = 1, d = 1 over whole built-in experts
-(:mod:`flexmoe.parallel.token_exchange`), and return the combined ``[T, M]``; every other case returns None.
+(:mod:`flexmoe.parallel.token_exchange`), and return the combined ``[T, M]``; ``parallel="auto"`` takes every
+such call (rows through the layer's dispatch and combine, so that each candidate is timed over the same span);
+every other case returns None.
 
 * :class:`LocalExperts`: one process holds every expert; the rows go straight through the expert module.
 * :class:`AllToAllExperts`: expert parallelism with a static :class:`ParallelSetting` (r, overlap degree,
@@ -25,6 +27,7 @@ differ from the layer's (``moe(x, r=2)``); ``pinned`` names the options the call
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,10 +43,13 @@ from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.pairwise import check_pairwise, run_pairwise
 from flexmoe.parallel.shadow import ShadowContext, ShadowPolicy, check_shadow_supported, choose_experts, run_shadowed
 
-__all__ = ["LayerShape", "ExpertStrategy", "LocalExperts", "AllToAllExperts", "PairwiseExperts", "AutoExperts",
+__all__ = ["LayerShape", "RowsPath", "ExpertStrategy", "LocalExperts", "AllToAllExperts", "PairwiseExperts",
+           "AutoExperts",
            "ShadowedExperts", "build_strategy", "check_parallel_options"]
 
 NOTHING_PINNED: frozenset[str] = frozenset()
+# The caller's rows path for run_tokens: (tokens [T, M], run_rows: rows [N, M] -> [N, M]) -> [T, M].
+RowsPath = Callable[[Tensor, Callable[[Tensor], Tensor]], Tensor]
 
 
 @dataclass(frozen=True)
@@ -70,11 +76,12 @@ class ExpertStrategy(Protocol):
             pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor: ...
 
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
-                   options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
+                   options: ParallelOptions, pinned: AbstractSet[str], rows_path: RowsPath) -> Tensor | None:
         """tokens: ``[T, M]``, a plan's rows (``row_token`` / ``row_weight``: ``[N]`` sorted by expert, counts
-        ``[E]``) -> ``[T, M]`` each token's weighted sum over its experts, when this call sends tokens rather
-        than rows (:mod:`flexmoe.parallel.token_exchange`); None: the caller dispatches rows and calls
-        :meth:`run` next."""
+        ``[E]``) -> ``[T, M]`` each token's weighted sum over its experts, when this strategy takes the call:
+        sending tokens (:mod:`flexmoe.parallel.token_exchange`), or (``parallel="auto"``, which times every
+        candidate over the same span) rows through ``rows_path(tokens, run_rows)``, the caller's dispatch,
+        ``run_rows`` and combine. None: the caller dispatches rows and calls :meth:`run`."""
 
 
 class LocalExperts:
@@ -90,7 +97,7 @@ class LocalExperts:
         return self.experts(rows, counts)
 
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
-                   options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
+                   options: ParallelOptions, pinned: AbstractSet[str], rows_path: RowsPath) -> Tensor | None:
         return None
 
 
@@ -107,7 +114,7 @@ class _GroupStrategy:
         return self.run_counted(rows, counts, self.ep.gather_counts(counts), options, pinned)
 
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
-                   options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
+                   options: ParallelOptions, pinned: AbstractSet[str], rows_path: RowsPath) -> Tensor | None:
         return None  # rows (pairwise schedule)
 
     def run_counted(self, rows: Tensor, counts: list[int], all_counts: list[list[int]], options: ParallelOptions,
@@ -127,7 +134,7 @@ class AllToAllExperts(_GroupStrategy):
         return self.ep.run(rows, counts, all_counts, setting)
 
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
-                   options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
+                   options: ParallelOptions, pinned: AbstractSet[str], rows_path: RowsPath) -> Tensor | None:
         setting = options.setting
         if not self.ep.serves_tokens(setting, tokens):
             return None
@@ -153,17 +160,6 @@ class AutoExperts(_GroupStrategy):
         super().__init__(ep)
         self.chooser, self.shape = chooser, shape
         self._pending_timer: StageTimer | None = None
-        # What run_tokens chose when it left the call to the rows path: (the call's counts, all counts, bucket,
-        # setting), taken by the run() of the same call (the same counts list) and dropped by any other.
-        self._chosen: tuple[list[int], list[list[int]], tuple, ParallelSetting] | None = None
-
-    def run(self, rows: Tensor, counts: list[int], options: ParallelOptions,
-            pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
-        chosen, self._chosen = self._chosen, None
-        if chosen is not None and chosen[0] is counts:  # run_tokens chose this call's setting, left the rows
-            _, all_counts, bucket, setting = chosen
-            return self._timed_rows(rows, counts, all_counts, bucket, setting)
-        return super().run(rows, counts, options, pinned)
 
     def run_counted(self, rows: Tensor, counts: list[int], all_counts: list[list[int]], options: ParallelOptions,
                     pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
@@ -171,14 +167,18 @@ class AutoExperts(_GroupStrategy):
         return self._timed_rows(rows, counts, all_counts, bucket, setting)
 
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
-                   options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
+                   options: ParallelOptions, pinned: AbstractSet[str], rows_path: RowsPath) -> Tensor | None:
         all_counts = self.ep.gather_counts(counts)
         bucket, setting = self._choose(all_counts, tokens.dtype, options, pinned)
-        if not self.ep.serves_tokens(setting, tokens):
-            self._chosen = (counts, all_counts, bucket, setting)  # for the rows path, which follows in this call
-            return None
+        # Every candidate is timed from the tokens to the combined output: sending rows needs the dispatch and
+        # combine that sending tokens replaces, so timing the exchange alone would favour rows.
         timer = self._timer(bucket, setting)
-        return timer.leave(self.ep.run_tokens(timer.enter(tokens), row_token, row_weight, counts, setting))
+        marked = timer.enter(tokens)
+        if self.ep.serves_tokens(setting, tokens):
+            y = self.ep.run_tokens(marked, row_token, row_weight, counts, setting)
+        else:
+            y = rows_path(marked, lambda rows: self.ep.run(rows, counts, all_counts, setting))
+        return timer.leave(y)
 
     def _choose(self, all_counts: list[list[int]], dtype: torch.dtype, options: ParallelOptions,
                 pinned: AbstractSet[str]) -> tuple[tuple, ParallelSetting]:
@@ -243,7 +243,7 @@ class ShadowedExperts:
         return run_shadowed(experts, ep.eg, ep.layout, rows, counts, all_counts, self.last_shadowed, run_rest)
 
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
-                   options: ParallelOptions, pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor | None:
+                   options: ParallelOptions, pinned: AbstractSet[str], rows_path: RowsPath) -> Tensor | None:
         return None  # the shadowed experts' rows are split from the rest before the exchange
 
     def _choose(self, all_counts: list[list[int]], options: ParallelOptions) -> list[int]:
