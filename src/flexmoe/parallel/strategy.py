@@ -44,8 +44,7 @@ from flexmoe.parallel.pairwise import check_pairwise, run_pairwise
 from flexmoe.parallel.shadow import ShadowContext, ShadowPolicy, check_shadow_supported, choose_experts, run_shadowed
 
 __all__ = ["LayerShape", "RowsPath", "ExpertStrategy", "LocalExperts", "AllToAllExperts", "PairwiseExperts",
-           "AutoExperts",
-           "ShadowedExperts", "build_strategy", "check_parallel_options"]
+           "AutoExperts", "ShadowedExperts", "build_strategy", "check_parallel_options"]
 
 NOTHING_PINNED: frozenset[str] = frozenset()
 # The caller's rows path for run_tokens: (tokens [T, M], run_rows: rows [N, M] -> [N, M]) -> [T, M].

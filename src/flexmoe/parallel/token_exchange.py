@@ -2,8 +2,8 @@
 
 The row exchange (:meth:`flexmoe.parallel.expert_parallel.ExpertParallel.run`) sends one row per (token, expert)
 pair: a token routed to three experts of one rank crosses the network three times, and three output rows come
-back. With k = 8 over W ranks a token reaches on average ``W * (1 - (1 - 1/W)^k)`` ranks (2.0 at W = 2, 3.6 at
-W = 4), so most of those rows are copies. Here each rank sends:
+back. With E = 64 and k = 8 a token reaches 1.99 of 2 ranks and 3.66 of 4, so most of those rows are copies.
+Here each rank sends:
 
 * each of its tokens once to every rank holding one of its experts (``[u, M]`` rows);
 * per pair its combine weight (differentiable), which of those rows it reads and which local expert computes
