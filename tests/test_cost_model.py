@@ -460,7 +460,7 @@ def test_layer_auto_times_only_the_models_short_list(tmp_path) -> None:
     reports = [json.loads((tmp_path / f"auto.{rank}").read_text()) for rank in range(2)]
     assert reports[0] == reports[1]  # the ranks agree on the short list and the choice
     report = reports[0]
-    assert report["options"] == 4  # r=0, and r=1 with d = 1, 2, 4 (flat)
+    assert report["options"] == 5  # r=0, r=1 d=1 sending tokens and sending rows, r=1 d=2 and d=4 (flat)
     assert report["measured"] == report["shortlist"]  # only the model's two best were timed
     assert report["choice"] in report["shortlist"] and report["exact"]
 
