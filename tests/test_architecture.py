@@ -89,6 +89,10 @@ def test_options_validate_themselves_and_unknown_keywords_fail() -> None:
         ExpertOptions(shared_experts=1.0)
     with pytest.raises(ValueError, match="overlap_degree must be an int >= 1"):
         ParallelOptions(overlap_degree=0)
+    with pytest.raises(TypeError, match="token_exchange must be a bool, got 'rows'"):
+        ParallelOptions(token_exchange="rows")
+    with pytest.raises(TypeError, match="token_exchange must be a bool"):
+        MoELayer(8, 4, 16)(torch.randn(3, 8), token_exchange=1)  # per call, validated the same way
     with pytest.raises(TypeError, match="unexpected keyword argument 'kk'"):
         MoELayer(8, 4, 16, kk=2)
     with pytest.raises(TypeError, match="routing_options must be a RoutingOptions"):
