@@ -93,12 +93,10 @@ def exchange_tokens(tokens: Tensor, row_token: Tensor, row_weight: Tensor, count
     received_pairs = exchange(pairs, transport, route.pair_splits, stats)  # [n, 3]
     weight = received_pairs[:, 0].to(tokens.dtype)
     pair_slot, local_expert = received_pairs[:, 1].detach().long(), received_pairs[:, 2].detach().long()
-    # Each source's tokens follow the previous sources' in `received`.
-    from_source = [route.token_splits[src][rank] for src in range(eg.world_size)]
-    pairs_from = [route.pair_splits[src][rank] for src in range(eg.world_size)]
-    token_offset = torch.repeat_interleave(
-        torch.tensor([sum(from_source[:src]) for src in range(eg.world_size)], device=tokens.device),
-        torch.tensor(pairs_from, device=tokens.device))
+    # Each source's tokens follow the previous sources' in `received`: its pairs' slots start after theirs.
+    from_source = torch.tensor([row[rank] for row in route.token_splits], device=tokens.device)
+    pairs_from = torch.tensor([row[rank] for row in route.pair_splits], device=tokens.device)
+    token_offset = torch.repeat_interleave(from_source.cumsum(0) - from_source, pairs_from)
     order = torch.argsort(local_expert, stable=True)  # pairs by local expert, sources in order
     local_token = (pair_slot + token_offset).index_select(0, order)
     local_weight = weight.index_select(0, order)
