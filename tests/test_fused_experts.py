@@ -150,6 +150,12 @@ def test_use_fused_rule() -> None:
     w1, w2 = torch.zeros(64, 512, 256), torch.zeros(64, 256, 512)
     assert use_fused(x, rows_per_expert, w1, w2)  # E=64 H=256, training: measured faster
     assert not use_fused(x, [1024] * 8, torch.zeros(8, 512, 1024), torch.zeros(8, 1024, 512))  # E=8 H=1024: slower
+    # Blocks of 2^23 elements and more: fused whatever the experts' size (E=8 H=1024 k=2 at T=16384, a tie; E=64
+    # H=256 k=8 at T=8192, 0.755 of the three stages), and not one row less.
+    big = torch.zeros(16384, 512, requires_grad=True)
+    assert use_fused(big, [4096] * 8, torch.zeros(8, 512, 1024), torch.zeros(8, 1024, 512))
+    assert use_fused(big, [1024] * 64, w1, w2)
+    assert not use_fused(big, [2048] * 7 + [2047], torch.zeros(8, 512, 1024), torch.zeros(8, 1024, 512))
     small = torch.zeros(2048, 128, requires_grad=True)  # the training job's GPT layer: a 2 MiB [N, M] block
     assert not use_fused(small, [512] * 8, torch.zeros(8, 128, 256), torch.zeros(8, 256, 128))
     with torch.no_grad():

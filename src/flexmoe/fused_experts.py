@@ -272,19 +272,21 @@ def fused_experts(tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts:
 # E=64 H=256 (three stages 1.18-1.29), 1.01 at E=128 H=128 (1.22), 1.00 at E=256 H=64 (1.25). It lost where the
 # three stages' [N, M] blocks are small enough for the allocator to reuse (below 32 MiB, glibc's largest mmap
 # threshold): the training job's GPT layer (T=2048 M=128 E=8 H=256 k=2, a 2 MiB block) 1.41-1.58 against
-# 1.27-1.40; and where each expert's matmuls are large: E=8 H=1024 k=2 (1024 rows x 1024) 1.44 against 1.28.
+# 1.27-1.40; and E=8 H=1024 k=2 at T=4096 (1024 rows x 1024 per expert, a 16 MiB block) 1.44 against 1.28. Above
+# the threshold the three stages' blocks are mapped afresh and page-faulted on every call, whatever the experts'
+# size: fused / three stages 0.755 at E=64 H=256 k=8 T=8192 (1024 rows x 256 per expert), 1.003 at E=8 H=1024 k=2
+# T=16384 (4096 rows x 1024), so the block's size alone decides.
 _FUSED_MIN_ROW_ELEMENTS = 1 << 23  # rows x model_dim: 32 MiB in float32
 _FUSED_MAX_WORK_PER_EXPERT = 512 * 256  # rows per expert x hidden size, on average
 _FUSED_DTYPES = (torch.float32,)
 
 
 def use_fused(tokens: Tensor, counts: Sequence[int], w1: Tensor, *weights: Tensor | None) -> bool:
-    """Whether a call runs :func:`fused_experts` (the measured rule above): :func:`fused_supported`, at least
-    ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]`` block and at most ``_FUSED_MAX_WORK_PER_EXPERT`` rows x
-    hidden per expert."""
+    """Whether a call runs :func:`fused_experts` (the measured rule above): :func:`fused_supported` and at least
+    ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]`` block (:func:`fused_size_rule`)."""
     if not counts or not fused_supported(tokens, w1, *weights):
         return False
-    return fused_size_rule(sum(counts), tokens.shape[-1], w1.shape[-1], len(counts))
+    return fused_size_rule(sum(counts), tokens.shape[-1])
 
 
 def fused_supported(tokens: Tensor, *weights: Tensor | None) -> bool:
@@ -301,12 +303,13 @@ def fused_supported(tokens: Tensor, *weights: Tensor | None) -> bool:
 
 
 def fused_work_rule(num_rows: int, hidden: int, num_experts: int) -> bool:
-    """At most ``_FUSED_MAX_WORK_PER_EXPERT`` rows x hidden per expert, on average (above it the experts'
-    matmuls are large and the three stages won)."""
+    """At most ``_FUSED_MAX_WORK_PER_EXPERT`` rows x hidden per expert, on average: small experts, where the fused
+    experts also won below the size rule's block (the expert-parallel receiver,
+    :mod:`flexmoe.parallel.token_exchange`; at E=8 H=1024 k=2 T=4096 the three stages won)."""
     return num_rows * hidden <= _FUSED_MAX_WORK_PER_EXPERT * num_experts
 
 
-def fused_size_rule(num_rows: int, model_dim: int, hidden: int, num_experts: int) -> bool:
-    """The measured sizes of :func:`use_fused`: at least ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]``
-    block and at most ``_FUSED_MAX_WORK_PER_EXPERT`` rows x hidden per expert, on average."""
-    return num_rows * model_dim >= _FUSED_MIN_ROW_ELEMENTS and fused_work_rule(num_rows, hidden, num_experts)
+def fused_size_rule(num_rows: int, model_dim: int) -> bool:
+    """At least ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]`` block: a block the three stages would have
+    mapped afresh, and page-faulted, on every call (the measurements above)."""
+    return num_rows * model_dim >= _FUSED_MIN_ROW_ELEMENTS

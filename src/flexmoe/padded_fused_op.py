@@ -163,7 +163,7 @@ def use_padded_fused(experts: FeedForwardExperts, tokens: Tensor, plan: RoutingP
     if any(t.dtype != tokens.dtype or t.device != tokens.device for t in weights):
         return False
     routed_rows = min(sum(plan.counts), plan.num_tokens * plan.k)
-    return fused_size_rule(routed_rows, tokens.shape[-1], experts.w1.shape[-1], experts.w1.shape[0])
+    return fused_size_rule(routed_rows, tokens.shape[-1])
 
 
 def padded_fused_experts(experts: FeedForwardExperts, tokens: Tensor, plan: RoutingPlan) -> Tensor:
