@@ -125,9 +125,9 @@ def _weighted_experts(received: Tensor, row_token: Tensor, row_weight: Tensor, c
     8x the floor's page faults, 5x its system time), 1.19 x the floor fused against 1.52 plain."""
     e = experts
     weights = (e.w1, e.b1, e.w2, e.b2, e.w3, e.b3)
-    rows, hidden = sum(counts), e.w1.shape[-1]
+    num_rows, hidden = sum(counts), e.w1.shape[-1]
     if counts and fused_supported(received, *weights) and (
-            fused_size_rule(rows, received.shape[-1]) or fused_work_rule(rows, hidden, len(counts))):
+            fused_size_rule(num_rows, received.shape[-1]) or fused_work_rule(num_rows, hidden, len(counts))):
         return fused_experts(received, row_token, row_weight, counts, *weights, HiddenUnit(e.activation, e.glu_limit))
     rows = expert_ffn(received.index_select(0, row_token), counts, *weights, e.activation, e.glu_limit)
     return sum_rows_by_token(rows, row_token, row_weight.to(rows.dtype), received.shape[0])
