@@ -70,11 +70,19 @@ def test_suite_has_the_fine_grained_and_decode_groups() -> None:
     fine = suite_checks(["fine-grained"])
     assert [c.label for c in fine] == ["E=64 H=256 k=8 dropless", "E=128 H=128 k=8 dropless",
                                        "E=256 H=64 k=8 dropless", "E=64 H=256 k=8 cf=1.25",
-                                       "activation memory E=256 / E=8, k=8 H=256"]
+                                       "E=64 H=256 k=8 dropless T=8192", "activation memory E=256 / E=8, k=8 H=256"]
     assert all(c.group == "fine-grained" and c.target == 1.10 for c in fine)
     decode = suite_checks(["decode"])
     assert [(c.label.split()[0], c.target) for c in decode] == [("T=1", 1.5), ("T=8", 1.10), ("T=64", 1.10)]
     assert not any("k=8" in c.label for c in suite_checks(["layer"]))  # E=64 k=8 moved to fine-grained
+
+
+def test_suite_has_the_expert_parallel_launches() -> None:
+    ep = suite_checks(["expert-parallel"])
+    assert [(c.label, c.target) for c in ep] == [
+        ("4 ranks x T=512 E=64 k=8 H=256: best static / floor", 1.15),
+        ("4 ranks x T=512 E=64 k=8 H=256: auto / best static (worst of 3)", 1.05),
+        ("4 ranks x T=4096 E=64 k=8 H=256: best static / floor", 1.15)]
 
 
 def test_floor_ratio_check_reports_both_floors() -> None:
