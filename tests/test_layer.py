@@ -479,6 +479,35 @@ def test_losses_are_the_design_formulas() -> None:
     assert float(moe.z_loss) == pytest.approx(math.log(E) ** 2, rel=1e-12)
 
 
+@pytest.mark.parametrize("scale", [1.0, 60.0])  # 60: most probabilities underflow to 0 in float32
+def test_z_loss_from_the_softmax_keeps_value_and_gradient_not_the_logits(scale: float) -> None:
+    """router_z_loss(logits, probs) (the softmax router's form, lse = l_j - log p_j at the largest logit) against
+    logsumexp written out here in float64: value and gradient; and autograd keeps no [T, E] tensor of its own."""
+    from flexmoe.routing.losses import router_z_loss
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(64, 256, generator=gen, dtype=torch.float64) * scale
+    ref_logits = base.clone().requires_grad_()
+    m = ref_logits.max(-1, keepdim=True).values.detach()
+    ref = ((m.squeeze(1) + torch.log(torch.exp(ref_logits - m).sum(-1))) ** 2).mean()
+    ref.backward()
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-4)):
+        logits = base.to(dtype).clone().requires_grad_()
+        saved: list[tuple[int, ...]] = []
+
+        def pack(t: torch.Tensor, saved: list[tuple[int, ...]] = saved) -> torch.Tensor:
+            saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            probs = torch.softmax(logits, dim=-1)
+            z = router_z_loss(logits, probs)
+        assert saved.count((64, 256)) == 1  # the softmax's own output; not the logits
+        z.backward()
+        assert float(z) == pytest.approx(float(ref), rel=tol)
+        assert logits.grad is not None and ref_logits.grad is not None
+        torch.testing.assert_close(logits.grad.double(), ref_logits.grad, rtol=tol, atol=tol * 1e-3)
+
+
 def test_drop_counts_are_reported() -> None:
     moe = make_layer(k=2, capacity=2, seed=28)
     x = make_input(seed=28)

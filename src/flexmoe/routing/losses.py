@@ -28,11 +28,21 @@ def _counted_mean_prob(probs: Tensor, expert_index: Tensor) -> Tensor:
     return probs.mean(dim=0).index_select(0, expert_index.reshape(-1)).sum()
 
 
-def router_z_loss(logits: Tensor) -> Tensor:
-    """ST-MoE router z-loss: the mean over tokens of ``logsumexp(logits)^2``. logits: ``[T, E]``."""
-    if logits.shape[0] == 0:
+def router_z_loss(logits: Tensor, probs: Tensor | None = None) -> Tensor:
+    """ST-MoE router z-loss: the mean over tokens of ``logsumexp(logits)^2``. logits: ``[T, E]``.
+
+    probs: ``softmax(logits)`` ``[T, E]`` when the caller has it (the softmax router). Then ``logsumexp(l) =
+    l_j - log p_j`` at each token's largest logit ``j`` (so ``p_j >= 1 / E``, no underflow): the same value, and
+    the same gradient ``p``, which autograd takes from the softmax's own saved output, so the ``[T, E]`` logits
+    are not kept for the backward (4 MiB at T=4096, E=256 in float32)."""
+    num_tokens = logits.shape[0]
+    if num_tokens == 0:
         return logits.sum() * 0.0
-    return torch.logsumexp(logits, dim=-1).square().mean()
+    if probs is None:
+        return torch.logsumexp(logits, dim=-1).square().mean()
+    # Indexing keeps only the indices for the backward (gather would keep the whole [T, E] input).
+    tokens, top = torch.arange(num_tokens, device=logits.device), logits.detach().argmax(dim=-1)
+    return (logits[tokens, top] - probs[tokens, top].log()).square().mean()
 
 
 AUX_LOSS_TYPES = ("switch", "all_choices", "sequence")

@@ -249,6 +249,7 @@ def make_plan(
                               num_sequences=num_sequences),
         num_sequences=num_sequences if capacity_per == "sequence" else None,
         padded=padded,
+        z_loss=router_z_loss(logits, scores if score_func == "softmax" else None),
     )
 
 
