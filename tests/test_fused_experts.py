@@ -166,6 +166,24 @@ def test_use_fused_rule() -> None:
         assert not use_fused(x, rows_per_expert, w1, w2)
 
 
+def test_expert_parallel_receiver_rule() -> None:
+    """The receiving rank of the token exchange fuses small experts at any size, and any experts once the rows'
+    block is mapped afresh (2^23 elements); float32 training only."""
+    from flexmoe.experts import FeedForwardExperts
+    from flexmoe.parallel.token_exchange import receiver_fuses
+
+    fine, coarse = FeedForwardExperts(16, 512, 256), FeedForwardExperts(2, 512, 1024)
+    received = torch.zeros(1000, 512, requires_grad=True)
+    assert receiver_fuses(received, [256] * 16, fine)  # 4 ranks x 512 tokens at E=64: small experts
+    assert not receiver_fuses(received, [2048] * 2, coarse)  # few large experts, a small block
+    assert receiver_fuses(received, [8192] * 2, coarse)  # the same experts, a 2^23-element block
+    assert receiver_fuses(received, [2048] * 16, fine)  # 4 ranks x 4096 tokens at E=64
+    assert not receiver_fuses(received, [], fine)  # nothing received
+    with torch.no_grad():
+        assert not receiver_fuses(received, [256] * 16, fine)  # no autograd: plain experts
+    assert not receiver_fuses(received.double(), [256] * 16, fine)  # float32 only
+
+
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the layer's calls of fused_experts, and lets the small layers of these tests take it (the rule
     sends only blocks of 32 MiB and more there: too slow to test many cases at that size)."""
