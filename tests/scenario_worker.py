@@ -238,6 +238,16 @@ def scenario_token_exchange(rank: int, world: int, out: dict) -> None:
     out["failures"], out["cases"] = failures, cases
 
 
+class _SendTokens:
+    """A ``parallel="auto"`` chooser that always picks r=1 d=1 sending tokens."""
+
+    def choose(self, bucket, options, context):
+        return next(s for s in options if s.r == 1 and s.overlap_degree == 1 and s.token_exchange)
+
+    def record(self, bucket, setting, seconds) -> None:
+        pass
+
+
 def scenario_auto(rank: int, world: int, out: dict) -> None:
     failures: list[str] = []
     ref, ep, layout = make_pair(2 * world, 2, 0.0, world, rank, parallel="auto")
@@ -248,10 +258,29 @@ def scenario_auto(rank: int, world: int, out: dict) -> None:
             failures.append(f"auto step {step} raised:\n{traceback.format_exc()}")
     if not ep.auto_decisions:
         failures.append("auto made no decision in 12 steps")
-    out["failures"] = failures
     out["choice"] = str(ep.last_choice)
     out["decisions"] = [d.describe() for d in ep.auto_decisions]
     out["tried"] = sorted({str(s) for d in ep.auto_decisions for s in d.seconds})
+    # A chooser that always sends tokens: its forward must exchange the counts once, the chooser's per-expert
+    # counts and the tokens sent to each rank in one all-gather, and stay exact.
+    ref, ep, layout = make_pair(2 * world, 2, 0.0, world, rank, parallel="auto", chooser=_SendTokens())
+    check_case("[auto sending tokens]", ref, ep, layout, rank, world, failures)
+    real_all_gather, calls = dist.all_gather, []
+
+    def counted_all_gather(*args, **kwargs):
+        calls.append(1)
+        return real_all_gather(*args, **kwargs)
+
+    dist.all_gather = counted_all_gather
+    try:
+        x = torch.randn(EP_TOKENS, M, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+        ep(x).sum().backward()
+    finally:
+        dist.all_gather = real_all_gather
+    out["all_gathers_sending_tokens"] = len(calls)
+    if str(ep.last_choice) != "r=1 d=1 a2a=flat":
+        failures.append(f"the token-sending chooser ran {ep.last_choice}")
+    out["failures"] = failures
 
 
 def scenario_ddp(rank: int, world: int, out: dict) -> None:

@@ -28,6 +28,8 @@ def _auto_agrees(reports: list[dict]) -> None:
     # r=1 d=1 is timed sending tokens and sending rows (whole built-in experts).
     tried = reports[0]["tried"]
     assert "r=1 d=1 a2a=flat" in tried and "r=1 d=1 a2a=flat rows" in tried, tried
+    # Sending tokens under auto: one all-gather of the counts per forward, not the chooser's and the route's.
+    assert [rep["all_gathers_sending_tokens"] for rep in reports] == [1] * len(reports), reports
 
 
 def _fails_fast(reports: list[dict]) -> None:

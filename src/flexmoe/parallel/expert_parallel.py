@@ -38,7 +38,7 @@ from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, make_exc
 from flexmoe.parallel.groups import ExpertGroup
 from flexmoe.parallel.layout import HIDDEN_DIM, ExpertLayout
 from flexmoe.parallel.overlap import pipelined_exchange
-from flexmoe.parallel.token_exchange import exchange_tokens
+from flexmoe.parallel.token_exchange import TokenRoute, exchange_tokens
 from flexmoe.parallel.weights import gather_from_peers, replica_grad
 
 __all__ = ["ParallelSetting", "ExpertParallel", "split_evenly", "permute_rows"]
@@ -199,12 +199,14 @@ class ExpertParallel:
                 and not torch.is_autocast_enabled(tokens.device.type))
 
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
-                   setting: ParallelSetting) -> Tensor:
+                   setting: ParallelSetting, route: TokenRoute | None = None) -> Tensor:
         """tokens: ``[T, M]``; row_token / row_weight: ``[N]`` a plan's rows, sorted by global expert, counts
-        ``[E]`` -> ``[T, M]``: each token's weighted sum over its experts, where :meth:`serves_tokens` holds."""
+        ``[E]``; route: their route when the caller exchanged the counts already
+        (:func:`~flexmoe.parallel.token_exchange.route_from_counts`) -> ``[T, M]``: each token's weighted sum
+        over its experts, where :meth:`serves_tokens` holds."""
         self.check(setting)
         return exchange_tokens(tokens, row_token, row_weight.to(tokens.dtype), counts, self._builtin_experts(),
-                               self.eg, self.transport(setting), self.stats)
+                               self.eg, self.transport(setting), self.stats, route)
 
     # ---- r >= 1: who sends what where --------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from flexmoe.parallel.layout import ExpertLayout
 from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.pairwise import check_pairwise, run_pairwise
 from flexmoe.parallel.shadow import ShadowContext, ShadowPolicy, check_shadow_supported, choose_experts, run_shadowed
+from flexmoe.parallel.token_exchange import local_route, route_from_counts
 
 __all__ = ["LayerShape", "RowsPath", "ExpertStrategy", "LocalExperts", "AllToAllExperts", "PairwiseExperts",
            "AutoExperts", "ShadowedExperts", "build_strategy", "check_parallel_options"]
@@ -167,14 +168,20 @@ class AutoExperts(_GroupStrategy):
 
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
                    options: ParallelOptions, pinned: AbstractSet[str], rows_path: RowsPath) -> Tensor | None:
-        all_counts = self.ep.gather_counts(counts)
+        # One all-gather for the chooser and the token exchange both: each rank's per-expert counts and, when
+        # tokens may be sent, how many tokens it sends each rank (each all-gather waits for the slowest rank).
+        local = (local_route(row_token, counts, tokens.shape[0], self.ep.eg.world_size)
+                 if options.token_exchange and self.ep.can_send_tokens else None)
+        gathered = self.ep.gather_counts(counts + (local.tokens_to if local is not None else []))
+        all_counts = [row[:len(counts)] for row in gathered]
         bucket, setting = self._choose(all_counts, tokens.dtype, options, pinned)
         # Every candidate is timed from the tokens to the combined output: sending rows needs the dispatch and
         # combine that sending tokens replaces, so timing the exchange alone would favour rows.
         timer = self._timer(bucket, setting)
         marked = timer.enter(tokens)
-        if self.ep.serves_tokens(setting, tokens):
-            y = self.ep.run_tokens(marked, row_token, row_weight, counts, setting)
+        if local is not None and self.ep.serves_tokens(setting, tokens):
+            route = route_from_counts(local, [row[len(counts):] for row in gathered], all_counts)
+            y = self.ep.run_tokens(marked, row_token, row_weight, counts, setting, route)
         else:
             y = rows_path(marked, lambda rows: self.ep.run(rows, counts, all_counts, setting))
         return timer.leave(y)

@@ -32,30 +32,39 @@ from flexmoe.fused_experts import HiddenUnit, fused_experts, fused_size_rule, fu
 from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, exchange, transpose
 from flexmoe.parallel.groups import ExpertGroup
 
-__all__ = ["TokenRoute", "token_route", "exchange_tokens", "receiver_fuses"]
+__all__ = ["LocalRoute", "TokenRoute", "local_route", "pairs_per_rank", "token_route", "route_from_counts",
+           "exchange_tokens", "receiver_fuses"]
+
+
+@dataclass
+class LocalRoute:
+    """What one rank sends in :func:`exchange_tokens`, before any exchange of counts.
+
+    send_token: ``[u]`` the local tokens sent, by destination rank then token; pair_slot: ``[N]`` per local pair
+    (the plan's row order, which is by destination), the index of its token among the tokens sent to its
+    destination; pair_expert: ``[N]`` its expert's index on the destination; tokens_to / pairs_to: ``[W]`` how
+    many tokens and pairs go to each rank."""
+
+    send_token: Tensor
+    pair_slot: Tensor
+    pair_expert: Tensor
+    tokens_to: list[int]
+    pairs_to: list[int]
 
 
 @dataclass
 class TokenRoute:
-    """Who sends what to whom in one call of :func:`exchange_tokens` (the same split matrices on every rank).
+    """Who sends what to whom in one call of :func:`exchange_tokens` (the split matrices are the same on every
+    rank): this rank's :class:`LocalRoute` and the ``W x W`` rows of tokens / pairs rank a sends to rank b."""
 
-    send_token: ``[u]`` the local tokens sent, by destination rank then token; token_splits / pair_splits:
-    ``W x W`` rows of tokens / pairs rank a sends to rank b; pair_slot: ``[N]`` per local pair (the plan's
-    row order, which is by destination), the index of its token among the tokens sent to its destination;
-    pair_expert: ``[N]`` its expert's index on the destination."""
-
-    send_token: Tensor
+    local: LocalRoute
     token_splits: SplitMatrix
     pair_splits: SplitMatrix
-    pair_slot: Tensor
-    pair_expert: Tensor
 
 
-def token_route(row_token: Tensor, counts: list[int], num_tokens: int, eg: ExpertGroup) -> TokenRoute:
-    """The route of a plan's rows (``row_token: [N]`` sorted by global expert, ``counts: [E]``) over ``eg``,
-    whose W ranks hold ``E / W`` whole experts each (rank i the experts ``i*E/W ..``). One all-gather of the
-    ``[2, W]`` counts."""
-    world = eg.world_size
+def local_route(row_token: Tensor, counts: list[int], num_tokens: int, world: int) -> LocalRoute:
+    """This rank's part of the route of a plan's rows (``row_token: [N]`` sorted by global expert, ``counts:
+    [E]``) over ``world`` ranks holding ``E / W`` whole experts each (rank i the experts ``i*E/W ..``)."""
     num_experts = len(counts)
     local_experts = num_experts // world
     device = row_token.device
@@ -67,29 +76,52 @@ def token_route(row_token: Tensor, counts: list[int], num_tokens: int, eg: Exper
     position = sent.reshape(-1).cumsum(0).sub_(1).view(world, num_tokens)  # its row among all tokens sent
     tokens_to = sent.sum(1)  # [W]
     first = tokens_to.cumsum(0) - tokens_to  # [W] the first row sent to each rank
-    pair_slot = position[row_rank, row_token] - first[row_rank]
-    send_token = sent.nonzero()[:, 1]
-    pairs_to = [sum(counts[w * local_experts:(w + 1) * local_experts]) for w in range(world)]
-    mine = torch.stack([tokens_to.cpu(), torch.tensor(pairs_to)])  # [2, W]
-    parts = [torch.empty_like(mine) for _ in range(world)]
+    return LocalRoute(send_token=sent.nonzero()[:, 1],
+                      pair_slot=position[row_rank, row_token] - first[row_rank],
+                      pair_expert=row_expert - row_rank * local_experts,
+                      tokens_to=tokens_to.tolist(),
+                      pairs_to=pairs_per_rank(counts, world))
+
+
+def pairs_per_rank(counts: list[int], world: int) -> list[int]:
+    """``[W]``: the pairs of ``counts`` (``[E]``) that go to each rank, ``E / W`` whole experts per rank."""
+    local_experts = len(counts) // world
+    return [sum(counts[w * local_experts:(w + 1) * local_experts]) for w in range(world)]
+
+
+def token_route(row_token: Tensor, counts: list[int], num_tokens: int, eg: ExpertGroup) -> TokenRoute:
+    """The route of a plan's rows over ``eg`` (:func:`local_route`): one all-gather of the ``[2, W]`` counts."""
+    local = local_route(row_token, counts, num_tokens, eg.world_size)
+    mine = torch.tensor([local.tokens_to, local.pairs_to])  # [2, W]
+    parts = [torch.empty_like(mine) for _ in range(eg.world_size)]
     eg.call("token-count exchange", lambda: dist.all_gather(parts, mine, group=eg.group))
-    return TokenRoute(send_token, [p[0].tolist() for p in parts], [p[1].tolist() for p in parts], pair_slot,
-                      row_expert - row_rank * local_experts)
+    return TokenRoute(local, [p[0].tolist() for p in parts], [p[1].tolist() for p in parts])
+
+
+def route_from_counts(local: LocalRoute, tokens_to: SplitMatrix, all_counts: list[list[int]]) -> TokenRoute:
+    """The route of :func:`token_route` from counts already exchanged: every rank's ``tokens_to`` and its
+    per-expert counts ``[W][E]`` (whose sums per destination are the pairs), so that a caller that gathers the
+    per-expert counts anyway (``parallel="auto"``) needs no second all-gather."""
+    world = len(all_counts)
+    return TokenRoute(local, tokens_to, [pairs_per_rank(row, world) for row in all_counts])
 
 
 def exchange_tokens(tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
                     experts: FeedForwardExperts, eg: ExpertGroup, transport: Exchange,
-                    stats: CommStats | None = None) -> Tensor:
+                    stats: CommStats | None = None, route: TokenRoute | None = None) -> Tensor:
     """tokens: ``[T, M]``; row_token / row_weight: ``[N]`` a plan's rows (sorted by global expert, weights in
-    tokens' dtype), counts: ``[E]``; experts: this rank's ``E / W`` experts -> ``[T, M]``: each token's weighted
-    sum over its experts (module docstring)."""
-    route = token_route(row_token, counts, tokens.shape[0], eg)
+    tokens' dtype), counts: ``[E]``; experts: this rank's ``E / W`` experts; route: the rows' route if the
+    caller has it (None: :func:`token_route`) -> ``[T, M]``: each token's weighted sum over its experts (module
+    docstring)."""
+    if route is None:
+        route = token_route(row_token, counts, tokens.shape[0], eg)
+    local = route.local
     rank, local_experts = eg.rank, experts.w1.shape[0]
-    received = exchange(tokens.index_select(0, route.send_token), transport, route.token_splits, stats)
+    received = exchange(tokens.index_select(0, local.send_token), transport, route.token_splits, stats)
     # Per pair its weight, its token among those sent to its destination and its local expert, in one exchange
     # (each exchange is a wait for the slowest rank): float64 holds the indices exactly (below 2^53).
-    pairs = torch.stack([row_weight.to(torch.float64), route.pair_slot.to(torch.float64),
-                         route.pair_expert.to(torch.float64)], dim=1)
+    pairs = torch.stack([row_weight.to(torch.float64), local.pair_slot.to(torch.float64),
+                         local.pair_expert.to(torch.float64)], dim=1)
     received_pairs = exchange(pairs, transport, route.pair_splits, stats)  # [n, 3]
     weight = received_pairs[:, 0].to(tokens.dtype)
     pair_slot, local_expert = received_pairs[:, 1].detach().long(), received_pairs[:, 2].detach().long()
@@ -109,7 +141,7 @@ def exchange_tokens(tokens: Tensor, row_token: Tensor, row_weight: Tensor, count
         if anchor is not None:
             partial = partial + anchor.reshape(-1)[:0].sum().to(partial.dtype)
     back = exchange(partial, transport, transpose(route.token_splits), stats)  # [u, M]
-    return tokens.new_zeros(tokens.shape).index_add(0, route.send_token, back.to(tokens.dtype))
+    return tokens.new_zeros(tokens.shape).index_add(0, local.send_token, back.to(tokens.dtype))
 
 
 def receiver_fuses(received: Tensor, counts: list[int], experts: FeedForwardExperts) -> bool:
