@@ -42,14 +42,13 @@ class LocalRoute:
 
     send_token: ``[u]`` the local tokens sent, by destination rank then token; pair_slot: ``[N]`` per local pair
     (the plan's row order, which is by destination), the index of its token among the tokens sent to its
-    destination; pair_expert: ``[N]`` its expert's index on the destination; tokens_to / pairs_to: ``[W]`` how
-    many tokens and pairs go to each rank."""
+    destination; pair_expert: ``[N]`` its expert's index on the destination; tokens_to: ``[W]`` how many tokens
+    go to each rank (the pairs are :func:`pairs_per_rank` of the counts)."""
 
     send_token: Tensor
     pair_slot: Tensor
     pair_expert: Tensor
     tokens_to: list[int]
-    pairs_to: list[int]
 
 
 @dataclass
@@ -79,8 +78,7 @@ def local_route(row_token: Tensor, counts: list[int], num_tokens: int, world: in
     return LocalRoute(send_token=sent.nonzero()[:, 1],
                       pair_slot=position[row_rank, row_token] - first[row_rank],
                       pair_expert=row_expert - row_rank * local_experts,
-                      tokens_to=tokens_to.tolist(),
-                      pairs_to=pairs_per_rank(counts, world))
+                      tokens_to=tokens_to.tolist())
 
 
 def pairs_per_rank(counts: list[int], world: int) -> list[int]:
@@ -92,7 +90,7 @@ def pairs_per_rank(counts: list[int], world: int) -> list[int]:
 def token_route(row_token: Tensor, counts: list[int], num_tokens: int, eg: ExpertGroup) -> TokenRoute:
     """The route of a plan's rows over ``eg`` (:func:`local_route`): one all-gather of the ``[2, W]`` counts."""
     local = local_route(row_token, counts, num_tokens, eg.world_size)
-    mine = torch.tensor([local.tokens_to, local.pairs_to])  # [2, W]
+    mine = torch.tensor([local.tokens_to, pairs_per_rank(counts, eg.world_size)])  # [2, W]
     parts = [torch.empty_like(mine) for _ in range(eg.world_size)]
     eg.call("token-count exchange", lambda: dist.all_gather(parts, mine, group=eg.group))
     return TokenRoute(local, [p[0].tolist() for p in parts], [p[1].tolist() for p in parts])
