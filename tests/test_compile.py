@@ -110,6 +110,28 @@ def test_capacity_mode_compiles_fullgraph_and_matches_the_reference(case: str) -
     _assert_matches_reference(got, grads, ref, x64, params)
 
 
+def test_dynamic_shapes_compile_once_in_capacity_mode() -> None:
+    """``torch.compile(dynamic=True)``: one graph for every number of tokens, each call equal to the reference.
+    Dynamo makes the float capacity_factor a symbol there; the capacity must still reach the dispatch."""
+    moe = _layer(k=2, capacity_factor=1.1)
+    compiled = torch.compile(moe, fullgraph=True, dynamic=True, backend="aot_eager")
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for tokens in (20, 23, 31):
+        gen = torch.Generator().manual_seed(tokens)
+        x = torch.randn(tokens, 8, dtype=torch.float64, generator=gen)
+        grad = torch.randn(tokens, 8, dtype=torch.float64, generator=gen)
+        ref, x64, params = reference_for_layer(moe, x, k=2, capacity_factor=1.1)
+        x = x.clone().requires_grad_()
+        got = compiled(x)
+        grads = _grads(moe, x, got, grad)
+        ref.y.backward(grad)
+        plan = moe.last_plan
+        assert plan is not None and plan.padded and plan.capacity == ref.capacity
+        assert int(plan.num_dropped) == ref.num_dropped
+        _assert_matches_reference(got, grads, ref, x64, params)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1  # no recompilation for a new T
+
+
 FAMILY_CASES = {
     "deepseek: sigmoid, groups, bias, route scale": dict(k=2, capacity_factor=1.0, score_func="sigmoid",
                                                         num_expert_groups=2, num_limited_groups=1,

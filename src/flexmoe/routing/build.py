@@ -52,14 +52,15 @@ def build_plan(
     """
     kind, k = options.selection, options.k
     if kind == "expert_choice":
-        return make_expert_choice_plan(logits, k, capacity_factor=options.capacity_factor, capacity=options.capacity)
+        return make_expert_choice_plan(logits, k, capacity_factor=options.static_capacity_factor,
+                                       capacity=options.capacity)
     if kind == "base":
         if training:
             return make_base_plan(logits, k, normalize_weights=options.normalize_weights)
         # BASE's test-time rule: each token goes to its best expert(s), without balancing.
         return make_plan(logits, k, capacity_factor=0.0, capacity=options.capacity,
                          normalize_weights=options.normalize_weights, batch_prioritized=options.batch_prioritized)
-    return make_plan(logits, k, capacity_factor=options.capacity_factor, capacity=options.capacity,
+    return make_plan(logits, k, capacity_factor=options.static_capacity_factor, capacity=options.capacity,
                      normalize_weights=options.normalize_weights, batch_prioritized=options.batch_prioritized,
                      selection_bias=selection_bias, topology=topology,
                      random_second=options.second_expert == "random" and training, generator=generator,

@@ -90,6 +90,8 @@ class RoutingOptions:
     def __post_init__(self) -> None:
         check_int("k", self.k, 1)
         self._set("capacity_factor", check_float("capacity_factor", self.capacity_factor))
+        # Not a field (asdict / replace leave it out): rebuilt from capacity_factor whenever options are made.
+        self._set("_capacity_factor_ratio", self.capacity_factor.as_integer_ratio())
         check_optional_int("capacity", self.capacity, 0)
         if self.router_dtype not in FLOAT_DTYPES:
             raise TypeError(f"router_dtype must be a floating dtype, got {self.router_dtype}")
@@ -161,6 +163,16 @@ class RoutingOptions:
     def describe(self) -> dict[str, Any]:
         """Every field as a value that compares equal across processes (modules by class name)."""
         return {f.name: describe_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @property
+    def static_capacity_factor(self) -> float:
+        """``capacity_factor``, the same float, as a constant to a ``torch.compile`` trace: under
+        ``dynamic=True`` dynamo turns the layer's float options into symbolic floats, and a capacity computed
+        from one cannot be passed on to the dispatch's autograd function ("Source of ... is None"). The two
+        ints of the float's exact ratio, stored when the options were made, are constants, and their quotient
+        is exactly the float again."""
+        numerator, denominator = self._capacity_factor_ratio
+        return numerator / denominator
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)  # normalizing a field of the frozen instance during validation
