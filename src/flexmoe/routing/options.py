@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -86,11 +86,12 @@ class RoutingOptions:
     router_bias: bool = False
     capacity_per: str = "call"
     aux_loss_type: str = "switch"
+    # Set per instance by __post_init__ (see static_capacity_factor); ClassVar keeps it out of the fields.
+    _capacity_factor_ratio: ClassVar[tuple[int, int]]
 
     def __post_init__(self) -> None:
         check_int("k", self.k, 1)
         self._set("capacity_factor", check_float("capacity_factor", self.capacity_factor))
-        # Not a field (asdict / replace leave it out): rebuilt from capacity_factor whenever options are made.
         self._set("_capacity_factor_ratio", self.capacity_factor.as_integer_ratio())
         check_optional_int("capacity", self.capacity, 0)
         if self.router_dtype not in FLOAT_DTYPES:
