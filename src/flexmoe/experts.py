@@ -28,7 +28,7 @@ from flexmoe.validation import check_int, describe_value
 __all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_ffn", "grouped_expert_ffn",
            "looped_expert_ffn", "segmented_expert_ffn", "use_segmented", "use_grouped_mm", "grouped_mm_supported",
            "gated_unit", "hidden_unit", "check_glu_limit", "resolve_activation", "activation_name",
-           "activation_derivative", "activation_into", "needs_grad", "joined_outputs", "joined_unit_ffn",
+           "activation_derivative", "activation_into", "all_like", "needs_grad", "joined_outputs", "joined_unit_ffn",
            "active_experts_ffn", "JOINED_UNIT_MAX_ELEMENTS",
            "embedding_bag_ffn", "use_embedding_bag", "EMBEDDING_BAG_MAX_ROWS_PER_EXPERT"]
 
@@ -268,7 +268,7 @@ def use_segmented(rows: Tensor, counts: list[int], w1: Tensor, b1: Tensor | None
         return False
     if torch.is_autocast_enabled(rows.device.type):
         return False
-    if not _all_like(rows, w1, b1, w2, b2, w3, b3):
+    if not all_like(rows, w1, b1, w2, b2, w3, b3):
         return False
     return rows.shape[0] * w1.shape[-1] <= _SEGMENTED_MAX_WORK_PER_EXPERT * len(counts)
 
@@ -321,13 +321,13 @@ def grouped_mm_supported(rows: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None
     weights = (w1, w2) if w3 is None else (w1, w2, w3)
     if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if not _all_like(rows, *weights):
+    if not all_like(rows, *weights):
         return False
     hidden = w1.shape[-1]
     return all(_strides_aligned(t) for t in (rows, *weights)) and (hidden * rows.element_size()) % 16 == 0
 
 
-def _all_like(rows: Tensor, *tensors: Tensor | None) -> bool:
+def all_like(rows: Tensor, *tensors: Tensor | None) -> bool:
     """Every tensor given (None: absent) has the rows' dtype and device."""
     return all(t.dtype == rows.dtype and t.device == rows.device for t in tensors if t is not None)
 
@@ -362,7 +362,7 @@ def use_embedding_bag(rows: Tensor, counts: list[int], w1: Tensor, b1: Tensor | 
         return False
     if needs_grad(rows, w1, b1, w2, b2, w3, b3) or torch.compiler.is_compiling():
         return False
-    if not _all_like(rows, w1, b1, w2, b2, w3, b3):
+    if not all_like(rows, w1, b1, w2, b2, w3, b3):
         return False
     if not all(w.is_contiguous() for w in (w1, w2, w3) if w is not None):
         return False

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from flexmoe.experts import activation_derivative, activation_into, hidden_unit, needs_grad
+from flexmoe.experts import activation_derivative, activation_into, all_like, hidden_unit, needs_grad
 from flexmoe.segment_ffn import add_bias_grad, add_weight_grad, addmm_into, expert_grad_buffer, record_unit
 
 __all__ = ["HiddenUnit", "CHUNK_ROWS", "expert_chunks", "fused_experts", "fused_forward", "fused_backward",
@@ -299,7 +299,7 @@ def fused_supported(tokens: Tensor, *weights: Tensor | None) -> bool:
         return False
     if torch.is_autocast_enabled(tokens.device.type):
         return False
-    return all(t.dtype == tokens.dtype and t.device == tokens.device for t in present)
+    return all_like(tokens, *present)
 
 
 def fused_work_rule(num_rows: int, hidden: int, num_experts: int) -> bool:

@@ -24,7 +24,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmoe.experts import FeedForwardExperts, activation_derivative, activation_name, needs_grad, resolve_activation
+from flexmoe.experts import (
+    FeedForwardExperts,
+    activation_derivative,
+    activation_name,
+    all_like,
+    needs_grad,
+    resolve_activation,
+)
 from flexmoe.fused_experts import Chunk, HiddenUnit, fused_backward, fused_forward, fused_size_rule
 from flexmoe.padded_ffn_op import (
     padded_op_available,
@@ -160,7 +167,7 @@ def use_padded_fused(experts: FeedForwardExperts, tokens: Tensor, plan: RoutingP
         return False
     if tokens.dtype not in FUSED_DTYPES or tokens.device.type != "cpu":
         return False
-    if any(t.dtype != tokens.dtype or t.device != tokens.device for t in weights):
+    if not all_like(tokens, *weights):
         return False
     routed_rows = min(sum(plan.counts), plan.num_tokens * plan.k)
     return fused_size_rule(routed_rows, tokens.shape[-1])
