@@ -339,12 +339,13 @@ def _strides_aligned(t: Tensor) -> bool:
 
 
 # Without autograd, on the CPU, float32 calls averaging at most this many rows per expert that has rows run
-# embedding_bag_ffn. Side by side on a quiet 2-core AVX2 CPU (torch 2.13, M=512, benchmarks/decode_experts.py)
-# it took, of the better loop's time: 0.36-0.84x from 1 to 4.3 rows per expert at E=64 H=256 k=8 (gelu and
-# GLU), 0.46-0.73x from 1.3 to 4 rows at E=8 H=1024 k=2; at 8 rows 0.63-0.67x (E=64) but 0.97x (E=8), at 16
-# rows 1.32x. It reads an expert's weights once per row instead of once per expert (docs/architecture.md,
-# "Decoding"). GPUs and other dtypes are not measured and keep the matmuls.
-EMBEDDING_BAG_MAX_ROWS_PER_EXPERT = 4
+# embedding_bag_ffn. Side by side (torch 2.13, M=512, benchmarks/decode_experts.py), of the better loop's time:
+# on a 2-core AVX2 EPYC 0.36-0.84x from 1 to 4.3 rows per expert at E=64 H=256 k=8 (gelu and GLU), 0.46-0.73x
+# from 1.3 to 4 rows at E=8 H=1024 k=2; at 8 rows 0.63-0.67x (E=64) and 0.97x (E=8), at 16 rows 1.32x. On a
+# 2-core AVX-512 EPYC at 8 rows 0.38-0.63x (E=64) and 0.77x (E=8), at 12 rows 0.50-0.58x and 0.82x, at 16 rows
+# 0.58-0.78x and 0.99-1.02x. It reads an expert's weights once per row instead of once per expert
+# (docs/architecture.md, "Decoding"). GPUs and other dtypes are not measured and keep the matmuls.
+EMBEDDING_BAG_MAX_ROWS_PER_EXPERT = 8
 # With fewer rows than this there are too few bags to spread over the threads: at E=8 k=2, one token (2 rows)
 # the bags took 1.12-1.17x the loop's time (benchmarks/decode_experts.py), at 4 rows 0.70-0.73x.
 _EMBEDDING_BAG_MIN_ROWS = 4

@@ -387,7 +387,7 @@ def floor_ratio_check(label: str, cfg: BenchConfig, target: float, group: str = 
         report = bench_single(run_cfg, peers=settings.peers, reference=False, show=settings.show)
         ratio = next(r["x_floor"] for r in report["rows"] if r["case"] == "flexmoe")
         floors = report["floors"]
-        note = (f"{floors['flexmoe_x_grouped_floor']:.3f}x the grouped floor ({floors['grouped_kind']}, "
+        note = (f"{floors['flexmoe_x_grouped_floor']:.3f}x the grouped floor ({floors['grouped_kind']}, itself "
                 f"{floors['grouped_seconds'] / floors['loop_seconds']:.3f}x the loop floor)")
         return Measurement(ratio, "x floor", {"report": report}, note)
     return SuiteCheck(group, label, target, measure)
