@@ -169,6 +169,32 @@ def test_suite_reports_each_check_and_survives_a_broken_one(capsys) -> None:
     assert all(c.group == "layer" for c in suite_checks(["layer"]))
 
 
+def test_suite_units_keep_a_shared_launch_together() -> None:
+    from flexmoe.apps.bench_ep import ep_checks
+    from flexmoe.apps.bench_suite import Measurement, SuiteCheck, process_units
+
+    def check(shares: bool) -> SuiteCheck:
+        return SuiteCheck("g", "c", 1.0, lambda s: Measurement(1.0), shares_previous=shares)
+
+    assert process_units([check(False), check(True), check(False), check(False), check(True), check(True)]) == [
+        [0, 1], [2], [3, 4, 5]]
+    assert process_units([check(True)]) == [[0]]
+    # The expert-parallel group's first launch measures two targets, the second launch one.
+    assert process_units(ep_checks()) == [[0, 1], [2]]
+
+
+def test_isolated_suite_measures_in_a_fresh_process_and_reports_a_dead_one() -> None:
+    from flexmoe.apps.bench_compile import DROPLESS_GRAPH_BREAKS
+    from flexmoe.apps.bench_suite import SuiteSettings, run_suite_isolated
+
+    settings = SuiteSettings(show=False)
+    (result,) = run_suite_isolated(["compile"], settings, threads=1, only=[2])  # the graph-break count
+    assert result["label"] == "dropless graph breaks (counts to the host)"
+    assert result["value"] == DROPLESS_GRAPH_BREAKS and result["met"]
+    (stopped,) = run_suite_isolated(["compile"], settings, threads=1, only=[2], timeout=0.01)
+    assert not stopped["met"] and "ran over 0.01 s" in stopped["note"]
+
+
 def test_bench_suite_groups_flag_rejects_unknown_group() -> None:
     proc = subprocess.run([sys.executable, "-m", "flexmoe", "bench", "--suite-groups", "nope"],
                           capture_output=True, text=True, timeout=120)

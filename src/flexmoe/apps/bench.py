@@ -644,6 +644,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="measure every target of the suite (flexmoe.apps.bench_suite) and print each against its target")
     a("--suite-groups", type=_names, default=None,
       help="run only these comma-separated suite groups, e.g. layer,fine-grained (default: all)")
+    a("--suite-one-process", action="store_true",
+      help="--suite: measure every check in this process (default: each in a fresh process, so that no check "
+           "inherits the allocator state the checks before it left)")
     a("--families", action="store_true",
       help="DeepSeek-style routing vs plain top-k at E=64 (8 groups), k=8 (overrides --experts, --k)")
     a("--nproc", type=int, default=1, help="launch N local ranks with torchrun (gloo on 127.0.0.1)")
@@ -714,14 +717,17 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.suite or args.suite_groups:
-        from flexmoe.apps.bench_suite import format_suite_table, run_suite_checks, suite_checks
+        from flexmoe.apps.bench_suite import format_suite_table, run_suite_checks, run_suite_isolated, suite_checks
         try:
             checks = suite_checks(args.suite_groups)
         except ValueError as exc:
             raise UsageError(f"--suite-groups: {exc}") from None
         settings = SuiteSettings(steps=cfg.steps, warmup=cfg.warmup, seed=cfg.seed, peers=not args.no_peers,
                                  show=not args.json)
-        results = run_suite_checks(checks, settings)
+        if args.suite_one_process:
+            results = run_suite_checks(checks, settings)
+        else:
+            results = run_suite_isolated(args.suite_groups, settings, torch.get_num_threads())
         print(json.dumps({"suite": results}, indent=1) if args.json else format_suite_table(results))
         return 0
     if args.hf is not None:

@@ -128,5 +128,5 @@ def launch_checks(bench: EPBench) -> list[SuiteCheck]:
     checks = [SuiteCheck("expert-parallel", f"{shape}: best static / floor", 1.15, floor_ratio)]
     if bench.auto_runs:
         checks.append(SuiteCheck("expert-parallel", f"{shape}: auto / best static (worst of {bench.auto_runs})",
-                                 1.05, auto_ratio))
+                                 1.05, auto_ratio, shares_previous=True))
     return checks

@@ -8,19 +8,29 @@ installed (``hf`` needs transformers) costs nothing until run, and then fails on
 stopping the suite.
 
 Adding a target is one :class:`SuiteCheck` in the owning module's group function.
+
+``flexmoe bench --suite`` measures each check in a fresh Python process (:func:`run_suite_isolated`): in one
+process a check inherits what the checks before it left in the allocator (glibc maps a block afresh, and
+page-faults it on every call, or reuses it from the heap, depending on the sizes freed before), which moved the
+same HF block from 0.91x to 1.09x HF's time in one full run.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import math
+import subprocess
+import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 __all__ = ["Measurement", "SuiteCheck", "SuiteSettings", "SUITE_GROUPS", "suite_checks", "run_suite_checks",
-           "format_suite_table"]
+           "process_units", "run_suite_isolated", "format_suite_table"]
 
 
 @dataclass(frozen=True)
@@ -49,13 +59,16 @@ class Measurement:
 
 @dataclass(frozen=True)
 class SuiteCheck:
-    """``measure(settings)`` must give a value ``<= target`` (``higher_is_better=False``) or ``>= target``."""
+    """``measure(settings)`` must give a value ``<= target`` (``higher_is_better=False``) or ``>= target``.
+    ``shares_previous``: the check reads what the check before it measured (one launch, two targets), so an
+    isolated run measures both in the same process."""
 
     group: str
     label: str
     target: float
     measure: Callable[[SuiteSettings], Measurement]
     higher_is_better: bool = False
+    shares_previous: bool = False
 
     def met(self, value: float) -> bool:
         if not math.isfinite(value):
@@ -91,28 +104,89 @@ def suite_checks(groups: Sequence[str] | None = None) -> list[SuiteCheck]:
     return checks
 
 
-def run_suite_checks(checks: Sequence[SuiteCheck], settings: SuiteSettings) -> list[dict[str, Any]]:
-    """Measure each check in turn; a check that raises is reported as failed with its error, and the suite
-    goes on. With ``settings.show`` each result is printed as soon as it is measured."""
+def run_suite_checks(checks: Sequence[SuiteCheck], settings: SuiteSettings, first: int = 0,
+                     total: int | None = None) -> list[dict[str, Any]]:
+    """Measure each check in turn, in this process; a check that raises is reported as failed with its error,
+    and the suite goes on. With ``settings.show`` each result is printed as soon as it is measured, numbered
+    from ``first + 1`` of ``total`` (default: of ``len(checks)``)."""
     show = settings.show
     results = []
     for i, check in enumerate(checks):
         if show:
-            print(f"[{i + 1}/{len(checks)}] {check.group}: {check.label}", flush=True)
+            print(f"[{first + i + 1}/{total or len(checks)}] {check.group}: {check.label}", flush=True)
         try:
             m = check.measure(settings)
             result = {"group": check.group, "label": check.label, "value": m.value, "unit": m.unit,
                       "target": check.target, "target_text": check.describe_target(), "met": check.met(m.value),
                       "note": m.note, "details": m.details}
         except Exception as exc:  # one broken measurement must not hide the others' results
-            result = {"group": check.group, "label": check.label, "value": math.nan, "unit": "",
-                      "target": check.target, "target_text": check.describe_target(), "met": False,
-                      "note": f"error: {type(exc).__name__}: {exc}", "details": {},
-                      "traceback": traceback.format_exc()}
+            result = _failed(check, f"error: {type(exc).__name__}: {exc}", traceback.format_exc())
         results.append(result)
         if show:
             print(f"=> {_row(result)}\n", flush=True)
     return results
+
+
+def _failed(check: SuiteCheck, note: str, trace: str = "") -> dict[str, Any]:
+    return {"group": check.group, "label": check.label, "value": math.nan, "unit": "", "target": check.target,
+            "target_text": check.describe_target(), "met": False, "note": note, "details": {}, "traceback": trace}
+
+
+def process_units(checks: Sequence[SuiteCheck]) -> list[list[int]]:
+    """The checks' indices cut into what each process of :func:`run_suite_isolated` measures: one check each,
+    but a check with ``shares_previous`` joins the one before it."""
+    units: list[list[int]] = []
+    for i, check in enumerate(checks):
+        if check.shares_previous and units:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units
+
+
+def run_suite_isolated(groups: Sequence[str] | None, settings: SuiteSettings, threads: int,
+                       only: Sequence[int] | None = None, timeout: float = 7200.0) -> list[dict[str, Any]]:
+    """:func:`run_suite_checks` over :func:`suite_checks` ``(groups)``, each :func:`process_units` unit in a
+    fresh ``python -m flexmoe.apps.bench_suite`` process of ``threads`` threads (module docstring), which
+    prints its progress and writes its results as JSON. ``only``: these indices of the checks (tests). A
+    process that dies or outlives ``timeout`` seconds fails its checks with the reason."""
+    names = list(SUITE_GROUPS) if groups is None else list(groups)
+    checks = suite_checks(names)
+    wanted = set(range(len(checks)) if only is None else only)
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="flexmoe-suite-") as tmp:
+        for unit in process_units(checks):
+            unit = [i for i in unit if i in wanted]
+            if not unit:
+                continue
+            out = Path(tmp) / f"checks-{unit[0]}.json"
+            request = {"groups": names, "indices": unit, "settings": asdict(settings), "threads": threads,
+                       "total": len(checks), "out": str(out)}
+            try:
+                proc = subprocess.run([sys.executable, "-m", "flexmoe.apps.bench_suite", json.dumps(request)],
+                                      timeout=timeout)
+                reason = f"error: the check's process exited with code {proc.returncode}"
+            except subprocess.TimeoutExpired:
+                reason = f"error: the check's process ran over {timeout:g} s and was stopped"
+            if out.exists():
+                results.extend(json.loads(out.read_text()))
+            else:
+                results.extend(_failed(checks[i], reason) for i in unit)
+                if settings.show:
+                    print(f"=> {_row(results[-1])}\n", flush=True)
+    return results
+
+
+def _run_request(request: dict[str, Any]) -> None:
+    """One process of :func:`run_suite_isolated`: measure the checks it names, write their results."""
+    import torch
+
+    torch.set_num_threads(request["threads"])
+    checks = suite_checks(request["groups"])
+    indices = request["indices"]
+    results = run_suite_checks([checks[i] for i in indices], SuiteSettings(**request["settings"]),
+                               first=indices[0], total=request["total"])
+    Path(request["out"]).write_text(json.dumps(results))
 
 
 def _row(r: dict[str, Any]) -> str:
@@ -126,3 +200,7 @@ def format_suite_table(results: Sequence[dict[str, Any]]) -> str:
     """One line per check (measured, target, met / NOT met), then how many were met."""
     met = sum(r["met"] for r in results)
     return "\n".join([_row(r) for r in results] + [f"{met} of {len(results)} targets met"])
+
+
+if __name__ == "__main__":
+    _run_request(json.loads(sys.argv[1]))
