@@ -116,9 +116,7 @@ def run_suite_checks(checks: Sequence[SuiteCheck], settings: SuiteSettings, firs
             print(f"[{first + i + 1}/{total or len(checks)}] {check.group}: {check.label}", flush=True)
         try:
             m = check.measure(settings)
-            result = {"group": check.group, "label": check.label, "value": m.value, "unit": m.unit,
-                      "target": check.target, "target_text": check.describe_target(), "met": check.met(m.value),
-                      "note": m.note, "details": m.details}
+            result = _result(check, m.value, m.unit, m.note, m.details)
         except Exception as exc:  # one broken measurement must not hide the others' results
             result = _failed(check, f"error: {type(exc).__name__}: {exc}", traceback.format_exc())
         results.append(result)
@@ -127,9 +125,14 @@ def run_suite_checks(checks: Sequence[SuiteCheck], settings: SuiteSettings, firs
     return results
 
 
+def _result(check: SuiteCheck, value: float, unit: str, note: str, details: dict[str, Any]) -> dict[str, Any]:
+    """One check's line of the report (what ``--json`` prints and :func:`format_suite_table` reads)."""
+    return {"group": check.group, "label": check.label, "value": value, "unit": unit, "target": check.target,
+            "target_text": check.describe_target(), "met": check.met(value), "note": note, "details": details}
+
+
 def _failed(check: SuiteCheck, note: str, trace: str = "") -> dict[str, Any]:
-    return {"group": check.group, "label": check.label, "value": math.nan, "unit": "", "target": check.target,
-            "target_text": check.describe_target(), "met": False, "note": note, "details": {}, "traceback": trace}
+    return {**_result(check, math.nan, "", note, {}), "traceback": trace}
 
 
 def process_units(checks: Sequence[SuiteCheck]) -> list[list[int]]:
@@ -171,9 +174,10 @@ def run_suite_isolated(groups: Sequence[str] | None, settings: SuiteSettings, th
             if out.exists():
                 results.extend(json.loads(out.read_text()))
             else:
-                results.extend(_failed(checks[i], reason) for i in unit)
-                if settings.show:
-                    print(f"=> {_row(results[-1])}\n", flush=True)
+                for i in unit:
+                    results.append(_failed(checks[i], reason))
+                    if settings.show:
+                        print(f"=> {_row(results[-1])}\n", flush=True)
     return results
 
 
