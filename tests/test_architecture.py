@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
+import struct
 from pathlib import Path
 
 import pytest
 import torch
 
 from flexmoe import ExpertOptions, MoELayer, ParallelOptions, RoutingOptions
+from flexmoe.validation import constant_float
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "flexmoe"
 
@@ -102,6 +105,22 @@ def test_options_validate_themselves_and_unknown_keywords_fail() -> None:
         moe(torch.randn(3, 8), k=1)  # k is not a per-call option
     with pytest.raises(dataclasses.FrozenInstanceError):
         moe.routing_options.k = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("value", [0.1, 1.25, 3, -2.5, 1e-300, 5e-324, 1.7976931348623157e308, 2.0 ** 60 + 1])
+def test_constant_float_gives_back_the_same_float(value: float) -> None:
+    """The options take each float through its exact integer ratio (so that torch.compile specializes a
+    symbolic one): in eager it must change nothing, down to the last bit."""
+    got = constant_float(value)
+    assert type(got) is float and struct.pack("<d", got) == struct.pack("<d", float(value))
+
+
+def test_constant_float_leaves_inf_and_nan_to_the_check() -> None:
+    assert constant_float(float("inf")) == float("inf") and math.isnan(constant_float(float("nan")))
+    with pytest.raises(ValueError, match="bias_update_rate must be finite"):
+        RoutingOptions(balance="bias", bias_update_rate=float("inf"))
+    with pytest.raises(ValueError, match="cross_node_share must be in"):
+        RoutingOptions(cross_node_share=float("nan"))
 
 
 def test_a_call_override_is_validated_and_changes_only_that_call() -> None:

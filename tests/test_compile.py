@@ -132,6 +132,35 @@ def test_dynamic_shapes_compile_once_in_capacity_mode() -> None:
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1  # no recompilation for a new T
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic-dynamic", "dynamic"])
+def test_per_call_capacity_options_compile_and_match_the_reference(dynamic: bool | None) -> None:
+    """A compiled layer called with its own per-call ``capacity_factor`` (training at one, evaluating at
+    another, as GShard does) and ``capacity``: dynamo makes a float that changes between calls symbolic, and
+    the options rebuilt inside the forward for the call must still check it and turn it into a capacity. Each
+    call must equal the reference at that call's options; a capacity factor costs at most one graph per
+    distinct value, an integer capacity none after the first change."""
+    moe = _layer(k=2, capacity_factor=1.25)
+    compiled = torch.compile(moe, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    calls: list[dict[str, Any]] = [dict(capacity_factor=cf) for cf in (1.25, 2.0, 0.75, 2.0)]
+    calls += [dict(capacity=c) for c in (3, 9, 5)]
+    for i, call in enumerate(calls):
+        gen = torch.Generator().manual_seed(i)
+        x = torch.randn(24, 8, dtype=torch.float64, generator=gen)
+        grad = torch.randn(24, 8, dtype=torch.float64, generator=gen)
+        ref, x64, params = reference_for_layer(moe, x, k=2, **call)
+        x = x.clone().requires_grad_()
+        got = compiled(x, **call)
+        grads = _grads(moe, x, got, grad)
+        ref.y.backward(grad)
+        plan = moe.last_plan
+        assert plan is not None and plan.capacity == ref.capacity, call
+        assert int(plan.num_dropped) == ref.num_dropped, call
+        _assert_matches_reference(got, grads, ref, x64, params)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+    assert graphs <= 3 + 2  # cf 1.25, 2.0, 0.75 (2.0 again reuses its graph); capacity: a constant, then a symbol
+
+
 FAMILY_CASES = {
     "deepseek: sigmoid, groups, bias, route scale": dict(k=2, capacity_factor=1.0, score_func="sigmoid",
                                                         num_expert_groups=2, num_limited_groups=1,

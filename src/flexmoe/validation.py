@@ -12,7 +12,8 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["FLOAT_DTYPES", "check_int", "check_float", "check_optional_int", "check_choice", "describe_value"]
+__all__ = ["FLOAT_DTYPES", "check_int", "check_float", "constant_float", "check_optional_int", "check_choice",
+           "describe_value"]
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -31,11 +32,28 @@ def check_optional_int(name: str, value: object, minimum: int) -> int | None:
     return None if value is None else check_int(name, value, minimum)
 
 
+def constant_float(value: int | float) -> float:
+    """``value`` as a float, a constant of the graph when ``torch.compile`` traces it symbolically.
+
+    Dynamo makes a float dynamic once it changes between calls (a per-call ``capacity_factor``), and every float
+    of a module under ``dynamic=True``; the options dataclasses, rebuilt inside the traced forward for a call's
+    overrides, would then fail at their first check (``math.isfinite``). Taking the exact integer ratio makes
+    dynamo guard on the value instead (one graph per distinct value), and dividing the two ints gives back
+    the same float (-0.0 comes back as 0.0). inf and nan have no ratio and come back as they are, for the
+    caller's check."""
+    value = float(value)
+    try:
+        numerator, denominator = value.as_integer_ratio()
+    except (OverflowError, ValueError):
+        return value
+    return numerator / denominator
+
+
 def check_float(name: str, value: object, minimum: float | None = None, maximum: float | None = None) -> float:
     """``value`` as a finite float in ``[minimum, maximum]`` (either bound optional)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
+    value = constant_float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     if minimum is not None and value < minimum:

@@ -26,6 +26,7 @@ from torch import Tensor
 from flexmoe.routing.capacity import CAPACITY_PER
 from flexmoe.routing.losses import AUX_LOSS_TYPES
 from flexmoe.routing.scores import SCORE_FUNCS, check_group_options
+from flexmoe.validation import constant_float
 
 __all__ = ["check_family_options", "num_sequences_of"]
 
@@ -49,6 +50,7 @@ def check_family_options(
     check_group_options(None, k, num_expert_groups, num_limited_groups)  # the layer checks them against E
     if isinstance(route_scale, bool) or not isinstance(route_scale, (int, float)):
         raise TypeError(f"route_scale must be a number, got {type(route_scale).__name__}")
+    route_scale = constant_float(route_scale)
     if not (math.isfinite(route_scale) and route_scale > 0):
         raise ValueError(f"route_scale must be finite and > 0, got {route_scale}")
     if not isinstance(router_bias, bool):

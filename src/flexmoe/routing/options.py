@@ -16,7 +16,15 @@ import torch
 from torch import nn
 
 from flexmoe.routing.families import check_family_options
-from flexmoe.validation import FLOAT_DTYPES, check_choice, check_float, check_int, check_optional_int, describe_value
+from flexmoe.validation import (
+    FLOAT_DTYPES,
+    check_choice,
+    check_float,
+    check_int,
+    check_optional_int,
+    constant_float,
+    describe_value,
+)
 
 __all__ = ["RoutingOptions", "ROUTER_NAMES", "selection_kind"]
 
@@ -116,17 +124,19 @@ class RoutingOptions:
         rate = self.bias_update_rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)):
             raise TypeError(f"bias_update_rate must be a number, got {type(rate).__name__}")
+        rate = constant_float(rate)
         if not (math.isfinite(rate) and rate >= 0):
             raise ValueError(f"bias_update_rate must be finite and >= 0, got {rate}")
-        self._set("bias_update_rate", float(rate))
+        self._set("bias_update_rate", rate)
         check_choice("second_expert", self.second_expert, ("top", "random"))
         share = self.cross_node_share
         if share is not None:
             if isinstance(share, bool) or not isinstance(share, (int, float)):
                 raise TypeError(f"cross_node_share must be a number or None, got {type(share).__name__}")
+            share = constant_float(share)
             if not 0.0 <= share <= 1.0:
                 raise ValueError(f"cross_node_share must be in [0, 1], got {share}")
-            self._set("cross_node_share", float(share))
+            self._set("cross_node_share", share)
 
         kind = self.selection
         if kind == "expert_choice" and self.capacity is None and not self.capacity_factor > 0:
