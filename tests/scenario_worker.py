@@ -248,6 +248,39 @@ class _SendTokens:
         pass
 
 
+def scenario_evaluation(rank: int, world: int, out: dict) -> None:
+    """Evaluation (eval mode, no autograd) where rank 0's tokens overflow an expert's capacity and the other
+    ranks' do not. One process serves such calls without a plan unless an expert overflows; a rank deciding that
+    alone ran other exchanges than its peers (gloo: "Received data size doesn't match expected size"), so every
+    expert-parallel call takes the full path. Each rank's output must equal one process on its own tokens."""
+    failures: list[str] = []
+    cases = 0
+    capacity = 10
+    xs, _ = inputs(world, EP_TOKENS)
+    xs[0][:, 0] += 4.0  # with the skewed router, rank 0's tokens all choose the two HOT experts: 12 > capacity
+    for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 2e-4)):
+        ref, ep, _ = make_pair(2 * world, 2, 1.0, world, rank, skewed=True, dtype=dtype)
+        ref.eval()
+        ep.eval()
+        with torch.no_grad():
+            loads = [int(ref(x, capacity=capacity) is not None and ref.last_plan.load.max()) for x in xs]
+        if not (loads[0] > capacity >= max(loads[1:])):
+            failures.append(f"the scenario must overflow rank 0 only: max load per rank {loads}, capacity {capacity}")
+        for call in (dict(), dict(token_exchange=False), dict(overlap_degree=2)):
+            for tokens in (EP_TOKENS, 1):
+                tag = f"[{dtype} {call} T={tokens}]"
+                x = xs[rank][:tokens]
+                try:
+                    with torch.no_grad():
+                        got = ep(x.to(dtype), capacity=capacity, **call)
+                        want = ref(x, capacity=capacity)
+                    compare(f"{tag} y", got, want, failures, tol)
+                except Exception:
+                    failures.append(f"{tag} raised:\n{traceback.format_exc()}")
+                cases += 1
+    out["failures"], out["cases"] = failures, cases
+
+
 def scenario_auto(rank: int, world: int, out: dict) -> None:
     failures: list[str] = []
     ref, ep, layout = make_pair(2 * world, 2, 0.0, world, rank, parallel="auto")
@@ -722,6 +755,7 @@ def scenario_families(rank: int, world: int, out: dict) -> None:
 SCENARIOS = {
     "ep_equivalence": scenario_ep_equivalence,
     "token_exchange": scenario_token_exchange,
+    "evaluation": scenario_evaluation,
     "auto": scenario_auto,
     "ddp": scenario_ddp,
     "mismatch": scenario_mismatch,

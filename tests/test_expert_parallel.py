@@ -65,6 +65,9 @@ CASES: list[tuple[Scenario, Callable[[list[dict]], None] | None]] = [
                 "counted): outputs, input, router and global expert gradients equal one process (float64 plain and "
                 "float32 fused experts; k < W, k = E, capacity, skewed routing)", timeout=240), _many_cases(24))
       for w in (2, 4)],
+    *[(Scenario("evaluation", w, "evaluation (eval, no grad) where one rank's tokens overflow an expert and the "
+                "others' do not: the ranks run the same exchanges and each output equals one process", timeout=120),
+       _many_cases(12)) for w in (2, 4)],
     (Scenario("auto", 2, "parallel='auto' chooses one setting on every rank and stays exact"), _auto_agrees),
     (Scenario("ddp", 2, "a 2-rank DDP step equals the single-process step on the global batch"), None),
     (Scenario("mismatch", 2, "a mismatched config fails on every rank naming the option and the rank"), None),

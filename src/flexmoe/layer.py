@@ -291,10 +291,14 @@ class MoELayer(nn.Module):
         return self.strategy if same else self._strategy_for(options)
 
     def _serves_without_plan(self, routing: RoutingOptions, tokens: Tensor) -> bool:
-        """Whether this call may take :meth:`_forward_without_plan`: no autograd, evaluation mode, eager, top-k
-        routing in token order with one capacity over the call, and few enough pairs for combine's scatter-add
-        (decoding and small evaluation batches)."""
+        """Whether this call may take :meth:`_forward_without_plan`: no autograd, evaluation mode, eager, one
+        process, top-k routing in token order with one capacity over the call, and few enough pairs for combine's
+        scatter-add (decoding and small evaluation batches)."""
         if torch.is_grad_enabled() or self.training or torch.compiler.is_compiling():
+            return False
+        if self.ep_group.distributed:
+            # It falls back to the full path when one of this rank's experts overflows: a decision of this rank
+            # alone, which under expert parallelism would run other exchanges than its peers'.
             return False
         if routing.selection != "topk" or self.topology is not None or routing.batch_prioritized:
             return False
