@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch._dynamo
 
 from flexmoe.apps import cli, generate, reshard, train
 
@@ -150,3 +152,32 @@ def test_resume_from_corrupted_checkpoint_fails_clearly(tmp_path: Path, capsys) 
     assert cli.main(["train", *argv, "--resume"]) == 2
     err = capsys.readouterr().err
     assert str(weights) in err and "truncated: tensor '" in err
+
+
+def test_compiled_run_equals_eager_and_its_checkpoint_resumes_eager(tmp_path: Path, capsys) -> None:
+    """--compile trains the same model: the eager run is the reference, step by step. A compiled run's
+    checkpoint keeps the eager parameter names (nn.Module.compile, in place), so an eager --resume continues
+    it; aot_eager keeps the test fast (the same graphs as inductor's, run by eager kernels)."""
+    flags = ["--log-every", "1", "--eval-every", "3", "--ckpt-every", "3", "--eval-batches", "2", *TINY_FLAGS]
+    assert _run(train, ["--out", str(tmp_path / "eager"), "--steps", "6", *flags]) == 0
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert _run(train, ["--out", str(tmp_path / "mixed"), "--steps", "3", "--compile", "aot_eager", *flags]) == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # it did compile
+    assert "under torch.compile (backend aot_eager)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "mixed" / "config.json").read_text())["train"]["compile"] == "aot_eager"
+    assert _run(train, ["--out", str(tmp_path / "mixed"), "--resume", "--steps", "6", *flags]) == 0
+    want, got = _metrics(tmp_path / "eager"), _metrics(tmp_path / "mixed")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
+    for a, b in zip(want, got):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-6), a["step"]
+        assert (a.get("val_loss") is None) == (b.get("val_loss") is None)
+        if a.get("val_loss") is not None:
+            assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5, abs=1e-6), a["step"]
+
+
+def test_compile_flag_rejects_an_unknown_backend(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "flexmoe", "train", "--out", str(tmp_path / "run"), "--steps", "1",
+                          "--compile", "no-such-backend"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "--compile: torch.compile has no backend 'no-such-backend'" in out.stderr
+    assert not (tmp_path / "run").exists()  # rejected before anything is written

@@ -4,8 +4,9 @@
 Each timing check builds one layer, compiles it (inductor, ``fullgraph=True`` in capacity mode), and times the
 eager and the compiled forward + backward side by side, steps interleaved (:func:`flexmoe.apps.bench.
 time_side_by_side`); the value is the compiled median over the eager one. The first compiled call (tracing and
-code generation, tens of seconds on CPU) is timed apart and reported in the note. A last check counts the graph
-breaks of dropless mode, where the per-expert counts must reach the host.
+code generation, tens of seconds on CPU) is timed apart and reported in the note. A check times the training
+job's model the same way (``flexmoe train --compile``), and a last one counts the graph breaks of dropless
+mode, where the per-expert counts must reach the host.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch._dynamo
@@ -20,7 +22,7 @@ import torch._dynamo
 from flexmoe.apps.bench import BenchConfig, _fwd_bwd, _inputs, build_layer, time_side_by_side
 from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings
 
-__all__ = ["compiled_vs_eager", "dropless_graph_breaks", "compile_checks"]
+__all__ = ["compiled_vs_eager", "compiled_model_vs_eager", "dropless_graph_breaks", "compile_checks"]
 
 # torch._dynamo.explain's count in dropless mode: one host sync of the counts (graphs minus one; the comment in
 # tests/test_compile.py says which), the number tests/test_compile.py asserts.
@@ -48,6 +50,44 @@ def compiled_vs_eager(cfg: BenchConfig, show: bool = False) -> Measurement:
                        f"eager {eager:.3f} s, compiled {comp:.3f} s, first compiled call {first_call:.0f} s")
 
 
+def compiled_model_vs_eager(steps: int, warmup: int, seed: int, show: bool = False) -> Measurement:
+    """The training job's MoE GPT (its defaults: :class:`flexmoe.apps.models.gpt.GPTConfig`, a batch of
+    :class:`flexmoe.apps.train.TrainConfig`'s size) compiled by inductor, forward + backward of the loss with
+    the router's regularization, over the eager model's time (one model, two forwards)."""
+    from flexmoe.apps.models.gpt import GPTConfig
+    from flexmoe.apps.train import TrainConfig, build_model
+
+    torch._dynamo.reset()
+    cfg, batch = GPTConfig(), TrainConfig().batch_size
+    model = build_model(cfg, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x, y = (torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=gen) for _ in range(2))
+    compiled = torch.compile(model)
+
+    def step(forward: Any) -> Any:
+        def run() -> None:
+            model.zero_grad(set_to_none=True)
+            _, loss = forward(x, y)
+            (loss + model.regularization_loss()).backward()
+        return run
+
+    eager_step, compiled_step = step(model), step(compiled)
+    if show:
+        print("compiling the training job's GPT ...", flush=True)
+    start = time.perf_counter()
+    compiled_step()
+    first_call = time.perf_counter() - start
+    times = time_side_by_side({"eager": eager_step, "compiled": compiled_step}, steps, warmup,
+                              desc="eager vs compiled" if show else None)
+    eager, comp = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    shape = (f"{cfg.n_layer} layers, D={cfg.n_embd}, E={cfg.num_experts} k={cfg.k} H={cfg.expert_hidden} "
+             f"cf={cfg.capacity_factor}, {batch}x{cfg.block_size} tokens")
+    return Measurement(comp / eager, "x eager", {"model": shape, "eager_s": eager, "compiled_s": comp,
+                                                 "first_compiled_call_s": first_call},
+                       f"eager {eager * 1e3:.1f} ms, compiled {comp * 1e3:.1f} ms, first compiled call "
+                       f"{first_call:.0f} s")
+
+
 def dropless_graph_breaks(cfg: BenchConfig) -> Measurement:
     """torch._dynamo.explain's graph breaks of one dropless forward at ``cfg`` (shapes do not change them)."""
     torch._dynamo.reset()
@@ -73,6 +113,9 @@ def compile_checks() -> list[SuiteCheck]:
         _ratio_check("compiled / eager E=8 H=1024 k=2 cf=1.25", BenchConfig(steps=5, warmup=1)),
         _ratio_check("compiled / eager E=64 H=256 k=8 cf=1.25",
                      BenchConfig(experts=64, hidden_dim=256, k=8, steps=5, warmup=1)),
+        SuiteCheck("compile", "compiled / eager, the training job's GPT (flexmoe train --compile)", 1.0,
+                   lambda settings: compiled_model_vs_eager(min(10, settings.steps), min(1, settings.warmup),
+                                                            settings.seed, settings.show)),
         SuiteCheck("compile", "dropless graph breaks (counts to the host)", DROPLESS_GRAPH_BREAKS,
                    lambda settings: dropless_graph_breaks(replace(small, seed=settings.seed))),
     ]

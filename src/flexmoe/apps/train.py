@@ -77,6 +77,7 @@ class TrainConfig:
     stop_at_target: bool = False
     plots: bool = True
     progress: bool = True
+    compile: str | None = None  # a torch.compile backend ("inductor", "aot_eager", ...); None: eager
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -164,6 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--target-loss", type=float, default=None,
       help="report wall time and tokens until the validation loss first reaches this value (default: none)")
     a("--stop-at-target", action="store_true", help="stop training once --target-loss is reached")
+    a("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+      help="train the model under torch.compile (default backend: inductor; the first steps compile it)")
     a("--nproc", type=int, default=1,
       help="launch N processes with torch.distributed.run (experts spread over ranks, the rest data-parallel)")
     add_model_flags(parser, _MODEL_FLAGS, m)
@@ -227,16 +230,31 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any] 
         seed=args.seed, data=args.data, log_every=args.log_every, eval_every=args.eval_every,
         eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, target_loss=args.target_loss,
         stop_at_target=args.stop_at_target, plots=not args.no_plots, progress=not args.no_progress,
+        compile=check_compile_backend(args.compile),
     )
     saved = saved_run_config(Path(args.out)) if args.resume else None
     if saved is not None:
+        # How the run executes (compiled or not, progress, plots) is this invocation's; what it computes is saved.
         steps = tcfg.steps if args.steps is not None else saved["train"]["steps"]
-        tcfg = TrainConfig(**{**saved["train"], "steps": steps, "progress": tcfg.progress, "plots": tcfg.plots})
+        tcfg = TrainConfig(**{**saved["train"], "steps": steps, "progress": tcfg.progress, "plots": tcfg.plots,
+                              "compile": tcfg.compile})
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
     if tcfg.batch_size % (world * tcfg.micro_batches):
         raise UsageError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
                          f"({world} x {tcfg.micro_batches}); e.g. --batch-size {world * tcfg.micro_batches * 8}")
     return tcfg, saved
+
+
+def check_compile_backend(backend: str | None) -> str | None:
+    """``--compile``'s backend if torch.compile has it (None: eager), else :class:`UsageError` listing them."""
+    if backend is None:
+        return None
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise UsageError(f"--compile: torch.compile has no backend {backend!r}; it has {known}")
+    return backend
 
 
 def saved_run_config(out: Path) -> dict[str, Any] | None:
@@ -460,6 +478,9 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     block_size = model.cfg.block_size
     optimizer = build_optimizer(model, tcfg)
+    if tcfg.compile is not None:
+        # In place (nn.Module.compile): parameter names, and so checkpoints, stay those of the eager model.
+        model.compile(backend=tcfg.compile)
     # Replicated parameters are all-reduced by DDP; spread experts are left out (their gradients already
     # hold every rank's tokens through the all-to-all).
     ddp = wrap_ddp(model) if world > 1 else None
@@ -501,6 +522,9 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
             print(f"[{label}] {params:,} parameters, {active_params:,} active per "
                   f"token; {data.source}: {len(data.train):,} train / {len(data.val):,} validation bytes",
                   flush=True)
+    if rank == 0 and tcfg.compile is not None:
+        print(f"[{label}] under torch.compile (backend {tcfg.compile}): the first step, and the first evaluation, "
+              f"compile the model", flush=True)
     tokens_per_step = tcfg.batch_size * block_size
     rows = _rank_rows(tcfg.batch_size, rank, world)
     micro = tcfg.batch_size // world // tcfg.micro_batches
