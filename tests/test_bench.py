@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -90,6 +91,38 @@ def test_distributed_bench_two_ranks() -> None:
     assert len(report["auto"]) == 2  # measuring every candidate, and steered by the cost model
     assert all(auto["choice"] in names for auto in report["auto"])
     assert all(0 <= row["comm_share"] <= 1 for row in report["settings"])
+    # CPU accounting: every setting and the floor cost some CPU per rank; the idle share is a share.
+    rows = [*report["settings"], report["floor_cpu"]]
+    assert all(row["cpu_seconds"] > 0 and (row["idle"] is None or 0 <= row["idle"] <= 1) for row in rows), rows
+    from flexmoe.apps.bench import format_distributed
+
+    table = format_distributed(report)
+    assert "cpu ms/rank" in table and "floor (per-rank rows)" in table
+
+
+def test_idle_share_weighs_spans_by_their_ticks() -> None:
+    from flexmoe.apps.bench import idle_share
+
+    assert idle_share([(10, 100), (30, 100)]) == pytest.approx(0.2)
+    assert idle_share([(0, 50), (50, 50)]) == pytest.approx(0.5)  # (0 + 50) / 100, not the mean of 0 and 1
+    assert idle_share([]) is None and idle_share([(0, 0)]) is None
+
+
+def test_cpu_account_counts_busy_work_and_node_ticks() -> None:
+    from flexmoe.apps.bench import CpuAccount, node_cpu_jiffies
+
+    def busy() -> None:
+        end = time.process_time() + 0.05
+        while time.process_time() < end:
+            pass
+
+    counted, account = CpuAccount.wrap(busy)
+    counted()
+    counted()
+    assert len(account.seconds) == 2 and all(0.05 <= s < 1.0 for s in account.seconds), account.seconds
+    if node_cpu_jiffies() is not None:  # Linux: /proc/stat
+        assert len(account.ticks) == 2 and all(0 <= idle <= total for idle, total in account.ticks)
+        assert sum(total for _, total in account.ticks) > 0  # 0.1 s of work spans at least one tick
 
 
 def test_bench_prints_its_header_before_the_timing_ends() -> None:

@@ -454,6 +454,51 @@ class _Stall(torch.autograd.Function):
         return grad, None
 
 
+def node_cpu_jiffies() -> tuple[int, int] | None:
+    """This node's ``(idle, total)`` CPU time since boot in clock ticks, all cores, from the first line of
+    ``/proc/stat`` (idle counts iowait; total is user to steal, guest time being inside user); None where there is
+    no ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return ticks[3] + ticks[4], sum(ticks)
+
+
+def idle_share(spans: Sequence[tuple[int, int]]) -> float | None:
+    """The idle share of the node over ``spans``, each an ``(idle, total)`` difference of
+    :func:`node_cpu_jiffies`; None without spans or ticks."""
+    total = sum(t for _, t in spans)
+    return sum(i for i, _ in spans) / total if total > 0 else None
+
+
+@dataclass
+class CpuAccount:
+    """What one case's calls cost in CPU: this process's CPU seconds per call (every thread of it, gloo's
+    included) and the node's ``(idle, total)`` ticks over each call."""
+
+    seconds: list[float]
+    ticks: list[tuple[int, int]]
+
+    @classmethod
+    def wrap(cls, run: Callable[[], None]) -> tuple[Callable[[], None], CpuAccount]:
+        """``run`` counted into a new account, and the account."""
+        account = cls([], [])
+
+        def counted() -> None:
+            before, start = node_cpu_jiffies(), time.process_time()
+            run()
+            account.seconds.append(time.process_time() - start)
+            after = node_cpu_jiffies()
+            if before is not None and after is not None:
+                account.ticks.append((after[0] - before[0], after[1] - before[1]))
+        return counted, account
+
+
 def _slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -515,21 +560,34 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
         local = _local_counts(layer, ep.gather_counts(layer.last_plan.counts))
         floor_step, _ = _floor_case(layer, local, cfg)
         cases["floor (1 rank, same per-rank rows)"] = _synced(floor_step)
+    # Where the time goes when the ranks share the cores: each case's CPU time per step (mean over the ranks) and
+    # the node's idle share while it ran. A step that keeps the cores busy costs its CPU work, not its waits.
+    accounts: dict[str, CpuAccount] = {}
+    for name in list(cases):
+        cases[name], accounts[name] = CpuAccount.wrap(cases[name])
     if show:
         print(_distributed_header(cfg, world, sleep_ms, torch.get_num_threads()), flush=True)
     times = time_side_by_side(cases, cfg.steps, cfg.warmup, sync=_slowest,
                               desc=f"timing {len(cases)} settings" if show else None)
     medians = {name: statistics.median(v) for name, v in times.items()}
+    cpu_local = torch.tensor([statistics.median(accounts[n].seconds[cfg.warmup:]) for n in cases],
+                             dtype=torch.float64)
+    dist.all_reduce(cpu_local)
+    cpu = dict(zip(cases, (cpu_local / world).tolist()))
+    idle = {n: idle_share(accounts[n].ticks[cfg.warmup:]) for n in cases}
     # The calling thread's time inside exchanges (launching or waiting): the exposed communication, median
     # over the timed steps (warm-up steps dropped) as a share of the median step.
     comm_share = {name: statistics.median(v[cfg.warmup:]) / medians[name] for name, v in exposed.items()}
 
     best_static = min((str(s) for s in settings), key=lambda name: medians[name])
     floor = medians.get("floor (1 rank, same per-rank rows)")
+    floor_name = "floor (1 rank, same per-rank rows)"
     setting_rows = [{"setting": str(s), "seconds": medians[str(s)], "comm_share": comm_share[str(s)],
-                     "x_floor": None if floor is None else medians[str(s)] / floor} for s in settings]
+                     "x_floor": None if floor is None else medians[str(s)] / floor,
+                     "cpu_seconds": cpu[str(s)], "idle": idle[str(s)]} for s in settings]
+    floor_cpu = {"cpu_seconds": cpu[floor_name], "idle": idle[floor_name]} if floor is not None else None
     if show:
-        print("\n".join(_distributed_rows(setting_rows, floor)), flush=True)
+        print("\n".join(_distributed_rows(setting_rows, floor, floor_cpu)), flush=True)
         print("tuning parallel='auto' ...", flush=True)
     def chooser() -> MeasuringChooser:
         return MeasuringChooser() if auto_trials is None else MeasuringChooser(trials=auto_trials)
@@ -564,6 +622,7 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
         "sleep_ms": sleep_ms, "threads_per_rank": torch.get_num_threads(),
         "settings": setting_rows,
         "floor_seconds": floor,
+        "floor_cpu": floor_cpu,
         "auto": auto_report, "best_static": best_static,
         "best_static_with_auto": best_with_auto.removeprefix("static "),
         "best_static_seconds": auto_medians[best_with_auto],
@@ -583,22 +642,36 @@ def _distributed_header(cfg: BenchConfig, world: int, sleep_ms: float | None, th
             f"median of {cfg.steps} steps, slowest rank")
 
 
-def _distributed_rows(settings: list[dict[str, Any]], floor: float | None) -> list[str]:
-    lines = [f"{'setting':<24}{'ms/step':>10}{'a2a wait':>10}{'share':>7}{'x floor':>9}"]
+def _distributed_rows(settings: list[dict[str, Any]], floor: float | None,
+                      floor_cpu: dict[str, Any] | None = None) -> list[str]:
+    """The table: per setting its step, the exposed exchange wait, the step over the floor, and its CPU time per
+    rank (mean over the ranks, every thread of the process), that over the floor's, and the node's idle share."""
+    lines = [f"{'setting':<24}{'ms/step':>10}{'a2a wait':>10}{'share':>7}{'x floor':>9}"
+             f"{'cpu ms/rank':>13}{'x floor':>9}{'idle':>7}"]
+    floor_cpu_s = None if floor_cpu is None else floor_cpu["cpu_seconds"]
+
+    def cpu_cells(row: dict[str, Any]) -> str:
+        if row.get("cpu_seconds") is None:
+            return ""
+        ratio = f"{row['cpu_seconds'] / floor_cpu_s:>9.3f}" if floor_cpu_s else f"{'':>9}"
+        idle = f"{row['idle']:>7.1%}" if row.get("idle") is not None else f"{'-':>7}"
+        return f"{row['cpu_seconds'] * 1e3:>13.1f}{ratio}{idle}"
+
     for row in settings:
-        ratio = "" if row["x_floor"] is None else f"{row['x_floor']:>9.3f}"
+        ratio = f"{'':>9}" if row["x_floor"] is None else f"{row['x_floor']:>9.3f}"
         wait_ms = row["comm_share"] * row["seconds"] * 1e3
         lines.append(f"{row['setting']:<24}{row['seconds'] * 1e3:>10.1f}{wait_ms:>10.1f}{row['comm_share']:>7.0%}"
-                     f"{ratio}")
+                     f"{ratio}{cpu_cells(row)}")
     if floor is not None:
-        lines.append(f"{'floor (per-rank rows)':<24}{floor * 1e3:>10.1f}")
+        cells = cpu_cells(floor_cpu) if floor_cpu is not None else ""
+        lines.append(f"{'floor (per-rank rows)':<24}{floor * 1e3:>10.1f}{'':>26}{cells}")
     return lines
 
 
 def format_distributed(report: dict[str, Any]) -> str:
     return "\n".join([_distributed_header(BenchConfig(**report["config"]), report["world_size"],
                                           report["sleep_ms"], report["threads_per_rank"]),
-                      *_distributed_rows(report["settings"], report["floor_seconds"]),
+                      *_distributed_rows(report["settings"], report["floor_seconds"], report.get("floor_cpu")),
                       *_distributed_conclusions(report)])
 
 
