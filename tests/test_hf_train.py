@@ -75,6 +75,24 @@ def test_hf_arch_run_writes_the_run_directory_and_learns(arch: str, tmp_path: Pa
         assert records[-1]["balance_loss"] > 0.5  # HF's loss, about 1 per layer... summed over 4 layers
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss"])
+def test_hf_arch_trains_under_compile_as_eager(arch: str, tmp_path: Path) -> None:
+    """--compile on a converted Hugging Face model: the losses of the eager run, step by step (aot_eager keeps
+    the test short). DeepSeek-V3's multi-head latent attention compiles with one key/value head per query head,
+    as in its own config (hf_configs); GPT-OSS's clamped experts keep the three stages."""
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    assert _train(["--hf-arch", arch, "--out", str(eager), "--steps", "4", *TINY]) == 0
+    assert _train(["--hf-arch", arch, "--out", str(compiled), "--steps", "4", "--compile", "aot_eager", *TINY]) == 0
+    want, got = _metrics(eager), _metrics(compiled)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [2, 4]
+    for a, b in zip(want, got):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-6)
+        assert (a.get("val_loss") is None) == (b.get("val_loss") is None)
+        if a.get("val_loss") is not None:
+            assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5, abs=1e-6)
+
+
 def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path: Path, capsys) -> None:
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert _train(["--hf-arch", "qwen3_moe", "--out", str(whole), "--steps", "8", *TINY]) == 0

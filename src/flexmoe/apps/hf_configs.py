@@ -30,8 +30,11 @@ _FAMILIES: dict[str, dict[str, Any]] = {
                       head_dim=16, norm_topk_prob=True, **_AUX_LOSS),
     "olmoe": dict(intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, **_AUX_LOSS),
     # 8 routed experts in 4 groups, each token's experts from its best 2 groups; one shared expert; the
-    # multi-head latent attention at small ranks; plain rotary embeddings (the default config asks for YaRN).
-    "deepseek_v3": dict(intermediate_size=256, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+    # multi-head latent attention at small ranks, one key/value head per query head as DeepSeek-V3's own config
+    # has (transformers' compiled SDPA path repeats MLA's keys by heads / kv heads: with 2 it got 8 for 4 queries);
+    # plain rotary embeddings (the default config asks for YaRN).
+    "deepseek_v3": dict(num_key_value_heads=4, intermediate_size=256, moe_intermediate_size=128, n_routed_experts=8,
+                        num_experts_per_tok=2,
                         n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
                         routed_scaling_factor=1.0, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8,
                         qk_nope_head_dim=8, v_head_dim=16,
