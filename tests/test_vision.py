@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo
 
 from flexmoe.apps import cli, vision
 from flexmoe.apps.models.vit import ViT, ViTConfig, patchify
@@ -169,6 +170,22 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path: Path) -> Non
         assert ra["train_loss"] == rb["train_loss"] and ra.get("val_loss") == rb.get("val_loss")
     assert json.loads((split / "summary.json").read_text())["val_accuracy"] == \
         json.loads((straight / "summary.json").read_text())["val_accuracy"]
+
+
+def test_compiled_run_equals_eager(tmp_path: Path) -> None:
+    """--compile (aot_eager here, for speed) trains the cosine-router ViT to the eager run's losses."""
+    flags = ["--steps", "20", "--log-every", "10", "--eval-every", "20", "--ckpt-every", "20", "--n-embd", "32",
+             "--n-layer", "2", "--expert-hidden", "32", "--num-experts", "4", "--no-progress", "--no-plots"]
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    assert cli.main(["train-vision", "--out", str(eager), *flags]) == 0
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert cli.main(["train-vision", "--out", str(compiled), "--compile", "aot_eager", *flags]) == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # it did compile
+    a, b = _metrics(eager), _metrics(compiled)
+    assert [r["step"] for r in b] == [r["step"] for r in a] == [10, 20]
+    for ra, rb in zip(a, b):
+        assert rb["train_loss"] == pytest.approx(ra["train_loss"], rel=1e-5, abs=1e-6)
+    assert b[-1]["val_loss"] == pytest.approx(a[-1]["val_loss"], rel=1e-5, abs=1e-6)
 
 
 def test_user_errors_are_one_line(tmp_path: Path, capsys) -> None:

@@ -165,8 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--target-loss", type=float, default=None,
       help="report wall time and tokens until the validation loss first reaches this value (default: none)")
     a("--stop-at-target", action="store_true", help="stop training once --target-loss is reached")
-    a("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-      help="train the model under torch.compile (default backend: inductor; the first steps compile it)")
+    add_compile_flag(parser)
     a("--nproc", type=int, default=1,
       help="launch N processes with torch.distributed.run (experts spread over ranks, the rest data-parallel)")
     add_model_flags(parser, _MODEL_FLAGS, m)
@@ -243,6 +242,24 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any] 
         raise UsageError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
                          f"({world} x {tcfg.micro_batches}); e.g. --batch-size {world * tcfg.micro_batches * 8}")
     return tcfg, saved
+
+
+def add_compile_flag(parser: argparse.ArgumentParser) -> None:
+    """``--compile [BACKEND]`` (:func:`check_compile_backend`, :func:`compile_model`)."""
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="train the model under torch.compile (default backend: inductor; the first steps "
+                             "compile it)")
+
+
+def compile_model(model: nn.Module, tcfg: TrainConfig, label: str, rank: int = 0) -> None:
+    """Compile ``model`` in place when ``tcfg.compile`` names a backend: ``nn.Module.compile``, so parameter
+    names, and so checkpoints, stay those of the eager model."""
+    if tcfg.compile is None:
+        return
+    model.compile(backend=tcfg.compile)
+    if rank == 0:
+        print(f"[{label}] under torch.compile (backend {tcfg.compile}): the first step, and the first evaluation, "
+              f"compile the model", flush=True)
 
 
 def check_compile_backend(backend: str | None) -> str | None:
@@ -478,9 +495,6 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     block_size = model.cfg.block_size
     optimizer = build_optimizer(model, tcfg)
-    if tcfg.compile is not None:
-        # In place (nn.Module.compile): parameter names, and so checkpoints, stay those of the eager model.
-        model.compile(backend=tcfg.compile)
     # Replicated parameters are all-reduced by DDP; spread experts are left out (their gradients already
     # hold every rank's tokens through the all-to-all).
     ddp = wrap_ddp(model) if world > 1 else None
@@ -522,9 +536,7 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
             print(f"[{label}] {params:,} parameters, {active_params:,} active per "
                   f"token; {data.source}: {len(data.train):,} train / {len(data.val):,} validation bytes",
                   flush=True)
-    if rank == 0 and tcfg.compile is not None:
-        print(f"[{label}] under torch.compile (backend {tcfg.compile}): the first step, and the first evaluation, "
-              f"compile the model", flush=True)
+    compile_model(model, tcfg, label, rank)
     tokens_per_step = tcfg.batch_size * block_size
     rows = _rank_rows(tcfg.batch_size, rank, world)
     micro = tcfg.batch_size // world // tcfg.micro_batches

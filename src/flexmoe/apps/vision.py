@@ -34,12 +34,15 @@ from flexmoe.apps.train import (
     RUN_FILES,
     RunResult,
     TrainConfig,
+    add_compile_flag,
     add_model_flags,
     add_run_flags,
     build_optimizer,
+    check_compile_backend,
     check_run_dir,
     check_run_flags,
     clip_gradients,
+    compile_model,
     finished_run,
     lr_at,
     model_flag_values,
@@ -115,6 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=t.seed, help="seed of the initialisation and batch order (not of the split)")
     a("--batch-size", type=int, default=t.batch_size, help="images per step")
     a("--eval-every", type=int, default=t.eval_every, help="steps between held-out evaluations")
+    add_compile_flag(parser)
     add_model_flags(parser, _MODEL_FLAGS, m)
 
 
@@ -127,7 +131,7 @@ def _configs(args: argparse.Namespace) -> tuple[ViTConfig, TrainConfig]:
         old = json.loads(saved.read_text())
         steps = args.steps if args.steps is not None else old["train"]["steps"]
         tcfg = TrainConfig(**{**old["train"], "steps": steps, "progress": not args.no_progress,
-                              "plots": not args.no_plots})
+                              "plots": not args.no_plots, "compile": check_compile_backend(args.compile)})
         return ViTConfig.from_dict(old["model"]), tcfg
     base = default_train_config()
     tcfg = TrainConfig(**{
@@ -135,6 +139,7 @@ def _configs(args: argparse.Namespace) -> tuple[ViTConfig, TrainConfig]:
         "batch_size": args.batch_size, "lr": args.lr, "min_lr": args.lr / 10, "warmup": args.warmup,
         "seed": args.seed, "log_every": args.log_every, "eval_every": args.eval_every,
         "ckpt_every": args.ckpt_every, "plots": not args.no_plots, "progress": not args.no_progress,
+        "compile": check_compile_backend(args.compile),
     })
     overrides = model_flag_values(args, _MODEL_FLAGS)
     try:
@@ -189,6 +194,7 @@ def train_vision(mcfg: ViTConfig, tcfg: TrainConfig, out: str | Path, *, resume:
     train_set, held_out = load_digits_split()
     model = build_vit(mcfg, tcfg.seed)
     optimizer = build_optimizer(model, tcfg)
+    compile_model(model, tcfg, label)
     torch.manual_seed(tcfg.seed + 1)  # training-time randomness (dropout)
 
     metrics_path = out / "metrics.jsonl"
