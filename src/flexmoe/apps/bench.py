@@ -553,13 +553,14 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
         return run
 
     cases = {str(s): timed_setting(s) for s in settings}
+    floor_name = "floor (1 rank, same per-rank rows)"
     if sleep_ms is None:
         with torch.no_grad():
             layer(x)
         assert layer.last_plan is not None  # set by the forward above
         local = _local_counts(layer, ep.gather_counts(layer.last_plan.counts))
         floor_step, _ = _floor_case(layer, local, cfg)
-        cases["floor (1 rank, same per-rank rows)"] = _synced(floor_step)
+        cases[floor_name] = _synced(floor_step)
     # Where the time goes when the ranks share the cores: each case's CPU time per step (mean over the ranks) and
     # the node's idle share while it ran. A step that keeps the cores busy costs its CPU work, not its waits.
     accounts: dict[str, CpuAccount] = {}
@@ -580,8 +581,7 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
     comm_share = {name: statistics.median(v[cfg.warmup:]) / medians[name] for name, v in exposed.items()}
 
     best_static = min((str(s) for s in settings), key=lambda name: medians[name])
-    floor = medians.get("floor (1 rank, same per-rank rows)")
-    floor_name = "floor (1 rank, same per-rank rows)"
+    floor = medians.get(floor_name)
     setting_rows = [{"setting": str(s), "seconds": medians[str(s)], "comm_share": comm_share[str(s)],
                      "x_floor": None if floor is None else medians[str(s)] / floor,
                      "cpu_seconds": cpu[str(s)], "idle": idle[str(s)]} for s in settings]

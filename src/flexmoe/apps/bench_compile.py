@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
 import torch._dynamo
+from torch import Tensor
 
 from flexmoe.apps.bench import BenchConfig, _fwd_bwd, _inputs, build_layer, time_side_by_side
 from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings
@@ -29,6 +31,20 @@ __all__ = ["compiled_vs_eager", "compiled_model_vs_eager", "dropless_graph_break
 DROPLESS_GRAPH_BREAKS = 3
 
 
+def _eager_and_compiled(eager_step: Callable[[], None], compiled_step: Callable[[], None], steps: int, warmup: int,
+                        show: str | None) -> tuple[float, float, float]:
+    """The median seconds of each step timed side by side, after one compiled call (tracing and code generation)
+    timed apart: ``(eager, compiled, first compiled call)``. ``show``: what is compiled, to print progress."""
+    if show is not None:
+        print(f"compiling {show} ...", flush=True)
+    start = time.perf_counter()
+    compiled_step()
+    first_call = time.perf_counter() - start
+    times = time_side_by_side({"eager": eager_step, "compiled": compiled_step}, steps, warmup,
+                              desc="eager vs compiled" if show is not None else None)
+    return statistics.median(times["eager"]), statistics.median(times["compiled"]), first_call
+
+
 def compiled_vs_eager(cfg: BenchConfig, show: bool = False) -> Measurement:
     """The compiled layer's forward + backward time over the eager layer's, at ``cfg`` (same layer, same input)."""
     torch._dynamo.reset()  # every layer shares forward's code object: start its recompilation budget afresh
@@ -37,14 +53,8 @@ def compiled_vs_eager(cfg: BenchConfig, show: bool = False) -> Measurement:
     compiled = torch.compile(layer, fullgraph=cfg.capacity_factor > 0)
     eager_step = _fwd_bwd(lambda: layer(x), grad, layer)
     compiled_step = _fwd_bwd(lambda: compiled(x), grad, layer)
-    if show:
-        print(f"compiling {cfg.describe()} ...", flush=True)
-    start = time.perf_counter()
-    compiled_step()
-    first_call = time.perf_counter() - start
-    times = time_side_by_side({"eager": eager_step, "compiled": compiled_step}, cfg.steps, cfg.warmup,
-                              desc="eager vs compiled" if show else None)
-    eager, comp = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    eager, comp, first_call = _eager_and_compiled(eager_step, compiled_step, cfg.steps, cfg.warmup,
+                                                  cfg.describe() if show else None)
     return Measurement(comp / eager, "x eager", {"config": cfg.describe(), "eager_s": eager, "compiled_s": comp,
                                                  "first_compiled_call_s": first_call},
                        f"eager {eager:.3f} s, compiled {comp:.3f} s, first compiled call {first_call:.0f} s")
@@ -64,22 +74,15 @@ def compiled_model_vs_eager(steps: int, warmup: int, seed: int, show: bool = Fal
     x, y = (torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=gen) for _ in range(2))
     compiled = torch.compile(model)
 
-    def step(forward: Any) -> Any:
+    def step(forward: Callable[[Tensor, Tensor], tuple[Any, Tensor]]) -> Callable[[], None]:
         def run() -> None:
             model.zero_grad(set_to_none=True)
             _, loss = forward(x, y)
             (loss + model.regularization_loss()).backward()
         return run
 
-    eager_step, compiled_step = step(model), step(compiled)
-    if show:
-        print("compiling the training job's GPT ...", flush=True)
-    start = time.perf_counter()
-    compiled_step()
-    first_call = time.perf_counter() - start
-    times = time_side_by_side({"eager": eager_step, "compiled": compiled_step}, steps, warmup,
-                              desc="eager vs compiled" if show else None)
-    eager, comp = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    eager, comp, first_call = _eager_and_compiled(step(model), step(compiled), steps, warmup,
+                                                  "the training job's GPT" if show else None)
     shape = (f"{cfg.n_layer} layers, D={cfg.n_embd}, E={cfg.num_experts} k={cfg.k} H={cfg.expert_hidden} "
              f"cf={cfg.capacity_factor}, {batch}x{cfg.block_size} tokens")
     return Measurement(comp / eager, "x eager", {"model": shape, "eager_s": eager, "compiled_s": comp,
