@@ -327,3 +327,17 @@ def assert_expert_grads(got: dict[str, Tensor | None], ref: dict[str, Tensor | N
         assert got_t.grad is not None and ref_t.grad is not None, name
         assert torch.equal(got_t.grad[idle_expert], torch.zeros_like(got_t.grad[idle_expert])), name
         torch.testing.assert_close(got_t.grad.double(), ref_t.grad, **tol, msg=name)
+
+
+def ref_layout_rows(unit_rows: list[int], capacity: int, num_experts: int) -> tuple[int, dict[int, int]]:
+    """The rows of a custom op's layout, written out: ``(N, {real row: its expert})``. Units ``u = e * B + b``; a
+    padded layout gives each unit ``capacity`` rows, its real ones first; capacity 0 (packed) puts them back to
+    back with no padding."""
+    units_per_expert = len(unit_rows) // num_experts
+    real: dict[int, int] = {}
+    start = 0
+    for u, n in enumerate(unit_rows):
+        for i in range(n):
+            real[start + i] = u // units_per_expert
+        start += capacity if capacity else n
+    return start, real

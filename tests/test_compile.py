@@ -320,6 +320,47 @@ def _padded_rows_seen(moe: MoELayer, x: Tensor, op: str = "flexmoe::padded_exper
 
 
 @pytest.mark.parametrize("op", list(UNIT_ROWS_READERS))
+def test_dropless_counts_of_zero_and_one_compile_once(op: str, monkeypatch: pytest.MonkeyPatch,
+                                                       request: pytest.FixtureRequest) -> None:
+    """Dropless with many experts: which experts get 0 or 1 rows changes from call to call. Traced as Python ints,
+    each such count was a value dynamo specializes on (a recompilation nearly every call, until its limit sent
+    the rest of the forward back to eager); the experts' custom op now reads them on the device, in the packed
+    layout. Six calls, each equal to the float64 reference, compile no graph after the second call (automatic
+    dynamic's one recompilation)."""
+    if op == "flexmoe::padded_fused_experts":
+        request.getfixturevalue("fused_everywhere")
+    module, name = UNIT_ROWS_READERS[op]
+    layouts: list[int] = []
+    original = getattr(module, name)
+
+    def spy(unit_rows: list[int], capacity: int, num_experts: int) -> Any:
+        layouts.append(capacity)
+        return original(unit_rows, capacity, num_experts)
+
+    monkeypatch.setattr(module, name, spy)
+    torch.manual_seed(0)
+    moe = MoELayer(8, 12, 6, k=3, capacity_factor=0.0, dtype=torch.float64, router_dtype=torch.float64)
+    compiled = torch.compile(moe, backend="aot_eager")
+    graphs, few_rows = [], set()
+    for seed in range(6):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(6, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+        grad = torch.randn(6, 8, dtype=torch.float64, generator=gen)
+        ref, x64, params = reference_for_layer(moe, x, k=3, capacity_factor=0.0)
+        got = compiled(x)
+        grads = _grads(moe, x, got, grad)
+        ref.y.backward(grad)
+        _assert_matches_reference(got, grads, ref, x64, params)
+        plan = moe.last_plan
+        assert plan is not None and not plan.padded
+        few_rows.add(tuple(e for e, n in enumerate(plan.counts) if n <= 1))
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert len(few_rows) >= 4  # the calls differ in their experts with 0 or 1 rows
+    assert graphs[-1] == graphs[1], graphs
+    assert layouts and set(layouts) == {padded_ffn_op.PACKED}  # forward and backward, every call
+
+
+@pytest.mark.parametrize("op", list(UNIT_ROWS_READERS))
 def test_padded_op_with_capacity_per_sequence_matches_eager(op: str, request: pytest.FixtureRequest) -> None:
     """Switch's per-sequence capacity: each (expert, sequence) unit's real rows lead its block of C rows; the
     fused op adds each expert's weight gradients over its units."""

@@ -1,7 +1,8 @@
 """flexmoe::padded_experts called directly (no compiling), forward and backward, against a row-by-row float64
 reference: a padded layout of several sequences per expert (an expert's weight gradients summed over its
 units), units without rows, an expert without any, padding rows holding garbage that must not leak into the
-output or the gradients, every named activation and the gated units."""
+output or the gradients, every named activation and the gated units; and the packed layout of a dropless plan
+(an expert with one row, one without)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from flexmoe.padded_ffn_op import padded_op_available, padding_ranges
-from reference import assert_expert_grads, random_expert_params, ref_activation
+from flexmoe.padded_ffn_op import PACKED, padded_op_available, padded_segments, padding_ranges
+from reference import assert_expert_grads, random_expert_params, ref_activation, ref_layout_rows
 
 pytestmark = pytest.mark.skipif(not padded_op_available(), reason="this torch has no torch.library.custom_op")
 
@@ -18,6 +19,8 @@ CAPACITY = 4
 # 3 experts x 2 sequences: expert 0 has a full unit and an empty one, expert 1 two partial units, expert 2 none.
 UNIT_ROWS = [4, 0, 2, 3, 0, 0]
 NUM_EXPERTS, MODEL_DIM, HIDDEN = 3, 5, 7
+# Packed (dropless, compiled): one unit per expert, back to back; expert 0 has one row, expert 2 none.
+LAYOUTS = {"padded": (UNIT_ROWS, CAPACITY), "packed": ([1, 5, 0], PACKED)}
 
 
 def test_padding_ranges_lists_the_rows_after_each_units_real_rows_merged() -> None:
@@ -25,6 +28,12 @@ def test_padding_ranges_lists_the_rows_after_each_units_real_rows_merged() -> No
     assert padding_ranges([4, 4], 4) == []
     assert padding_ranges([0, 0], 3) == [(0, 6)]
     assert padding_ranges([1, 3, 0], 3) == [(1, 3), (6, 9)]
+    assert padding_ranges([1, 5, 0], PACKED) == []
+
+
+def test_packed_segments_follow_each_other() -> None:
+    assert padded_segments([1, 5, 0, 2], PACKED, 4) == [(0, 0, 1), (1, 1, 5), (3, 6, 2)]
+    assert padded_segments(UNIT_ROWS, CAPACITY, NUM_EXPERTS) == [(0, 0, 4), (1, 8, 2), (1, 12, 3)]
 
 
 def _reference_row(x: Tensor, e: int, p: dict[str, Tensor | None], activation: str, glu: bool,
@@ -64,9 +73,10 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", list(CASES))
-def test_op_computes_real_rows_only_and_matches_the_reference(case: str, dtype: torch.dtype) -> None:
+def test_op_computes_real_rows_only_and_matches_the_reference(case: str, dtype: torch.dtype, layout: str) -> None:
     options = CASES[case]
     activation, glu, bias, glu_limit = (options["activation"], options["glu"], options["bias"],
                                         options["glu_limit"])
@@ -76,29 +86,31 @@ def test_op_computes_real_rows_only_and_matches_the_reference(case: str, dtype: 
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.7
 
     p64 = random_expert_params(gen, NUM_EXPERTS, MODEL_DIM, HIDDEN, glu=glu, bias=bias)
-    num_rows = len(UNIT_ROWS) * CAPACITY
+    unit_rows, capacity = LAYOUTS[layout]
+    num_rows, expert_of = ref_layout_rows(unit_rows, capacity, NUM_EXPERTS)
     rows64, grad64 = r(num_rows, MODEL_DIM), r(num_rows, MODEL_DIM)
-    real = [u * CAPACITY + i for u, n in enumerate(UNIT_ROWS) for i in range(n)]
+    real = sorted(expert_of)
     padding = sorted(set(range(num_rows)) - set(real))
+    assert bool(padding) == (layout == "padded")
     rows64[padding] = float("nan")  # never read: neither the output nor any gradient may see it
-    units_per_expert = len(UNIT_ROWS) // NUM_EXPERTS
 
     # Reference: each real row through its expert, float64 autograd.
     ref_p = {n: t.clone().requires_grad_() if t is not None else None for n, t in p64.items()}
     ref_rows = rows64.clone().requires_grad_()
-    ref_out = {i: _reference_row(ref_rows[i], i // CAPACITY // units_per_expert, ref_p, activation, glu,
-                                 glu_limit) for i in real}
+    ref_out = {i: _reference_row(ref_rows[i], expert_of[i], ref_p, activation, glu, glu_limit) for i in real}
     torch.stack([ref_out[i] for i in real]).mul(grad64[real]).sum().backward()
 
     got_p = {n: t.to(dtype).requires_grad_() if t is not None else None for n, t in p64.items()}
     got_rows = rows64.to(dtype).requires_grad_()
     out, *saved = torch.ops.flexmoe.padded_experts(
-        got_rows, torch.tensor(UNIT_ROWS), CAPACITY, got_p["w1"], got_p["b1"], got_p["w2"], got_p["b2"],
+        got_rows, torch.tensor(unit_rows), capacity, got_p["w1"], got_p["b1"], got_p["w2"], got_p["b2"],
         got_p["w3"], got_p["b3"], activation, glu_limit)
     # The pre-activations and the unit's output only ride along for the backward: no gradient flows into them.
-    pre1, pre3, h = saved  # one [capacity, H] piece per unit each (pre3: none without gating)
-    assert len(pre1) == len(h) == len(UNIT_ROWS) and len(pre3) == (len(UNIT_ROWS) if glu else 0)
-    assert all(t.shape == (CAPACITY, HIDDEN) for t in [*pre1, *pre3, *h])
+    # Padded: one [capacity, H] piece per unit each (pre3: none without gating); packed: one [N, H] piece.
+    pre1, pre3, h = saved
+    pieces, piece_rows = (len(unit_rows), capacity) if layout == "padded" else (1, num_rows)
+    assert len(pre1) == len(h) == pieces and len(pre3) == (pieces if glu else 0)
+    assert all(t.shape == (piece_rows, HIDDEN) for t in [*pre1, *pre3, *h])
     assert out.requires_grad and not any(t.requires_grad for t in [*pre1, *pre3, *h])
     out.backward(grad64.to(dtype))
 

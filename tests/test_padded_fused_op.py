@@ -1,7 +1,8 @@
 """flexmoe::padded_fused_experts called directly (no compiling), forward and backward, against a float64
 reference written with loops: a padded layout of several sequences per expert, units without rows, an expert
 without any, padding rows whose tokens and weights hold garbage (NaN weights) that must reach neither the output
-nor any gradient, tokens with no row; the named activations and the gated unit. And the rule that picks it."""
+nor any gradient, tokens with no row; the named activations and the gated unit; the packed layout of a dropless
+plan. And the rule that picks it."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import torch
 from torch import Tensor
 
 from flexmoe import MoELayer
-from flexmoe.padded_ffn_op import padded_op_available
+from flexmoe.padded_ffn_op import PACKED, padded_op_available
 from flexmoe.padded_fused_op import padded_chunks, use_padded_fused
 from flexmoe.routing.build import build_plan
-from reference import assert_expert_grads, random_expert_params, ref_activation
+from reference import assert_expert_grads, random_expert_params, ref_activation, ref_layout_rows
 
 pytestmark = pytest.mark.skipif(not padded_op_available(), reason="this torch has no torch.library.custom_op")
 
@@ -21,6 +22,8 @@ CAPACITY = 4
 # 3 experts x 2 sequences: expert 0 a full unit and an empty one, expert 1 two partial units, expert 2 none.
 UNIT_ROWS = [4, 0, 2, 3, 0, 0]
 NUM_EXPERTS, NUM_TOKENS, MODEL_DIM, HIDDEN = 3, 6, 5, 7
+# Packed (dropless, compiled): one unit per expert, back to back; expert 0 has one row, expert 2 none.
+LAYOUTS = {"padded": (UNIT_ROWS, CAPACITY), "packed": ([1, 5, 0], PACKED)}
 
 CASES = {
     "gelu bias": dict(activation="gelu", glu=False, bias=True),
@@ -33,11 +36,13 @@ CASES = {
 def test_padded_chunks_are_the_units_with_rows() -> None:
     assert padded_chunks(UNIT_ROWS, CAPACITY, NUM_EXPERTS) == [(0, 4, [(0, 0, 4)]), (8, 2, [(1, 0, 2)]),
                                                                 (12, 3, [(1, 0, 3)])]
+    assert padded_chunks([1, 5, 0], PACKED, NUM_EXPERTS) == [(0, 1, [(0, 0, 1)]), (1, 5, [(1, 0, 5)])]
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", list(CASES))
-def test_op_matches_the_reference_and_never_reads_padding(case: str, dtype: torch.dtype) -> None:
+def test_op_matches_the_reference_and_never_reads_padding(case: str, dtype: torch.dtype, layout: str) -> None:
     activation, glu, bias = CASES[case]["activation"], CASES[case]["glu"], CASES[case]["bias"]
     gen = torch.Generator().manual_seed(0)
 
@@ -45,14 +50,15 @@ def test_op_matches_the_reference_and_never_reads_padding(case: str, dtype: torc
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.7
 
     p64 = random_expert_params(gen, NUM_EXPERTS, MODEL_DIM, HIDDEN, glu=glu, bias=bias)
-    num_rows = len(UNIT_ROWS) * CAPACITY
-    real = [u * CAPACITY + i for u, n in enumerate(UNIT_ROWS) for i in range(n)]
+    unit_rows, capacity = LAYOUTS[layout]
+    num_rows, expert_of = ref_layout_rows(unit_rows, capacity, NUM_EXPERTS)
+    real = sorted(expert_of)
     padding = sorted(set(range(num_rows)) - set(real))
+    assert bool(padding) == (layout == "padded")
     row_token = torch.randint(0, NUM_TOKENS - 1, (num_rows,), generator=gen)  # the last token gets no row
     row_weight64 = r(num_rows)
     row_weight64[padding] = float("nan")
     tokens64, grad64 = r(NUM_TOKENS, MODEL_DIM), r(NUM_TOKENS, MODEL_DIM)
-    units_per_expert = len(UNIT_ROWS) // NUM_EXPERTS
     act = ref_activation(activation)
 
     # Reference: y[t] = sum over the real rows r of token t of w_r * expert_e(r)(x_t), float64 autograd.
@@ -60,7 +66,7 @@ def test_op_matches_the_reference_and_never_reads_padding(case: str, dtype: torc
     ref_tokens, ref_weight = tokens64.clone().requires_grad_(), row_weight64.clone().requires_grad_()
     ref_y = [torch.zeros(MODEL_DIM, dtype=torch.float64) for _ in range(NUM_TOKENS)]
     for i in real:
-        e, t = i // CAPACITY // units_per_expert, int(row_token[i])
+        e, t = expert_of[i], int(row_token[i])
         x = ref_tokens[t]
         w1, w2, w3 = ref_p["w1"], ref_p["w2"], ref_p["w3"]
         assert w1 is not None and w2 is not None
@@ -76,9 +82,10 @@ def test_op_matches_the_reference_and_never_reads_padding(case: str, dtype: torc
     got_p = {n: t.to(dtype).requires_grad_() if t is not None else None for n, t in p64.items()}
     got_tokens, got_weight = tokens64.to(dtype).requires_grad_(), row_weight64.to(dtype).requires_grad_()
     y, pre1, pre3, h = torch.ops.flexmoe.padded_fused_experts(
-        got_tokens, row_token, got_weight, torch.tensor(UNIT_ROWS), CAPACITY, got_p["w1"], got_p["b1"], got_p["w2"],
+        got_tokens, row_token, got_weight, torch.tensor(unit_rows), capacity, got_p["w1"], got_p["b1"], got_p["w2"],
         got_p["b2"], got_p["w3"], got_p["b3"], activation)
-    assert len(pre1) == len(h) == len(UNIT_ROWS) and len(pre3) == (len(UNIT_ROWS) if glu else 0)
+    pieces = len(unit_rows) if layout == "padded" else 1  # packed: one [N, H] piece
+    assert len(pre1) == len(h) == pieces and len(pre3) == (pieces if glu else 0)
     assert y.requires_grad and not any(t.requires_grad for t in [*pre1, *pre3, *h])  # saved for backward only
     y.backward(grad64.to(dtype))
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch, sum_choices_by_token, sum_rows_by_token
 from flexmoe.experts import ExpertOptions, FeedForwardExperts
 from flexmoe.fused_experts import HiddenUnit, fused_experts, use_fused
-from flexmoe.padded_ffn_op import padded_experts_forward
+from flexmoe.padded_ffn_op import layout_op_runs, padded_experts_forward
 from flexmoe.padded_fused_op import padded_fused_experts, use_padded_fused
 from flexmoe.parallel.auto import MeasuringChooser
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
@@ -234,7 +234,7 @@ class MoELayer(nn.Module):
         else:
             expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
             expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned,
-                                              plan if plan.padded else None)  # [N, M]
+                                              plan if self._by_layout(plan, expert_input) else None)  # [N, M]
             y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
         if self.shared is not None:
             y = y + self._shared_output(tokens).to(y.dtype)
@@ -248,12 +248,12 @@ class MoELayer(nn.Module):
     def _runs_fused(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions) -> bool:
         """Whether dispatch, the experts and combine run fused, expert by expert (:mod:`flexmoe.fused_experts`):
         the built-in experts, all in this process, weights applied at combine, and where
-        :func:`~flexmoe.fused_experts.use_fused` says it is faster (training with many small experts); a padded
-        plan (compiling) by the custom op of :mod:`flexmoe.padded_fused_op`."""
+        :func:`~flexmoe.fused_experts.use_fused` says it is faster (training with many small experts); compiling,
+        by the custom op of :mod:`flexmoe.padded_fused_op` (over a padded plan, or any other packed)."""
         experts = self.experts
         if not isinstance(experts, FeedForwardExperts) or self.ep_group.distributed or routing.score_at != "combine":
             return False
-        if plan.padded:  # compiling: the fused experts as a custom op over the padded plan
+        if plan.padded or torch.compiler.is_compiling():
             return use_padded_fused(experts, tokens, plan)
         return use_fused(tokens, plan.counts, experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3)
 
@@ -262,7 +262,7 @@ class MoELayer(nn.Module):
         e = self.experts
         assert isinstance(e, FeedForwardExperts)  # checked by _runs_fused
         self.last_choice, self.last_shadowed = self.strategy.last_choice, []
-        if plan.padded:
+        if plan.padded or torch.compiler.is_compiling():
             return padded_fused_experts(e, tokens, plan)
         return fused_experts(tokens, plan.row_token, plan.row_weight.to(tokens.dtype), plan.counts, e.w1, e.b1,
                              e.w2, e.b2, e.w3, e.b3, HiddenUnit(e.activation, e.glu_limit))
@@ -380,6 +380,18 @@ class MoELayer(nn.Module):
         plan = self.last_plan
         return None if plan is None else plan.z_loss
 
+    def _by_layout(self, plan: RoutingPlan, rows: Tensor) -> bool:
+        """Whether the built-in experts compute ``rows`` (``[N, M]``, dispatched by ``plan``) by the custom op of
+        :mod:`flexmoe.padded_ffn_op`, which reads the counts on the device: always for a padded plan, and while
+        compiling for any other in one process (dropless, adaptive capacity, expert choice, BASE), whose counts
+        then never reach the graph. Traced as Python ints instead, every count that is 0 or 1 is a value dynamo
+        specializes on: with many experts nearly every call recompiled, until dynamo's limit sent the rest of
+        the forward back to eager (docs/architecture.md, "Compiling the layer")."""
+        if plan.padded:
+            return True
+        return (torch.compiler.is_compiling() and isinstance(self.experts, FeedForwardExperts)
+                and not self.ep_group.distributed and layout_op_runs(self.experts, rows))
+
     def _padded_layout(self, routing: RoutingOptions) -> bool:
         """Whether this call pads every expert's rows to the capacity: under ``torch.compile``, in capacity mode,
         for top-k routing in one process (docs/architecture.md, "Compiling the layer"). Every shape is then static
@@ -416,17 +428,17 @@ class MoELayer(nn.Module):
         return routing, parallel, frozenset(parallel_given)
 
     def _run_experts(self, rows: Tensor, counts: list[int], options: ParallelOptions,
-                     pinned: frozenset[str], padded_plan: RoutingPlan | None = None) -> Tensor:
+                     pinned: frozenset[str], layout_plan: RoutingPlan | None = None) -> Tensor:
         """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype, by this call's strategy.
 
-        padded_plan: the rows are this padded plan's (one process, every expert the same number of rows): the
-        built-in experts compute only its real rows (:func:`flexmoe.padded_ffn_op.padded_experts_forward`)."""
+        layout_plan: the rows are this plan's, computed by the built-in experts' custom op
+        (:func:`flexmoe.padded_ffn_op.padded_experts_forward`, :meth:`_by_layout`): only the real rows."""
         strategy = self._strategy_of(options)
         experts = self.experts
 
         def run(expert_rows: Tensor) -> Tensor:
-            if padded_plan is not None and isinstance(experts, FeedForwardExperts):
-                return padded_experts_forward(experts, expert_rows, padded_plan)
+            if layout_plan is not None and isinstance(experts, FeedForwardExperts):
+                return padded_experts_forward(experts, expert_rows, layout_plan)
             return strategy.run(expert_rows, counts, options, pinned)
 
         out = self._in_expert_dtype(run, rows)

@@ -15,12 +15,18 @@ backward is a second custom op, the same loop: the unit's derivative is the aten
 a named activation (no recomputation; the forward keeps the unit's output), ``torch.func.vjp`` of the gated
 unit on that unit's rows.
 
+The same op serves compiled calls whose counts are only known once routed (dropless, adaptive capacity): their
+plan is not padded, its rows sorted by expert with ``tokens_per_expert[e]`` rows each, and the op receives that
+device tensor with ``capacity = PACKED`` (0), the units back to back. The graph then never reads a count, so a
+count that is 0 or 1 (which dynamo would specialize on, one recompilation per pattern) changes nothing.
+
 Needs ``torch.library.custom_op`` (torch >= 2.4): :func:`padded_op_available` says whether it is there; the
 layer otherwise keeps :meth:`flexmoe.experts.FeedForwardExperts.forward_padded`.
 """
 
 from collections.abc import Callable
 from functools import partial
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -37,13 +43,18 @@ from flexmoe.experts import (
 from flexmoe.routing.plan import RoutingPlan
 from flexmoe.segment_ffn import Segment, expert_grad_buffer, linear_into, weight_grad_into
 
-__all__ = ["padded_op_available", "padded_unit_rows", "padded_segments", "padded_experts_forward"]
+__all__ = ["PACKED", "padded_op_available", "layout_op_runs", "padded_unit_rows", "plan_layout", "padded_segments",
+           "padded_experts_forward"]
 
 # A change to either op's signature needs a new name: inductor's on-disk cache keeps compiled graphs that call
 # the op, and a stale one fails at run time ("expected Tensor()"). (flexmoe::padded_expert_ffn returned its
 # saved tensors as [N, H] buffers.)
 _OP = "flexmoe::padded_experts"
 _BACKWARD_OP = "flexmoe::padded_experts_backward"
+
+# The ``capacity`` of the packed layout: unit u's rows right after unit u - 1's (a padded layout of capacity 0 has
+# no rows and never reaches an op).
+PACKED = 0
 
 
 def padded_op_available() -> bool:
@@ -65,11 +76,23 @@ def padded_unit_rows(plan: RoutingPlan) -> Tensor:
     return torch.zeros(num_units + 1, dtype=torch.long, device=unit.device).scatter_add_(0, unit, ones)[:num_units]
 
 
+def plan_layout(plan: RoutingPlan) -> tuple[Tensor, int]:
+    """``(unit_rows, capacity)`` of a plan's rows as the ops take them: a padded plan's units of ``capacity`` rows
+    (:func:`padded_unit_rows`), else the packed layout, ``tokens_per_expert`` ``[E]`` with :data:`PACKED`. Neither
+    reads a count on the host."""
+    if plan.padded:
+        return padded_unit_rows(plan), plan.capacity
+    return plan.tokens_per_expert, PACKED
+
+
 def padded_segments(unit_rows: list[int], capacity: int, num_experts: int) -> list[Segment]:
-    """The segments (:mod:`flexmoe.segment_ffn`) of a padded layout: unit ``u = e * B + b`` starts at row
-    ``u * capacity`` and holds ``unit_rows[u]`` real rows (units without rows left out)."""
+    """The segments (:mod:`flexmoe.segment_ffn`) of a layout: unit ``u = e * B + b`` holds ``unit_rows[u]`` real
+    rows starting at row ``u * capacity`` (padded) or right after unit ``u - 1``'s (:data:`PACKED`); units without
+    rows left out."""
     units_per_expert = len(unit_rows) // num_experts
-    return [(u // units_per_expert, u * capacity, n) for u, n in enumerate(unit_rows) if n]
+    starts = accumulate(unit_rows[:-1], initial=0) if capacity == PACKED else \
+        (u * capacity for u in range(len(unit_rows)))
+    return [(u // units_per_expert, start, n) for u, (start, n) in enumerate(zip(starts, unit_rows)) if n]
 
 
 def _unit(activation: str, glu_limit: float | None) -> partial[Tensor]:
@@ -78,8 +101,10 @@ def _unit(activation: str, glu_limit: float | None) -> partial[Tensor]:
 
 def padding_ranges(unit_rows: list[int], capacity: int) -> list[tuple[int, int]]:
     """The padding rows of a padded layout as ``(start, stop)`` row ranges, neighbours merged: unit ``u`` holds
-    rows ``u * capacity .. (u + 1) * capacity - 1``, its ``unit_rows[u]`` real rows first."""
+    rows ``u * capacity .. (u + 1) * capacity - 1``, its ``unit_rows[u]`` real rows first. None when packed."""
     ranges: list[tuple[int, int]] = []
+    if capacity == PACKED:
+        return ranges
     for u, n in enumerate(unit_rows):
         start, stop = u * capacity + n, (u + 1) * capacity
         if start == stop:
@@ -91,12 +116,25 @@ def padding_ranges(unit_rows: list[int], capacity: int) -> list[tuple[int, int]]
     return ranges
 
 
-def unit_pieces(num_units: int, capacity: int, hidden: int, like: Tensor, wanted: bool = True) -> list[Tensor]:
-    """One ``[capacity, H]`` piece per unit (none when not ``wanted``), for what a custom op keeps for its
-    backward: pieces this small are reused by the allocator from call to call, while one ``[N, H]`` buffer
-    (40 MiB at E=64, T=4096, k=8, cf=1.25) is mapped afresh and page-faults as it is written (measured: ~3% of
-    the compiled step at E=8, H=1024, in the unit and the bias copies that first touch it)."""
-    return [like.new_empty(capacity, hidden) for _ in range(num_units)] if wanted else []
+def unit_pieces(num_units: int, capacity: int, num_rows: int, hidden: int, like: Tensor,
+                wanted: bool = True) -> list[Tensor]:
+    """What a custom op keeps for its backward, ``[rows, H]``: one ``[capacity, H]`` piece per unit of a padded
+    layout (none when not ``wanted``); pieces this small are reused by the allocator from call to call, while one
+    ``[N, H]`` buffer (40 MiB at E=64, T=4096, k=8, cf=1.25) is mapped afresh and page-faults as it is written
+    (measured: ~3% of the compiled step at E=8, H=1024, in the unit and the bias copies that first touch it).
+    The packed layout, whose units' sizes the fake shapes cannot know, keeps one ``[num_rows, H]`` piece."""
+    if not wanted:
+        return []
+    if capacity == PACKED:
+        return [like.new_empty(num_rows, hidden)]
+    return [like.new_empty(capacity, hidden) for _ in range(num_units)]
+
+
+def unit_piece(pieces: list[Tensor], start: int, n: int, capacity: int) -> Tensor:
+    """Rows ``start .. start + n`` (one unit's real rows) of a layout, in its :func:`unit_pieces`."""
+    if capacity == PACKED:
+        return pieces[0][start:start + n]
+    return pieces[start // capacity][:n]
 
 
 def split_kept(kept: list[Tensor], units: int, gated: bool) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
@@ -113,8 +151,8 @@ def _forward_impl(rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, b1
                   b2: Tensor | None, w3: Tensor | None, b3: Tensor | None, activation: str,
                   glu_limit: float | None) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
     """-> ``(out [N, M], pre1, pre3, h)``: the output (zeros on padding rows) and what the backward needs, the
-    pre-activations and the unit's output as one ``[capacity, H]`` piece per unit (:func:`unit_pieces`; pre3:
-    none without gating), their first ``unit_rows[u]`` rows written.
+    pre-activations and the unit's output in :func:`unit_pieces` (pre3: none without gating), only the real rows
+    written.
 
     Expert by expert over the real rows only, the matmuls and the elementwise unit of a unit's rows one after
     the other while they are in cache, each written into its place (``out=``)."""
@@ -123,21 +161,22 @@ def _forward_impl(rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, b1
     rows = rows.contiguous()
     num_rows, hidden = rows.shape[0], w1.shape[-1]
     out = rows.new_empty(num_rows, w2.shape[-1])
-    pre1, h = unit_pieces(len(counts), capacity, hidden, rows), unit_pieces(len(counts), capacity, hidden, rows)
-    pre3 = unit_pieces(len(counts), capacity, hidden, rows, w3 is not None)
+    units = len(counts)
+    pre1, h = (unit_pieces(units, capacity, num_rows, hidden, rows) for _ in range(2))
+    pre3 = unit_pieces(units, capacity, num_rows, hidden, rows, w3 is not None)
     # The plain (not gated) unit written into h (its derivative: the aten kernel eager autograd runs).
     unit_into = activation_into(resolve_activation(activation)) if w3 is None else None
     unit = _unit(activation, glu_limit)
     for e, start, n in segments:
-        u = start // capacity
-        x, p1, hu = rows[start:start + n], pre1[u][:n], h[u][:n]
+        x, p1, hu = rows[start:start + n], unit_piece(pre1, start, n, capacity), unit_piece(h, start, n, capacity)
+        p3 = unit_piece(pre3, start, n, capacity) if w3 is not None else None
         linear_into(p1, x, w1[e], b1, e)
-        if w3 is not None:
-            linear_into(pre3[u][:n], x, w3[e], b3, e)
+        if p3 is not None:
+            linear_into(p3, x, w3[e], b3, e)
         if unit_into is not None:
             unit_into(p1, hu)
         else:
-            hu.copy_(unit(p1, pre3[u][:n] if w3 is not None else None))
+            hu.copy_(unit(p1, p3))
         linear_into(out[start:start + n], hu, w2[e], b2, e)
     _zero_rows(out, padding_ranges(counts, capacity))
     return out, pre1, pre3, h
@@ -146,10 +185,10 @@ def _forward_impl(rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, b1
 def _forward_fake(rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, b1: Tensor | None, w2: Tensor,
                   b2: Tensor | None, w3: Tensor | None, b3: Tensor | None, activation: str,
                   glu_limit: float | None) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-    num_units, hidden = unit_rows.shape[0], w1.shape[-1]
-    return (rows.new_empty(rows.shape[0], w2.shape[-1]), unit_pieces(num_units, capacity, hidden, rows),
-            unit_pieces(num_units, capacity, hidden, rows, w3 is not None),
-            unit_pieces(num_units, capacity, hidden, rows))
+    num_units, num_rows, hidden = unit_rows.shape[0], rows.shape[0], w1.shape[-1]
+    return (rows.new_empty(num_rows, w2.shape[-1]), unit_pieces(num_units, capacity, num_rows, hidden, rows),
+            unit_pieces(num_units, capacity, num_rows, hidden, rows, w3 is not None),
+            unit_pieces(num_units, capacity, num_rows, hidden, rows))
 
 
 def _backward_impl(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, w2: Tensor,
@@ -183,10 +222,10 @@ def _backward_impl(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: 
     scratch = rows.new_empty(max((n for _, _, n in segments), default=0), hidden)
     seen: set[int] = set()
     for e, start, n in segments:
-        span, first, u = slice(start, start + n), e not in seen, start // capacity
+        span, first = slice(start, start + n), e not in seen
         seen.add(e)
-        g, x, p1 = grad_out[span], rows[span], pre1[u][:n]
-        weight_grad_into(grad_w2, grad_b2, e, h[u][:n], g, first)
+        g, x, p1 = grad_out[span], rows[span], unit_piece(pre1, start, n, capacity)
+        weight_grad_into(grad_w2, grad_b2, e, unit_piece(h, start, n, capacity), g, first)
         grad_h = torch.mm(g, w2[e].transpose(0, 1), out=scratch[:n])
         grad_pre3: Tensor | None = None
         if derivative is not None:
@@ -195,7 +234,7 @@ def _backward_impl(grad_out: Tensor, rows: Tensor, unit_rows: Tensor, capacity: 
         elif w3 is None:
             (grad_pre1,) = torch.func.vjp(lambda pre: unit(pre, None), p1)[1](grad_h)
         else:
-            grad_pre1, grad_pre3 = torch.func.vjp(unit, p1, pre3[u][:n])[1](grad_h)
+            grad_pre1, grad_pre3 = torch.func.vjp(unit, p1, unit_piece(pre3, start, n, capacity))[1](grad_h)
         weight_grad_into(grad_w1, grad_b1, e, x, grad_pre1, first)
         if grad_pre3 is not None:
             weight_grad_into(grad_w3, grad_b3, e, x, grad_pre3, first)
@@ -262,17 +301,26 @@ register_op_pair(_OP, _forward_impl, _forward_fake, _BACKWARD_OP, _backward_impl
                  _setup_context)
 
 
+def layout_op_runs(experts: FeedForwardExperts, rows: Tensor) -> bool:
+    """Whether the op can compute ``experts`` on ``rows``: this torch has the API, the activation is one of the
+    named ones (the op receives names, not callables), no autocast."""
+    return (padded_op_available() and activation_name(experts.activation) is not None
+            and not torch.is_autocast_enabled(rows.device.type))
+
+
 def padded_experts_forward(experts: FeedForwardExperts, rows: Tensor, plan: RoutingPlan) -> Tensor:
-    """rows: ``[N, M]`` laid out by a padded plan -> ``[N, M]``, the built-in experts' FFN on the real rows
-    (padding rows: zeros, never combined) by the custom op where it runs: this torch has the API, the activation
-    is one of the named ones (the op receives names, not callables), no autocast. Anywhere else the batched
-    matmuls over every row, padding included (:meth:`FeedForwardExperts.forward_padded`)."""
+    """rows: ``[N, M]`` laid out by ``plan`` (:func:`plan_layout`: padded, or packed where
+    :func:`layout_op_runs`) -> ``[N, M]``, the built-in experts' FFN on the real rows (padding rows: zeros, never
+    combined) by the custom op where it runs. A padded plan anywhere else takes the batched matmuls over every
+    row, padding included (:meth:`FeedForwardExperts.forward_padded`)."""
     activation = activation_name(experts.activation)
-    if (not padded_op_available() or activation is None or plan.capacity < 1
-            or torch.is_autocast_enabled(rows.device.type)):
+    if not layout_op_runs(experts, rows) or (plan.padded and plan.capacity < 1):
+        if not plan.padded:
+            raise ValueError("padded_experts_forward: an unpadded plan's rows need the op (layout_op_runs)")
         num_experts = len(plan.counts)
         return experts.forward_padded(rows.view(num_experts, plan.counts[0], rows.shape[-1])).flatten(0, 1)
-    out, _, _, _ = torch.ops.flexmoe.padded_experts(rows, padded_unit_rows(plan), plan.capacity, experts.w1,
-                                                    experts.b1, experts.w2, experts.b2, experts.w3, experts.b3,
-                                                    activation, experts.glu_limit)
+    unit_rows, capacity = plan_layout(plan)
+    out, _, _, _ = torch.ops.flexmoe.padded_experts(rows, unit_rows, capacity, experts.w1, experts.b1, experts.w2,
+                                                    experts.b2, experts.w3, experts.b3, activation,
+                                                    experts.glu_limit)
     return out

@@ -12,6 +12,8 @@ host (the op itself is not traced, only its fake shapes), and runs :func:`~flexm
 over each unit's real rows. What the backward needs (``pre1``, ``pre3``, ``h``) comes out as non-differentiable
 outputs, one ``[capacity, H]`` piece per unit (:func:`flexmoe.padded_ffn_op.unit_pieces`), their padding rows
 never written nor read; the backward is a second custom op over :func:`~flexmoe.fused_experts.fused_backward`.
+A compiled call whose counts are known only once routed (dropless) runs the same op over its plan's rows packed
+(:data:`flexmoe.padded_ffn_op.PACKED`), the counts again a device tensor the graph never reads.
 
 Named activations with a closed-form derivative only (the op receives names), no clamp (GPT-OSS keeps the
 three stages).
@@ -36,10 +38,11 @@ from flexmoe.fused_experts import Chunk, HiddenUnit, fused_backward, fused_forwa
 from flexmoe.padded_ffn_op import (
     padded_op_available,
     padded_segments,
-    padded_unit_rows,
     padding_ranges,
+    plan_layout,
     register_op_pair,
     split_kept,
+    unit_piece,
     unit_pieces,
 )
 from flexmoe.routing.plan import RoutingPlan
@@ -54,8 +57,8 @@ FUSED_DTYPES = (torch.float32,)  # where the fused experts were measured faster 
 
 
 def padded_chunks(unit_rows: list[int], capacity: int, num_experts: int) -> list[Chunk]:
-    """The chunks (:func:`flexmoe.fused_experts.expert_chunks`' format) of a padded layout: one per unit with
-    rows; unit ``u = e * B + b`` starts at row ``u * capacity`` and holds ``unit_rows[u]`` real rows."""
+    """The chunks (:func:`flexmoe.fused_experts.expert_chunks`' format) of a layout
+    (:func:`flexmoe.padded_ffn_op.padded_segments`, padded or packed): one per unit with rows."""
     return [(start, n, [(e, 0, n)]) for e, start, n in padded_segments(unit_rows, capacity, num_experts)]
 
 
@@ -63,30 +66,29 @@ def _unit(activation: str) -> HiddenUnit:
     return HiddenUnit(resolve_activation(activation))
 
 
-def _kept_views(pre1: list[Tensor], pre3: list[Tensor], h: list[Tensor], counts: list[int]) -> list[Tensor]:
-    """The real rows of each unit with rows, in :func:`padded_chunks`' order: ``pre1, (pre3,) h`` each."""
+def _kept_views(pre1: list[Tensor], pre3: list[Tensor], h: list[Tensor], chunks: list[Chunk],
+                capacity: int) -> list[Tensor]:
+    """The real rows of each chunk (unit with rows) in the saved pieces: ``pre1, (pre3,) h`` each."""
     views: list[Tensor] = []
-    for u, n in enumerate(counts):
-        if n:
-            views += [pre1[u][:n], h[u][:n]] if not pre3 else [pre1[u][:n], pre3[u][:n], h[u][:n]]
+    for start, n, _ in chunks:
+        views += [unit_piece(t, start, n, capacity) for t in ((pre1, pre3, h) if pre3 else (pre1, h))]
     return views
 
 
 def _forward_impl(tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_rows: Tensor, capacity: int,
                   w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, w3: Tensor | None,
                   b3: Tensor | None, activation: str) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-    """-> ``(y [T, M], pre1, pre3, h)``: the last three one ``[capacity, H]`` piece per unit (pre3: none without
-    gating), their first ``unit_rows[u]`` rows written."""
+    """-> ``(y [T, M], pre1, pre3, h)``: the last three in :func:`~flexmoe.padded_ffn_op.unit_pieces` (pre3: none
+    without gating), only the real rows written."""
     counts = unit_rows.tolist()
     chunks = padded_chunks(counts, capacity, w1.shape[0])
-    units, hidden = len(counts), w1.shape[-1]
-    pre1, h = unit_pieces(units, capacity, hidden, tokens), unit_pieces(units, capacity, hidden, tokens)
-    pre3 = unit_pieces(units, capacity, hidden, tokens, w3 is not None)
-    unit_of_row = {u * capacity: u for u, n in enumerate(counts) if n}
+    units, num_rows, hidden = len(counts), row_token.shape[0], w1.shape[-1]
+    pre1, h = (unit_pieces(units, capacity, num_rows, hidden, tokens) for _ in range(2))
+    pre3 = unit_pieces(units, capacity, num_rows, hidden, tokens, w3 is not None)
 
     def kept_buffers(start: int, n: int) -> tuple[Tensor, Tensor | None, Tensor]:
-        u = unit_of_row[start]
-        return pre1[u][:n], (pre3[u][:n] if pre3 else None), h[u][:n]
+        return (unit_piece(pre1, start, n, capacity), unit_piece(pre3, start, n, capacity) if pre3 else None,
+                unit_piece(h, start, n, capacity))
 
     y, _ = fused_forward(tokens.contiguous(), row_token, row_weight, (w1, b1, w2, b2, w3, b3), chunks,
                          _unit(activation), kept_buffers)
@@ -96,9 +98,10 @@ def _forward_impl(tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_ro
 def _forward_fake(tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_rows: Tensor, capacity: int,
                   w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, w3: Tensor | None,
                   b3: Tensor | None, activation: str) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-    units, hidden = unit_rows.shape[0], w1.shape[-1]
-    return (tokens.new_empty(tokens.shape[0], w2.shape[-1]), unit_pieces(units, capacity, hidden, tokens),
-            unit_pieces(units, capacity, hidden, tokens, w3 is not None), unit_pieces(units, capacity, hidden, tokens))
+    units, num_rows, hidden = unit_rows.shape[0], row_token.shape[0], w1.shape[-1]
+    return (tokens.new_empty(tokens.shape[0], w2.shape[-1]), unit_pieces(units, capacity, num_rows, hidden, tokens),
+            unit_pieces(units, capacity, num_rows, hidden, tokens, w3 is not None),
+            unit_pieces(units, capacity, num_rows, hidden, tokens))
 
 
 def _backward_impl(grad_y: Tensor, tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_rows: Tensor,
@@ -109,7 +112,7 @@ def _backward_impl(grad_y: Tensor, tokens: Tensor, row_token: Tensor, row_weight
     counts = unit_rows.tolist()
     chunks = padded_chunks(counts, capacity, w1.shape[0])
     grads = fused_backward(grad_y, tokens.contiguous(), row_token, row_weight, (w1, None, w2, b2, w3, None),
-                           chunks, _unit(activation), _kept_views(pre1, pre3, h, counts), needs)
+                           chunks, _unit(activation), _kept_views(pre1, pre3, h, chunks, capacity), needs)
     grad_weight = grads[1]
     if grad_weight is not None:
         for start, stop in padding_ranges(counts, capacity):
@@ -153,11 +156,13 @@ register_op_pair(_OP, _forward_impl, _forward_fake, _BACKWARD_OP, _backward_impl
 
 
 def use_padded_fused(experts: FeedForwardExperts, tokens: Tensor, plan: RoutingPlan) -> bool:
-    """Whether a padded plan's call runs :func:`padded_fused_experts`: the op is there, a named activation with a
-    closed-form derivative and no clamp, autograd records, ``FUSED_DTYPES`` on the CPU, no autocast, and the
-    sizes where eager's fused experts measured faster (:func:`~flexmoe.fused_experts.fused_size_rule` on the
-    routed rows, at most ``T * k``: the padding is never computed)."""
-    if not (padded_op_available() and plan.padded and plan.capacity >= 1):
+    """Whether a compiled call's plan (padded, or any other laid out packed: :func:`~flexmoe.padded_ffn_op.
+    plan_layout`) runs :func:`padded_fused_experts`: the op is there, a named activation with a closed-form
+    derivative and no clamp, autograd records, ``FUSED_DTYPES`` on the CPU, no autocast, and the sizes where
+    eager's fused experts measured faster (:func:`~flexmoe.fused_experts.fused_size_rule` on the routed rows: at
+    most ``T * k`` in a padded plan, whose padding is never computed, and the plan's ``N`` rows in a packed
+    one, read from the shape so that no count reaches the host)."""
+    if not padded_op_available() or (plan.padded and plan.capacity < 1):
         return False
     activation = activation_name(experts.activation)
     if activation is None or activation_derivative(experts.activation) is None or experts.glu_limit is not None:
@@ -169,16 +174,17 @@ def use_padded_fused(experts: FeedForwardExperts, tokens: Tensor, plan: RoutingP
         return False
     if not all_like(tokens, *weights):
         return False
-    routed_rows = min(sum(plan.counts), plan.num_tokens * plan.k)
+    routed_rows = min(sum(plan.counts), plan.num_tokens * plan.k) if plan.padded else plan.row_token.shape[0]
     return fused_size_rule(routed_rows, tokens.shape[-1])
 
 
 def padded_fused_experts(experts: FeedForwardExperts, tokens: Tensor, plan: RoutingPlan) -> Tensor:
-    """tokens: ``[T, M]`` -> ``[T, M]``, the weighted sum of each token's experts over a padded plan (module
+    """tokens: ``[T, M]`` -> ``[T, M]``, the weighted sum of each token's experts over a plan's layout (module
     docstring); where :func:`use_padded_fused` holds."""
     name = activation_name(experts.activation)
     assert name is not None  # checked by use_padded_fused
+    unit_rows, capacity = plan_layout(plan)
     y, _, _, _ = torch.ops.flexmoe.padded_fused_experts(
-        tokens, plan.row_token, plan.row_weight.to(tokens.dtype), padded_unit_rows(plan), plan.capacity,
+        tokens, plan.row_token, plan.row_weight.to(tokens.dtype), unit_rows, capacity,
         experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3, name)
     return y
