@@ -360,6 +360,40 @@ def test_dropless_counts_of_zero_and_one_compile_once(op: str, monkeypatch: pyte
     assert layouts and set(layouts) == {padded_ffn_op.PACKED}  # forward and backward, every call
 
 
+@pytest.mark.parametrize("options", [dict(router="expert_choice", k=2, capacity_factor=1.0),
+                                     dict(k=2, capacity_factor=-1.0, glu=True, activation="silu")],
+                         ids=["expert choice", "adaptive capacity, glu"])
+def test_unpadded_plans_compile_through_the_packed_op_and_equal_eager(options: dict[str, Any],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expert choice and adaptive capacity keep their unpadded plans under compile; the built-in experts then run
+    flexmoe::padded_experts over the packed rows, with eager's outputs and gradients, call after call. (BASE
+    does too, checked by hand: 15 s of compiling its assignment, too long for this run.)"""
+    module, name = UNIT_ROWS_READERS["flexmoe::padded_experts"]
+    layouts: list[int] = []
+    original = getattr(module, name)
+
+    def spy(unit_rows: list[int], capacity: int, num_experts: int) -> Any:
+        layouts.append(capacity)
+        return original(unit_rows, capacity, num_experts)
+
+    monkeypatch.setattr(module, name, spy)
+    torch.manual_seed(0)
+    moe = MoELayer(8, 6, 12, dtype=torch.float64, router_dtype=torch.float64, **options)
+    compiled = torch.compile(moe, backend="aot_eager")
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(10, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+        grad = torch.randn(10, 8, dtype=torch.float64, generator=gen)
+        want = moe(x)
+        want_grads = _grads(moe, x, want, grad)
+        got = compiled(x)
+        got_grads = _grads(moe, x, got, grad)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        for param in want_grads:
+            torch.testing.assert_close(got_grads[param], want_grads[param], rtol=1e-10, atol=1e-12, msg=param)
+    assert layouts and set(layouts) == {padded_ffn_op.PACKED}
+
+
 @pytest.mark.parametrize("op", list(UNIT_ROWS_READERS))
 def test_padded_op_with_capacity_per_sequence_matches_eager(op: str, request: pytest.FixtureRequest) -> None:
     """Switch's per-sequence capacity: each (expert, sequence) unit's real rows lead its block of C rows; the
