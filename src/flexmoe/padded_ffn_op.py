@@ -171,7 +171,7 @@ def _forward_impl(rows: Tensor, unit_rows: Tensor, capacity: int, w1: Tensor, b1
         x, p1, hu = rows[start:start + n], unit_piece(pre1, start, n, capacity), unit_piece(h, start, n, capacity)
         p3 = unit_piece(pre3, start, n, capacity) if w3 is not None else None
         linear_into(p1, x, w1[e], b1, e)
-        if p3 is not None:
+        if p3 is not None and w3 is not None:
             linear_into(p3, x, w3[e], b3, e)
         if unit_into is not None:
             unit_into(p1, hu)
