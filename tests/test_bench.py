@@ -14,7 +14,7 @@ import torch
 
 from flexmoe import MoELayer
 from flexmoe.apps.baselines import expert_floor, gshard_einsum_forward
-from flexmoe.apps.bench import saved_activation_bytes, time_side_by_side
+from flexmoe.apps.bench import paired_ratio, saved_activation_bytes, time_side_by_side
 
 
 @pytest.mark.parametrize("cf", [2.0, 0.5, 0.0])
@@ -232,3 +232,10 @@ def test_bench_suite_groups_flag_rejects_unknown_group() -> None:
     proc = subprocess.run([sys.executable, "-m", "flexmoe", "bench", "--suite-groups", "nope"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown suite group" in proc.stderr
+
+
+def test_paired_ratio_is_the_median_of_the_per_round_ratios() -> None:
+    # Per round: 1.0, 1.0 (a round slow for both), 1.1, 2.1; their median is 1.05.
+    times, reference = [2.0, 9.0, 2.2, 2.1], [2.0, 9.0, 2.0, 1.0]
+    assert paired_ratio(times, reference) == pytest.approx((1.0 + 1.1) / 2)
+    assert paired_ratio([3.0], [2.0]) == 1.5
