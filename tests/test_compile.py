@@ -319,6 +319,21 @@ def _padded_rows_seen(moe: MoELayer, x: Tensor, op: str = "flexmoe::padded_exper
     return seen
 
 
+def _layouts_seen(op: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that receives the layout (``capacity``; PACKED for packed rows) of every call of ``op`` from now
+    on, forward and backward, for the rest of the test."""
+    module, name = UNIT_ROWS_READERS[op]
+    layouts: list[int] = []
+    original = getattr(module, name)
+
+    def spy(unit_rows: list[int], capacity: int, num_experts: int) -> Any:
+        layouts.append(capacity)
+        return original(unit_rows, capacity, num_experts)
+
+    monkeypatch.setattr(module, name, spy)
+    return layouts
+
+
 @pytest.mark.parametrize("op", list(UNIT_ROWS_READERS))
 def test_dropless_counts_of_zero_and_one_compile_once(op: str, monkeypatch: pytest.MonkeyPatch,
                                                        request: pytest.FixtureRequest) -> None:
@@ -329,15 +344,7 @@ def test_dropless_counts_of_zero_and_one_compile_once(op: str, monkeypatch: pyte
     dynamic's one recompilation)."""
     if op == "flexmoe::padded_fused_experts":
         request.getfixturevalue("fused_everywhere")
-    module, name = UNIT_ROWS_READERS[op]
-    layouts: list[int] = []
-    original = getattr(module, name)
-
-    def spy(unit_rows: list[int], capacity: int, num_experts: int) -> Any:
-        layouts.append(capacity)
-        return original(unit_rows, capacity, num_experts)
-
-    monkeypatch.setattr(module, name, spy)
+    layouts = _layouts_seen(op, monkeypatch)
     torch.manual_seed(0)
     moe = MoELayer(8, 12, 6, k=3, capacity_factor=0.0, dtype=torch.float64, router_dtype=torch.float64)
     compiled = torch.compile(moe, backend="aot_eager")
@@ -368,15 +375,7 @@ def test_unpadded_plans_compile_through_the_packed_op_and_equal_eager(options: d
     """Expert choice and adaptive capacity keep their unpadded plans under compile; the built-in experts then run
     flexmoe::padded_experts over the packed rows, with eager's outputs and gradients, call after call. (BASE
     does too, checked by hand: 15 s of compiling its assignment, too long for this run.)"""
-    module, name = UNIT_ROWS_READERS["flexmoe::padded_experts"]
-    layouts: list[int] = []
-    original = getattr(module, name)
-
-    def spy(unit_rows: list[int], capacity: int, num_experts: int) -> Any:
-        layouts.append(capacity)
-        return original(unit_rows, capacity, num_experts)
-
-    monkeypatch.setattr(module, name, spy)
+    layouts = _layouts_seen("flexmoe::padded_experts", monkeypatch)
     torch.manual_seed(0)
     moe = MoELayer(8, 6, 12, dtype=torch.float64, router_dtype=torch.float64, **options)
     compiled = torch.compile(moe, backend="aot_eager")
