@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -301,42 +302,34 @@ UNIT_ROWS_READERS = {"flexmoe::padded_experts": (padded_ffn_op, "padded_segments
                      "flexmoe::padded_fused_experts": (padded_fused_op, "padded_chunks")}
 
 
-def _padded_rows_seen(moe: MoELayer, x: Tensor, op: str = "flexmoe::padded_experts") -> list[int]:
-    """The rows ``op`` computes in one compiled call (its per-unit count of real rows)."""
+@contextmanager
+def _op_calls(op: str) -> Iterator[list[tuple[list[int], int]]]:
+    """Inside the block, every call of ``op`` (forward and backward) adds its ``(unit_rows, capacity)`` to the
+    list: its per-unit count of real rows, and its layout (PACKED for packed rows)."""
     module, name = UNIT_ROWS_READERS[op]
-    seen: list[int] = []
+    calls: list[tuple[list[int], int]] = []
     original = getattr(module, name)
 
     def spy(unit_rows: list[int], capacity: int, num_experts: int) -> Any:
-        seen.extend(unit_rows)
+        calls.append((list(unit_rows), capacity))
         return original(unit_rows, capacity, num_experts)
 
     setattr(module, name, spy)
     try:
-        torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+        yield calls
     finally:
         setattr(module, name, original)
-    return seen
 
 
-def _layouts_seen(op: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that receives the layout (``capacity``; PACKED for packed rows) of every call of ``op`` from now
-    on, forward and backward, for the rest of the test."""
-    module, name = UNIT_ROWS_READERS[op]
-    layouts: list[int] = []
-    original = getattr(module, name)
-
-    def spy(unit_rows: list[int], capacity: int, num_experts: int) -> Any:
-        layouts.append(capacity)
-        return original(unit_rows, capacity, num_experts)
-
-    monkeypatch.setattr(module, name, spy)
-    return layouts
+def _padded_rows_seen(moe: MoELayer, x: Tensor, op: str = "flexmoe::padded_experts") -> list[int]:
+    """The rows ``op`` computes in one compiled call (its per-unit count of real rows)."""
+    with _op_calls(op) as calls:
+        torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    return [n for unit_rows, _ in calls for n in unit_rows]
 
 
 @pytest.mark.parametrize("op", list(UNIT_ROWS_READERS))
-def test_dropless_counts_of_zero_and_one_compile_once(op: str, monkeypatch: pytest.MonkeyPatch,
-                                                       request: pytest.FixtureRequest) -> None:
+def test_dropless_counts_of_zero_and_one_compile_once(op: str, request: pytest.FixtureRequest) -> None:
     """Dropless with many experts: which experts get 0 or 1 rows changes from call to call. Traced as Python ints,
     each such count was a value dynamo specializes on (a recompilation nearly every call, until its limit sent
     the rest of the forward back to eager); the experts' custom op now reads them on the device, in the packed
@@ -344,53 +337,52 @@ def test_dropless_counts_of_zero_and_one_compile_once(op: str, monkeypatch: pyte
     dynamic's one recompilation)."""
     if op == "flexmoe::padded_fused_experts":
         request.getfixturevalue("fused_everywhere")
-    layouts = _layouts_seen(op, monkeypatch)
-    torch.manual_seed(0)
-    moe = MoELayer(8, 12, 6, k=3, capacity_factor=0.0, dtype=torch.float64, router_dtype=torch.float64)
-    compiled = torch.compile(moe, backend="aot_eager")
-    graphs, few_rows = [], set()
-    for seed in range(6):
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(6, 8, dtype=torch.float64, generator=gen, requires_grad=True)
-        grad = torch.randn(6, 8, dtype=torch.float64, generator=gen)
-        ref, x64, params = reference_for_layer(moe, x, k=3, capacity_factor=0.0)
-        got = compiled(x)
-        grads = _grads(moe, x, got, grad)
-        ref.y.backward(grad)
-        _assert_matches_reference(got, grads, ref, x64, params)
-        plan = moe.last_plan
-        assert plan is not None and not plan.padded
-        few_rows.add(tuple(e for e, n in enumerate(plan.counts) if n <= 1))
-        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    assert len(few_rows) >= 4  # the calls differ in their experts with 0 or 1 rows
-    assert graphs[-1] == graphs[1], graphs
-    assert layouts and set(layouts) == {padded_ffn_op.PACKED}  # forward and backward, every call
+    with _op_calls(op) as calls:
+        torch.manual_seed(0)
+        moe = MoELayer(8, 12, 6, k=3, capacity_factor=0.0, dtype=torch.float64, router_dtype=torch.float64)
+        compiled = torch.compile(moe, backend="aot_eager")
+        graphs, few_rows = [], set()
+        for seed in range(6):
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(6, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+            grad = torch.randn(6, 8, dtype=torch.float64, generator=gen)
+            ref, x64, params = reference_for_layer(moe, x, k=3, capacity_factor=0.0)
+            got = compiled(x)
+            grads = _grads(moe, x, got, grad)
+            ref.y.backward(grad)
+            _assert_matches_reference(got, grads, ref, x64, params)
+            plan = moe.last_plan
+            assert plan is not None and not plan.padded
+            few_rows.add(tuple(e for e, n in enumerate(plan.counts) if n <= 1))
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        assert len(few_rows) >= 4  # the calls differ in their experts with 0 or 1 rows
+        assert graphs[-1] == graphs[1], graphs
+    assert calls and {capacity for _, capacity in calls} == {padded_ffn_op.PACKED}  # forward and backward
 
 
 @pytest.mark.parametrize("options", [dict(router="expert_choice", k=2, capacity_factor=1.0),
                                      dict(k=2, capacity_factor=-1.0, glu=True, activation="silu")],
                          ids=["expert choice", "adaptive capacity, glu"])
-def test_unpadded_plans_compile_through_the_packed_op_and_equal_eager(options: dict[str, Any],
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unpadded_plans_compile_through_the_packed_op_and_equal_eager(options: dict[str, Any]) -> None:
     """Expert choice and adaptive capacity keep their unpadded plans under compile; the built-in experts then run
     flexmoe::padded_experts over the packed rows, with eager's outputs and gradients, call after call. (BASE
     does too, checked by hand: 15 s of compiling its assignment, too long for this run.)"""
-    layouts = _layouts_seen("flexmoe::padded_experts", monkeypatch)
-    torch.manual_seed(0)
-    moe = MoELayer(8, 6, 12, dtype=torch.float64, router_dtype=torch.float64, **options)
-    compiled = torch.compile(moe, backend="aot_eager")
-    for seed in range(3):
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(10, 8, dtype=torch.float64, generator=gen, requires_grad=True)
-        grad = torch.randn(10, 8, dtype=torch.float64, generator=gen)
-        want = moe(x)
-        want_grads = _grads(moe, x, want, grad)
-        got = compiled(x)
-        got_grads = _grads(moe, x, got, grad)
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-        for param in want_grads:
-            torch.testing.assert_close(got_grads[param], want_grads[param], rtol=1e-10, atol=1e-12, msg=param)
-    assert layouts and set(layouts) == {padded_ffn_op.PACKED}
+    with _op_calls("flexmoe::padded_experts") as calls:
+        torch.manual_seed(0)
+        moe = MoELayer(8, 6, 12, dtype=torch.float64, router_dtype=torch.float64, **options)
+        compiled = torch.compile(moe, backend="aot_eager")
+        for seed in range(3):
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(10, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+            grad = torch.randn(10, 8, dtype=torch.float64, generator=gen)
+            want = moe(x)
+            want_grads = _grads(moe, x, want, grad)
+            got = compiled(x)
+            got_grads = _grads(moe, x, got, grad)
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+            for param in want_grads:
+                torch.testing.assert_close(got_grads[param], want_grads[param], rtol=1e-10, atol=1e-12, msg=param)
+    assert calls and {capacity for _, capacity in calls} == {padded_ffn_op.PACKED}
 
 
 @pytest.mark.parametrize("op", list(UNIT_ROWS_READERS))
