@@ -95,10 +95,6 @@ def _auction_phase(
     raise RuntimeError(f"balanced_assignment: the auction did not finish in {max_rounds} rounds (eps={eps:g})")
 
 
-# Never traced: every round of the auction starts with a host read (``free.any()``), so dynamo broke the graph
-# there and compiled the rest of the loop again for each round (its guard: the loop counter), until its limit:
-# 15 s of compiling for one BASE layer at E=6, T=10. Under torch.compile it runs eagerly, one graph break.
-@torch.compiler.disable
 def balanced_assignment(scores: Tensor, k: int = 1, *, final_eps: float | None = None,
                         max_rounds: int = 100_000) -> Tensor:
     """The optimal balanced assignment of tokens to experts (see the module docstring).
@@ -154,7 +150,12 @@ def make_base_plan(logits: Tensor, k: int = 1, *, normalize_weights: bool = True
     differentiable zero (the assignment is balanced by construction); ``z_loss`` as usual.
     """
     num_tokens, num_experts = check_logits(logits, k)
-    assigned = balanced_assignment(logits, k)
+    # Never traced: every round of the auction starts with a host read (``free.any()``), so dynamo broke the
+    # graph there and compiled the rest of the loop again for each round (its guard: the loop counter), until its
+    # limit: 15 s of compiling for one BASE layer at E=6, T=10. Under torch.compile it runs eagerly, one graph
+    # break. (Wrapped here, not decorated: the decorator would import torch._dynamo with flexmoe.)
+    solve = torch.compiler.disable(balanced_assignment) if torch.compiler.is_compiling() else balanced_assignment
+    assigned = solve(logits, k)
     probs = torch.softmax(logits, dim=-1)
     _, expert_index = top_k(probs.detach().masked_fill(~assigned, -1.0), k)
     probs_topk = probs.gather(1, expert_index)
