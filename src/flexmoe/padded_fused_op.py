@@ -36,7 +36,7 @@ from flexmoe.experts import (
 )
 from flexmoe.fused_experts import Chunk, HiddenUnit, fused_backward, fused_forward, fused_size_rule
 from flexmoe.padded_ffn_op import (
-    padded_op_available,
+    layout_op_runs,
     padded_segments,
     padding_ranges,
     plan_layout,
@@ -162,13 +162,12 @@ def use_padded_fused(experts: FeedForwardExperts, tokens: Tensor, plan: RoutingP
     eager's fused experts measured faster (:func:`~flexmoe.fused_experts.fused_size_rule` on the routed rows: at
     most ``T * k`` in a padded plan, whose padding is never computed, and the plan's ``N`` rows in a packed
     one, read from the shape so that no count reaches the host)."""
-    if not padded_op_available() or (plan.padded and plan.capacity < 1):
-        return False
-    activation = activation_name(experts.activation)
-    if activation is None or activation_derivative(experts.activation) is None or experts.glu_limit is not None:
+    if not layout_op_runs(experts, tokens) or (plan.padded and plan.capacity < 1):
+        return False  # layout_op_runs: the op is there, a named activation, no autocast
+    if activation_derivative(experts.activation) is None or experts.glu_limit is not None:
         return False
     weights = [t for t in (experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3) if t is not None]
-    if not needs_grad(tokens, *weights) or torch.is_autocast_enabled(tokens.device.type):
+    if not needs_grad(tokens, *weights):
         return False
     if tokens.dtype not in FUSED_DTYPES or tokens.device.type != "cpu":
         return False
