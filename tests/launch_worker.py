@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 
 
 def report_env(tag: str) -> dict:
-    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS",
+            "TORCHELASTIC_USE_AGENT_STORE")
     return {"tag": tag, **{k: os.environ[k] for k in keys}}
+
+
+def master_port_is_served() -> bool:
+    """Whether MASTER_PORT is already bound when this rank starts, before any rank joined a group."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+        except OSError:
+            return True
+    return False
 
 
 def last_rank_fails() -> None:

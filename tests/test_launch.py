@@ -13,7 +13,7 @@ import time
 import pytest
 
 from flexmoe.launch import RanksFailed, free_port, rank_env, spawn_ranks
-from launch_worker import last_rank_fails, report_env, sleep_long
+from launch_worker import last_rank_fails, master_port_is_served, report_env, sleep_long
 
 
 def test_free_port_can_be_bound() -> None:
@@ -32,7 +32,16 @@ def test_every_rank_gets_its_environment_and_returns_its_value() -> None:
     for r in ranks:
         assert r.value == {"tag": "x", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r.rank),
                            "WORLD_SIZE": "3", "LOCAL_RANK": str(r.rank), "LOCAL_WORLD_SIZE": "3",
-                           "OMP_NUM_THREADS": "1"}, f"rank {r.rank}: {r.value}"
+                           "OMP_NUM_THREADS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}, f"rank {r.rank}: {r.value}"
+
+
+def test_the_rendezvous_port_is_served_before_any_rank_starts() -> None:
+    """The launcher serves the store itself, so no other process can take its port in the seconds before rank 0
+    would have bound it (concurrent groups, as under pytest-xdist); the ranks join a real gloo group on it."""
+    assert [r.value for r in spawn_ranks(2, master_port_is_served, timeout=60)] == [True, True]
+    code = ("import torch, torch.distributed as dist; dist.init_process_group('gloo'); "
+            "t = torch.tensor([dist.get_rank() + 1.0]); dist.all_reduce(t); print(t.item())")
+    assert [r.stdout for r in spawn_ranks(3, ["-c", code], timeout=120)] == ["6.0\n"] * 3
 
 
 def test_a_python_command_runs_as_every_rank() -> None:

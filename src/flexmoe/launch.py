@@ -42,19 +42,31 @@ def under_torchrun() -> bool:
 
 
 def relaunch(nproc: int, command: str, argv: list[str]) -> int:
-    """Run ``python -m flexmoe COMMAND ARGV...`` as ``nproc`` local ranks; returns torchrun's exit code."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "flexmoe", command, *argv]
+    """Run ``python -m flexmoe COMMAND ARGV...`` as ``nproc`` local ranks; returns torchrun's exit code.
+
+    ``--standalone``: torchrun's agent serves the rendezvous on a port the kernel picks as it binds it, so two
+    runs started together never race for one."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "flexmoe", command, *argv]
     print("launching:", " ".join(cmd), flush=True)
     return subprocess.call(cmd)
 
 
-def rank_env(rank: int, world: int, port: int, threads: int = 1) -> dict[str, str]:
+def rank_env(rank: int, world: int, port: int, threads: int = 1, *, launcher_store: bool = False) -> dict[str, str]:
     """The environment of one local rank: this process's, plus the ``env://`` rendezvous on 127.0.0.1:port and
-    ``threads`` OpenMP threads (ranks share the cores)."""
-    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-            "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-            "OMP_NUM_THREADS": str(threads)}
+    ``threads`` OpenMP threads (ranks share the cores).
+
+    launcher_store: the rendezvous store at ``port`` is served by the launching process, as torchrun's agent
+    serves it, and every rank, rank 0 included, is its client (``TORCHELASTIC_USE_AGENT_STORE``, read by
+    ``torch.distributed``'s ``env://`` rendezvous). Otherwise rank 0 serves it on ``port``."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+           "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+           "OMP_NUM_THREADS": str(threads)}
+    if launcher_store:
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    else:
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # inherited from a torchrun around the launcher
+    return env
 
 
 @dataclass
@@ -171,7 +183,13 @@ def spawn_ranks(world: int, target: Callable[..., Any] | Sequence[str], args: Se
         raise ValueError(f"spawn_ranks: world must be >= 1, got {world}")
     if timeout <= 0:
         raise ValueError(f"spawn_ranks: timeout must be > 0 seconds, got {timeout}")
-    port = free_port()
+    # The store is served from here on a port the kernel picks as it binds it: a port chosen first and bound
+    # later by rank 0 (after its seconds of imports) can be taken in between, by another group launched at the
+    # same time (parallel tests, two benchmarks) or by anything else on the machine.
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     with tempfile.TemporaryDirectory(prefix="flexmoe-ranks-") as tmp_name:
         tmp = Path(tmp_name)
         procs: list[subprocess.Popen[bytes]] = []
@@ -182,7 +200,8 @@ def spawn_ranks(world: int, target: Callable[..., Any] | Sequence[str], args: Se
                 else:
                     cmd = [sys.executable, *target]
                 with open(tmp / f"rank{rank}.out", "w") as out, open(tmp / f"rank{rank}.err", "w") as err:
-                    procs.append(subprocess.Popen(cmd, env=rank_env(rank, world, port, threads), stdout=out,
+                    procs.append(subprocess.Popen(cmd, env=rank_env(rank, world, port, threads, launcher_store=True),
+                                                  stdout=out,
                                                   stderr=err, stdin=subprocess.DEVNULL))
             timed_out, killed = _wait(procs, time.monotonic() + timeout, grace)
         finally:  # the caller interrupted (Ctrl-C) or a rank failed to start: leave no rank behind

@@ -210,11 +210,9 @@ def _peer_ffn(cfg: BenchConfig) -> nn.Module:
 
 
 def _single_rank_world() -> None:
-    """Peers need torch.distributed even on one process: a 1-rank gloo group on a free loopback port."""
+    """Peers need torch.distributed even on one process: a 1-rank gloo group over an in-process store."""
     if not dist.is_initialized():
-        from flexmoe.launch import free_port
-
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _deepspeed_layer(cfg: BenchConfig) -> tuple[nn.Module, Callable[[Tensor], Tensor]]:
