@@ -27,7 +27,7 @@ bench: setup
 	$(VENV)/bin/flexmoe bench
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 test-slow: setup
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -n auto -m slow
