@@ -29,7 +29,7 @@ from flexmoe.apps import cli  # noqa: E402
 from flexmoe.apps.data import TokenData  # noqa: E402
 from flexmoe.apps.hf_job import HFJobConfig, build_hf_model  # noqa: E402
 from flexmoe.checkpoint import expert_param_names, latest_checkpoint, load_checkpoint  # noqa: E402
-from flexmoe.launch import free_port, spawn_ranks  # noqa: E402
+from flexmoe.launch import spawn_ranks  # noqa: E402
 from flexmoe.layer import MoELayer, update_expert_biases  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -397,7 +397,7 @@ def test_readme_expert_parallel_example_trains_and_saves_a_plain_hf_model(tmp_pa
     what it saves is a plain transformers Mixtral holding every rank's trained experts."""
     example = Path(__file__).resolve().parents[1] / "examples" / "hf" / "train_ep.py"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", str(example)],
+                           "--standalone", str(example)],
                           cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

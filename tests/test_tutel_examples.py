@@ -19,7 +19,6 @@ import torch
 
 from flexmoe import MoELayer
 from flexmoe.compat.tutel import convert
-from flexmoe.launch import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +35,7 @@ def run(script: str, *args: str, ranks: int = 1, timeout: float = 600) -> list[f
     command = [sys.executable, str(EXAMPLES / script), *args]
     if ranks > 1:
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-                   f"--master_port={free_port()}", str(EXAMPLES / script), *args]
+                   "--standalone", str(EXAMPLES / script), *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return [float(v) for v in re.findall(r"^STEP-\d+: loss = ([-0-9.e+]+),", done.stdout, flags=re.M)]
