@@ -4,7 +4,7 @@
   ``torch.distributed.run`` (torchrun).
 * :func:`spawn_ranks`: N plain subprocesses, each running a module-level function (or ``python ARGS...``) with
   the environment ``torch.distributed``'s ``env://`` rendezvous reads (MASTER_ADDR, MASTER_PORT, RANK,
-  WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); it collects each rank's return value, and ends every rank when the
+  WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), the rendezvous store served by the launcher itself; it collects each rank's return value, and ends every rank when the
   time is up or shortly after one of them fails, so a broken group never hangs its caller.
 
 Plain subprocesses rather than multiprocessing's spawn: spawn re-imports the caller's ``__main__``, which breaks
@@ -166,7 +166,8 @@ def _tail(path: Path, chars: int = 3000) -> str:
 def spawn_ranks(world: int, target: Callable[..., Any] | Sequence[str], args: Sequence[Any] = (), *,
                 timeout: float = 120.0, threads: int = 1, grace: float = 5.0, check: bool = True,
                 what: str = "") -> list[RankResult]:
-    """Run ``world`` ranks on 127.0.0.1 (a free port) and wait for all of them; each rank's result, by rank.
+    """Run ``world`` ranks on 127.0.0.1 and wait for all of them; each rank's result, by rank. The rendezvous
+    store is served by this process (:func:`rank_env` with ``launcher_store``) for as long as the ranks run.
 
     target: a module-level function, called in every rank as ``target(*args)`` (args: JSON values) with the
     rendezvous in the environment (``torch.distributed.init_process_group("gloo")`` joins it); its return value
