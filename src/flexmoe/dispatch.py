@@ -109,7 +109,7 @@ class _Combine(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None, None]:
         rows, row_weight, row_token = ctx.saved_tensors
         grad_of_row = grad.index_select(0, row_token)  # [N, M]
-        grad_weight = torch.bmm(grad_of_row.unsqueeze(1), rows.unsqueeze(-1)).view(-1)  # row-wise dot products
+        grad_weight = torch.linalg.vecdot(grad_of_row, rows)  # [N] row-wise dot products (2 ms, bmm 3.3 at N=8192)
         return grad_of_row.mul_(row_weight.unsqueeze(-1)), grad_weight, None, None, None
 
 
