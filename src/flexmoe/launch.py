@@ -4,8 +4,9 @@
   ``torch.distributed.run`` (torchrun).
 * :func:`spawn_ranks`: N plain subprocesses, each running a module-level function (or ``python ARGS...``) with
   the environment ``torch.distributed``'s ``env://`` rendezvous reads (MASTER_ADDR, MASTER_PORT, RANK,
-  WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), the rendezvous store served by the launcher itself; it collects each rank's return value, and ends every rank when the
-  time is up or shortly after one of them fails, so a broken group never hangs its caller.
+  WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), the rendezvous store served by the launcher itself; it collects
+  each rank's return value, and ends every rank when the time is up or shortly after one of them fails, so a
+  broken group never hangs its caller.
 
 Plain subprocesses rather than multiprocessing's spawn: spawn re-imports the caller's ``__main__``, which breaks
 when the caller is a script without a ``__main__`` guard or ``python -c``.
