@@ -168,7 +168,9 @@ def spawn_ranks(world: int, target: Callable[..., Any] | Sequence[str], args: Se
                 timeout: float = 120.0, threads: int = 1, grace: float = 5.0, check: bool = True,
                 what: str = "") -> list[RankResult]:
     """Run ``world`` ranks on 127.0.0.1 and wait for all of them; each rank's result, by rank. The rendezvous
-    store is served by this process (:func:`rank_env` with ``launcher_store``) for as long as the ranks run.
+    store is served by this process (:func:`rank_env` with ``launcher_store``) for as long as the ranks run. As
+    under torchrun, a rank joins the group once: ``init_process_group`` again after ``destroy_process_group`` in
+    the same rank fails within seconds (the store still holds the first group's addresses).
 
     target: a module-level function, called in every rank as ``target(*args)`` (args: JSON values) with the
     rendezvous in the environment (``torch.distributed.init_process_group("gloo")`` joins it); its return value
@@ -190,7 +192,7 @@ def spawn_ranks(world: int, target: Callable[..., Any] | Sequence[str], args: Se
     # same time (parallel tests, two benchmarks) or by anything else on the machine.
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # served until this call returns
     port = store.port
     with tempfile.TemporaryDirectory(prefix="flexmoe-ranks-") as tmp_name:
         tmp = Path(tmp_name)
@@ -202,9 +204,8 @@ def spawn_ranks(world: int, target: Callable[..., Any] | Sequence[str], args: Se
                 else:
                     cmd = [sys.executable, *target]
                 with open(tmp / f"rank{rank}.out", "w") as out, open(tmp / f"rank{rank}.err", "w") as err:
-                    procs.append(subprocess.Popen(cmd, env=rank_env(rank, world, port, threads, launcher_store=True),
-                                                  stdout=out,
-                                                  stderr=err, stdin=subprocess.DEVNULL))
+                    env = rank_env(rank, world, port, threads, launcher_store=True)
+                    procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
             timed_out, killed = _wait(procs, time.monotonic() + timeout, grace)
         finally:  # the caller interrupted (Ctrl-C) or a rank failed to start: leave no rank behind
             for p in procs:
