@@ -205,6 +205,19 @@ def test_sum_choices_by_token_matches_a_dense_loop() -> None:
             unweighted[t] += rows[pair_row[t * k + c]]
     assert_close(sum_choices_by_token(rows, pair_row, weight, tokens), want, TOL64, "weighted")
     assert_close(sum_choices_by_token(rows, pair_row, None, tokens), unweighted, TOL64, "unweighted")
+    # Its gradients (embedding_bag's backward) against the loop's: rows get grad_out[t] * weight, weights the dot
+    # product of grad_out[t] with the pair's row.
+    grad_out = torch.randn(tokens, width, generator=g, dtype=torch.float64)
+    rows.requires_grad_(True)
+    weight.requires_grad_(True)
+    sum_choices_by_token(rows, pair_row, weight, tokens).backward(grad_out)
+    want_rows, want_weight = torch.zeros_like(rows), torch.zeros_like(weight)
+    for t in range(tokens):
+        for c in range(k):
+            want_rows[pair_row[t * k + c]] += weight[t, c].detach() * grad_out[t]
+            want_weight[t, c] = (grad_out[t] * rows[pair_row[t * k + c]].detach()).sum()
+    assert_close(rows.grad, want_rows, TOL64, "grad of rows")
+    assert_close(weight.grad, want_weight, TOL64, "grad of weight")
 
 
 @pytest.mark.parametrize("glu", [False, True])

@@ -5,8 +5,8 @@ carries (``plan.row_token``) and its weight (``plan.row_weight``). Rows are sort
 read contiguous blocks of ``plan.counts[e]`` rows and never compute an empty slot.
 
 Both directions are gathers, forward and backward. Each row belongs to exactly one (token, choice) pair, so
-"sum the rows of each token" (combine, and dispatch's backward) is a gather of the ``[T, k]`` pair rows
-followed by a sum over k, and "send each row's gradient back" is a gather by the inverse permutation. A plain
+"sum the rows of each token" (combine, and dispatch's backward) reads the ``[T, k]`` pair rows and sums over k
+in one pass (``embedding_bag``), and "send each row's gradient back" is a gather by the inverse permutation. A plain
 ``index_add`` (scatter-add) would give the same numbers but runs several times slower than a gather on CPU.
 When a plan has many more pairs than rows (expert-choice routing, whose pair grid is ``[T, E]``) the
 scatter-add is used instead, since gathering mostly empty pairs would cost more than it saves.
@@ -24,7 +24,8 @@ from torch import Tensor
 
 from flexmoe.routing.plan import RoutingPlan
 
-__all__ = ["dispatch", "combine", "pair_rows", "sum_rows_by_token", "sum_choices_by_token", "SCATTER_MAX_ELEMENTS"]
+__all__ = ["dispatch", "combine", "pair_rows", "sum_rows_by_token", "sum_choices_by_token", "weighted_bag_sum",
+           "SCATTER_MAX_ELEMENTS"]
 
 # Gather by pairs only while the pair grid is at most this many times the number of rows.
 _MAX_PAIRS_PER_ROW = 2
@@ -54,14 +55,28 @@ def _gather_pairs(plan: RoutingPlan) -> bool:
 SCATTER_MAX_ELEMENTS = 1 << 20
 
 
+def weighted_bag_sum(rows: Tensor, pairs: Tensor, weight: Tensor | None) -> Tensor:
+    """``out[t] = sum_j weight[t, j] * rows[pairs[t, j]]`` (``weight`` None: 1), every index a real row: ``[T, M]``.
+
+    rows: ``[N, M]``, pairs: ``[T, k]`` long, weight: ``[T, k]`` in rows' dtype. One pass by ``embedding_bag``,
+    which reads each pair's row once and writes only ``[T, M]``: 2-5x faster than per-choice gathers and 2-8x
+    faster than a gather to ``[T, k, M]`` and a batched matmul (T=4096, M=512-2048, k=2-8, fp32, forward and
+    backward; 2-core AVX-512 EPYC). It is differentiable in ``rows`` and ``weight``."""
+    return torch.nn.functional.embedding_bag(pairs, rows, per_sample_weights=weight, mode="sum")
+
+
 def _sum_pair_rows(rows: Tensor, pairs: Tensor, pair_weight: Tensor | None, every_pair_has_row: bool) -> Tensor:
     """``out[t] = sum_j pair_weight[t, j] * rows[pairs[t, j]]`` (rows past the end count as zeros): ``[T, M]``.
 
-    One choice at a time, so every temporary is ``[T, M]``: a single ``[T * k, M]`` buffer would be large enough
-    for the allocator to map fresh pages (and take their page faults) on every call. ``every_pair_has_row``: no
-    entry of ``pairs`` is past the end (:attr:`RoutingPlan.every_pair_has_row`), so nothing is masked.
+    Where no entry of ``pairs`` is past the end (``every_pair_has_row``, :attr:`RoutingPlan.every_pair_has_row`,
+    or none found in eager mode), one :func:`weighted_bag_sum`. Otherwise one choice at a time, the missing
+    pairs masked to exact zeros, so every temporary is ``[T, M]``: a single ``[T * k, M]`` buffer would be large
+    enough for the allocator to map fresh pages (and take their page faults) on every call. (A zero weight on a
+    stand-in row would let an inf or NaN in that row through as NaN.)
     """
     num_rows = rows.shape[0]
+    if every_pair_has_row or (not torch.compiler.is_compiling() and not bool((pairs == num_rows).any())):
+        return weighted_bag_sum(rows, pairs, pair_weight)
     out = None
     for j in range(pairs.shape[1]):
         index = pairs[:, j]
@@ -156,13 +171,10 @@ def sum_rows_by_token(rows: Tensor, row_token: Tensor, row_weight: Tensor | None
 
 
 def sum_choices_by_token(rows: Tensor, pair_row: Tensor, weight: Tensor | None, num_tokens: int) -> Tensor:
-    """``out[t] = sum over the choices c of weight[t, c] * rows[pair_row[t * k + c]]``: one gather of the pair rows
-    and one batched matmul (or sum, unweighted), where every pair has a row (dropless).
+    """``out[t] = sum over the choices c of weight[t, c] * rows[pair_row[t * k + c]]`` by one
+    :func:`weighted_bag_sum`, where every pair has a row (dropless).
 
     rows: ``[N, M]``, pair_row: ``[T * k]`` the row of each token-major pair, weight: ``[T, k]`` in rows' dtype or
     None -> ``[T, M]``. The weights stay in the router's ``[T, k]`` order: nothing is permuted but the rows.
     """
-    by_pair = rows.index_select(0, pair_row).view(num_tokens, -1, rows.shape[-1])  # [T, k, M]
-    if weight is None:
-        return by_pair.sum(1)
-    return torch.bmm(weight.unsqueeze(1), by_pair).squeeze(1)
+    return weighted_bag_sum(rows, pair_row.view(num_tokens, -1), weight)
