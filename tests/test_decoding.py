@@ -248,3 +248,46 @@ def test_all_finite_is_exact() -> None:
         t = big.clone()
         t[2] = bad
         assert not all_finite(t)
+
+
+def test_pair_sums_with_missing_pairs_match_a_dense_loop() -> None:
+    """Combine's sum over pairs when some have no row (dropped): each token sums only its pairs that have one, a
+    token with none gets zeros, and an inf in one row stays in the tokens that use that row (a stand-in row
+    with weight 0 for the missing pairs would have turned it into NaN elsewhere). Forward and gradients."""
+    from flexmoe.dispatch import _sum_pair_rows
+
+    g = torch.Generator().manual_seed(43)
+    tokens, k, width, num_rows = 6, 3, 4, 11
+    pairs = torch.randperm(tokens * k, generator=g).view(tokens, k)
+    pairs = torch.where(pairs < num_rows, pairs, torch.full_like(pairs, num_rows))  # 7 pairs without a row
+    pairs[2] = num_rows  # token 2 keeps nothing
+    rows = torch.randn(num_rows, width, generator=g, dtype=torch.float64)
+    weight = torch.rand(tokens, k, generator=g, dtype=torch.float64)
+    want = torch.zeros(tokens, width, dtype=torch.float64)
+    for t in range(tokens):
+        for c in range(k):
+            if pairs[t, c] < num_rows:
+                want[t] += weight[t, c] * rows[pairs[t, c]]
+    rows_in, weight_in = rows.clone().requires_grad_(), weight.clone().requires_grad_()
+    got = _sum_pair_rows(rows_in, pairs, weight_in, every_pair_has_row=False)
+    assert_close(got, want, TOL64, "weighted")
+    assert_close(_sum_pair_rows(rows, pairs, None, every_pair_has_row=False),
+                 _sum_pair_rows(rows, pairs, (pairs < num_rows).to(rows.dtype), every_pair_has_row=False),
+                 TOL64, "unweighted")
+    grad_out = torch.randn(tokens, width, generator=g, dtype=torch.float64)
+    got.backward(grad_out)
+    want_rows = torch.zeros_like(rows)
+    want_weight = torch.zeros_like(weight)
+    for t in range(tokens):
+        for c in range(k):
+            if pairs[t, c] < num_rows:
+                want_rows[pairs[t, c]] += weight[t, c] * grad_out[t]
+                want_weight[t, c] = (grad_out[t] * rows[pairs[t, c]]).sum()
+    assert_close(rows_in.grad, want_rows, TOL64, "grad of rows")
+    assert_close(weight_in.grad, want_weight, TOL64, "grad of weight")
+    # An inf in row 0 reaches only the tokens that use row 0.
+    uses_row0 = (pairs == 0).any(1)
+    poisoned = rows.clone()
+    poisoned[0, 0] = float("inf")
+    out = _sum_pair_rows(poisoned, pairs, weight, every_pair_has_row=False)
+    assert bool(torch.isfinite(out[~uses_row0]).all()) and bool(torch.isinf(out[uses_row0, 0]).all())

@@ -68,24 +68,25 @@ def weighted_bag_sum(rows: Tensor, pairs: Tensor, weight: Tensor | None) -> Tens
 def _sum_pair_rows(rows: Tensor, pairs: Tensor, pair_weight: Tensor | None, every_pair_has_row: bool) -> Tensor:
     """``out[t] = sum_j pair_weight[t, j] * rows[pairs[t, j]]`` (rows past the end count as zeros): ``[T, M]``.
 
-    Where no entry of ``pairs`` is past the end (``every_pair_has_row``, :attr:`RoutingPlan.every_pair_has_row`,
-    or none found in eager mode), one :func:`weighted_bag_sum`. Otherwise one choice at a time, the missing
-    pairs masked to exact zeros, so every temporary is ``[T, M]``: a single ``[T * k, M]`` buffer would be large
-    enough for the allocator to map fresh pages (and take their page faults) on every call. (A zero weight on a
-    stand-in row would let an inf or NaN in that row through as NaN.)
+    ``every_pair_has_row`` (:attr:`RoutingPlan.every_pair_has_row`): one :func:`weighted_bag_sum`. Otherwise, in
+    eager mode, one ``embedding_bag`` whose bag per token holds only its pairs that have a row (a token with none
+    sums to zeros); a zero weight on a stand-in row instead would let an inf or NaN in that row through as NaN.
+    Compiling (a padded plan): one choice at a time with the missing pairs masked, every shape static and no
+    branch on a routed value.
     """
     num_rows = rows.shape[0]
-    if every_pair_has_row or (not torch.compiler.is_compiling() and not bool((pairs == num_rows).any())):
+    if every_pair_has_row:
         return weighted_bag_sum(rows, pairs, pair_weight)
+    if not torch.compiler.is_compiling():
+        kept = pairs != num_rows  # [T, k]
+        per_token = kept.sum(1)
+        weight = None if pair_weight is None else pair_weight[kept]
+        return torch.nn.functional.embedding_bag(pairs[kept], rows, per_token.cumsum(0) - per_token,
+                                                 per_sample_weights=weight, mode="sum")
     out = None
     for j in range(pairs.shape[1]):
-        index = pairs[:, j]
-        missing = index == num_rows
-        # Compiled: always mask (a branch on the values would end the graph); eager: skip it when nothing is missing.
-        has_missing = not every_pair_has_row and (torch.compiler.is_compiling() or bool(missing.any()))
-        part = rows.index_select(0, index.masked_fill(missing, 0) if has_missing else index)
-        if has_missing:
-            part.masked_fill_(missing.unsqueeze(-1), 0)
+        missing = pairs[:, j] == num_rows
+        part = rows.index_select(0, pairs[:, j].masked_fill(missing, 0)).masked_fill_(missing.unsqueeze(-1), 0)
         if pair_weight is not None:
             part.mul_(pair_weight[:, j : j + 1])
         out = part if out is None else out.add_(part)
