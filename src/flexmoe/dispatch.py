@@ -95,7 +95,7 @@ def _sum_pair_rows(rows: Tensor, pairs: Tensor, pair_weight: Tensor | None, ever
 
 
 class _Dispatch(torch.autograd.Function):
-    """Forward ``x[row_token]`` ``[N, M]``; backward: each token's row gradients summed by gathers."""
+    """Forward ``x[row_token]`` ``[N, M]``; backward: each token's row gradients summed (:func:`_sum_pair_rows`)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, row_token: Tensor, pairs: Tensor, every_pair_has_row: bool) -> Tensor:
@@ -110,8 +110,8 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """Forward ``y[t] = sum over t's rows of row_weight[r] * rows[r]`` ``[T, M]``, by gathers; backward by
-    one gather of ``grad_y`` per row (and a batched dot product for the weights' gradient)."""
+    """Forward ``y[t] = sum over t's rows of row_weight[r] * rows[r]`` ``[T, M]`` (:func:`_sum_pair_rows`);
+    backward by one gather of ``grad_y`` per row (and row-wise dot products for the weights' gradient)."""
 
     @staticmethod
     def forward(ctx: Any, rows: Tensor, row_weight: Tensor, row_token: Tensor, pairs: Tensor,
