@@ -53,21 +53,16 @@ def relaunch(nproc: int, command: str, argv: list[str]) -> int:
     return subprocess.call(cmd)
 
 
-def rank_env(rank: int, world: int, port: int, threads: int = 1, *, launcher_store: bool = False) -> dict[str, str]:
+def rank_env(rank: int, world: int, port: int, threads: int = 1) -> dict[str, str]:
     """The environment of one local rank: this process's, plus the ``env://`` rendezvous on 127.0.0.1:port and
     ``threads`` OpenMP threads (ranks share the cores).
 
-    launcher_store: the rendezvous store at ``port`` is served by the launching process, as torchrun's agent
-    serves it, and every rank, rank 0 included, is its client (``TORCHELASTIC_USE_AGENT_STORE``, read by
-    ``torch.distributed``'s ``env://`` rendezvous). Otherwise rank 0 serves it on ``port``."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-           "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-           "OMP_NUM_THREADS": str(threads)}
-    if launcher_store:
-        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    else:
-        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # inherited from a torchrun around the launcher
-    return env
+    The rendezvous store at ``port`` is served by the launching process, as torchrun's agent serves it, and every
+    rank, rank 0 included, is its client (``TORCHELASTIC_USE_AGENT_STORE``, read by ``torch.distributed``'s
+    ``env://`` rendezvous)."""
+    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+            "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": str(threads), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 @dataclass
@@ -168,7 +163,7 @@ def spawn_ranks(world: int, target: Callable[..., Any] | Sequence[str], args: Se
                 timeout: float = 120.0, threads: int = 1, grace: float = 5.0, check: bool = True,
                 what: str = "") -> list[RankResult]:
     """Run ``world`` ranks on 127.0.0.1 and wait for all of them; each rank's result, by rank. The rendezvous
-    store is served by this process (:func:`rank_env` with ``launcher_store``) for as long as the ranks run. As
+    store is served by this process (:func:`rank_env`) for as long as the ranks run. As
     under torchrun, a rank joins the group once: ``init_process_group`` again after ``destroy_process_group`` in
     the same rank fails within seconds (the store still holds the first group's addresses).
 
@@ -204,8 +199,8 @@ def spawn_ranks(world: int, target: Callable[..., Any] | Sequence[str], args: Se
                 else:
                     cmd = [sys.executable, *target]
                 with open(tmp / f"rank{rank}.out", "w") as out, open(tmp / f"rank{rank}.err", "w") as err:
-                    env = rank_env(rank, world, port, threads, launcher_store=True)
-                    procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
+                    procs.append(subprocess.Popen(cmd, env=rank_env(rank, world, port, threads), stdout=out,
+                                                  stderr=err, stdin=subprocess.DEVNULL))
             timed_out, killed = _wait(procs, time.monotonic() + timeout, grace)
         finally:  # the caller interrupted (Ctrl-C) or a rank failed to start: leave no rank behind
             for p in procs:
