@@ -75,10 +75,12 @@ def reference(x: Tensor, p: dict, opt: dict) -> tuple[Tensor, Tensor, list[list[
         if opt["score_func"] == "sigmoid":
             s = [_sigmoid(v) for v in logits]
         else:
-            top = max(float(v) for v in logits)
+            top = max(float(v.detach()) for v in logits)  # a constant shift: softmax and its gradient ignore it
             z = [torch.exp(v - top) for v in logits]
             s = [v / sum(z) for v in z]
-        choice = [float(s[e]) + float(p["sel_bias"][e]) if "sel_bias" in p else float(s[e]) for e in range(E)]
+        # The choice only ranks experts (no gradient flows through it): plain floats.
+        choice = [float(s[e].detach()) + (float(p["sel_bias"][e].detach()) if "sel_bias" in p else 0.0)
+                  for e in range(E)]
         eligible = list(range(E))
         if opt.get("groups"):
             G, keep = opt["groups"]
