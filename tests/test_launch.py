@@ -6,9 +6,11 @@ goes on their sys.path), and torch-free, so a launch costs no torch import.
 
 from __future__ import annotations
 
+import random
 import signal
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,23 @@ def test_free_port_can_be_bound() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", port))
     assert rank_env(1, 4, port)["RANK"] == "1"
+
+
+def test_free_port_lies_below_the_ports_the_kernel_hands_out() -> None:
+    """A port bound to 0 (gloo, outgoing connections) comes from the ephemeral range; free_port's comes from
+    below it where there is room, so nothing launched meanwhile takes it by chance."""
+    path = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    first = int(path.read_text().split()[0]) if path.exists() else None
+    ports = [free_port(random.Random(seed)) for seed in range(5)]
+    if first is None or first < 11000:  # no range to read, or no room below it: the kernel's own choice
+        assert all(0 < p < 65536 for p in ports), ports
+        return
+    assert all(10000 <= p < first for p in ports), ports
+    assert len(set(ports)) > 1, "the port is not drawn at random"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:  # a taken port is passed over
+        taken.bind(("127.0.0.1", ports[0]))
+        taken.listen()
+        assert free_port(random.Random(0)) != ports[0]
 
 
 def test_every_rank_gets_its_environment_and_returns_its_value() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,11 +31,42 @@ from typing import Any
 __all__ = ["free_port", "under_torchrun", "relaunch", "rank_env", "spawn_ranks", "RankResult", "RanksFailed"]
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
+# Where free_port looks first: below the kernel's ephemeral range, from this port up.
+_LOW_PORTS_START = 10000
+
+
+def free_port(rng: random.Random | None = None) -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on right now, for an endpoint two processes must be told
+    before either starts (a multi-node rendezvous), so it is bound only later.
+
+    Taken at random below the kernel's ephemeral range (``net.ipv4.ip_local_port_range``, Linux) where there is
+    room: a port bound to 0 (gloo's listeners, every outgoing connection, :func:`spawn_ranks`' store) always
+    comes from that range, so in the seconds before the port is used only another explicit choice could take it.
+    Elsewhere, or when no low port binds, whatever free port the kernel gives. ``rng``: the random source
+    (default: a fresh one, seeded by the OS)."""
+    rng = rng or random.Random()
+    low = _ephemeral_range()
+    if low is not None and low[0] - _LOW_PORTS_START >= 1000:
+        for _ in range(20):
+            port = rng.randrange(_LOW_PORTS_START, low[0])
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_range() -> tuple[int, int] | None:
+    """The kernel's range for ports bound to 0, ``(first, last)``; None where it cannot be read."""
+    try:
+        first, last = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(first), int(last)
+    except (OSError, ValueError):
+        return None
 
 
 def under_torchrun() -> bool:
