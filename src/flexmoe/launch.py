@@ -45,10 +45,10 @@ def free_port(rng: random.Random | None = None) -> int:
     Elsewhere, or when no low port binds, whatever free port the kernel gives. ``rng``: the random source
     (default: a fresh one, seeded by the OS)."""
     rng = rng or random.Random()
-    low = _ephemeral_range()
-    if low is not None and low[0] - _LOW_PORTS_START >= 1000:
+    first_ephemeral = _first_ephemeral_port()
+    if first_ephemeral is not None and first_ephemeral - _LOW_PORTS_START >= 1000:
         for _ in range(20):
-            port = rng.randrange(_LOW_PORTS_START, low[0])
+            port = rng.randrange(_LOW_PORTS_START, first_ephemeral)
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 try:
                     s.bind(("127.0.0.1", port))
@@ -60,12 +60,11 @@ def free_port(rng: random.Random | None = None) -> int:
         return int(s.getsockname()[1])
 
 
-def _ephemeral_range() -> tuple[int, int] | None:
-    """The kernel's range for ports bound to 0, ``(first, last)``; None where it cannot be read."""
+def _first_ephemeral_port() -> int | None:
+    """The first port of the kernel's range for ports bound to 0; None where it cannot be read."""
     try:
-        first, last = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(first), int(last)
-    except (OSError, ValueError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
         return None
 
 
