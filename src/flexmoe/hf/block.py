@@ -17,10 +17,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flexmoe.checkpoint import gather_experts
-from flexmoe.hf.families import Family, expert_weights, shared_mlp_weights
+from flexmoe.hf.families import Family, expert_weights
+from flexmoe.hf.hf_state import (
+    experts_like,
+    hf_requires_grad,
+    layer_parts,
+    layer_values,
+    load_hf_names,
+    materialize,
+    save_hf_names,
+    write_hf,
+)
 from flexmoe.layer import MoELayer
-from flexmoe.parallel.layout import HIDDEN_DIM, shard_expert_state
 
 __all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block"]
 
@@ -55,6 +63,9 @@ class ConvertedMoeBlock(nn.Module):
         # parameters of the model) until to_hf fills them; its router is the live one inside self.moe.
         self.__dict__["_hf_skeleton"] = hf_skeleton
         self.__dict__["_family"] = family
+        # The state dict is HF's block's (flexmoe.hf.hf_state): save_pretrained and Trainer write HF's format.
+        self.register_state_dict_post_hook(save_hf_names)
+        self.register_load_state_dict_pre_hook(load_hf_names)
 
     def forward(self, hidden_states: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         out = self.moe(hidden_states)
@@ -67,74 +78,67 @@ class ConvertedMoeBlock(nn.Module):
     def extra_repr(self) -> str:
         return f"family={self.family!r}"
 
-    @torch.no_grad()
-    def to_hf(self) -> nn.Module:
-        """The HF block with this block's current weights (its own class, so ``save_pretrained`` writes HF's
-        format). Under expert parallelism every rank of the group must call it (the experts are gathered)."""
+    @property
+    def hf_family(self) -> Family:
+        """The :class:`~flexmoe.hf.families.Family` of the HF block this block stands in for."""
         family: Family = self.__dict__["_family"]
-        block: Any = self.__dict__["_hf_skeleton"]
-        moe = self.moe
-        local = {name: p.detach() for name, p in moe.experts.named_parameters(recurse=False) if name in HIDDEN_DIM}
-        full = gather_experts(local, moe.layout, moe.ep_group.group) if moe.ep_group.distributed else local
-        like = local["w1"]
-        _materialize(block.experts, like)
-        for name, view in expert_weights(block.experts).items():
-            view.copy_(full[name])
-        if family.shared is not None:
-            assert moe.shared is not None  # built from the same family
-            mlp = getattr(block, family.shared)
-            _materialize(mlp, like)
-            for name, view in shared_mlp_weights(mlp).items():
-                view.copy_(getattr(moe.shared, name))
-        if family.shared_gate is not None:
-            assert moe.shared_gate is not None
-            gate = getattr(block, family.shared_gate)
-            _materialize(gate, like)
-            gate.weight.copy_(moe.shared_gate.weight)
-        router = getattr(block, family.router)
+        return family
+
+    @property
+    def hf_skeleton(self) -> Any:
+        """The emptied HF block (its expert and shared tensors on ``meta``); its router is the live one."""
+        return self.__dict__["_hf_skeleton"]
+
+    def to_hf(self) -> nn.Module:
+        """The HF block with this block's current weights and ``requires_grad`` flags (its own class). Under
+        expert parallelism every rank of the group must call it (the experts are gathered). Raises
+        ``ValueError`` when two layer tensors of one HF tensor disagree on ``requires_grad`` (``w1``, ``w3``)."""
+        block, moe = self.hf_skeleton, self.moe
+        parts = layer_parts(self.hf_family)
+        flags = [hf_requires_grad(part, getattr(block, part.hf_name), moe) for part in parts]  # checked first
+        for part, part_flags in zip(parts, flags):
+            hf_module = getattr(block, part.hf_name)
+            materialize(hf_module, experts_like(moe))
+            write_hf(part, hf_module, moe)
+            for name, source in part.sources(hf_module).items():
+                source.requires_grad_(part_flags[name])
+        router = getattr(block, self.hf_family.router)
         if moe.expert_bias is not None and hasattr(router, "e_score_correction_bias"):
-            # DeepSeek-V3's e_score_correction_bias, carried by flexmoe's expert_bias while converted.
-            router.e_score_correction_bias.copy_(moe.expert_bias)
+            with torch.no_grad():  # DeepSeek-V3's e_score_correction_bias, carried by expert_bias while converted
+                router.e_score_correction_bias.copy_(moe.expert_bias)
         return block
 
 
 def build_converted_block(block: Any, family: Family, *, group: object | None,
                           options: dict[str, object]) -> ConvertedMoeBlock:
     """The :class:`ConvertedMoeBlock` for HF block ``block`` of ``family``, with ``options`` applied on top of the
-    family's; ``block`` is emptied into the skeleton only once the layer is built (a bad option leaves it whole)."""
+    family's; ``block`` is emptied into the skeleton only once the layer is built (a bad option leaves it whole).
+    Each layer tensor takes the ``requires_grad`` of the HF tensor it comes from (``w1`` and ``w3`` both
+    ``gate_up_proj``'s), and the dtype and device of the routed experts, which every copied part must share."""
     model_dim, num_experts, hidden_dim = family.sizes(block)
     like = expert_weights(block.experts)["w1"]
+    parts = layer_parts(family)
+    for part in parts:
+        for name, source in part.sources(getattr(block, part.hf_name)).items():
+            if (source.dtype, source.device) != (like.dtype, like.device):
+                raise ValueError(f"{type(block).__name__}.{part.hf_name} ({name}) is {source.dtype} on "
+                                 f"{source.device}, its experts {like.dtype} on {like.device}; the flexmoe layer "
+                                 f"holds one dtype and device: cast the block first")
     router = getattr(block, family.router)
     moe = MoELayer(model_dim, num_experts, hidden_dim, router=HFRouterLogits(router), group=group,
                    device=like.device, dtype=like.dtype, **{**family.layer_options(block), **options})
-    with torch.no_grad():
-        # Only this rank's slice is copied (flexmoe.parallel.layout); expert_weights are views, not copies.
-        mine = shard_expert_state(expert_weights(block.experts), moe.layout, moe.ep_group.rank)
-        for name, value in mine.items():
-            getattr(moe.experts, name).copy_(value)
-        if family.shared is not None:
-            assert moe.shared is not None
-            for name, value in shared_mlp_weights(getattr(block, family.shared)).items():
-                getattr(moe.shared, name).copy_(value)
-        if family.shared_gate is not None:
-            assert moe.shared_gate is not None
-            moe.shared_gate.weight.copy_(getattr(block, family.shared_gate).weight)
-        if moe.expert_bias is not None and hasattr(router, "e_score_correction_bias"):
+    for part in parts:
+        hf_module, layer_module = getattr(block, part.hf_name), getattr(moe, part.layer_name)
+        with torch.no_grad():
+            # Only this rank's experts are copied (flexmoe.parallel.layout); the views are not copies.
+            for name, value in layer_values(part, hf_module, moe.layout, moe.ep_group.rank).items():
+                getattr(layer_module, name).copy_(value)
+        for name, source in part.sources(hf_module).items():
+            getattr(layer_module, name).requires_grad_(source.requires_grad)
+    if moe.expert_bias is not None and hasattr(router, "e_score_correction_bias"):
+        with torch.no_grad():
             moe.expert_bias.copy_(router.e_score_correction_bias)
     # Free the HF copies: the skeleton keeps shapes only.
-    for part in ("experts", family.shared, family.shared_gate):
-        if part is not None:
-            getattr(block, part).to("meta")
+    for part in parts:
+        getattr(block, part.hf_name).to("meta")
     return ConvertedMoeBlock(family, moe, block)
-
-
-def _materialize(module: nn.Module, like: Tensor) -> None:
-    """Give every ``meta`` parameter and buffer of ``module`` real (uninitialised) storage like ``like``."""
-    for sub in module.modules():
-        for name, p in list(sub.named_parameters(recurse=False)):
-            if p.is_meta:
-                setattr(sub, name, nn.Parameter(torch.empty(p.shape, device=like.device, dtype=like.dtype),
-                                                requires_grad=p.requires_grad))
-        for name, b in list(sub.named_buffers(recurse=False)):
-            if b.is_meta:
-                sub.register_buffer(name, torch.empty(b.shape, device=like.device, dtype=b.dtype))

@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from flexmoe.experts import resolve_activation
 
-__all__ = ["Family", "FAMILIES", "family_of", "StoredExperts", "stored_experts", "expert_weights", "expert_unit",
-           "shared_mlp_weights"]
+__all__ = ["Family", "FAMILIES", "family_of", "StoredExperts", "stored_experts", "expert_weights", "expert_sources",
+           "expert_unit", "shared_mlp_weights", "shared_mlp_sources"]
 
 # HF's activation names that flexmoe has under a name of its own (same function); others pass as a callable.
 _ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu": "gelu"}
@@ -146,6 +146,20 @@ def expert_weights(experts: Any) -> dict[str, Tensor]:
     return weights
 
 
+def expert_sources(experts: Any) -> dict[str, Tensor]:
+    """For each of :func:`expert_weights`' names, the HF parameter it is a view of (``w1`` and ``w3`` both of
+    ``gate_up_proj``, ``b1`` and ``b3`` of its bias): what a ``requires_grad`` flag belongs to."""
+    stored = stored_experts(experts)
+    sources = {"w1": stored.up, "w2": stored.down}
+    if stored.gated:
+        sources["w3"] = stored.up
+    if stored.up_bias is not None:
+        sources.update({"b1": stored.up_bias, **({"b3": stored.up_bias} if stored.gated else {})})
+    if stored.down_bias is not None:
+        sources["b2"] = stored.down_bias
+    return sources
+
+
 def shared_mlp_weights(mlp: Any) -> dict[str, Tensor]:
     """A gate/up/down ``nn.Linear`` MLP (HF's shared expert) as shared expert 0's ``w1, w3: [1, M, Hs]``,
     ``w2: [1, Hs, M]``, views of the Linear weights."""
@@ -154,8 +168,12 @@ def shared_mlp_weights(mlp: Any) -> dict[str, Tensor]:
         if not isinstance(layer, nn.Linear) or layer.bias is not None:
             raise ValueError(f"{type(mlp).__name__}.{proj} must be an nn.Linear without bias to be a flexmoe "
                              f"shared expert")
-    return {"w1": mlp.gate_proj.weight.T.unsqueeze(0), "w3": mlp.up_proj.weight.T.unsqueeze(0),
-            "w2": mlp.down_proj.weight.T.unsqueeze(0)}
+    return {name: weight.T.unsqueeze(0) for name, weight in shared_mlp_sources(mlp).items()}
+
+
+def shared_mlp_sources(mlp: Any) -> dict[str, Tensor]:
+    """The ``nn.Linear`` weight each of :func:`shared_mlp_weights`' names is a view of."""
+    return {"w1": mlp.gate_proj.weight, "w3": mlp.up_proj.weight, "w2": mlp.down_proj.weight}
 
 
 @dataclass(frozen=True)
