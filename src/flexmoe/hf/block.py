@@ -89,14 +89,19 @@ class ConvertedMoeBlock(nn.Module):
         """The emptied HF block (its expert and shared tensors on ``meta``); its router is the live one."""
         return self.__dict__["_hf_skeleton"]
 
+    def hf_requires_grad(self) -> list[dict[str, bool]]:
+        """Per copied part (:func:`~flexmoe.hf.hf_state.layer_parts`), the ``requires_grad`` its HF tensors take in
+        :meth:`to_hf`: the layer's. ``ValueError`` when ``w1`` and ``w3`` (one ``gate_up_proj``) disagree."""
+        return [hf_requires_grad(part, getattr(self.hf_skeleton, part.hf_name), self.moe)
+                for part in layer_parts(self.hf_family)]
+
     def to_hf(self) -> nn.Module:
         """The HF block with this block's current weights and ``requires_grad`` flags (its own class). Under
         expert parallelism every rank of the group must call it (the experts are gathered). Raises
         ``ValueError`` when two layer tensors of one HF tensor disagree on ``requires_grad`` (``w1``, ``w3``)."""
         block, moe = self.hf_skeleton, self.moe
         parts = layer_parts(self.hf_family)
-        flags = [hf_requires_grad(part, getattr(block, part.hf_name), moe) for part in parts]  # checked first
-        for part, part_flags in zip(parts, flags):
+        for part, part_flags in zip(parts, self.hf_requires_grad()):
             hf_module = getattr(block, part.hf_name)
             materialize(hf_module, experts_like(moe))
             write_hf(part, hf_module, moe)

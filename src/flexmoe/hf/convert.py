@@ -90,14 +90,18 @@ def to_hf(model: nn.Module) -> nn.Module:
     the HF block. ``model.save_pretrained`` then writes HF's own format, which plain ``transformers`` loads.
 
     Collective under expert parallelism: every rank of the group must call it (each block's experts are gathered
-    from the ranks). The HF parameters are new tensors: build the optimizer again to continue training. Raises
-    ``ValueError`` when ``model`` holds no converted block.
+    from the ranks). Each HF tensor takes the ``requires_grad`` of the layer's tensors it holds. The HF parameters
+    are new tensors: build the optimizer again to continue training (saving needs no ``to_hf``: a converted
+    model's ``state_dict`` is already HF's). Raises ``ValueError`` when ``model`` holds no converted block, or
+    when ``w1`` and ``w3`` of one block (one ``gate_up_proj``) disagree on ``requires_grad``.
     """
     if isinstance(model, ConvertedMoeBlock):
         return model.to_hf()
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, ConvertedMoeBlock)]
     if not blocks:
         raise ValueError(f"{type(model).__name__} holds no flexmoe block to export (flexmoe.hf.convert makes them)")
+    for _, block in blocks:  # refused before any block goes back
+        block.hf_requires_grad()
     for name, block in blocks:  # the same order on every rank: each gather is a collective
         _replace(model, name, block.to_hf())
     return model

@@ -106,10 +106,11 @@ def hf_requires_grad(part: Part, hf_module: nn.Module, moe: MoELayer) -> dict[st
     for name, source in sources.items():
         for other, other_source in sources.items():
             if other_source is source and flags[other] != flags[name]:
+                hf_name = next(n for n, p in hf_module.named_parameters() if p is source)
                 raise ValueError(
                     f"moe.{part.layer_name}.{name} (requires_grad={flags[name]}) and moe.{part.layer_name}.{other} "
-                    f"(requires_grad={flags[other]}) are one HF tensor of {part.hf_name}: freeze both or neither "
-                    f"before to_hf")
+                    f"(requires_grad={flags[other]}) are one HF tensor, {part.hf_name}.{hf_name}: freeze both or "
+                    f"neither before to_hf")
     return flags
 
 
