@@ -294,8 +294,9 @@ def build_hf_model(cfg: HFJobConfig, seed: int, *, pretrained: bool) -> tuple[HF
     torch.manual_seed(seed)
     if pretrained:
         assert cfg.hf_model is not None, "pretrained weights come from cfg.hf_model"
-        hf, loading = AutoModelForCausalLM.from_pretrained(cfg.hf_model, dtype=torch.float32,
+        loaded: Any = AutoModelForCausalLM.from_pretrained(cfg.hf_model, dtype=torch.float32,
                                                            output_loading_info=True)
+        hf, loading = loaded  # (model, {"missing_keys": ..., ...})
         check_loaded_weights(cfg.hf_model, loading)
     else:
         hf = AutoModelForCausalLM.from_config(cfg.transformers_config())
