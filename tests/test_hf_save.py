@@ -245,3 +245,21 @@ def test_trainer_example_trains_saves_and_plain_transformers_reloads(tmp_path):
     checkpoint = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-10")
     assert not moe_blocks(checkpoint)
     assert not torch.allclose(logits(checkpoint, ids), logits(model, ids), rtol=1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------- expert parallelism
+
+
+@pytest.mark.slow
+def test_two_ranks_save_pretrained_midway_loads_in_plain_transformers_and_training_goes_on(tmp_path):
+    """Experts over 2 gloo ranks: save_pretrained in the middle of training on every rank (the state dict gathers
+    every expert), plain from_pretrained gives HF's one-process model's logits, the saved state dict loads back
+    into a model converted over the ranks, and training goes on as HF's."""
+    from flexmoe.launch import spawn_ranks
+    from hf_ep_worker import save_rank_main
+
+    ranks = spawn_ranks(2, save_rank_main, [FAMILIES, str(tmp_path)], timeout=400, check=True,
+                        what="save_pretrained of a converted model with 2 expert-parallel ranks")
+    failures = [f"rank {r.rank}: {f}" for r in ranks for f in r.value["failures"]]
+    assert not failures, "\n".join(failures)
+    assert [r.value["rank"] for r in ranks] == [0, 1]
