@@ -7,7 +7,8 @@ its weight stays the one parameter of the gate, and because the module keeps its
 recorders (hooked on that class) still collect ``router_logits``, so ``output_router_logits=True`` gives HF's
 auxiliary loss. The experts (and shared experts) are copied into the layer; only this rank's experts under
 expert parallelism. The HF block itself is kept, emptied (its expert tensors on the ``meta`` device), as the
-skeleton :meth:`ConvertedMoeBlock.to_hf` fills again.
+skeleton :meth:`ConvertedMoeBlock.to_hf` fills again. The block's ``state_dict`` / ``load_state_dict`` speak HF's
+block's names and layout (:mod:`flexmoe.hf.hf_state`).
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ class ConvertedMoeBlock(nn.Module):
     ``(hidden_states, router_weights [B*S, k])`` as its block returns).
 
     ``moe`` is the :class:`~flexmoe.MoELayer` (its ``router.hf_router`` is HF's router module); ``family`` the
-    family name; :meth:`to_hf` gives the HF block back with the current weights. Made by
-    :func:`flexmoe.hf.convert`.
+    family name; :meth:`to_hf` gives the HF block back with the current weights. Its state dict is the HF
+    block's, names and layout (:func:`~flexmoe.hf.hf_state.save_hf_names`; under expert parallelism
+    ``state_dict()`` gathers the experts: every rank must call it), and ``load_state_dict`` takes HF's block's
+    (:func:`~flexmoe.hf.hf_state.load_hf_names`). Made by :func:`flexmoe.hf.convert`.
     """
 
     def __init__(self, family: Family, moe: MoELayer, hf_skeleton: nn.Module) -> None:

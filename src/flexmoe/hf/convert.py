@@ -35,7 +35,10 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
     "greedy"``), DeepSeek-V3, GLM-4.5 (GLM4-MoE) and GPT-OSS. The converted model computes HF's function: the
     same logits (to float32 rounding), the same loss, and with ``output_router_logits=True`` the same
     ``router_logits`` and auxiliary loss (HF's router module is kept and still recorded); ``generate()`` and the
-    KV cache work unchanged. DeepSeek-V3's
+    KV cache work unchanged. Its ``state_dict()`` is HF's model's (names, shapes, layouts: ``save_pretrained`` and
+    ``Trainer`` write plain HF checkpoints; under expert parallelism a collective, every rank calls it), and
+    ``load_state_dict`` takes HF's state dicts. Each parameter keeps its ``requires_grad``, dtype and device
+    (``w1`` and ``w3`` both take ``gate_up_proj``'s flag). DeepSeek-V3's
     ``e_score_correction_bias`` becomes the layer's ``expert_bias`` (``balance="bias"``, ``bias_update_rate=0``:
     fixed, as HF keeps it). Differences: an exact tie between router scores goes to the lower expert index
     (``torch.topk``, which HF uses, promises no order); Mixtral's ``router_jitter_noise`` (training only) jitters
