@@ -135,10 +135,8 @@ def experts_like(moe: MoELayer) -> Tensor:
 
 
 def _scratch(block: ConvertedMoeBlock, part: Part) -> nn.Module:
-    """A new HF module of ``part``'s kind with real storage (a copy of the block's emptied skeleton part)."""
-    scratch = copy.deepcopy(getattr(block.hf_skeleton, part.hf_name))
-    materialize(scratch, experts_like(block.moe))
-    return scratch
+    """A new HF module of ``part``'s kind, its tensors on ``meta`` (a copy of the block's emptied skeleton part)."""
+    return copy.deepcopy(getattr(block.hf_skeleton, part.hf_name))
 
 
 def save_hf_names(block: ConvertedMoeBlock, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -158,6 +156,7 @@ def save_hf_names(block: ConvertedMoeBlock, state_dict: dict[str, Any], prefix: 
         state_dict[bias_key] = state_dict.pop(prefix + "moe.expert_bias").to(state_dict[bias_key].dtype)
     for part in layer_parts(family):
         scratch = _scratch(block, part)
+        materialize(scratch, experts_like(moe))
         write_hf(part, scratch, moe)
         for name in part.views(scratch):
             state_dict.pop(f"{prefix}moe.{part.layer_name}.{name}", None)
@@ -207,9 +206,9 @@ def _load_part(block: ConvertedMoeBlock, part: Part, state_dict: dict[str, Any],
     layer_module = getattr(moe, part.layer_name)
     if given:
         scratch = _scratch(block, part)
-        try:
+        try:  # assign: the scratch module holds the given tensors themselves (shapes are still checked)
             scratch.load_state_dict({hf_keys[key]: state_dict.pop(key) for key in hf_keys if key in state_dict},
-                                    strict=True)
+                                    strict=True, assign=True)
         except RuntimeError as exc:
             absent = sorted(set(hf_keys) - set(given))
             error_msgs.append(f"{prefix}{part.hf_name}: its HF tensors load together; " + (
