@@ -2,8 +2,9 @@
 checkpoints are HF's own names and layout, load back into a converted model (strict), refuse missing tensors,
 and ``convert`` / ``to_hf`` keep every parameter's ``requires_grad``, dtype and device.
 
-References are HF's own: the unconverted model's ``state_dict()`` and logits, HF's eager model trained alongside,
-and plain ``AutoModelForCausalLM.from_pretrained`` of what was saved.
+References are HF's own: the unconverted model's ``state_dict()`` and logits, HF's eager model trained alongside
+(in one process on the whole batch for the 2-rank case, tests/hf_ep_worker.py), and plain
+``AutoModelForCausalLM.from_pretrained`` of what was saved.
 """
 
 from __future__ import annotations
@@ -109,6 +110,10 @@ def test_missing_expert_or_router_tensors_are_errors_naming_them(family):
     # One of the experts' fused tensors without the other: an error even when not strict.
     with pytest.raises(RuntimeError, match=rf"{block}experts: .*missing \['{block}experts\.down_proj'\]"):
         model.load_state_dict({k: v for k, v in full.items() if k != block + "experts.down_proj"}, strict=False)
+    # A tensor of another model's shape (2 experts, not all): named, not loaded.
+    cut = {**full, block + "experts.down_proj": full[block + "experts.down_proj"][:2]}
+    with pytest.raises(RuntimeError, match=rf"{block}experts: .*size mismatch for down_proj"):
+        model.load_state_dict(cut)
     # Not strict: reported under HF's names, and the layer keeps its experts (never initialised anew).
     experts = model.get_submodule(block + "moe.experts")
     before = {n: p.detach().clone() for n, p in experts.named_parameters()}
