@@ -162,6 +162,12 @@ def save_hf_names(block: ConvertedMoeBlock, state_dict: dict[str, Any], prefix: 
             state_dict.pop(f"{prefix}moe.{part.layer_name}.{name}", None)
         for key, value in scratch.state_dict().items():
             state_dict[f"{prefix}{part.hf_name}.{key}"] = value
+    # HF's order too: the block's entries (the last ones so far) in the order of HF's block's submodules.
+    entries = {key: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(prefix)]}
+    for child, _ in block.hf_skeleton.named_children():
+        for key in [k for k in entries if k.startswith(f"{prefix}{child}.")]:
+            state_dict[key] = entries.pop(key)
+    state_dict.update(entries)
 
 
 @torch.no_grad()
