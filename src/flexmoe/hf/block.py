@@ -16,13 +16,19 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from flexmoe.checkpoint import gather_experts
 from flexmoe.hf.families import Family, expert_weights, shared_mlp_weights
 from flexmoe.layer import MoELayer
 from flexmoe.parallel.layout import HIDDEN_DIM, shard_expert_state
 
-__all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block"]
+__all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block", "adapted_modules", "ADAPTER_ROUTE"]
+
+# How LoRA on the experts works with flexmoe.hf, named by every refusal of an adapter that would be dropped.
+ADAPTER_ROUTE = ("convert the plain model, then put LoRA on flexmoe's experts: peft.LoraConfig(target_parameters="
+                 "['experts.w1', 'experts.w2', 'experts.w3']); merge_and_unload() before to_hf "
+                 "(docs/architecture.md, 'Adapters on the experts')")
 
 
 class HFRouterLogits(nn.Module):
@@ -74,6 +80,10 @@ class ConvertedMoeBlock(nn.Module):
         family: Family = self.__dict__["_family"]
         block: Any = self.__dict__["_hf_skeleton"]
         moe = self.moe
+        adapted = adapted_modules(self)
+        if adapted:
+            raise ValueError(f"{self.family} block: {adapted} carry an unmerged adapter, which the HF block would "
+                             f"drop; merge it first (peft_model.merge_and_unload()), then to_hf")
         local = {name: p.detach() for name, p in moe.experts.named_parameters(recurse=False) if name in HIDDEN_DIM}
         full = gather_experts(local, moe.layout, moe.ep_group.group) if moe.ep_group.distributed else local
         like = local["w1"]
@@ -126,6 +136,14 @@ def build_converted_block(block: Any, family: Family, *, group: object | None,
         if part is not None:
             getattr(block, part).to("meta")
     return ConvertedMoeBlock(family, moe, block)
+
+
+def adapted_modules(module: nn.Module) -> list[str]:
+    """Names (``""``: ``module`` itself) of the modules under ``module`` that an adapter wraps or parametrizes:
+    PEFT's tuner layers (they have ``get_base_layer()``) and modules with torch parametrizations. Copying
+    ``module``'s tensors, as convert and to_hf do, would drop their adaptation."""
+    return [name for name, m in module.named_modules()
+            if callable(getattr(m, "get_base_layer", None)) or parametrize.is_parametrized(m)]
 
 
 def _materialize(module: nn.Module, like: Tensor) -> None:

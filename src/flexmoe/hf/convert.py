@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from flexmoe.experts import ExpertOptions
-from flexmoe.hf.block import ConvertedMoeBlock, build_converted_block
+from flexmoe.hf.block import ADAPTER_ROUTE, ConvertedMoeBlock, adapted_modules, build_converted_block
 from flexmoe.hf.families import FAMILIES, family_of
 from flexmoe.layer import MoELayer
 from flexmoe.parallel.options import ParallelOptions
@@ -63,6 +63,7 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
     """
     _check_options(options)
     if family_of(model) is not None:
+        _refuse_adapters(model, type(model).__name__)
         return _convert_block(model, group, options)
     if isinstance(model, ConvertedMoeBlock):
         raise ValueError("model is already a flexmoe ConvertedMoeBlock (flexmoe.hf.to_hf gives the HF block back)")
@@ -76,6 +77,8 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
             isinstance(m, ConvertedMoeBlock) for m in model.modules()) else ""
         raise ValueError(f"{type(model).__name__} is not a supported sparse-MoE block and contains none{done} "
                          f"(supported block classes: {sorted(FAMILIES)})")
+    for name, block in blocks:
+        _refuse_adapters(block, name)
     # Build every replacement before swapping any in, so that a bad option leaves the model untouched.
     converted = [(name, _convert_block(block, group, options)) for name, block in blocks]
     for name, new in converted:
@@ -107,6 +110,18 @@ def _convert_block(block: nn.Module, group: object | None, options: dict[str, An
     family = family_of(block)
     assert family is not None  # callers pick supported blocks
     return build_converted_block(block, family, group=group, options=options)
+
+
+def _refuse_adapters(block: nn.Module, where: str) -> None:
+    """``ValueError`` when an adapter wraps or parametrizes part of HF block ``block`` (at ``where``): convert
+    copies the block's tensors into flexmoe's experts, so the adapter would be silently dropped."""
+    adapted = adapted_modules(block)
+    if adapted:
+        parts = [f"{where}.{name}" if name else where for name in adapted]
+        raise ValueError(f"{parts} carry an adapter (PEFT LoRA or a torch parametrization), which convert would "
+                         f"drop (it copies the block's weights). Either merge it into the weights first "
+                         f"(peft_model.merge_and_unload()) and convert the merged model, or {ADAPTER_ROUTE}. "
+                         f"Adapters outside the MoE blocks (attention, embeddings) are kept as they are")
 
 
 def _check_options(options: dict[str, Any]) -> None:
