@@ -155,10 +155,6 @@ class FeedForwardExperts(nn.Module):
     is GPT-OSS's clamped one, :func:`gated_unit`).
     """
 
-    # Every weight is [E, in, out]. PEFT reads this flag (transformers' name for that layout) to put LoRA's A on
-    # the input side; without it a LoRA would factor each weight as if it were [E, out, in].
-    is_transposed = True
-
     def __init__(
         self,
         num_experts: int,
