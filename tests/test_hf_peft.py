@@ -345,3 +345,18 @@ def test_flexmoe_implementation_takes_a_parametrized_gpt_oss_experts_module():
     ids = batches(1, seed=13)[0]
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, **TOL)
+
+
+@pytest.mark.slow
+def test_lora_on_experts_over_two_ranks_matches_one_process():
+    """Each of 2 gloo ranks holds half the experts and its slice of the adapter: outputs and LoRA gradients equal
+    one process's, through the token exchange, the pairwise schedule, gathered weights (r=0) and with a rank whose
+    experts get no rows (it must still join the backward exchange through the adapter's weights); a converted
+    Mixtral gives the single-process logits and, merged, exports the same HF tensors (tests/peft_ep_worker.py)."""
+    from flexmoe.launch import spawn_ranks
+    from peft_ep_worker import rank_main
+
+    ranks = spawn_ranks(2, rank_main, [], timeout=240, check=True, what="LoRA on experts over 2 ranks")
+    failures = [f"rank {r.value['rank']}: {f}" for r in ranks for f in r.value["failures"]]
+    assert not failures, "\n".join(failures)
+    assert [r.value["rank"] for r in ranks] == [0, 1]

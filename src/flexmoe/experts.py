@@ -25,11 +25,11 @@ from torch import Tensor, nn
 from flexmoe.segment_ffn import addmm_into, segment_expert_ffn
 from flexmoe.validation import check_int, describe_value
 
-__all__ = ["ExpertOptions", "FeedForwardExperts", "ExpertsCall", "expert_ffn", "padded_expert_ffn",
-           "grouped_expert_ffn", "looped_expert_ffn", "segmented_expert_ffn", "use_segmented", "use_grouped_mm",
-           "grouped_mm_supported", "gated_unit", "hidden_unit", "check_glu_limit", "resolve_activation",
-           "activation_name", "activation_derivative", "activation_into", "all_like", "needs_grad", "joined_outputs",
-           "joined_unit_ffn", "active_experts_ffn", "JOINED_UNIT_MAX_ELEMENTS",
+__all__ = ["ExpertOptions", "FeedForwardExperts", "ExpertsCall", "differentiated_weights", "expert_ffn",
+           "padded_expert_ffn", "grouped_expert_ffn", "looped_expert_ffn", "segmented_expert_ffn", "use_segmented",
+           "use_grouped_mm", "grouped_mm_supported", "gated_unit", "hidden_unit", "check_glu_limit",
+           "resolve_activation", "activation_name", "activation_derivative", "activation_into", "all_like",
+           "needs_grad", "joined_outputs", "joined_unit_ffn", "active_experts_ffn", "JOINED_UNIT_MAX_ELEMENTS",
            "embedding_bag_ffn", "use_embedding_bag", "EMBEDDING_BAG_MAX_ROWS_PER_EXPERT"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -144,6 +144,19 @@ class ExpertsCall:
 
     def __init__(self, run: Callable[[], Tensor]) -> None:
         self.run = run
+
+
+def differentiated_weights(experts: nn.Module) -> list[Tensor]:
+    """The tensors whose gradients a call of ``experts`` produces: for the built-in experts their weights as they
+    read now (inside an adapter's call the adapted ones, ``w + delta``, through which the gradient reaches the
+    adapter), for any other module its parameters; only those that require a gradient.
+
+    An expert-parallel path that differentiates the experts by hand, or ties a rank without rows into the
+    backward exchange, takes these: the parameters alone would miss an adapter's (frozen base, trainable LoRA)."""
+    if isinstance(experts, FeedForwardExperts):
+        read = [experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3]
+        return [t for t in read if t is not None and t.requires_grad]
+    return [p for p in experts.parameters() if p.requires_grad]
 
 
 class FeedForwardExperts(nn.Module):
