@@ -72,6 +72,7 @@ def _check_bare_layer(rank: int, world: int) -> list[str]:
     from torch import nn
 
     from flexmoe import MoELayer
+    from flexmoe.parallel import ShadowExperts
 
     class TowardsRankZero(nn.Module):
         """Logits preferring experts 0 and 1 (rank 0's) for every token: rank 1's experts get no rows."""
@@ -84,7 +85,7 @@ def _check_bare_layer(rank: int, world: int) -> list[str]:
     mine = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
     xs = torch.randn(world, 12, 8, generator=torch.Generator().manual_seed(3))
     cases = [("token exchange", None, {}), ("pairwise", None, {"schedule": "pairwise"}), ("gathered", None, {"r": 0}),
-             ("a rank without rows", TowardsRankZero, {})]
+             ("shadowed expert 1", None, {"shadow": ShadowExperts([1])}), ("a rank without rows", TowardsRankZero, {})]
     for what, router, call in cases:
         torch.manual_seed(0)
         options = dict(k=2, glu=True, activation="silu", bias=False, capacity_factor=0.0)
@@ -101,6 +102,8 @@ def _check_bare_layer(rank: int, world: int) -> list[str]:
         sharded_lora = _lora(sharded, ["experts.w1", "experts.w2", "experts.w3"])
         _copy_factor_slices(single_lora, sharded_lora, mine)
         y = sharded_lora(xs[rank], **call)  # the input needs no gradient: only LoRA's factors do
+        if "shadow" in call and sharded.last_shadowed != [1]:
+            failures.append(f"{what}: shadowed {sharded.last_shadowed}, not expert 1")
         y.square().sum().backward()
         want = [single_lora(xs[r], **call) for r in range(world)]
         sum(w.square().sum() for w in want).backward()

@@ -244,28 +244,40 @@ class _Doubled(nn.Module):
 # --------------------------------------------------------------------------- every path of the layer
 
 
-def test_lora_applies_on_every_path_of_a_bare_layer(monkeypatch):
-    """A bare MoELayer (float32, SwiGLU, dropless, k=2) with LoRA on its experts against the plain float64
-    reference (tests/reference.py) run on ``w + delta``: training through the default path and through the fused
-    experts, a call overriding a parallel option (another strategy object), and a no-grad evaluation call
-    (decoding's path without a plan); LoRA's gradients against the reference's."""
+def bare_lora_layer(**options) -> tuple[nn.Module, MoELayer, torch.Tensor]:
+    """A bare MoELayer (float32, SwiGLU, k=2, dropless unless ``options`` say otherwise) with LoRA (random B)
+    on its experts, the layer itself, and tokens ``[24, 8]``."""
     torch.manual_seed(0)
-    moe = MoELayer(8, 4, 16, k=2, glu=True, activation="silu", bias=False, capacity_factor=0.0)
-    model = lora(moe, EXPERT_TARGETS, random_b=True)
-    x = torch.randn(24, 8, generator=torch.Generator().manual_seed(1))
+    moe = MoELayer(8, 4, 16, k=2, glu=True, activation="silu", bias=False, **{"capacity_factor": 0.0, **options})
+    return lora(moe, EXPERT_TARGETS, random_b=True), moe, torch.randn(24, 8, generator=torch.Generator().manual_seed(1))
 
-    def reference() -> tuple[RefResult, dict[str, torch.Tensor]]:
-        factors = {name: p.detach().double().requires_grad_() for name, p in model.named_parameters()
-                   if "lora_" in name}
-        (delta,) = lora_deltas(model, factors).values()
-        params = {n: moe.experts.get_base_layer().get_parameter(n).detach().double() + delta[n]
-                  for n in ("w1", "w2", "w3")}
-        logits = ref_linear_logits(x.double(), moe.router.weight.detach().double())
-        return reference_moe(x.double(), logits, ref_ffn_expert(params, "silu", glu=True), k=2,
-                             capacity_factor=0.0), factors
 
-    want, factors = reference()
+def bare_reference(model: nn.Module, moe: MoELayer, x: torch.Tensor,
+                   capacity_factor: float = 0.0) -> tuple[RefResult, dict[str, torch.Tensor]]:
+    """The float64 reference (tests/reference.py) on the base weights plus the LoRA deltas by hand, and the
+    float64 LoRA factors (leaves, their gradients filled by ``backward`` of ``sum(y)``)."""
+    factors = {name: p.detach().double().requires_grad_() for name, p in model.named_parameters() if "lora_" in name}
+    (delta,) = lora_deltas(model, factors).values()
+    params = {n: moe.experts.get_base_layer().get_parameter(n).detach().double() + delta[n] for n in ("w1", "w2", "w3")}
+    logits = ref_linear_logits(x.double(), moe.router.weight.detach().double())
+    want = reference_moe(x.double(), logits, ref_ffn_expert(params, "silu", glu=True), k=2,
+                         capacity_factor=capacity_factor)
     want.y.backward(torch.ones_like(want.y))
+    return want, factors
+
+
+def assert_lora_grads(model: nn.Module, factors: dict[str, torch.Tensor], what: str) -> None:
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            torch.testing.assert_close(p.grad.double(), factors[name].grad, rtol=1e-4, atol=1e-5, msg=f"{what} {name}")
+
+
+def test_lora_applies_on_every_path_of_a_bare_layer(monkeypatch):
+    """LoRA on a bare layer's experts against the float64 reference run on ``w + delta``: training through the
+    default path and through the fused experts, a call overriding a parallel option (another strategy object),
+    and a no-grad evaluation call (decoding's path without a plan); LoRA's gradients against the reference's."""
+    model, moe, x = bare_lora_layer()
+    want, factors = bare_reference(model, moe, x)
     fused_calls = count_calls(monkeypatch, layer_module, "fused_experts")
     for case in ("default", "other strategy", "fused"):
         if case == "fused":
@@ -275,15 +287,26 @@ def test_lora_applies_on_every_path_of_a_bare_layer(monkeypatch):
         assert len(fused_calls) == (1 if case == "fused" else 0), case
         torch.testing.assert_close(y.double(), want.y, rtol=1e-5, atol=1e-5, msg=case)
         y.backward(torch.ones_like(y))
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                torch.testing.assert_close(p.grad.double(), factors[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+        assert_lora_grads(model, factors, case)
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(x[:3]).double(), want.y[:3], rtol=1e-5, atol=1e-5)
     # The adapter changes the output (the base layer's is another).
     with torch.no_grad(), model.disable_adapter():
         assert float((model(x[:3]).double() - want.y[:3]).abs().max()) > 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capacity_factor", [0.0, 2.0])
+def test_compiled_layer_with_lora_matches_the_reference(capacity_factor):
+    """``torch.compile`` of an adapted layer (PEFT registers its parametrization inside the compiled call),
+    dropless and in capacity mode (padded custom ops): the reference's output and LoRA gradients."""
+    model, moe, x = bare_lora_layer(capacity_factor=capacity_factor)
+    want, factors = bare_reference(model, moe, x, capacity_factor=capacity_factor)
+    y = torch.compile(model)(x)
+    torch.testing.assert_close(y.double(), want.y, rtol=1e-5, atol=1e-5)
+    y.backward(torch.ones_like(y))
+    assert_lora_grads(model, factors, "compiled")
 
 
 def test_a_replaced_or_wrapped_custom_experts_module_is_an_error():
@@ -350,9 +373,10 @@ def test_flexmoe_implementation_takes_a_parametrized_gpt_oss_experts_module():
 @pytest.mark.slow
 def test_lora_on_experts_over_two_ranks_matches_one_process():
     """Each of 2 gloo ranks holds half the experts and its slice of the adapter: outputs and LoRA gradients equal
-    one process's, through the token exchange, the pairwise schedule, gathered weights (r=0) and with a rank whose
-    experts get no rows (it must still join the backward exchange through the adapter's weights); a converted
-    Mixtral gives the single-process logits and, merged, exports the same HF tensors (tests/peft_ep_worker.py)."""
+    one process's, through the token exchange, the pairwise schedule, gathered weights (r=0), a shadowed expert
+    (its weights broadcast) and with a rank whose experts get no rows (it must still join the backward exchange,
+    through the adapter's weights); a converted Mixtral gives the single-process logits and, merged, exports the
+    same HF tensors (tests/peft_ep_worker.py)."""
     from flexmoe.launch import spawn_ranks
     from peft_ep_worker import rank_main
 
