@@ -230,10 +230,13 @@ def test_adapters_inside_a_block_are_refused_by_convert_and_to_hf():
     hf = lora(tiny_model("qwen2_moe"), [], random_b=True, modules=["gate_proj"])
     with pytest.raises(ValueError, match=r"shared_expert\.gate_proj.*merge_and_unload"):
         fh.convert(hf, group="single")
-    # An unmerged adapter on a converted model: to_hf would drop it.
-    model = lora(fh.convert(tiny_model("olmoe"), group="single"), EXPERT_TARGETS, random_b=True)
+    # An unmerged adapter on a converted model (here on the second layer only): to_hf would drop it, and refuses
+    # before giving back any block.
+    model = lora(fh.convert(tiny_model("olmoe"), group="single"), ["model.layers.1.mlp.moe.experts.w2"],
+                 random_b=True)
     with pytest.raises(ValueError, match=r"olmoe block.*moe\.experts.*merge_and_unload\(\)"):
         fh.to_hf(model)
+    assert len(moe_blocks(model)) == 2
 
 
 class _Doubled(nn.Module):

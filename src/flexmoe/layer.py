@@ -90,6 +90,9 @@ class MoELayer(nn.Module):
         through, replicated on every rank) with shared_hidden_dim and shared_gate (Qwen2-MoE's sigmoid gate,
         parameter ``shared_gate.weight`` ``[1, M]``);
         or ``experts=`` a module ``forward(x: [N, M], counts: list[int]) -> [N, M]`` used instead.
+        An adapter may wrap the built-in experts (PEFT's LoRA ``target_parameters=["experts.w1", ...]``): every
+        call then runs inside the wrapper, so each path computes with the adapted weights (:attr:`expert_adapter`;
+        docs/architecture.md, "Adapters on the experts").
 
     Expert parallelism (:class:`~flexmoe.parallel.ParallelOptions`; docs/architecture.md, "Experts over
     ranks"):

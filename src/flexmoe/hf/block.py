@@ -73,17 +73,22 @@ class ConvertedMoeBlock(nn.Module):
     def extra_repr(self) -> str:
         return f"family={self.family!r}"
 
-    @torch.no_grad()
-    def to_hf(self) -> nn.Module:
-        """The HF block with this block's current weights (its own class, so ``save_pretrained`` writes HF's
-        format). Under expert parallelism every rank of the group must call it (the experts are gathered)."""
-        family: Family = self.__dict__["_family"]
-        block: Any = self.__dict__["_hf_skeleton"]
-        moe = self.moe
+    def refuse_unmerged_adapters(self) -> None:
+        """``ValueError`` naming the modules of this block an adapter still wraps or parametrizes (PEFT's LoRA
+        before ``merge_and_unload()``): :meth:`to_hf` copies tensors, so the HF block would drop the adapter."""
         adapted = adapted_modules(self)
         if adapted:
             raise ValueError(f"{self.family} block: {adapted} carry an unmerged adapter, which the HF block would "
                              f"drop; merge it first (peft_model.merge_and_unload()), then to_hf")
+
+    @torch.no_grad()
+    def to_hf(self) -> nn.Module:
+        """The HF block with this block's current weights (its own class, so ``save_pretrained`` writes HF's
+        format). Under expert parallelism every rank of the group must call it (the experts are gathered)."""
+        self.refuse_unmerged_adapters()
+        family: Family = self.__dict__["_family"]
+        block: Any = self.__dict__["_hf_skeleton"]
+        moe = self.moe
         local = {name: p.detach() for name, p in moe.experts.named_parameters(recurse=False) if name in HIDDEN_DIM}
         full = gather_experts(local, moe.layout, moe.ep_group.group) if moe.ep_group.distributed else local
         like = local["w1"]

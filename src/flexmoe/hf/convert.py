@@ -58,6 +58,12 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
         score function, groups, scale) are the family's: passing one, or a name that is no MoELayer option, is a
         ``ValueError`` naming it.
 
+    Adapters: one outside the MoE blocks (PEFT's LoRA on attention) is kept and keeps working. One inside a block
+    (LoRA on HF's ``gate_up_proj`` / ``down_proj``, on a shared expert or the router, a torch parametrization) is a
+    ``ValueError`` naming it: convert copies the block's tensors and would drop it. Merge it first, or convert
+    the plain model and put LoRA on flexmoe's experts, ``peft.LoraConfig(target_parameters=["experts.w1",
+    "experts.w2", "experts.w3"])`` (docs/architecture.md, "Adapters on the experts").
+
     Raises ``ValueError`` naming the class for an unsupported block, and for a model with no supported block (or
     with an MoE-looking block of an unsupported class).
     """
@@ -94,13 +100,16 @@ def to_hf(model: nn.Module) -> nn.Module:
 
     Collective under expert parallelism: every rank of the group must call it (each block's experts are gathered
     from the ranks). The HF parameters are new tensors: build the optimizer again to continue training. Raises
-    ``ValueError`` when ``model`` holds no converted block.
+    ``ValueError`` when ``model`` holds no converted block, and when a block carries an unmerged adapter (the
+    HF block would drop it: ``merge_and_unload()`` first).
     """
     if isinstance(model, ConvertedMoeBlock):
         return model.to_hf()
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, ConvertedMoeBlock)]
     if not blocks:
         raise ValueError(f"{type(model).__name__} holds no flexmoe block to export (flexmoe.hf.convert makes them)")
+    for _, block in blocks:  # before any block goes back, so that a refusal leaves the model as it was
+        block.refuse_unmerged_adapters()
     for name, block in blocks:  # the same order on every rank: each gather is a collective
         _replace(model, name, block.to_hf())
     return model
