@@ -23,12 +23,7 @@ from flexmoe.hf.families import Family, expert_weights, shared_mlp_weights
 from flexmoe.layer import MoELayer
 from flexmoe.parallel.layout import HIDDEN_DIM, shard_expert_state
 
-__all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block", "adapted_modules", "ADAPTER_ROUTE"]
-
-# How LoRA on the experts works with flexmoe.hf, named by every refusal of an adapter that would be dropped.
-ADAPTER_ROUTE = ("convert the plain model, then put LoRA on flexmoe's experts: peft.LoraConfig(target_parameters="
-                 "['experts.w1', 'experts.w2', 'experts.w3']); merge_and_unload() before to_hf "
-                 "(docs/architecture.md, 'Adapters on the experts')")
+__all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block", "adapted_modules"]
 
 
 class HFRouterLogits(nn.Module):

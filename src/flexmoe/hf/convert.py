@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from flexmoe.experts import ExpertOptions
-from flexmoe.hf.block import ADAPTER_ROUTE, ConvertedMoeBlock, adapted_modules, build_converted_block
+from flexmoe.hf.block import ConvertedMoeBlock, adapted_modules, build_converted_block
 from flexmoe.hf.families import FAMILIES, family_of
 from flexmoe.layer import MoELayer
 from flexmoe.parallel.options import ParallelOptions
@@ -129,8 +129,11 @@ def _refuse_adapters(block: nn.Module, where: str) -> None:
         parts = [f"{where}.{name}" if name else where for name in adapted]
         raise ValueError(f"{parts} carry an adapter (PEFT LoRA or a torch parametrization), which convert would "
                          f"drop (it copies the block's weights). Either merge it into the weights first "
-                         f"(peft_model.merge_and_unload()) and convert the merged model, or {ADAPTER_ROUTE}. "
-                         f"Adapters outside the MoE blocks (attention, embeddings) are kept as they are")
+                         f"(peft_model.merge_and_unload()) and convert the merged model, or convert the plain "
+                         f"model, then put LoRA on flexmoe's experts: peft.LoraConfig(target_parameters="
+                         f"['experts.w1', 'experts.w2', 'experts.w3']), and merge_and_unload() before to_hf "
+                         f"(docs/architecture.md, 'Adapters on the experts'). Adapters outside the MoE blocks "
+                         f"(attention, embeddings) are kept as they are")
 
 
 def _check_options(options: dict[str, Any]) -> None:
