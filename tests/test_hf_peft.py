@@ -157,6 +157,22 @@ def test_lora_on_experts_trains_merges_and_exports(family, tmp_path):
         torch.testing.assert_close(loaded(ids).logits, expected, **TOL)
 
 
+def test_an_adapter_checkpoint_of_a_converted_model_loads_back(tmp_path):
+    """PEFT's own adapter checkpoint (``save_pretrained`` of the PeftModel: the LoRA factors under flexmoe's
+    module names) loads onto a freshly converted model and gives HF's logits with the deltas added by hand."""
+    model = lora(fh.convert(tiny_model("qwen3_moe"), group="single"), EXPERT_TARGETS, random_b=True)
+    model.save_pretrained(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(fh.convert(tiny_model("qwen3_moe"), group="single"), tmp_path).eval()
+    ref = tiny_model("qwen3_moe").eval()
+    ids = batches(1, seed=9)[0]
+    with torch.no_grad():
+        factors = {name: p for name, p in loaded.named_parameters() if "lora_" in name}
+        assert len(factors) == 2 * 3 * 2  # A and B, three tensors, two layers
+        expected = torch.func.functional_call(ref, hf_params_with(ref, lora_deltas(loaded, factors)), (ids,))
+        assert float((expected.logits - ref(ids).logits).abs().max()) > 0.05
+        torch.testing.assert_close(loaded(ids).logits, expected.logits, **TOL)
+
+
 def test_lora_on_the_shared_experts_and_router_of_a_converted_model_applies():
     """Qwen2-MoE: LoRA on flexmoe's shared expert (``moe.shared``) and on HF's router weight (kept as HF's module)
     changes the logits as the same deltas written into HF's shared MLP and router do."""
