@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from flexmoe.hf.families import Family, expert_weights
 from flexmoe.hf.hf_state import (
@@ -31,7 +32,7 @@ from flexmoe.hf.hf_state import (
 )
 from flexmoe.layer import MoELayer
 
-__all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block"]
+__all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block", "adapted_modules"]
 
 
 class HFRouterLogits(nn.Module):
@@ -81,6 +82,14 @@ class ConvertedMoeBlock(nn.Module):
     def extra_repr(self) -> str:
         return f"family={self.family!r}"
 
+    def refuse_unmerged_adapters(self) -> None:
+        """``ValueError`` naming the modules of this block an adapter still wraps or parametrizes (PEFT's LoRA
+        before ``merge_and_unload()``): :meth:`to_hf` copies tensors, so the HF block would drop the adapter."""
+        adapted = adapted_modules(self)
+        if adapted:
+            raise ValueError(f"{self.family} block: {adapted} carry an unmerged adapter, which the HF block would "
+                             f"drop; merge it first (peft_model.merge_and_unload()), then to_hf")
+
     @property
     def hf_family(self) -> Family:
         """The :class:`~flexmoe.hf.families.Family` of the HF block this block stands in for."""
@@ -101,7 +110,9 @@ class ConvertedMoeBlock(nn.Module):
     def to_hf(self) -> nn.Module:
         """The HF block with this block's current weights and ``requires_grad`` flags (its own class). Under
         expert parallelism every rank of the group must call it (the experts are gathered). Raises
-        ``ValueError`` when two layer tensors of one HF tensor disagree on ``requires_grad`` (``w1``, ``w3``)."""
+        ``ValueError`` when two layer tensors of one HF tensor disagree on ``requires_grad`` (``w1``, ``w3``), and
+        when the block carries an unmerged adapter (:meth:`refuse_unmerged_adapters`)."""
+        self.refuse_unmerged_adapters()
         block, moe = self.hf_skeleton, self.moe
         parts = layer_parts(self.hf_family)
         for part, part_flags in zip(parts, self.hf_requires_grad()):
@@ -150,3 +161,12 @@ def build_converted_block(block: Any, family: Family, *, group: object | None,
     for part in parts:
         getattr(block, part.hf_name).to("meta")
     return ConvertedMoeBlock(family, moe, block)
+
+
+def adapted_modules(module: nn.Module) -> list[str]:
+    """Names (``""``: ``module`` itself) of the modules under ``module`` that an adapter wraps or parametrizes:
+    PEFT's tuner layers (they have ``get_base_layer()``) and modules with torch parametrizations. Copying
+    ``module``'s tensors, as convert and to_hf do, would drop their adaptation."""
+    return [name for name, m in module.named_modules()
+            if callable(getattr(m, "get_base_layer", None)) or parametrize.is_parametrized(m)]
+

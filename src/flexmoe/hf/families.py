@@ -42,22 +42,28 @@ def _gpt_oss_glu(gate: Tensor, alpha: float) -> Tensor:
 def expert_unit(experts: Any) -> tuple[str | Callable[[Tensor], Tensor], float | None]:
     """``(activation, glu_limit)`` of an HF experts module, as flexmoe's ``ExpertOptions`` take them.
 
-    The default gated unit (``act_fn(gate) * up``) and GPT-OSS's clamped one are known; any other (a custom
-    ``_apply_gate``, a post-expert norm) raises ``ValueError`` naming the class: flexmoe would compute another
+    Known by what the module computes and holds, never by its class name (PEFT's ``target_parameters`` runs the
+    module as a parametrized subclass, ``ParametrizedGptOssExperts``): its gated unit is the function its class
+    resolves ``_apply_gate`` to. transformers' default ``act_fn(gate) * up`` over concatenated halves, or
+    GPT-OSS's clamped unit over interleaved columns (with the module's ``alpha`` and ``limit``); a non-gated module
+    (``has_gate=False``) applies its activation alone. Anything else (another ``_apply_gate``, a post-expert
+    norm, a layout the unit does not read) raises ``ValueError`` naming the class: flexmoe would compute another
     function.
     """
     name = type(experts).__name__
     if getattr(experts, "has_post_expert_norm", False):
         raise ValueError(f"{name} normalizes each expert's output (has_post_expert_norm); flexmoe's experts do not")
-    if name == "GptOssExperts":
-        return functools.partial(_gpt_oss_glu, alpha=float(experts.alpha)), float(experts.limit)
-    apply_gate = getattr(type(experts), "_apply_gate", None)
-    if getattr(experts, "has_gate", True) and getattr(apply_gate, "__name__", None) != "_default_apply_gate":
-        raise ValueError(f"{name} has its own gated unit (_apply_gate); flexmoe knows the default "
-                         f"act_fn(gate) * up and GPT-OSS's clamped unit only")
-    if not getattr(experts, "is_concatenated", True) and getattr(experts, "has_gate", True):
-        raise ValueError(f"{name} interleaves gate and up columns with the default gated unit; flexmoe knows "
-                         f"that layout for GPT-OSS only")
+    if getattr(experts, "has_gate", True):
+        gate_unit = getattr(type(experts), "_apply_gate", None)
+        concatenated = getattr(experts, "is_concatenated", True)
+        if gate_unit is _gpt_oss_apply_gate() and not concatenated:
+            return functools.partial(_gpt_oss_glu, alpha=float(experts.alpha)), float(experts.limit)
+        if gate_unit is not _default_apply_gate():
+            raise ValueError(f"{name} has its own gated unit (_apply_gate); flexmoe knows transformers' default "
+                             f"act_fn(gate) * up and GPT-OSS's clamped unit (on interleaved columns) only")
+        if not concatenated:
+            raise ValueError(f"{name} interleaves gate and up columns with the default gated unit; flexmoe knows "
+                             f"that layout for GPT-OSS's unit only")
     hidden_act = getattr(getattr(experts, "config", None), "hidden_act", None)
     if isinstance(hidden_act, str) and hidden_act in _ACTIVATION_NAMES:
         return _ACTIVATION_NAMES[hidden_act], None
@@ -65,6 +71,20 @@ def expert_unit(experts: Any) -> tuple[str | Callable[[Tensor], Tensor], float |
     if not callable(act_fn):
         raise ValueError(f"{name} has no act_fn to read its activation from")
     return act_fn, None
+
+
+def _default_apply_gate() -> Callable[..., Tensor] | None:
+    """transformers' default gated unit, ``act_fn(gate) * up`` over the concatenated halves."""
+    from transformers.integrations import moe
+
+    return getattr(moe, "_default_apply_gate", None)  # absent in some future transformers: then nothing matches
+
+
+def _gpt_oss_apply_gate() -> Callable[..., Tensor]:
+    """GPT-OSS's gated unit (clamped, ``alpha``, interleaved columns): the function, whatever class holds it."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    return GptOssExperts._apply_gate
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from flexmoe.layer import MoELayer
 
 __all__ = ["ROUTER", "Part", "layer_parts", "layer_values", "write_hf", "hf_requires_grad", "materialize",
-           "experts_like", "save_hf_names", "load_hf_names"]
+           "experts_like", "layer_module", "save_hf_names", "load_hf_names"]
 
 ROUTER = "moe.router.hf_router."  # where the block holds HF's router module (its state-dict prefix)
 
@@ -81,13 +81,24 @@ def layer_values(part: Part, hf_module: nn.Module, layout: ExpertLayout, rank: i
     return shard_expert_state(views, layout, rank) if part.routed else views
 
 
+def layer_module(moe: MoELayer, part: Part) -> tuple[str, nn.Module]:
+    """``(path under the layer, module)`` of the layer's module holding ``part``: below any adapter wrapping it
+    (PEFT's LoRA keeps the wrapped module as ``base_layer``, e.g. ``experts.base_layer``), whose own tensors are
+    the part's unadapted weights; the adapter's tensors are the wrapper's and stay in the state dict as they are."""
+    path, module = part.layer_name, getattr(moe, part.layer_name)
+    while callable(getattr(module, "get_base_layer", None)) and isinstance(getattr(module, "base_layer", None),
+                                                                           nn.Module):
+        path, module = path + ".base_layer", module.base_layer
+    return path, module
+
+
 @torch.no_grad()
 def write_hf(part: Part, hf_module: nn.Module, moe: MoELayer) -> None:
     """Write the layer's current tensors of ``part`` into HF module ``hf_module`` (real storage) through the views.
     The routed experts are gathered from every rank: a collective under expert parallelism."""
     views = part.views(hf_module)
-    layer_module = getattr(moe, part.layer_name)
-    values = {name: getattr(layer_module, name).detach() for name in views}
+    _, module = layer_module(moe, part)
+    values = {name: getattr(module, name).detach() for name in views}
     if part.routed and moe.ep_group.distributed:
         values = gather_experts(values, moe.layout, moe.ep_group.group)
     for name, view in views.items():
@@ -101,8 +112,8 @@ def hf_requires_grad(part: Part, hf_module: nn.Module, moe: MoELayer) -> dict[st
     ``gate_up_proj``): HF's model cannot freeze one without the other.
     """
     sources = part.sources(hf_module)
-    layer_module = getattr(moe, part.layer_name)
-    flags = {name: bool(getattr(layer_module, name).requires_grad) for name in sources}
+    _, module = layer_module(moe, part)
+    flags = {name: bool(getattr(module, name).requires_grad) for name in sources}
     for name, source in sources.items():
         for other, other_source in sources.items():
             if other_source is source and flags[other] != flags[name]:
@@ -129,7 +140,7 @@ def materialize(module: nn.Module, like: Tensor) -> None:
 
 def experts_like(moe: MoELayer) -> Tensor:
     """A tensor of the layer's routed experts: their dtype and device, which every copied part shares."""
-    w1 = moe.experts.w1
+    w1 = moe._built_experts.w1  # below any adapter wrapping moe.experts
     assert isinstance(w1, Tensor)  # FeedForwardExperts' first weight, [E_local, M, H]
     return w1
 
@@ -158,8 +169,9 @@ def save_hf_names(block: ConvertedMoeBlock, state_dict: dict[str, Any], prefix: 
         scratch = _scratch(block, part)
         materialize(scratch, experts_like(moe))
         write_hf(part, scratch, moe)
+        path, _ = layer_module(moe, part)
         for name in part.views(scratch):
-            state_dict.pop(f"{prefix}moe.{part.layer_name}.{name}", None)
+            state_dict.pop(f"{prefix}moe.{path}.{name}", None)
         for key, value in scratch.state_dict().items():
             state_dict[f"{prefix}{part.hf_name}.{key}"] = value
     # HF's order too: the block's entries (the last ones so far) in the order of HF's block's submodules.
@@ -205,11 +217,11 @@ def _load_part(block: ConvertedMoeBlock, part: Part, state_dict: dict[str, Any],
     moe = block.moe
     skeleton = getattr(block.hf_skeleton, part.hf_name)
     hf_keys = {f"{prefix}{part.hf_name}.{key}": key for key in skeleton.state_dict(keep_vars=True)}
-    own = {f"{prefix}moe.{part.layer_name}.{name}": name for name in part.views(skeleton)}
+    path, layer_held = layer_module(moe, part)
+    own = {f"{prefix}moe.{path}.{name}": name for name in part.views(skeleton)}
     given = [key for key in hf_keys if key in state_dict]
     if not given and all(key in state_dict for key in own):
         return  # the layer's own names
-    layer_module = getattr(moe, part.layer_name)
     if given:
         scratch = _scratch(block, part)
         try:  # assign: the scratch module holds the given tensors themselves (shapes are still checked)
@@ -227,4 +239,4 @@ def _load_part(block: ConvertedMoeBlock, part: Part, state_dict: dict[str, Any],
     else:
         missing_keys.extend(hf_keys)
     for key, name in own.items():  # not loaded: the layer keeps its values, reported under HF's names only
-        state_dict.setdefault(key, getattr(layer_module, name).detach())
+        state_dict.setdefault(key, getattr(layer_held, name).detach())
