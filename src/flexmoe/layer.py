@@ -226,15 +226,18 @@ class MoELayer(nn.Module):
                        jitter=routing.jitter, gate_noise=routing.gate_noise,
                        input_dropout=routing.router_input_dropout)  # [T, E]
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
-                          topology=self.topology, num_sequences=num_sequences, padded=self._padded_layout(routing))
+                          topology=self.topology, num_sequences=num_sequences, padded=self._padded_layout(routing),
+                          counts_on_device=self._counts_on_device(routing, tokens))
         if self._runs_fused(tokens, plan, routing):
             y = self._fused_experts(tokens, plan)  # [T, M]
         elif (sent := self._exchange_tokens(tokens, plan, routing, parallel, pinned)) is not None:
             y = sent  # [T, M]
         else:
             expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
-            expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned,
-                                              plan if self._by_layout(plan, expert_input) else None)  # [N, M]
+            layout_plan = plan if self._by_layout(plan, expert_input) else None
+            # The custom op reads the counts on the device: a compiled call must not bring them to the host.
+            counts = [] if layout_plan is not None else plan.counts
+            expert_output = self._run_experts(expert_input, counts, parallel, pinned, layout_plan)  # [N, M]
             y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
         if self.shared is not None:
             y = y + self._shared_output(tokens).to(y.dtype)
@@ -391,6 +394,18 @@ class MoELayer(nn.Module):
             return True
         return (torch.compiler.is_compiling() and isinstance(self.experts, FeedForwardExperts)
                 and not self.ep_group.distributed and layout_op_runs(self.experts, rows))
+
+    def _counts_on_device(self, routing: RoutingOptions, tokens: Tensor) -> bool:
+        """Whether this call's plan keeps its counts on the device: under ``torch.compile``, dropless top-k routing
+        in one process with every pair kept (no random 2nd expert in training), the built-in experts run by the
+        custom op that reads the counts on the device (:meth:`_by_layout`). Every shape is then known before
+        routing (``N = T * k``) and no routed value reaches the host: the call compiles into one graph
+        (docs/architecture.md, "Compiling the layer")."""
+        return (torch.compiler.is_compiling() and routing.selection == "topk" and self.topology is None
+                and not self.ep_group.distributed and routing.capacity is None
+                and routing.static_capacity_factor == 0
+                and not (routing.second_expert == "random" and self.training)
+                and isinstance(self.experts, FeedForwardExperts) and layout_op_runs(self.experts, tokens))
 
     def _padded_layout(self, routing: RoutingOptions) -> bool:
         """Whether this call pads every expert's rows to the capacity: under ``torch.compile``, in capacity mode,
