@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch, sum_choices_by_token, sum_rows_by_token
 from flexmoe.experts import ExpertOptions, FeedForwardExperts
 from flexmoe.fused_experts import HiddenUnit, fused_experts, use_fused
-from flexmoe.padded_ffn_op import layout_op_runs, padded_experts_forward
+from flexmoe.grouped_linear_op import grouped_experts_ffn
+from flexmoe.padded_ffn_op import layout_op_runs, padded_experts_forward, padded_op_available
 from flexmoe.padded_fused_op import padded_fused_experts, use_padded_fused
 from flexmoe.parallel.auto import MeasuringChooser
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
@@ -390,7 +391,7 @@ class MoELayer(nn.Module):
         then never reach the graph. Traced as Python ints instead, every count that is 0 or 1 is a value dynamo
         specializes on: with many experts nearly every call recompiled, until dynamo's limit sent the rest of
         the forward back to eager (docs/architecture.md, "Compiling the layer")."""
-        if plan.padded:
+        if plan.padded or plan.host_counts is None:  # host_counts None: the counts are on the device only
             return True
         return (torch.compiler.is_compiling() and isinstance(self.experts, FeedForwardExperts)
                 and not self.ep_group.distributed and layout_op_runs(self.experts, rows))
@@ -398,14 +399,15 @@ class MoELayer(nn.Module):
     def _counts_on_device(self, routing: RoutingOptions, tokens: Tensor) -> bool:
         """Whether this call's plan keeps its counts on the device: under ``torch.compile``, dropless top-k routing
         in one process with every pair kept (no random 2nd expert in training), the built-in experts run by the
-        custom op that reads the counts on the device (:meth:`_by_layout`). Every shape is then known before
-        routing (``N = T * k``) and no routed value reaches the host: the call compiles into one graph
+        custom op that reads the counts on the device (:meth:`_by_layout`; the matmuls alone,
+        :mod:`flexmoe.grouped_linear_op`, for a callable activation or under autocast). Every shape is then known
+        before routing (``N = T * k``) and no routed value reaches the host: the call compiles into one graph
         (docs/architecture.md, "Compiling the layer")."""
         return (torch.compiler.is_compiling() and routing.selection == "topk" and self.topology is None
                 and not self.ep_group.distributed and routing.capacity is None
                 and routing.static_capacity_factor == 0
                 and not (routing.second_expert == "random" and self.training)
-                and isinstance(self.experts, FeedForwardExperts) and layout_op_runs(self.experts, tokens))
+                and isinstance(self.experts, FeedForwardExperts) and padded_op_available())
 
     def _padded_layout(self, routing: RoutingOptions) -> bool:
         """Whether this call pads every expert's rows to the capacity: under ``torch.compile``, in capacity mode,
@@ -447,12 +449,17 @@ class MoELayer(nn.Module):
         """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype, by this call's strategy.
 
         layout_plan: the rows are this plan's, computed by the built-in experts' custom op
-        (:func:`flexmoe.padded_ffn_op.padded_experts_forward`, :meth:`_by_layout`): only the real rows."""
+        (:func:`flexmoe.padded_ffn_op.padded_experts_forward`, :meth:`_by_layout`): only the real rows; a plan
+        with its counts on the device whose unit the op cannot take, by the grouped matmuls of
+        :func:`flexmoe.grouped_linear_op.grouped_experts_ffn`."""
         strategy = self._strategy_of(options)
         experts = self.experts
 
         def run(expert_rows: Tensor) -> Tensor:
             if layout_plan is not None and isinstance(experts, FeedForwardExperts):
+                if layout_plan.host_counts is None and not layout_op_runs(experts, expert_rows):
+                    # Counts on the device, a unit the op cannot take by name (a callable, autocast).
+                    return grouped_experts_ffn(experts, expert_rows, layout_plan.tokens_per_expert)
                 return padded_experts_forward(experts, expert_rows, layout_plan)
             return strategy.run(expert_rows, counts, options, pinned)
 
