@@ -109,10 +109,12 @@ class MoELayer(nn.Module):
         ``last_shadowed`` lists the shadowed experts), schedule ("a2a" / "pairwise").
         How the experts run is a strategy object from :mod:`flexmoe.parallel.strategy`, chosen here.
 
-    ``torch.compile(moe, fullgraph=True)`` works in capacity mode (cf > 0 or ``capacity``), top-k routing, one
-    process: the compiled call pads every expert's rows to the capacity, so no shape depends on the routing;
-    dropless mode compiles with graph breaks where the counts reach the host (docs/architecture.md, "Compiling
-    the layer").
+    ``torch.compile(moe, fullgraph=True)`` works, forward and backward, for top-k routing in one process in
+    capacity mode (cf > 0 or ``capacity``: the compiled call pads every expert's rows to the capacity, so no shape
+    depends on the routing) and in dropless mode with the built-in experts (every pair has a row, ``N = T * k``,
+    and the per-expert counts stay on the device, read by the experts' custom ops); one graph serves every
+    routing. Adaptive capacity, custom experts in dropless mode, expert choice, BASE and expert parallelism
+    compile with graph breaks where their counts reach the host (docs/architecture.md, "Compiling the layer").
 
     ``forward`` takes ``capacity``, ``capacity_factor`` and every parallel option but ``chooser`` as keywords
     for that call only. After each forward: ``aux_loss`` (balance loss, differentiable), ``z_loss`` and

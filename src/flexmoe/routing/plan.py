@@ -340,21 +340,22 @@ def plan_from_pairs(
     order = order[:num_active]
     load = unit_load.sum(dim=1) if num_units > 1 else unit_load.view(-1)
 
-    counts: list[int] | None
-    cap: int | None
-    if counts_on_device:  # dropless: every pair keeps its row, N = T * k; the counts stay where they are
-        counts, cap, drops = None, None, False
-    else:
+    rows = order  # sorted by (expert, [seq,] slot)
+    counts: list[int] | None = None  # None: on the device only (counts_on_device: dropless, N = T * k, no read)
+    capacity_used: int | None = None
+    drops = False
+    if not counts_on_device:
         unit_list = unit_load.tolist()  # the one host sync: row counts size every later tensor
         max_load = max((n for row in unit_list for n in row), default=0)
-        cap = resolve_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity, max_load)
+        host_cap = resolve_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity, max_load)
+        counts, capacity_used = kept_counts(unit_list, host_cap), host_cap
         # Every pair keeps its row when no unit is over capacity (always so in dropless mode): no masking then.
-        drops = max_load > cap
-        counts = kept_counts(unit_list, cap)
-    rows = order[slot.view(-1).index_select(0, order) < cap] if drops else order  # sorted by (expert, [seq,] slot)
-    if drops or active is not None:
-        kept = slot < cap if active is None else active & (slot < cap)
-        slot = torch.where(kept, slot, torch.full_like(slot, -1))
+        drops = max_load > host_cap
+        if drops:
+            rows = order[slot.view(-1).index_select(0, order) < host_cap]
+        if drops or active is not None:
+            kept = slot < host_cap if active is None else active & (slot < host_cap)
+            slot = torch.where(kept, slot, torch.full_like(slot, -1))
     num_dropped = 0 if counts is None else num_active - sum(counts)
     row_token = torch.div(rows, k, rounding_mode="floor")
 
@@ -369,7 +370,7 @@ def plan_from_pairs(
         tokens_per_expert=load if not drops else torch.tensor(counts, dtype=torch.long, device=device),
         load=load,
         host_counts=counts,
-        host_capacity=cap,
+        host_capacity=capacity_used,
         num_dropped=num_dropped,
         dropped_fraction=num_dropped / max(num_tokens * k, 1),
         aux_loss=aux_loss,
