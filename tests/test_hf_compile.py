@@ -102,7 +102,9 @@ def _generate(model: nn.Module, ids: Tensor, compile_config: Any = None) -> Any:
 def test_compiled_generate_equals_hf_eager(family: str) -> None:
     """``generate()`` compiling the converted model's decoding step with ``fullgraph=True`` gives HF eager's tokens
     and logits, for two prompts that route differently, the second compiling no new graph."""
-    ref = tiny_model(family).eval()
+    # DeepSeek-V3 with as many key/value heads as query heads (as its own config has): with fewer, HF's own eager
+    # model fails under the static cache (its latent attention's keys repeated twice over).
+    ref = tiny_model(family, **({"num_key_value_heads": 2} if family == "deepseek_v3" else {})).eval()
     model = fh.convert(copy.deepcopy(ref), group="single").eval()
     compile_config = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
     compile_config._compile_all_devices = True  # transformers compiles generate on accelerators only otherwise
