@@ -20,6 +20,7 @@ import torch._dynamo
 from torch import Tensor, nn
 
 from flexmoe import MoELayer, padded_ffn_op, padded_fused_op
+from flexmoe.routing import make_plan
 from reference import reference_for_layer
 
 # Dropless mode: every pair has a row (N = T * k), so the plan keeps its counts on the device and the experts'
@@ -490,6 +491,25 @@ def test_graph_breaks(options: dict[str, Any], breaks: int) -> None:
     x = torch.randn(20, 8, dtype=torch.float64)
     explained = torch._dynamo.explain(moe)(x)
     assert explained.graph_break_count == breaks, [str(b.reason)[:200] for b in explained.break_reasons]
+
+
+def test_plan_with_counts_on_device_reads_them_only_when_asked() -> None:
+    """The dropless plan the compiled layer makes (counts_on_device) holds the same rows as the eager one; its
+    counts and capacity stay on the device until read, then are the reference's. A capacity, or anything that
+    could drop or skip a pair, is refused by name."""
+    logits = torch.randn(15, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    eager = make_plan(logits, 2, capacity_factor=0.0)
+    plan = make_plan(logits, 2, capacity_factor=0.0, counts_on_device=True)
+    assert plan.host_counts is None and plan.host_capacity is None and plan.num_experts == 5
+    for name in ("row_token", "row_choice", "row_weight", "tokens_per_expert", "slot"):
+        torch.testing.assert_close(getattr(plan, name), getattr(eager, name), msg=name)
+    assert plan.every_pair_has_row and plan.num_dropped == 0
+    want = torch.bincount(logits.topk(2, dim=1).indices.reshape(-1), minlength=5).tolist()
+    assert plan.counts == want and plan.capacity == max(want) and plan.host_counts == want
+    for options in (dict(capacity_factor=1.0), dict(capacity_factor=0.0, capacity=3),
+                    dict(capacity_factor=0.0, padded=True)):
+        with pytest.raises(ValueError, match="counts_on_device needs a dropless plan"):
+            make_plan(logits, 2, counts_on_device=True, **options)
 
 
 def _clamped_tanh_glu_expert(limit: float) -> Callable[[dict[str, Tensor]], Callable[[int, Tensor], Tensor]]:
