@@ -237,10 +237,10 @@ class MoELayer(nn.Module):
             y = sent  # [T, M]
         else:
             expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
-            layout_plan = plan if self._by_layout(plan, expert_input) else None
-            # The custom op reads the counts on the device: a compiled call must not bring them to the host.
-            counts = [] if layout_plan is not None else plan.counts
-            expert_output = self._run_experts(expert_input, counts, parallel, pinned, layout_plan)  # [N, M]
+            # Counts left on the device (compiling, dropless) are read there by the experts' custom ops only.
+            counts = [] if plan.host_counts is None else plan.counts
+            expert_output = self._run_experts(expert_input, counts, parallel, pinned,
+                                              plan if self._by_layout(plan, expert_input) else None)  # [N, M]
             y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
         if self.shared is not None:
             y = y + self._shared_output(tokens).to(y.dtype)
