@@ -558,6 +558,25 @@ def test_dropless_compiles_fullgraph_and_matches_the_reference(case: str) -> Non
     assert graphs == [1, 1, 1], graphs
 
 
+def test_dropless_under_autocast_compiles_fullgraph_and_equals_eager() -> None:
+    """Under autocast the experts' matmuls run in bf16 (flexmoe::grouped_linear, the unit traced between them):
+    the compiled dropless layer gives the eager layer's bf16 output and gradients (eager runs the per-expert
+    loop, autocast casting each matmul)."""
+    torch.manual_seed(0)
+    moe = MoELayer(16, 6, 24, k=2, capacity_factor=0.0, glu=True, activation="silu")
+    x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    grad = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = moe(x)
+    want_grads = _grads(moe, x, want, grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    got_grads = _grads(moe, x, got, grad)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-2, atol=1e-2, msg=name)
+
+
 # ---- inductor: the real backend, C++ kernels ---------------------------------------------------------------
 
 
