@@ -10,6 +10,7 @@ error); dynamo's graph counter proves that calls with other routings recompile n
 from __future__ import annotations
 
 import copy
+import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -66,6 +67,22 @@ def test_compiled_training_steps_equal_hf_eager(family: str) -> None:
     """Three SGD steps of the converted model compiled with ``fullgraph=True`` give HF eager's losses (the
     auxiliary loss included), and afterwards HF's logits: every gradient was HF's. The steps route other tokens
     to other experts, and compile no graph after the first step."""
+    _check_compiled_training(family, "aot_eager", TOL)
+
+
+_CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_CXX is None, reason="inductor on CPU compiles C++: no g++, c++ or clang++ on PATH")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_inductor_compiled_training_steps_equal_hf_eager(family: str) -> None:
+    """The same under inductor, the real backend (C++ kernels): the fused FFN op, and GPT-OSS's callable unit
+    between flexmoe::grouped_linear's matmuls, fused by inductor."""
+    _check_compiled_training(family, "inductor", dict(rtol=1e-4, atol=1e-4))
+
+
+def _check_compiled_training(family: str, backend: str, tol: dict[str, float]) -> None:
     ref = tiny_model(family)
     model = fh.convert(copy.deepcopy(ref), group="single")
     data = batches(3)
@@ -78,9 +95,9 @@ def test_compiled_training_steps_equal_hf_eager(family: str) -> None:
     want = _sgd_steps(ref, ref, data)
     graphs: list[int] = []
     before = _graphs()
-    got = _sgd_steps(torch.compile(model, fullgraph=True, backend="aot_eager"), model, data,
+    got = _sgd_steps(torch.compile(model, fullgraph=True, backend=backend), model, data,
                      after_step=lambda: graphs.append(_graphs() - before))
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **tol)
     assert graphs[0] >= 1 and graphs[-1] == graphs[0], graphs
     plans = [b.moe.last_plan for b in model.modules() if isinstance(b, fh.ConvertedMoeBlock)]
     assert plans and all(p is not None and not p.padded and p.num_dropped == 0 for p in plans)
@@ -88,7 +105,7 @@ def test_compiled_training_steps_equal_hf_eager(family: str) -> None:
     ref.eval()
     model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, ref(ids).logits, **TOL)
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, **tol)
 
 
 def _generate(model: nn.Module, ids: Tensor, compile_config: Any = None) -> Any:
