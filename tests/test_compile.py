@@ -507,7 +507,8 @@ def test_plan_with_counts_on_device_reads_them_only_when_asked() -> None:
     want = torch.bincount(logits.topk(2, dim=1).indices.reshape(-1), minlength=5).tolist()
     assert plan.counts == want and plan.capacity == max(want) and plan.host_counts == want
     for options in (dict(capacity_factor=1.0), dict(capacity_factor=0.0, capacity=3),
-                    dict(capacity_factor=0.0, padded=True)):
+                    dict(capacity_factor=0.0, padded=True),
+                    dict(capacity_factor=0.0, capacity_per="sequence", num_sequences=3)):
         with pytest.raises(ValueError, match="counts_on_device needs a dropless plan"):
             make_plan(logits, 2, counts_on_device=True, **options)
 

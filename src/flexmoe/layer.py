@@ -400,14 +400,15 @@ class MoELayer(nn.Module):
 
     def _counts_on_device(self, routing: RoutingOptions, tokens: Tensor) -> bool:
         """Whether this call's plan keeps its counts on the device: under ``torch.compile``, dropless top-k routing
-        in one process with every pair kept (no random 2nd expert in training), the built-in experts run by the
-        custom op that reads the counts on the device (:meth:`_by_layout`; the matmuls alone,
+        in one process with every pair kept (no random 2nd expert in training) and one capacity over the call
+        (``capacity_per="call"``: a per-sequence one is the largest count of a sequence), the built-in experts
+        run by the custom op that reads the counts on the device (:meth:`_by_layout`; the matmuls alone,
         :mod:`flexmoe.grouped_linear_op`, for a callable activation or under autocast). Every shape is then known
         before routing (``N = T * k``) and no routed value reaches the host: the call compiles into one graph
         (docs/architecture.md, "Compiling the layer")."""
         return (torch.compiler.is_compiling() and routing.selection == "topk" and self.topology is None
                 and not self.ep_group.distributed and routing.capacity is None
-                and routing.static_capacity_factor == 0
+                and routing.static_capacity_factor == 0 and routing.capacity_per == "call"
                 and not (routing.second_expert == "random" and self.training)
                 and isinstance(self.experts, FeedForwardExperts) and padded_op_available())
 

@@ -306,18 +306,21 @@ def plan_from_pairs(
     capacity must then be known before routing (``capacity_factor > 0`` or ``capacity``), else ``ValueError``.
     counts_on_device: nothing reaches the host, for ``torch.compile`` in dropless mode: every pair has a row, so
     ``N = T * k`` is known before routing, and the counts stay in ``tokens_per_expert`` (``host_counts`` and
-    ``host_capacity`` None until read). Only dropless plans with every pair active (``capacity_factor == 0``, no
-    ``capacity``, no ``active``), else ``ValueError``.
+    ``host_capacity`` None until read). Only dropless plans with every pair active and one capacity over the
+    call (``capacity_factor == 0``, no ``capacity``, no ``active``, no ``num_sequences``: the capacity read
+    later is the largest count), else ``ValueError``.
     z_loss: the plan's z-loss (None: the router z-loss of ``logits``).
     """
     num_tokens, num_experts = logits.shape
     k = expert_index.shape[1]
     device = logits.device
     num_units = 1 if num_sequences is None else num_sequences
-    if counts_on_device and (capacity is not None or capacity_factor != 0 or active is not None or padded):
-        raise ValueError("counts_on_device needs a dropless plan with every pair active (capacity_factor=0, no "
-                         f"capacity, no active mask, not padded), got capacity_factor={capacity_factor}, "
-                         f"capacity={capacity}, active mask: {active is not None}, padded={padded}")
+    if counts_on_device and (capacity is not None or capacity_factor != 0 or active is not None or padded
+                             or num_units > 1):
+        raise ValueError("counts_on_device needs a dropless plan with every pair active and one capacity over the "
+                         f"call (capacity_factor=0, no capacity, no active mask, not padded, no num_sequences), got "
+                         f"capacity_factor={capacity_factor}, capacity={capacity}, active mask: {active is not None}, "
+                         f"padded={padded}, num_sequences={num_sequences}")
     num_active: int | Tensor  # a tensor only in a padded plan, which never brings it to the host
     if active is None:
         masked_index, num_slots_experts, num_active = expert_index, num_experts, num_tokens * k
