@@ -222,7 +222,7 @@ def test_isolated_suite_measures_in_a_fresh_process_and_reports_a_dead_one() -> 
 
     settings = SuiteSettings(show=False)
     (result,) = run_suite_isolated(["compile"], settings, threads=1, only=[3])  # the graph-break count
-    assert result["label"] == "dropless graph breaks (counts to the host)"
+    assert result["label"] == "dropless graph breaks (counts stay on the device)"
     assert result["value"] == DROPLESS_GRAPH_BREAKS and result["met"]
     (stopped,) = run_suite_isolated(["compile"], settings, threads=1, only=[3], timeout=0.01)
     assert not stopped["met"] and "ran over 0.01 s" in stopped["note"]

@@ -52,10 +52,11 @@ FAMILY_CONFIGS: dict[str, dict] = {
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def tiny_model(family: str, seed: int = 0) -> nn.Module:
-    """HF's causal LM of ``family`` from a tiny config, HF's own initialisation under ``seed`` (std 0.2, so that
-    routing is far from ties); DeepSeek-style models get a nonzero ``e_score_correction_bias``."""
-    config = transformers.AutoConfig.for_model(family, **COMMON, **FAMILY_CONFIGS[family])
+def tiny_model(family: str, seed: int = 0, **overrides: object) -> nn.Module:
+    """HF's causal LM of ``family`` from a tiny config (``overrides`` replace its keywords), HF's own
+    initialisation under ``seed`` (std 0.2, so that routing is far from ties); DeepSeek-style models get a nonzero
+    ``e_score_correction_bias``."""
+    config = transformers.AutoConfig.for_model(family, **{**COMMON, **FAMILY_CONFIGS[family], **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     g = torch.Generator().manual_seed(seed + 1)

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch, sum_choices_by_token, sum_rows_by_token
 from flexmoe.experts import ExpertOptions, ExpertsCall, FeedForwardExperts
 from flexmoe.fused_experts import HiddenUnit, fused_experts, use_fused
-from flexmoe.padded_ffn_op import layout_op_runs, padded_experts_forward
+from flexmoe.grouped_linear_op import grouped_experts_ffn
+from flexmoe.padded_ffn_op import layout_op_runs, padded_experts_forward, padded_op_available
 from flexmoe.padded_fused_op import padded_fused_experts, use_padded_fused
 from flexmoe.parallel.auto import MeasuringChooser
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
@@ -111,10 +112,12 @@ class MoELayer(nn.Module):
         ``last_shadowed`` lists the shadowed experts), schedule ("a2a" / "pairwise").
         How the experts run is a strategy object from :mod:`flexmoe.parallel.strategy`, chosen here.
 
-    ``torch.compile(moe, fullgraph=True)`` works in capacity mode (cf > 0 or ``capacity``), top-k routing, one
-    process: the compiled call pads every expert's rows to the capacity, so no shape depends on the routing;
-    dropless mode compiles with graph breaks where the counts reach the host (docs/architecture.md, "Compiling
-    the layer").
+    ``torch.compile(moe, fullgraph=True)`` works, forward and backward, for top-k routing in one process in
+    capacity mode (cf > 0 or ``capacity``: the compiled call pads every expert's rows to the capacity, so no shape
+    depends on the routing) and in dropless mode with the built-in experts (every pair has a row, ``N = T * k``,
+    and the per-expert counts stay on the device, read by the experts' custom ops); one graph serves every
+    routing. Adaptive capacity, custom experts in dropless mode, expert choice, BASE and expert parallelism
+    compile with graph breaks where their counts reach the host (docs/architecture.md, "Compiling the layer").
 
     ``forward`` takes ``capacity``, ``capacity_factor`` and every parallel option but ``chooser`` as keywords
     for that call only. After each forward: ``aux_loss`` (balance loss, differentiable), ``z_loss`` and
@@ -243,14 +246,17 @@ class MoELayer(nn.Module):
                        jitter=routing.jitter, gate_noise=routing.gate_noise,
                        input_dropout=routing.router_input_dropout)  # [T, E]
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
-                          topology=self.topology, num_sequences=num_sequences, padded=self._padded_layout(routing))
+                          topology=self.topology, num_sequences=num_sequences, padded=self._padded_layout(routing),
+                          counts_on_device=self._counts_on_device(routing, tokens))
         if self._runs_fused(tokens, plan, routing):
             y = self._fused_experts(tokens, plan)  # [T, M]
         elif (sent := self._exchange_tokens(tokens, plan, routing, parallel, pinned)) is not None:
             y = sent  # [T, M]
         else:
             expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
-            expert_output = self._run_experts(expert_input, plan.counts, parallel, pinned,
+            # Counts left on the device (compiling, dropless) are read there by the experts' custom ops only.
+            counts = [] if plan.host_counts is None else plan.counts
+            expert_output = self._run_experts(expert_input, counts, parallel, pinned,
                                               plan if self._by_layout(plan, expert_input) else None)  # [N, M]
             y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
         if self.shared is not None:
@@ -429,11 +435,25 @@ class MoELayer(nn.Module):
         then never reach the graph. Traced as Python ints instead, every count that is 0 or 1 is a value dynamo
         specializes on: with many experts nearly every call recompiled, until dynamo's limit sent the rest of
         the forward back to eager (docs/architecture.md, "Compiling the layer")."""
-        if plan.padded:
+        if plan.padded or plan.host_counts is None:  # host_counts None: the counts are on the device only
             return True
         experts = self._built_experts
         return (torch.compiler.is_compiling() and isinstance(experts, FeedForwardExperts)
                 and not self.ep_group.distributed and layout_op_runs(experts, rows))
+
+    def _counts_on_device(self, routing: RoutingOptions, tokens: Tensor) -> bool:
+        """Whether this call's plan keeps its counts on the device: under ``torch.compile``, dropless top-k routing
+        in one process with every pair kept (no random 2nd expert in training) and one capacity over the call
+        (``capacity_per="call"``: a per-sequence one is the largest count of a sequence), the built-in experts
+        run by the custom op that reads the counts on the device (:meth:`_by_layout`; the matmuls alone,
+        :mod:`flexmoe.grouped_linear_op`, for a callable activation or under autocast). Every shape is then known
+        before routing (``N = T * k``) and no routed value reaches the host: the call compiles into one graph
+        (docs/architecture.md, "Compiling the layer")."""
+        return (torch.compiler.is_compiling() and routing.selection == "topk" and self.topology is None
+                and not self.ep_group.distributed and routing.capacity is None
+                and routing.static_capacity_factor == 0 and routing.capacity_per == "call"
+                and not (routing.second_expert == "random" and self.training)
+                and isinstance(self.experts, FeedForwardExperts) and padded_op_available())
 
     def _padded_layout(self, routing: RoutingOptions) -> bool:
         """Whether this call pads every expert's rows to the capacity: under ``torch.compile``, in capacity mode,
@@ -475,12 +495,17 @@ class MoELayer(nn.Module):
         """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype, by this call's strategy.
 
         layout_plan: the rows are this plan's, computed by the built-in experts' custom op
-        (:func:`flexmoe.padded_ffn_op.padded_experts_forward`, :meth:`_by_layout`): only the real rows."""
+        (:func:`flexmoe.padded_ffn_op.padded_experts_forward`, :meth:`_by_layout`): only the real rows; a plan
+        with its counts on the device whose unit the op cannot take, by the grouped matmuls of
+        :func:`flexmoe.grouped_linear_op.grouped_experts_ffn`."""
         strategy = self._strategy_of(options)
         experts = self._built_experts
 
         def run(expert_rows: Tensor) -> Tensor:
             if layout_plan is not None and isinstance(experts, FeedForwardExperts):
+                if layout_plan.host_counts is None and not layout_op_runs(experts, expert_rows):
+                    # Counts on the device, a unit the op cannot take by name (a callable, autocast).
+                    return grouped_experts_ffn(experts, expert_rows, layout_plan.tokens_per_expert)
                 return padded_experts_forward(experts, expert_rows, layout_plan)
             return strategy.run(expert_rows, counts, options, pinned)
 

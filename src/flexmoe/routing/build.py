@@ -41,6 +41,7 @@ def build_plan(
     generator: torch.Generator | None = None,
     num_sequences: int | None = None,
     padded: bool = False,
+    counts_on_device: bool = False,
 ) -> RoutingPlan:
     """The :class:`RoutingPlan` for router logits ``[T, E]`` under ``options``.
 
@@ -48,7 +49,9 @@ def build_plan(
     generator: feeds the random 2nd-expert decisions (default: torch's global generator); num_sequences: B
     when the T tokens are B sequences (``capacity_per`` / ``aux_loss_type`` "sequence"); padded: the top-k plan
     padded to the capacity (every shape static, for ``torch.compile``; :func:`~flexmoe.routing.plan.plan_from_pairs`).
-    Expert choice and BASE have no padded layout: they ignore it.
+    counts_on_device: the dropless top-k plan with its counts left on the device (no host sync, for
+    ``torch.compile``; :func:`~flexmoe.routing.plan.plan_from_pairs`).
+    Expert choice and BASE have no padded layout nor counts left on the device: they ignore both.
     """
     kind, k = options.selection, options.k
     if kind == "expert_choice":
@@ -67,4 +70,4 @@ def build_plan(
                      score_func=options.score_func, num_expert_groups=options.num_expert_groups,
                      num_limited_groups=options.num_limited_groups, route_scale=options.route_scale,
                      aux_loss_type=options.aux_loss_type, capacity_per=options.capacity_per,
-                     num_sequences=num_sequences, padded=padded)
+                     num_sequences=num_sequences, padded=padded, counts_on_device=counts_on_device)

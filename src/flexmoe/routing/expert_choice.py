@@ -92,8 +92,8 @@ def make_expert_choice_plan(
         row_weight=row_weight,
         tokens_per_expert=tokens_per_expert,
         load=tokens_per_expert.clone(),
-        counts=counts,
-        capacity=cap,
+        host_counts=counts,
+        host_capacity=cap,
         num_dropped=num_dropped,
         dropped_fraction=num_dropped / max(num_tokens, 1),
         # Balanced by construction: no balance loss. probs.sum() * 0 keeps the zero in the graph and dtype.

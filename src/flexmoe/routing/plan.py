@@ -16,7 +16,9 @@ rows that hold tokens, never empty padding slots.
 The one exception is the *padded* plan (``padded=True``, for ``torch.compile`` in capacity mode;
 docs/architecture.md, "Compiling the layer"): every expert gets exactly ``capacity`` rows (per sequence with
 ``capacity_per="sequence"``), so that every shape is known before routing and nothing reaches the host.
-Empty rows carry token 0 with weight 0 and are never combined.
+Empty rows carry token 0 with weight 0 and are never combined. A dropless plan needs no padding to be static
+(every pair has a row, ``N = T * k``): with ``counts_on_device=True`` (``torch.compile``, dropless) its counts
+stay in ``tokens_per_expert`` and reach the host only when ``counts`` or ``capacity`` is read.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class RoutingPlan:
         counts: the rows each expert computes, a Python list (what the experts split their rows by):
             ``tokens_per_expert`` as a list, or ``B * capacity`` each in a padded plan.
         capacity: the per-expert capacity used (the largest load in dropless mode).
+        Both are properties over ``host_counts`` / ``host_capacity``, which a dropless plan made with
+        ``counts_on_device`` leaves None: its counts are then read from ``tokens_per_expert`` when first asked
+        for (one host sync; inside a compiled region a graph break, so the compiled layer never asks).
         num_dropped: dropped (token, choice) pairs; dropped_fraction: the same over ``T * k``.
         aux_loss: the load-balancing loss (differentiable); z_loss: the router z-loss (differentiable).
         num_skipped: (token, choice) pairs the router chose not to dispatch, counted apart from capacity drops
@@ -85,8 +90,8 @@ class RoutingPlan:
     row_weight: Tensor
     tokens_per_expert: Tensor
     load: Tensor
-    counts: list[int]
-    capacity: int
+    host_counts: list[int] | None
+    host_capacity: int | None
     num_dropped: int | Tensor
     dropped_fraction: float | Tensor
     aux_loss: Tensor
@@ -95,6 +100,20 @@ class RoutingPlan:
     kind: str = "topk"
     padded: bool = False
     pair_row: Tensor | None = None  # [T, k] the row of each pair (N where none); a padded plan sets it
+
+    @property
+    def counts(self) -> list[int]:
+        """``[E]`` the rows each expert computes, as Python ints (read from the device once if not yet there)."""
+        if self.host_counts is None:
+            self.host_counts = self.tokens_per_expert.tolist()
+        return self.host_counts
+
+    @property
+    def capacity(self) -> int:
+        """The per-expert capacity used (dropless: the largest load, read from the device once if not yet there)."""
+        if self.host_capacity is None:
+            self.host_capacity = max(self.counts, default=0)
+        return self.host_capacity
 
     @property
     def num_tokens(self) -> int:
@@ -106,7 +125,7 @@ class RoutingPlan:
 
     @property
     def num_experts(self) -> int:
-        return len(self.counts)
+        return self.tokens_per_expert.shape[0]
 
     @property
     def every_pair_has_row(self) -> bool:
@@ -208,6 +227,7 @@ def make_plan(
     capacity_per: str = "call",
     num_sequences: int | None = None,
     padded: bool = False,
+    counts_on_device: bool = False,
 ) -> RoutingPlan:
     """Build the top-k :class:`RoutingPlan` for router logits.
 
@@ -224,6 +244,7 @@ def make_plan(
     sequence routed with its own capacity, :mod:`flexmoe.routing.capacity`, and for ``aux_loss_type``
     "sequence"); ``aux_loss_type`` picks the balance loss (:func:`flexmoe.routing.losses.balance_loss`).
     ``padded``: the padded layout (every expert ``capacity`` rows, no host sync; see :func:`plan_from_pairs`).
+    ``counts_on_device``: dropless without a host sync, the counts left on the device (:func:`plan_from_pairs`).
 
     Raises ``ValueError`` for non-finite logits, a k out of range, or a negative capacity.
     """
@@ -249,6 +270,7 @@ def make_plan(
                               num_sequences=num_sequences),
         num_sequences=num_sequences if capacity_per == "sequence" else None,
         padded=padded,
+        counts_on_device=counts_on_device,
         z_loss=router_z_loss(logits, scores if score_func == "softmax" else None),
     )
 
@@ -267,6 +289,7 @@ def plan_from_pairs(
     kind: str = "topk",
     num_sequences: int | None = None,
     padded: bool = False,
+    counts_on_device: bool = False,
     z_loss: Tensor | None = None,
 ) -> RoutingPlan:
     """The plan for chosen pairs: the one place that assigns slots, applies the capacity and lays out rows.
@@ -281,12 +304,23 @@ def plan_from_pairs(
     and ``capacity`` is per sequence. None: one capacity over the call.
     padded: lay the rows out padded, ``capacity`` rows per (expert, sequence) unit (:func:`_padded_plan`); the
     capacity must then be known before routing (``capacity_factor > 0`` or ``capacity``), else ``ValueError``.
+    counts_on_device: nothing reaches the host, for ``torch.compile`` in dropless mode: every pair has a row, so
+    ``N = T * k`` is known before routing, and the counts stay in ``tokens_per_expert`` (``host_counts`` and
+    ``host_capacity`` None until read). Only dropless plans with every pair active and one capacity over the
+    call (``capacity_factor == 0``, no ``capacity``, no ``active``, no ``num_sequences``: the capacity read
+    later is the largest count), else ``ValueError``.
     z_loss: the plan's z-loss (None: the router z-loss of ``logits``).
     """
     num_tokens, num_experts = logits.shape
     k = expert_index.shape[1]
     device = logits.device
     num_units = 1 if num_sequences is None else num_sequences
+    if counts_on_device and (capacity is not None or capacity_factor != 0 or active is not None or padded
+                             or num_units > 1):
+        raise ValueError("counts_on_device needs a dropless plan with every pair active and one capacity over the "
+                         f"call (capacity_factor=0, no capacity, no active mask, not padded, no num_sequences), got "
+                         f"capacity_factor={capacity_factor}, capacity={capacity}, active mask: {active is not None}, "
+                         f"padded={padded}, num_sequences={num_sequences}")
     num_active: int | Tensor  # a tensor only in a padded plan, which never brings it to the host
     if active is None:
         masked_index, num_slots_experts, num_active = expert_index, num_experts, num_tokens * k
@@ -309,17 +343,23 @@ def plan_from_pairs(
     order = order[:num_active]
     load = unit_load.sum(dim=1) if num_units > 1 else unit_load.view(-1)
 
-    unit_list = unit_load.tolist()  # the one host sync: row counts size every later tensor
-    max_load = max((n for row in unit_list for n in row), default=0)
-    cap = resolve_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity, max_load)
-    # Every pair keeps its row when no unit is over capacity (always so in dropless mode): no masking then.
-    drops = max_load > cap
-    counts = kept_counts(unit_list, cap)
-    rows = order[slot.view(-1).index_select(0, order) < cap] if drops else order  # sorted by (expert, [seq,] slot)
-    if drops or active is not None:
-        kept = slot < cap if active is None else active & (slot < cap)
-        slot = torch.where(kept, slot, torch.full_like(slot, -1))
-    num_dropped = num_active - sum(counts)
+    rows = order  # sorted by (expert, [seq,] slot)
+    counts: list[int] | None = None  # None: on the device only (counts_on_device: dropless, N = T * k, no read)
+    capacity_used: int | None = None
+    drops = False
+    if not counts_on_device:
+        unit_list = unit_load.tolist()  # the one host sync: row counts size every later tensor
+        max_load = max((n for row in unit_list for n in row), default=0)
+        host_cap = resolve_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity, max_load)
+        counts, capacity_used = kept_counts(unit_list, host_cap), host_cap
+        # Every pair keeps its row when no unit is over capacity (always so in dropless mode): no masking then.
+        drops = max_load > host_cap
+        if drops:
+            rows = order[slot.view(-1).index_select(0, order) < host_cap]
+        if drops or active is not None:
+            kept = slot < host_cap if active is None else active & (slot < host_cap)
+            slot = torch.where(kept, slot, torch.full_like(slot, -1))
+    num_dropped = 0 if counts is None else num_active - sum(counts)
     row_token = torch.div(rows, k, rounding_mode="floor")
 
     return RoutingPlan(
@@ -332,8 +372,8 @@ def plan_from_pairs(
         row_weight=weight.reshape(-1).index_select(0, rows),
         tokens_per_expert=load if not drops else torch.tensor(counts, dtype=torch.long, device=device),
         load=load,
-        counts=counts,
-        capacity=cap,
+        host_counts=counts,
+        host_capacity=capacity_used,
         num_dropped=num_dropped,
         dropped_fraction=num_dropped / max(num_tokens * k, 1),
         aux_loss=aux_loss,
@@ -429,8 +469,8 @@ def _padded_plan(
         row_weight=weight.reshape(-1)[row_pair].masked_fill(empty, 0),
         tokens_per_expert=tokens_per_expert,
         load=unit_load.sum(dim=1),
-        counts=[num_units * cap] * num_experts,
-        capacity=cap,
+        host_counts=[num_units * cap] * num_experts,
+        host_capacity=cap,
         num_dropped=num_dropped,
         dropped_fraction=num_dropped / max(num_pairs, 1),
         aux_loss=aux_loss,

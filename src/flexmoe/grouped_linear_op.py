@@ -1,0 +1,116 @@
+"""One linear layer per expert over rows sorted by expert, the counts a device tensor: the compiled dropless
+path of the experts whose unit the fused custom ops cannot take by name (docs/architecture.md, "Compiling the
+layer").
+
+:mod:`flexmoe.padded_ffn_op` computes the whole expert FFN in one custom op, which receives the activation by
+name. A callable activation (GPT-OSS's ``g * sigmoid(alpha * g)``, any user function) or autocast cannot cross
+that boundary. Here only the matmuls are custom ops, ``flexmoe::grouped_linear``: rows ``[N, in]`` sorted by
+expert, ``tokens_per_expert`` ``[E]`` on the device, weights ``[E, in, out]`` (bias ``[E, out]``) ->
+``[N, out]``, expert ``e``'s rows times ``w[e]``. The op is opaque to dynamo and inductor (its fake gives the
+shapes, which follow from N alone), reads the counts inside, and loops over the experts with rows (the matmul
+helpers of :mod:`flexmoe.segment_ffn`). The elementwise unit between the two matmuls stays in the traced graph,
+so any traceable activation works and inductor fuses it. This is also how Hugging Face's ``grouped_mm`` experts
+run on the CPU under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flexmoe.experts import FeedForwardExperts, hidden_unit
+from flexmoe.padded_ffn_op import register_op_pair
+from flexmoe.segment_ffn import contiguous_segments, expert_grad_buffer, linear_into, weight_grad_into
+
+__all__ = ["grouped_linear", "grouped_experts_ffn"]
+
+# A change to either op's signature needs a new name (inductor's on-disk cache keeps graphs that call it).
+_OP = "flexmoe::grouped_linear"
+_BACKWARD_OP = "flexmoe::grouped_linear_backward"
+
+
+def _forward_impl(rows: Tensor, tokens_per_expert: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    counts = tokens_per_expert.tolist()
+    rows = rows.contiguous()
+    out = rows.new_empty(rows.shape[0], w.shape[-1])
+    for e, start, n in contiguous_segments(counts):
+        linear_into(out[start:start + n], rows[start:start + n], w[e], b, e)
+    out[sum(counts):].zero_()  # rows past the counted ones belong to no expert
+    return out
+
+
+def _forward_fake(rows: Tensor, tokens_per_expert: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    return rows.new_empty(rows.shape[0], w.shape[-1])
+
+
+def _backward_impl(grad_out: Tensor, rows: Tensor, tokens_per_expert: Tensor, w: Tensor,
+                   needs: list[bool]) -> list[Tensor]:
+    """-> the gradients of ``rows, w, b`` (an empty tensor where ``needs`` is False); experts without rows get
+    zero weight gradients, uncounted rows a zero row gradient."""
+    need_x, need_w, need_b = needs
+    counts = tokens_per_expert.tolist()
+    segments = contiguous_segments(counts)
+    grad_out, rows = grad_out.contiguous(), rows.contiguous()
+    num_experts = w.shape[0]
+    active = [e for e, _, _ in segments]
+    grad_w = expert_grad_buffer(w.shape, w, active, num_experts) if need_w else None
+    grad_b = expert_grad_buffer((num_experts, w.shape[-1]), w, active, num_experts) if need_b else None
+    grad_x = rows.new_empty(rows.shape) if need_x else None
+    for e, start, n in segments:
+        g = grad_out[start:start + n]
+        weight_grad_into(grad_w, grad_b, e, rows[start:start + n], g, True)  # packed: one segment per expert
+        if grad_x is not None:
+            torch.mm(g, w[e].transpose(0, 1), out=grad_x[start:start + n])
+    if grad_x is not None:
+        grad_x[sum(counts):].zero_()
+    return [g if g is not None else rows.new_empty(0) for g in (grad_x, grad_w, grad_b)]
+
+
+def _backward_fake(grad_out: Tensor, rows: Tensor, tokens_per_expert: Tensor, w: Tensor,
+                   needs: list[bool]) -> list[Tensor]:
+    shapes = [rows.shape, w.shape, (w.shape[0], w.shape[-1])]
+    return [rows.new_empty(shape if need else (0,)) for shape, need in zip(shapes, needs)]
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    rows, tokens_per_expert, w, b = inputs
+    ctx.save_for_backward(rows, tokens_per_expert, w)
+    ctx.has_bias = b is not None
+
+
+def _backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+    rows, tokens_per_expert, w = ctx.saved_tensors
+    needs = [bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[2]),
+             bool(ctx.has_bias and ctx.needs_input_grad[3])]
+    grads = torch.ops.flexmoe.grouped_linear_backward(grad_out, rows, tokens_per_expert, w, needs)
+    grad_x, grad_w, grad_b = (g if need else None for g, need in zip(grads, needs))
+    return grad_x, None, grad_w, grad_b
+
+
+# Nothing is registered on a torch without the API (before 2.4; flexmoe.padded_ffn_op.padded_op_available).
+register_op_pair(_OP, _forward_impl, _forward_fake, _BACKWARD_OP, _backward_impl, _backward_fake, _backward,
+                 _setup_context)
+
+
+def grouped_linear(rows: Tensor, tokens_per_expert: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """rows: ``[N, in]`` sorted by expert, ``tokens_per_expert[e]`` rows each (``[E]`` long, on the device);
+    w: ``[E, in, out]``, b: ``[E, out]`` or None -> ``[N, out]``. Under autocast the matmuls run in autocast's
+    dtype, as ``torch.mm`` would; otherwise rows, w and b must share a dtype."""
+    device_type = rows.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        rows, w = rows.to(dtype), w.to(dtype)
+        b = None if b is None else b.to(dtype)
+    out: Tensor = torch.ops.flexmoe.grouped_linear(rows, tokens_per_expert, w, b)
+    return out
+
+
+def grouped_experts_ffn(experts: FeedForwardExperts, rows: Tensor, tokens_per_expert: Tensor) -> Tensor:
+    """rows: ``[N, M]`` sorted by expert, ``tokens_per_expert`` ``[E]`` on the device -> ``[N, M]``: the built-in
+    experts' FFN with any activation, the matmuls by :func:`grouped_linear`, the unit traced in between."""
+    pre1 = grouped_linear(rows, tokens_per_expert, experts.w1, experts.b1)  # [N, H]
+    pre3 = None if experts.w3 is None else grouped_linear(rows, tokens_per_expert, experts.w3, experts.b3)
+    h = hidden_unit(pre1, pre3, experts.activation, experts.glu_limit)
+    return grouped_linear(h, tokens_per_expert, experts.w2, experts.b2)
