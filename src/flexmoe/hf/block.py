@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.checkpoint import gather_experts
-from flexmoe.hf.families import Family, expert_weights, shared_mlp_weights
+from flexmoe.hf.families import Family, shared_mlp_weights
 from flexmoe.layer import MoELayer
 from flexmoe.parallel.layout import HIDDEN_DIM, shard_expert_state
 
@@ -26,15 +26,21 @@ __all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block"]
 
 
 class HFRouterLogits(nn.Module):
-    """HF's router module as flexmoe's gate: tokens ``[T, M]`` -> its logits ``[T, E]`` (the first of the
-    ``(logits, weights, indices)`` it returns; its own choices are not used, flexmoe makes the plan)."""
+    """HF's router module as flexmoe's gate: tokens ``[T, M]`` (or ``[B, S, M]``) -> its logits ``[T, E]``,
+    element ``logits_at`` of the tuple it returns (its own choices are not used, flexmoe makes the plan), in
+    ``score_dtype`` (None: as the router made them), the dtype HF's block computes its scores in: under autocast
+    the router's linear map gives bf16 logits, which HF's softmax families upcast and DeepSeek-V3 does not."""
 
-    def __init__(self, hf_router: nn.Module) -> None:
+    def __init__(self, hf_router: nn.Module, *, logits_at: int = 0, score_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.hf_router = hf_router
+        self.logits_at = logits_at
+        self.score_dtype = score_dtype
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.hf_router(x)[0]
+        logits = self.hf_router(x)[self.logits_at]
+        logits = logits.reshape(-1, logits.shape[-1])
+        return logits if self.score_dtype is None else logits.to(self.score_dtype)
 
 
 class ConvertedMoeBlock(nn.Module):
@@ -46,10 +52,11 @@ class ConvertedMoeBlock(nn.Module):
     :func:`flexmoe.hf.convert`.
     """
 
-    def __init__(self, family: Family, moe: MoELayer, hf_skeleton: nn.Module) -> None:
+    def __init__(self, family: Family, moe: MoELayer, hf_skeleton: nn.Module, expert_dropout: float = 0.0) -> None:
         super().__init__()
         self.family = family.name
         self.returns_router_scores = family.returns_router_scores
+        self.expert_dropout = expert_dropout
         self.moe = moe
         # The emptied HF block, kept outside the module tree: its tensors are on "meta" (no memory, not
         # parameters of the model) until to_hf fills them; its router is the live one inside self.moe.
@@ -57,6 +64,12 @@ class ConvertedMoeBlock(nn.Module):
         self.__dict__["_family"] = family
 
     def forward(self, hidden_states: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        if self.training and self.expert_dropout > 0:
+            # HF's experts would drop hidden units here; flexmoe's have no dropout: refuse rather than differ.
+            raise ValueError(
+                f"the HF {self.family} experts apply dropout (p={self.expert_dropout}) in training, which flexmoe's "
+                f"experts do not; convert a model whose expert dropout is 0 (e.g. from_pretrained(..., "
+                f"dropout_rate=0.0)), or run this block in eval mode")
         out = self.moe(hidden_states)
         if self.returns_router_scores:
             plan = self.moe.last_plan
@@ -78,8 +91,7 @@ class ConvertedMoeBlock(nn.Module):
         full = gather_experts(local, moe.layout, moe.ep_group.group) if moe.ep_group.distributed else local
         like = local["w1"]
         _materialize(block.experts, like)
-        for name, view in expert_weights(block.experts).items():
-            view.copy_(full[name])
+        family.write_experts(block.experts, full)
         if family.shared is not None:
             assert moe.shared is not None  # built from the same family
             mlp = getattr(block, family.shared)
@@ -103,13 +115,15 @@ def build_converted_block(block: Any, family: Family, *, group: object | None,
     """The :class:`ConvertedMoeBlock` for HF block ``block`` of ``family``, with ``options`` applied on top of the
     family's; ``block`` is emptied into the skeleton only once the layer is built (a bad option leaves it whole)."""
     model_dim, num_experts, hidden_dim = family.sizes(block)
-    like = expert_weights(block.experts)["w1"]
+    hf_experts = family.read_experts(block.experts)
+    like = hf_experts["w1"]
     router = getattr(block, family.router)
-    moe = MoELayer(model_dim, num_experts, hidden_dim, router=HFRouterLogits(router), group=group,
+    gate = HFRouterLogits(router, logits_at=family.router_logits_at, score_dtype=family.score_dtype(router))
+    moe = MoELayer(model_dim, num_experts, hidden_dim, router=gate, group=group,
                    device=like.device, dtype=like.dtype, **{**family.layer_options(block), **options})
     with torch.no_grad():
-        # Only this rank's slice is copied (flexmoe.parallel.layout); expert_weights are views, not copies.
-        mine = shard_expert_state(expert_weights(block.experts), moe.layout, moe.ep_group.rank)
+        # Only this rank's slice is copied (flexmoe.parallel.layout); fused HF experts are read through views.
+        mine = shard_expert_state(hf_experts, moe.layout, moe.ep_group.rank)
         for name, value in mine.items():
             getattr(moe.experts, name).copy_(value)
         if family.shared is not None:
@@ -125,7 +139,7 @@ def build_converted_block(block: Any, family: Family, *, group: object | None,
     for part in ("experts", family.shared, family.shared_gate):
         if part is not None:
             getattr(block, part).to("meta")
-    return ConvertedMoeBlock(family, moe, block)
+    return ConvertedMoeBlock(family, moe, block, expert_dropout=family.expert_dropout(block))
 
 
 def _materialize(module: nn.Module, like: Tensor) -> None:
