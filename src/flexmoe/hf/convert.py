@@ -32,14 +32,18 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
     block, return its replacement.
 
     Families (by block class): Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE, DeepSeek-V2 (``topk_method=
-    "greedy"``), DeepSeek-V3, GLM-4.5 (GLM4-MoE) and GPT-OSS. The converted model computes HF's function: the
-    same logits (to float32 rounding), the same loss, and with ``output_router_logits=True`` the same
-    ``router_logits`` and auxiliary loss (HF's router module is kept and still recorded); ``generate()`` and the
-    KV cache work unchanged. DeepSeek-V3's
-    ``e_score_correction_bias`` becomes the layer's ``expert_bias`` (``balance="bias"``, ``bias_update_rate=0``:
-    fixed, as HF keeps it). Differences: an exact tie between router scores goes to the lower expert index
-    (``torch.topk``, which HF uses, promises no order); Mixtral's ``router_jitter_noise`` (training only) jitters
-    the router's input only, HF's the experts' input too.
+    "greedy"``), DeepSeek-V3, GLM-4.5 (GLM4-MoE), GPT-OSS and Switch Transformers (``SwitchTransformersSparseMLP``:
+    top-1, ``expert_capacity`` per sequence, a dropped token's MLP output 0 as in HF's; its experts' dropout is
+    refused in training). The converted model computes HF's function: the same logits (to float32 rounding), the
+    same loss, and with ``output_router_logits=True`` the same ``router_logits`` and auxiliary loss (HF's router
+    module is kept and still recorded); ``generate()`` and the KV cache work unchanged. Under ``torch.autocast``
+    it routes as HF's does (``router_dtype=None``: HF's router runs under the autocast, its bf16 logits are scored
+    in the dtype HF scores them in, and ``ties="topk"`` breaks equal scores as HF's ``torch.topk``), so the same
+    experts are chosen. DeepSeek-V3's ``e_score_correction_bias`` becomes the layer's ``expert_bias``
+    (``balance="bias"``, ``bias_update_rate=0``: fixed, as HF keeps it). Differences: in a model cast to bf16
+    (not under autocast) HF's Switch router takes the argmax of probabilities rounded to bf16, flexmoe of float32
+    ones; Mixtral's ``router_jitter_noise`` (training only) jitters the router's input only, HF's the experts'
+    input too.
 
     group: the expert-parallel ``torch.distributed`` group (default: the world when torch.distributed is
         initialized, else one process; ``"single"``: one process holding every expert). Each rank keeps only its
@@ -53,7 +57,8 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
         ``bias_update_rate`` > 0 (moves the bias every step), ``batch_prioritized``, ``score_at="dispatch"``,
         ``second_expert``, ``cross_node_share``, ``jitter``, ``gate_noise``, ``router_input_dropout``;
         ``aux_loss_type`` only changes flexmoe's own ``moe.aux_loss`` (HF computes its loss from the router
-        logits), ``router_dtype`` the routing precision (HF routes in the model's dtype). The options that
+        logits), ``router_dtype`` the routing precision (``torch.float32``: the router outside autocast), ``ties``
+        (``"lower"``: equal scores to the lower expert index, the same on every device). The options that
         describe the block itself (:data:`FAMILY_OPTIONS`: router, experts' activation, biases, shared experts,
         score function, groups, scale) are the family's: passing one, or a name that is no MoELayer option, is a
         ``ValueError`` naming it.

@@ -5,6 +5,8 @@ A family is known by its block's class name. For each, :class:`Family` says whic
 are the shared expert and its gate, and :meth:`Family.layer_options` reads the MoELayer options that reproduce the
 block from the block's own attributes (its router's ``top_k``, ``norm_topk_prob``, ``n_group``, ...), so a single
 block converts without its model's config. The routing options follow :mod:`flexmoe.routing.families`.
+:class:`SwitchFamily` is Switch Transformers' (top-1 with a capacity per sequence, one ``nn.Linear`` pair per
+expert).
 
 The experts' weights: every transformers 5.x experts module decorated with ``use_experts_implementation`` stores
 ``gate_up_proj`` (``[E, 2H, M]``, or ``[E, M, 2H]`` when ``is_transposed``; gate then up halves when
