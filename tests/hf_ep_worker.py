@@ -77,3 +77,63 @@ def _hf_block_of(ref, converted_block, model):
         if module is converted_block:
             return ref.get_submodule(name)
     raise LookupError("converted block not found")
+
+
+def switch_rank_main() -> dict:
+    """Switch Transformers converted over the world: each rank holds E / W experts (HF's own, per expert), computes
+    HF's logits and losses on its own tokens, and ``to_hf`` gathers every rank's experts back in order."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failures: list[str] = []
+    try:
+        failures += _check_switch(rank, world)
+    except Exception:
+        failures.append(traceback.format_exc())
+    dist.destroy_process_group()
+    return {"rank": rank, "failures": failures}
+
+
+def _check_switch(rank: int, world: int) -> list[str]:
+    import torch
+
+    import flexmoe.hf as fh
+    from flexmoe.hf.block import ConvertedMoeBlock
+    from test_hf_convert import batches, tiny_switch
+
+    failures: list[str] = []
+    ref = tiny_switch(seed=3).eval()
+    model = fh.convert(copy.deepcopy(ref))  # group=None: the world
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, ConvertedMoeBlock)]
+    for name, b in blocks:
+        per_rank = b.moe.num_experts // world
+        for local in range(per_rank):
+            hf_expert = ref.get_submodule(name).experts[f"expert_{rank * per_rank + local}"]
+            if not (torch.equal(b.moe.experts.w1[local], hf_expert.wi.weight.T)
+                    and torch.equal(b.moe.experts.w2[local], hf_expert.wo.weight.T)):
+                failures.append(f"switch: rank {rank} local expert {local} is not HF's expert "
+                                f"{rank * per_rank + local} of {name}")
+    ids = batches(world, seed=13)[rank]  # each rank its own tokens
+    got = model(input_ids=ids, labels=ids.flip(-1), output_router_logits=True)
+    want = ref(input_ids=ids, labels=ids.flip(-1), output_router_logits=True)
+    if not all(int(b.moe.last_plan.num_dropped) > 0 for _, b in blocks):
+        failures.append("switch: the capacity dropped nothing on some rank, so the case does not test it")
+    if not torch.allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5):
+        failures.append(f"switch: logits differ by {float((got.logits - want.logits).abs().max())}")
+    if not torch.allclose(got.loss, want.loss, rtol=1e-5, atol=1e-6):
+        failures.append(f"switch: loss {float(got.loss)} != {float(want.loss)}")
+    got.loss.backward()  # the all-to-all runs backward too
+    with torch.no_grad():
+        for _, b in blocks:
+            b.moe.experts.w2.add_(rank + 1)  # mark each rank's experts
+    fh.to_hf(model)
+    for name, _ in blocks:
+        exported, original = model.get_submodule(name).experts, ref.get_submodule(name).experts
+        for e in range(len(original)):
+            shift = e // (len(original) // world) + 1
+            if not torch.allclose(exported[f"expert_{e}"].wo.weight, original[f"expert_{e}"].wo.weight + shift):
+                failures.append(f"switch: exported {name}.experts.expert_{e} is not rank {shift - 1}'s")
+    return failures

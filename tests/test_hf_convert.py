@@ -564,6 +564,17 @@ def test_switch_generates_hf_tokens():
     assert torch.equal(model.generate(prompt, **kwargs), expected)
 
 
+@pytest.mark.slow
+def test_switch_over_two_ranks_keeps_its_own_experts_and_to_hf_gathers_them():
+    from flexmoe.launch import spawn_ranks
+    from hf_ep_worker import switch_rank_main
+
+    ranks = spawn_ranks(2, switch_rank_main, [], timeout=240, check=True, what="Switch over 2 expert-parallel ranks")
+    failures = [f for r in ranks for f in r.value["failures"]]
+    assert not failures, "\n".join(failures)
+    assert [r.value["rank"] for r in ranks] == [0, 1]
+
+
 def test_switch_expert_dropout_is_refused_in_training():
     model = fh.convert(tiny_switch(dropout_rate=0.1), group="single")
     ids = batches(1)[0]
