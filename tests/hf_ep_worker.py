@@ -5,24 +5,40 @@ from __future__ import annotations
 import copy
 import datetime
 import traceback
+from collections.abc import Callable
 
 
 def rank_main(families: list[str]) -> dict:
     """Convert the same tiny HF model on every rank with the world as expert-parallel group; report failures."""
+    return _in_world(lambda rank, world: [f for family in families for f in _check_family(family, rank, world)])
+
+
+def _in_world(check: Callable[[int, int], list[str]]) -> dict:
+    """Join the gloo group, run ``check(rank, world)`` (its failures, or its traceback), leave the group."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank, world = dist.get_rank(), dist.get_world_size()
-    failures: list[str] = []
     try:
-        for family in families:
-            failures += _check_family(family, rank, world)
+        failures = check(rank, world)
     except Exception:
-        failures.append(traceback.format_exc())
+        failures = [traceback.format_exc()]
     dist.destroy_process_group()
     return {"rank": rank, "failures": failures}
+
+
+def _output_failures(label: str, got, want) -> list[str]:
+    """A model output's logits and loss against HF's, to float32 rounding."""
+    import torch
+
+    failures = []
+    if not torch.allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5):
+        failures.append(f"{label}: logits differ by {float((got.logits - want.logits).abs().max())}")
+    if not torch.allclose(got.loss, want.loss, rtol=1e-5, atol=1e-6):
+        failures.append(f"{label}: loss {float(got.loss)} != {float(want.loss)}")
+    return failures
 
 
 def _check_family(family: str, rank: int, world: int) -> list[str]:
@@ -50,10 +66,7 @@ def _check_family(family: str, rank: int, world: int) -> list[str]:
     ids = batches(world, seed=13)[rank]  # each rank its own tokens
     got = model(ids, labels=ids, output_router_logits=True)
     want = ref(ids, labels=ids, output_router_logits=True)
-    if not torch.allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5):
-        failures.append(f"{family}: logits differ by {float((got.logits - want.logits).abs().max())}")
-    if not torch.allclose(got.loss, want.loss, rtol=1e-5, atol=1e-6):
-        failures.append(f"{family}: loss {float(got.loss)} != {float(want.loss)}")
+    failures += _output_failures(family, got, want)
     got.loss.backward()  # the all-to-all runs backward too
     # Mark each rank's experts, export: the gathered HF tensors put every rank's experts in place.
     with torch.no_grad():
@@ -82,19 +95,7 @@ def _hf_block_of(ref, converted_block, model):
 def switch_rank_main() -> dict:
     """Switch Transformers converted over the world: each rank holds E / W experts (HF's own, per expert), computes
     HF's logits and losses on its own tokens, and ``to_hf`` gathers every rank's experts back in order."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    failures: list[str] = []
-    try:
-        failures += _check_switch(rank, world)
-    except Exception:
-        failures.append(traceback.format_exc())
-    dist.destroy_process_group()
-    return {"rank": rank, "failures": failures}
+    return _in_world(_check_switch)
 
 
 def _check_switch(rank: int, world: int) -> list[str]:
@@ -121,10 +122,7 @@ def _check_switch(rank: int, world: int) -> list[str]:
     want = ref(input_ids=ids, labels=ids.flip(-1), output_router_logits=True)
     if not all(int(b.moe.last_plan.num_dropped) > 0 for _, b in blocks):
         failures.append("switch: the capacity dropped nothing on some rank, so the case does not test it")
-    if not torch.allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5):
-        failures.append(f"switch: logits differ by {float((got.logits - want.logits).abs().max())}")
-    if not torch.allclose(got.loss, want.loss, rtol=1e-5, atol=1e-6):
-        failures.append(f"switch: loss {float(got.loss)} != {float(want.loss)}")
+    failures += _output_failures("switch", got, want)
     got.loss.backward()  # the all-to-all runs backward too
     with torch.no_grad():
         for _, b in blocks:
