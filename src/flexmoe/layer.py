@@ -184,7 +184,8 @@ class MoELayer(nn.Module):
         # Buffers, not parameters: moved with the layer, changed by the load rule, never by the optimizer.
         # expert_bias is saved with the model; pending_load (this step's load so far) is not.
         uses_bias = routing.balance == "bias"
-        bias_dtype = torch.float32 if routing.router_dtype is None else routing.router_dtype  # None: the router's
+        # With the router's own precision (router_dtype None) the bias stays float32, as DeepSeek-V3's in HF.
+        bias_dtype = torch.float32 if routing.router_dtype is None else routing.router_dtype
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=bias_dtype, device=device)
                              if uses_bias else None)
         self.register_buffer("pending_load", torch.zeros(num_experts, dtype=torch.long, device=device)

@@ -50,7 +50,8 @@ class RoutingOptions:
         "sequence").
     router_dtype: dtype of the routing math (default float32, whatever the model's dtype: autocast is off around
         the router). None: the router's own precision: it runs under the caller's autocast like any module and
-        the routing math runs in its logits' dtype (a converted Hugging Face model's default, routing as HF does).
+        the routing math runs in its logits' dtype, the softmax in float32 at least (a converted Hugging Face
+        model's default, routing as HF does).
     normalize_weights: divide the k weights of a token by their sum (k > 1).
     batch_prioritized: hand out slots by descending top-1 probability instead of token order.
     score_at: "combine" weights expert outputs when combining; "dispatch" scales expert inputs.
