@@ -584,3 +584,28 @@ def test_switch_expert_dropout_is_refused_in_training():
     model.train()
     with pytest.raises(ValueError, match=r"dropout \(p=0.1\).*dropout_rate=0.0"):
         model(input_ids=ids, labels=ids)
+
+
+def test_qwen3_next_block_routes_as_hf_under_autocast():
+    """Qwen3-Next's block (its whole model needs linear-attention kernels) under autocast: HF's choices."""
+    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+    config = Qwen3NextConfig(hidden_size=16, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    torch.manual_seed(0)
+    block = Qwen3NextSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.5)
+    converted = fh.convert(copy.deepcopy(block), group="single")
+    chosen: list[torch.Tensor] = []
+    block.gate.register_forward_hook(lambda m, args, out: chosen.append(out[2]))
+    x = torch.randn(8, 64, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = block(x), converted(x)
+    ours = converted.moe.last_plan.expert_index
+    assert torch.equal(ours.sort(dim=-1).values, chosen[0].sort(dim=-1).values)
+    # Sums of O(10) bf16 products: within a few bf16 roundings of the output's scale.
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
