@@ -391,8 +391,9 @@ def test_two_ranks_keep_their_own_experts_and_to_hf_gathers_them():
     assert [r.value["rank"] for r in ranks] == [0, 1]
 
 
-def test_qwen3_next_block_converts():
-    """Qwen3-Next's whole model needs its linear-attention kernels; its MoE block is Qwen2-MoE's shape."""
+def qwen3_next_block() -> nn.Module:
+    """Qwen3-Next's MoE block alone (its whole model needs its linear-attention kernels), 8 experts, weights
+    N(0, 0.25) under a seed."""
     from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
@@ -403,6 +404,12 @@ def test_qwen3_next_block_converts():
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.5)
+    return block
+
+
+def test_qwen3_next_block_converts():
+    """Qwen3-Next's MoE block is Qwen2-MoE's shape."""
+    block = qwen3_next_block()
     converted = fh.convert(copy.deepcopy(block), group="single")
     assert converted.family == "qwen3_next" and converted.moe.num_shared_experts == 1
     xs = [torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(True) for _ in range(2)]
@@ -587,17 +594,8 @@ def test_switch_expert_dropout_is_refused_in_training():
 
 
 def test_qwen3_next_block_routes_as_hf_under_autocast():
-    """Qwen3-Next's block (its whole model needs linear-attention kernels) under autocast: HF's choices."""
-    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
-
-    config = Qwen3NextConfig(hidden_size=16, moe_intermediate_size=12, shared_expert_intermediate_size=20,
-                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
-    torch.manual_seed(0)
-    block = Qwen3NextSparseMoeBlock(config)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.5)
+    """Qwen3-Next's block under autocast: HF's choices, its output to bf16 rounding."""
+    block = qwen3_next_block()
     converted = fh.convert(copy.deepcopy(block), group="single")
     chosen: list[torch.Tensor] = []
     block.gate.register_forward_hook(lambda m, args, out: chosen.append(out[2]))
