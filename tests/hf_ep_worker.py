@@ -135,3 +135,76 @@ def _check_switch(rank: int, world: int) -> list[str]:
             if not torch.allclose(exported[f"expert_{e}"].wo.weight, original[f"expert_{e}"].wo.weight + shift):
                 failures.append(f"switch: exported {name}.experts.expert_{e} is not rank {shift - 1}'s")
     return failures
+
+
+def save_rank_main(families: list[str], directory: str) -> dict:
+    """Train each family's converted model with experts over the ranks, save it with ``save_pretrained``
+    midway (no ``to_hf``), load it back, train on: checked against HF's model trained in one process on the
+    whole batch (each rank gets its rows, ``wrap_ddp`` averages the rest); report failures."""
+    return _in_world(lambda rank, world: [f for family in families
+                                          for f in _save_and_continue(family, rank, world, f"{directory}/{family}")])
+
+
+def _save_and_continue(family: str, rank: int, world: int, directory: str) -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    import flexmoe.hf as fh
+    from flexmoe.parallel import wrap_ddp
+    from test_hf_convert import batches
+    from test_hf_save import hf_model, plain_from_pretrained
+
+    failures: list[str] = []
+
+    def differ(what: str, got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:
+        if not torch.allclose(got, want, rtol=tol, atol=tol):
+            failures.append(f"{family}: {what} differs by {float((got - want).abs().max())}")
+
+    ref = hf_model(family)  # HF's model, one process, every expert, the whole batch
+    model = fh.convert(copy.deepcopy(ref))  # group=None: the world
+    # HF's Switch model (tie_word_embeddings=False) keeps a `shared.weight` that no forward uses: DDP must know.
+    ddp = wrap_ddp(model, find_unused_parameters=family == "switch_transformers")
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+    data = batches(6, seed=21, batch=2 * world)
+    mine = slice(rank * 2, rank * 2 + 2)
+
+    nets = [(ddp, opt, mine), (ref, ref_opt, slice(None))]
+
+    def step(ids: torch.Tensor) -> None:
+        for net, optimizer, rows in nets:
+            x = ids[rows]
+            net(x, labels=x).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    for ids in data[:3]:
+        step(ids)
+    # Every rank saves (the state dict gathers the experts), rank 0 writes.
+    model.save_pretrained(directory, is_main_process=rank == 0)
+    dist.barrier()
+    probe = batches(1, seed=8)[0]
+    plain = plain_from_pretrained(family, directory).eval()
+    ref.eval()
+    with torch.no_grad():  # the labels give Switch's decoder its input; a causal LM's logits ignore them
+        want = ref(probe, labels=probe).logits
+        differ("plain from_pretrained's logits", plain(probe, labels=probe).logits, want)
+    ref_state = ref.state_dict()
+    for name, tensor in plain.state_dict().items():
+        differ(f"saved {name}", tensor, ref_state[name])
+    # HF's full state dict loads into a model converted over the ranks: each rank takes its slice.
+    other = fh.convert(hf_model(family, seed=9))
+    other.load_state_dict(plain.state_dict(), strict=True)
+    other.eval()
+    with torch.no_grad():
+        differ("reloaded converted model's logits", other(probe, labels=probe).logits, want)
+    # Training goes on with the same optimizer: the saved model's parameters were the live ones.
+    model.train()
+    ref.train()
+    for ids in data[3:]:
+        step(ids)
+    final = model.state_dict()  # every rank: gathered, in HF's names
+    for name, tensor in ref.state_dict().items():
+        differ(f"trained on after the save: {name}", final[name], tensor)
+    nets.clear()
+    del ddp  # DDP holds the process group: free it before the group is destroyed
+    return failures

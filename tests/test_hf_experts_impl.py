@@ -153,3 +153,30 @@ def test_non_gated_experts_with_biases_match_a_dense_loop(one_thread: None) -> N
         for tokens in (SHAPE.tokens, 1):  # the grouped GEMM, then the loop over the active experts
             _assert_close(_run(experts, "flexmoe", x[:tokens], index[:tokens], weight[:tokens]),
                           _run(experts, "eager", x[:tokens], index[:tokens], weight[:tokens]), f"no grad, {tokens}")
+
+
+def test_a_gpt_oss_look_alike_is_known_by_its_unit_not_its_class_name(one_thread: None) -> None:
+    """Recognition reads what the module computes, the function its ``_apply_gate`` resolves to, with what it
+    holds (``alpha``, ``limit``, the layout flags): a class named ``GptOssExperts`` holding GPT-OSS's attributes
+    and layout but with another gated unit is refused, never computed as GPT-OSS's."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation(is_concatenated=False, is_transposed=True, has_bias=True)
+    class GptOssExperts(nn.Module):
+        def __init__(self, config: Any) -> None:
+            super().__init__()
+            E, M, H = 4, 6, 5
+            self.num_experts = E
+            self.gate_up_proj = nn.Parameter(torch.randn(E, M, 2 * H))
+            self.gate_up_proj_bias = nn.Parameter(torch.randn(E, 2 * H))
+            self.down_proj = nn.Parameter(torch.randn(E, H, M))
+            self.down_proj_bias = nn.Parameter(torch.randn(E, M))
+            self.alpha, self.limit = 1.702, 7.0
+
+        def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:  # no clamp, no sigmoid
+            return gate_up[..., ::2] * gate_up[..., 1::2]
+
+    experts: Any = GptOssExperts(_PlainConfig())
+    index = torch.tensor([[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="GptOssExperts has its own gated unit"):
+        flexmoe_experts_forward(experts, torch.randn(2, 6), index, torch.full((2, 2), 0.5))

@@ -24,8 +24,8 @@ for step in range(1, 51):
     optimizer.zero_grad()
     if step % 10 == 0:
         print(f"rank {rank} step {step}: loss {loss.item():.3f}", flush=True)
-flexmoe.hf.to_hf(model)  # HF's blocks again, each gathering every rank's experts: every rank calls it
-if rank == 0:
-    model.save_pretrained("runs/mixtral-ep")  # plain transformers loads it (AutoModelForCausalLM.from_pretrained)
+# HF's names and layout (plain AutoModelForCausalLM.from_pretrained loads it). Every rank calls it: the state dict
+# gathers every rank's experts; rank 0 writes. The model stays converted and the optimizer could go on.
+model.save_pretrained("runs/mixtral-ep", is_main_process=rank == 0)
 del ddp  # DDP holds the process group: free it, so destroying the group joins gloo's threads (a clean exit)
 dist.destroy_process_group()

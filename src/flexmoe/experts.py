@@ -25,11 +25,11 @@ from torch import Tensor, nn
 from flexmoe.segment_ffn import addmm_into, segment_expert_ffn
 from flexmoe.validation import check_int, describe_value
 
-__all__ = ["ExpertOptions", "FeedForwardExperts", "expert_ffn", "padded_expert_ffn", "grouped_expert_ffn",
-           "looped_expert_ffn", "segmented_expert_ffn", "use_segmented", "use_grouped_mm", "grouped_mm_supported",
-           "gated_unit", "hidden_unit", "check_glu_limit", "resolve_activation", "activation_name",
-           "activation_derivative", "activation_into", "all_like", "needs_grad", "joined_outputs", "joined_unit_ffn",
-           "active_experts_ffn", "JOINED_UNIT_MAX_ELEMENTS",
+__all__ = ["ExpertOptions", "FeedForwardExperts", "ExpertsCall", "differentiated_weights", "expert_ffn",
+           "padded_expert_ffn", "grouped_expert_ffn", "looped_expert_ffn", "segmented_expert_ffn", "use_segmented",
+           "use_grouped_mm", "grouped_mm_supported", "gated_unit", "hidden_unit", "check_glu_limit",
+           "resolve_activation", "activation_name", "activation_derivative", "activation_into", "all_like",
+           "needs_grad", "joined_outputs", "joined_unit_ffn", "active_experts_ffn", "JOINED_UNIT_MAX_ELEMENTS",
            "embedding_bag_ffn", "use_embedding_bag", "EMBEDDING_BAG_MAX_ROWS_PER_EXPERT"]
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -131,6 +131,34 @@ class ExpertOptions:
                                   bias=self.bias, glu_limit=self.glu_limit, device=device, dtype=dtype)
 
 
+class ExpertsCall:
+    """A whole layer call made through its experts module: ``experts(x, ExpertsCall(run))`` returns ``run()``.
+
+    An adapter that wraps the experts and changes their weights only while its own forward runs (PEFT's LoRA
+    ``target_parameters`` registers a parametrization there) would be bypassed by every path of
+    :class:`~flexmoe.MoELayer` that reads the weights itself (fused experts, custom ops, expert parallelism). The
+    layer therefore runs such a call inside the wrapper: the wrapper calls its base module, the built-in experts,
+    whose forward runs ``run`` while their weights read as adapted (docs/architecture.md, "Adapters on the
+    experts").
+    """
+
+    def __init__(self, run: Callable[[], Tensor]) -> None:
+        self.run = run
+
+
+def differentiated_weights(experts: nn.Module) -> list[Tensor]:
+    """The tensors whose gradients a call of ``experts`` produces: for the built-in experts their weights as they
+    read now (inside an adapter's call the adapted ones, ``w + delta``, through which the gradient reaches the
+    adapter), for any other module its parameters; only those that require a gradient.
+
+    An expert-parallel path that differentiates the experts by hand, or ties a rank without rows into the
+    backward exchange, takes these: the parameters alone would miss an adapter's (frozen base, trainable LoRA)."""
+    if isinstance(experts, FeedForwardExperts):
+        read = [experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3]
+        return [t for t in read if t is not None and t.requires_grad]
+    return [p for p in experts.parameters() if p.requires_grad]
+
+
 class FeedForwardExperts(nn.Module):
     """``num_experts`` two-layer FFNs stored batched.
 
@@ -184,8 +212,13 @@ class FeedForwardExperts(nn.Module):
             if b is not None:
                 nn.init.uniform_(b, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
 
-    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
-        """x: ``[N, M]`` rows sorted by expert, counts: ``[E]`` rows per expert -> ``[N, M]``."""
+    def forward(self, x: Tensor, counts: list[int] | ExpertsCall) -> Tensor:
+        """x: ``[N, M]`` rows sorted by expert, counts: ``[E]`` rows per expert -> ``[N, M]``.
+
+        Given an :class:`ExpertsCall` instead of counts (x is then the layer's input, for the wrappers' sake),
+        runs that call and returns its output."""
+        if isinstance(counts, ExpertsCall):
+            return counts.run()
         if len(counts) != self.num_experts:
             raise ValueError(f"counts must have {self.num_experts} entries (one per expert), got {len(counts)}")
         return expert_ffn(x, counts, self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch, sum_choices_by_token, sum_rows_by_token
-from flexmoe.experts import ExpertOptions, FeedForwardExperts
+from flexmoe.experts import ExpertOptions, ExpertsCall, FeedForwardExperts
 from flexmoe.fused_experts import HiddenUnit, fused_experts, use_fused
 from flexmoe.padded_ffn_op import layout_op_runs, padded_experts_forward
 from flexmoe.padded_fused_op import padded_fused_experts, use_padded_fused
@@ -90,6 +90,9 @@ class MoELayer(nn.Module):
         through, replicated on every rank) with shared_hidden_dim and shared_gate (Qwen2-MoE's sigmoid gate,
         parameter ``shared_gate.weight`` ``[1, M]``);
         or ``experts=`` a module ``forward(x: [N, M], counts: list[int]) -> [N, M]`` used instead.
+        An adapter may wrap the built-in experts (PEFT's LoRA ``target_parameters=["experts.w1", ...]``): every
+        call then runs inside the wrapper, so each path computes with the adapted weights (:attr:`expert_adapter`;
+        docs/architecture.md, "Adapters on the experts").
 
     Expert parallelism (:class:`~flexmoe.parallel.ParallelOptions`; docs/architecture.md, "Experts over
     ranks"):
@@ -122,6 +125,8 @@ class MoELayer(nn.Module):
     # Buffers (registered in __init__, None unless balance="bias"): declared for the type checker.
     expert_bias: Tensor | None
     pending_load: Tensor | None
+    # The experts module the layer was built with (outside the module tree; see expert_adapter).
+    _built_experts: nn.Module
 
     def __init__(
         self,
@@ -176,6 +181,9 @@ class MoELayer(nn.Module):
         # Only this rank's experts (or its hidden shard of one); see flexmoe.parallel.layout.
         self.experts = experts if experts is not None else expert.build(
             self.layout.experts_per_rank, model_dim, self.layout.local_hidden_dim, device=device, dtype=dtype)
+        # The module every path computes with (the strategies hold it too), kept outside the module tree: an
+        # adapter may replace the attribute `experts` by a wrapper around it (see expert_adapter).
+        self.__dict__["_built_experts"] = self.experts
         # Shared experts see all of this rank's tokens: replicated like any dense layer, never spread over ranks.
         shared_hidden_dim = hidden_dim if expert.shared_hidden_dim is None else expert.shared_hidden_dim
         self.shared = expert.build(expert.shared_experts, model_dim, shared_hidden_dim, device=device, dtype=dtype) \
@@ -194,8 +202,9 @@ class MoELayer(nn.Module):
             self.layout.expert_holders(), self.ep_group.rank, self.ep_group.world_size, parallel.ranks_per_node,
             routing.k, routing.cross_node_share)
 
-        self._ep = ExpertParallel(self.ep_group, self.layout, self.experts) if self.ep_group.distributed else None
-        check_parallel_options(parallel, self.layout, self.experts, self._ep)
+        self._ep = ExpertParallel(self.ep_group, self.layout, self._built_experts) if self.ep_group.distributed \
+            else None
+        check_parallel_options(parallel, self.layout, self._built_experts, self._ep)
         self._shape = LayerShape(model_dim, hidden_dim, num_experts, routing.k, expert.glu)
         self._strategies: dict[tuple[str, str], Any] = {}  # unwrapped strategies by (schedule, parallel)
         self.strategy: ExpertStrategy = self._strategy_for(parallel)
@@ -216,6 +225,14 @@ class MoELayer(nn.Module):
         ``shadow`` and ``schedule``. None means "the layer's".
         """
         self._check_input(x)
+        adapter = self.expert_adapter
+        if adapter is not None:
+            # The adapter's weights apply only while its forward runs: the whole call runs inside it.
+            return adapter(x, ExpertsCall(partial(self._forward, x, call_options)))
+        return self._forward(x, call_options)
+
+    def _forward(self, x: Tensor, call_options: dict[str, Any]) -> Tensor:
+        """:meth:`forward` on the experts as they read now (adapted, inside an adapter's call)."""
         routing, parallel, pinned = self._call_options(call_options)
         tokens = x.reshape(-1, self.model_dim)  # [T, M]
         num_sequences = num_sequences_of(x, self.model_dim, routing.capacity_per, routing.aux_loss_type)
@@ -252,7 +269,7 @@ class MoELayer(nn.Module):
         the built-in experts, all in this process, weights applied at combine, and where
         :func:`~flexmoe.fused_experts.use_fused` says it is faster (training with many small experts); compiling,
         by the custom op of :mod:`flexmoe.padded_fused_op` (over a padded plan, or any other packed)."""
-        experts = self.experts
+        experts = self._built_experts
         if not isinstance(experts, FeedForwardExperts) or self.ep_group.distributed or routing.score_at != "combine":
             return False
         if plan.padded or torch.compiler.is_compiling():
@@ -261,7 +278,7 @@ class MoELayer(nn.Module):
 
     def _fused_experts(self, tokens: Tensor, plan: RoutingPlan) -> Tensor:
         """tokens: ``[T, M]`` -> ``[T, M]``, the weighted sum of each token's experts (:func:`fused_experts`)."""
-        e = self.experts
+        e = self._built_experts
         assert isinstance(e, FeedForwardExperts)  # checked by _runs_fused
         self.last_choice, self.last_shadowed = self.strategy.last_choice, []
         if plan.padded or torch.compiler.is_compiling():
@@ -365,6 +382,31 @@ class MoELayer(nn.Module):
         return y
 
     @property
+    def expert_adapter(self) -> nn.Module | None:
+        """The module an adapter put in place of ``experts`` (PEFT's LoRA ``target_parameters``: a wrapper whose
+        ``get_base_layer()`` is the built experts), or None while ``experts`` is the module the layer was built
+        with (docs/architecture.md, "Adapters on the experts").
+
+        Raises ``ValueError`` when ``experts`` was replaced by anything else (the layer computes with the module it
+        was built with, so a replacement would be silently ignored), or when a custom experts module is wrapped
+        (only the built-in experts run a layer call inside their wrapper)."""
+        current, built = self.experts, self._built_experts
+        if current is built:
+            return None
+        get_base_layer = getattr(current, "get_base_layer", None)
+        if not callable(get_base_layer) or get_base_layer() is not built:
+            raise ValueError(
+                f"MoELayer.experts was replaced by a {type(current).__name__} after the layer was built; the layer "
+                f"computes with the module it was built with ({type(built).__name__}). Build a new MoELayer with "
+                f"experts=..., or adapt the experts with a wrapper whose get_base_layer() is that module (PEFT)")
+        if not isinstance(built, FeedForwardExperts):
+            raise ValueError(
+                f"an adapter ({type(current).__name__}) wraps the custom experts module {type(built).__name__}: "
+                f"only the built-in FeedForwardExperts run a layer call inside such a wrapper; adapt the custom "
+                f"module's own submodules instead (e.g. LoRA target_modules on its nn.Linear layers)")
+        return current
+
+    @property
     def last_plan(self) -> RoutingPlan | None:
         """The :class:`~flexmoe.routing.RoutingPlan` of the last call (None before the first)."""
         if self._deferred_plan is not None:
@@ -392,8 +434,9 @@ class MoELayer(nn.Module):
         the forward back to eager (docs/architecture.md, "Compiling the layer")."""
         if plan.padded:
             return True
-        return (torch.compiler.is_compiling() and isinstance(self.experts, FeedForwardExperts)
-                and not self.ep_group.distributed and layout_op_runs(self.experts, rows))
+        experts = self._built_experts
+        return (torch.compiler.is_compiling() and isinstance(experts, FeedForwardExperts)
+                and not self.ep_group.distributed and layout_op_runs(experts, rows))
 
     def _padded_layout(self, routing: RoutingOptions) -> bool:
         """Whether this call pads every expert's rows to the capacity: under ``torch.compile``, in capacity mode,
@@ -437,7 +480,7 @@ class MoELayer(nn.Module):
         layout_plan: the rows are this plan's, computed by the built-in experts' custom op
         (:func:`flexmoe.padded_ffn_op.padded_experts_forward`, :meth:`_by_layout`): only the real rows."""
         strategy = self._strategy_of(options)
-        experts = self.experts
+        experts = self._built_experts
 
         def run(expert_rows: Tensor) -> Tensor:
             if layout_plan is not None and isinstance(experts, FeedForwardExperts):
@@ -451,7 +494,7 @@ class MoELayer(nn.Module):
     def _in_expert_dtype(self, run: Callable[[Tensor], Tensor], rows: Tensor) -> Tensor:
         """``run(rows)`` in the experts' dtype, returned in rows' dtype: a float32 layer fed bf16 activations (or
         the reverse) computes in its parameters' dtype (under autocast, as autocast says)."""
-        expert_dtype = _parameter_dtype(self.experts)
+        expert_dtype = _parameter_dtype(self._built_experts)
         if expert_dtype is None or torch.is_autocast_enabled(rows.device.type) or expert_dtype == rows.dtype:
             return run(rows)
         return run(rows.to(expert_dtype)).to(rows.dtype)
@@ -492,7 +535,8 @@ class MoELayer(nn.Module):
     # ---- construction helpers ---------------------------------------------------------------------------
 
     def _strategy_for(self, options: ParallelOptions) -> ExpertStrategy:
-        return build_strategy(options, self._ep, self.experts, self._shape, options.chooser, self._strategies)
+        return build_strategy(options, self._ep, self._built_experts, self._shape, options.chooser,
+                              self._strategies)
 
     def _describe_options(self, experts: nn.Module | None, dtype: torch.dtype | None) -> dict[str, object]:
         """The options as comparable values for the cross-rank agreement, one entry per field."""

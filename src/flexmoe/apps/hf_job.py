@@ -11,8 +11,9 @@ The loss is HF's own: the causal-LM cross-entropy of the model's ``loss_function
 ``router_aux_loss_coef`` times HF's auxiliary balance loss when the config has ``output_router_logits``.
 DeepSeek-V3's selection bias moves once per optimizer step (``bias_update_rate`` 1e-3, DeepSeek-V3's own rate;
 the loop calls :func:`flexmoe.update_expert_biases`). Tokens are bytes, unless the ``--hf-model`` directory has a
-tokenizer. ``--export-hf DIR`` writes the trained model in HF's format (:func:`flexmoe.hf.to_hf`, then
-``save_pretrained``), which plain ``transformers`` loads.
+tokenizer; a ``--hf-model`` checkpoint missing any of its model's tensors is refused (transformers would
+initialise them at random). ``--export-hf DIR`` writes the trained model with ``save_pretrained`` (a converted
+model's state dict is in HF's names and layout), which plain ``transformers`` loads.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from flexmoe.apps.train import (
 from flexmoe.checkpoint import latest_checkpoint
 
 __all__ = ["HFJobConfig", "HFCausalLM", "add_hf_flags", "job_config", "check_inputs", "run_job", "build_hf_model",
-           "export_hf"]
+           "check_loaded_weights", "export_hf"]
 
 DEFAULT_BLOCK_SIZE = 128  # tokens per sequence, as the MoE GPT's
 DEEPSEEK_BIAS_UPDATE_RATE = 1e-3  # DeepSeek-V3's bias update speed (its paper's gamma)
@@ -298,7 +299,10 @@ def build_hf_model(cfg: HFJobConfig, seed: int, *, pretrained: bool) -> tuple[HF
     torch.manual_seed(seed)
     if pretrained:
         assert cfg.hf_model is not None, "pretrained weights come from cfg.hf_model"
-        hf = AutoModelForCausalLM.from_pretrained(cfg.hf_model, dtype=torch.float32)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(cfg.hf_model, dtype=torch.float32,
+                                                           output_loading_info=True)
+        hf, loading = loaded  # (model, {"missing_keys": ..., ...})
+        check_loaded_weights(cfg.hf_model, loading)
     else:
         hf = AutoModelForCausalLM.from_config(cfg.transformers_config())
     counts = hf_param_counts(hf)
@@ -309,14 +313,33 @@ def build_hf_model(cfg: HFJobConfig, seed: int, *, pretrained: bool) -> tuple[HF
     return HFCausalLM(hf, cfg), counts
 
 
-def export_hf(model: HFCausalLM, directory: Path, tokenizer: str | None) -> None:
-    """Write ``model`` in HF's format to ``directory`` (with the tokenizer it was trained with); collective under
-    expert parallelism (the experts are gathered), rank 0 writes. ``model`` holds HF's blocks afterwards."""
-    from flexmoe.hf import to_hf
+def check_loaded_weights(directory: str, loading: dict[str, Any]) -> None:
+    """Refuse a ``--hf-model`` checkpoint that does not hold every tensor of its model (``loading``:
+    ``from_pretrained``'s ``output_loading_info``): transformers would initialise the missing ones at random, and
+    the job would fine-tune that. A checkpoint in flexmoe's internal names (``...mlp.moe.experts.w1``, what
+    ``save_pretrained`` of a converted model wrote before its state dict took HF's names) is named as such."""
+    missing = sorted(loading.get("missing_keys", ()))
+    mismatched = sorted(str(m[0]) if isinstance(m, tuple) else str(m) for m in loading.get("mismatched_keys", ()))
+    if not missing and not mismatched:
+        return
+    internal = sorted(k for k in loading.get("unexpected_keys", ()) if ".moe." in k)
+    why = (f"it holds flexmoe's internal names instead (e.g. {internal[0]}): load that file into the converted model "
+           f"with load_state_dict and save_pretrained it again" if internal else
+           "from_pretrained would initialise them at random")
+    if missing:
+        raise UsageError(f"--hf-model {directory}: the checkpoint lacks {len(missing)} of the model's tensors "
+                         f"(e.g. {missing[0]}); {why}")
+    raise UsageError(f"--hf-model {directory}: {len(mismatched)} tensors of the checkpoint have other shapes than "
+                     f"its config.json gives (e.g. {mismatched[0]})")
 
-    hf: Any = to_hf(model.hf)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        hf.save_pretrained(directory)
+
+def export_hf(model: HFCausalLM, directory: Path, tokenizer: str | None) -> None:
+    """Write ``model`` in HF's format to ``directory`` (with the tokenizer it was trained with): a converted model's
+    state dict is HF's own. Collective under expert parallelism (``state_dict()`` gathers the experts, so every
+    rank calls ``save_pretrained``), rank 0 writes."""
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    model.hf.save_pretrained(directory, is_main_process=main)
+    if main:
         if tokenizer is not None:
             from transformers import AutoTokenizer
 

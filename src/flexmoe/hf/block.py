@@ -7,7 +7,8 @@ its weight stays the one parameter of the gate, and because the module keeps its
 recorders (hooked on that class) still collect ``router_logits``, so ``output_router_logits=True`` gives HF's
 auxiliary loss. The experts (and shared experts) are copied into the layer; only this rank's experts under
 expert parallelism. The HF block itself is kept, emptied (its expert tensors on the ``meta`` device), as the
-skeleton :meth:`ConvertedMoeBlock.to_hf` fills again.
+skeleton :meth:`ConvertedMoeBlock.to_hf` fills again. The block's ``state_dict`` / ``load_state_dict`` speak HF's
+block's names and layout (:mod:`flexmoe.hf.hf_state`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,23 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
-from flexmoe.checkpoint import gather_experts
-from flexmoe.hf.families import Family, shared_mlp_weights
+from flexmoe.hf.families import Family
+from flexmoe.hf.hf_state import (
+    experts_like,
+    hf_requires_grad,
+    layer_parts,
+    layer_requires_grad,
+    layer_values,
+    load_hf_names,
+    materialize,
+    save_hf_names,
+    write_hf,
+)
 from flexmoe.layer import MoELayer
-from flexmoe.parallel.layout import HIDDEN_DIM, shard_expert_state
 
-__all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block"]
+__all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block", "copied_requires_grad", "adapted_modules"]
 
 
 class HFRouterLogits(nn.Module):
@@ -48,8 +59,10 @@ class ConvertedMoeBlock(nn.Module):
     ``(hidden_states, router_weights [B*S, k])`` as its block returns).
 
     ``moe`` is the :class:`~flexmoe.MoELayer` (its ``router.hf_router`` is HF's router module); ``family`` the
-    family name; :meth:`to_hf` gives the HF block back with the current weights. Made by
-    :func:`flexmoe.hf.convert`.
+    family name; :meth:`to_hf` gives the HF block back with the current weights. Its state dict is the HF
+    block's, names and layout (:func:`~flexmoe.hf.hf_state.save_hf_names`; under expert parallelism
+    ``state_dict()`` gathers the experts: every rank must call it), and ``load_state_dict`` takes HF's block's
+    (:func:`~flexmoe.hf.hf_state.load_hf_names`). Made by :func:`flexmoe.hf.convert`.
     """
 
     def __init__(self, family: Family, moe: MoELayer, hf_skeleton: nn.Module, expert_dropout: float = 0.0) -> None:
@@ -62,6 +75,9 @@ class ConvertedMoeBlock(nn.Module):
         # parameters of the model) until to_hf fills them; its router is the live one inside self.moe.
         self.__dict__["_hf_skeleton"] = hf_skeleton
         self.__dict__["_family"] = family
+        # The state dict is HF's block's (flexmoe.hf.hf_state): save_pretrained and Trainer write HF's format.
+        self.register_state_dict_post_hook(save_hf_names)
+        self.register_load_state_dict_pre_hook(load_hf_names)
 
     def forward(self, hidden_states: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         if self.training and self.expert_dropout > 0:
@@ -80,75 +96,107 @@ class ConvertedMoeBlock(nn.Module):
     def extra_repr(self) -> str:
         return f"family={self.family!r}"
 
-    @torch.no_grad()
-    def to_hf(self) -> nn.Module:
-        """The HF block with this block's current weights (its own class, so ``save_pretrained`` writes HF's
-        format). Under expert parallelism every rank of the group must call it (the experts are gathered)."""
+    def refuse_unmerged_adapters(self) -> None:
+        """``ValueError`` naming the modules of this block an adapter still wraps or parametrizes (PEFT's LoRA
+        before ``merge_and_unload()``): :meth:`to_hf` copies tensors, so the HF block would drop the adapter."""
+        adapted = adapted_modules(self)
+        if adapted:
+            raise ValueError(f"{self.family} block: {adapted} carry an unmerged adapter, which the HF block would "
+                             f"drop; merge it first (peft_model.merge_and_unload()), then to_hf")
+
+    @property
+    def hf_family(self) -> Family:
+        """The :class:`~flexmoe.hf.families.Family` of the HF block this block stands in for."""
         family: Family = self.__dict__["_family"]
-        block: Any = self.__dict__["_hf_skeleton"]
-        moe = self.moe
-        local = {name: p.detach() for name, p in moe.experts.named_parameters(recurse=False) if name in HIDDEN_DIM}
-        full = gather_experts(local, moe.layout, moe.ep_group.group) if moe.ep_group.distributed else local
-        like = local["w1"]
-        _materialize(block.experts, like)
-        family.write_experts(block.experts, full)
-        if family.shared is not None:
-            assert moe.shared is not None  # built from the same family
-            mlp = getattr(block, family.shared)
-            _materialize(mlp, like)
-            for name, view in shared_mlp_weights(mlp).items():
-                view.copy_(getattr(moe.shared, name))
-        if family.shared_gate is not None:
-            assert moe.shared_gate is not None
-            gate = getattr(block, family.shared_gate)
-            _materialize(gate, like)
-            gate.weight.copy_(moe.shared_gate.weight)
-        router = getattr(block, family.router)
+        return family
+
+    @property
+    def hf_skeleton(self) -> Any:
+        """The emptied HF block (its expert and shared tensors on ``meta``); its router is the live one."""
+        return self.__dict__["_hf_skeleton"]
+
+    def hf_requires_grad(self) -> list[dict[str, bool]]:
+        """Per copied part (:func:`~flexmoe.hf.hf_state.layer_parts`), the ``requires_grad`` its HF tensors take in
+        :meth:`to_hf`: the layer's. ``ValueError`` when ``w1`` and ``w3`` (one ``gate_up_proj``) disagree."""
+        return [hf_requires_grad(part, getattr(self.hf_skeleton, part.hf_name), self.moe)
+                for part in layer_parts(self.hf_family)]
+
+    def to_hf(self) -> nn.Module:
+        """The HF block with this block's current weights and ``requires_grad`` flags (its own class). Under
+        expert parallelism every rank of the group must call it (the experts are gathered). Raises
+        ``ValueError`` when two layer tensors of one HF tensor disagree on ``requires_grad`` (``w1``, ``w3``), and
+        when the block carries an unmerged adapter (:meth:`refuse_unmerged_adapters`)."""
+        self.refuse_unmerged_adapters()
+        block, moe = self.hf_skeleton, self.moe
+        parts = layer_parts(self.hf_family)
+        for part, part_flags in zip(parts, self.hf_requires_grad()):
+            hf_module = getattr(block, part.hf_name)
+            materialize(hf_module, experts_like(moe))
+            write_hf(part, hf_module, moe)
+            for name, tensors in part.sources(hf_module).items():
+                for source in tensors:
+                    source.requires_grad_(part_flags[name])
+        router = getattr(block, self.hf_family.router)
         if moe.expert_bias is not None and hasattr(router, "e_score_correction_bias"):
-            # DeepSeek-V3's e_score_correction_bias, carried by flexmoe's expert_bias while converted.
-            router.e_score_correction_bias.copy_(moe.expert_bias)
+            with torch.no_grad():  # DeepSeek-V3's e_score_correction_bias, carried by expert_bias while converted
+                router.e_score_correction_bias.copy_(moe.expert_bias)
         return block
 
 
 def build_converted_block(block: Any, family: Family, *, group: object | None,
                           options: dict[str, object]) -> ConvertedMoeBlock:
     """The :class:`ConvertedMoeBlock` for HF block ``block`` of ``family``, with ``options`` applied on top of the
-    family's; ``block`` is emptied into the skeleton only once the layer is built (a bad option leaves it whole)."""
+    family's; ``block`` is emptied into the skeleton only once the layer is built (a bad option leaves it whole).
+    The layer takes the dtype and device of the routed experts, and each layer tensor the ``requires_grad`` of the
+    HF tensors it comes from (:func:`copied_requires_grad`, which raises before anything is built)."""
     model_dim, num_experts, hidden_dim = family.sizes(block)
-    hf_experts = family.read_experts(block.experts)
-    like = hf_experts["w1"]
+    parts = layer_parts(family)
+    flags = copied_requires_grad(block, family)
+    like = parts[0].sources(block.experts)["w1"][0]
     router = getattr(block, family.router)
     gate = HFRouterLogits(router, logits_at=family.router_logits_at, score_dtype=family.score_dtype(router))
     moe = MoELayer(model_dim, num_experts, hidden_dim, router=gate, group=group,
                    device=like.device, dtype=like.dtype, **{**family.layer_options(block), **options})
-    with torch.no_grad():
-        # Only this rank's slice is copied (flexmoe.parallel.layout); fused HF experts are read through views.
-        mine = shard_expert_state(hf_experts, moe.layout, moe.ep_group.rank)
-        for name, value in mine.items():
-            getattr(moe.experts, name).copy_(value)
-        if family.shared is not None:
-            assert moe.shared is not None
-            for name, value in shared_mlp_weights(getattr(block, family.shared)).items():
-                getattr(moe.shared, name).copy_(value)
-        if family.shared_gate is not None:
-            assert moe.shared_gate is not None
-            moe.shared_gate.weight.copy_(getattr(block, family.shared_gate).weight)
-        if moe.expert_bias is not None and hasattr(router, "e_score_correction_bias"):
+    for part in parts:
+        hf_module, layer_module = getattr(block, part.hf_name), getattr(moe, part.layer_name)
+        with torch.no_grad():
+            # Only this rank's experts are copied (flexmoe.parallel.layout); fused HF experts are read through views.
+            for name, value in layer_values(part, hf_module, moe.layout, moe.ep_group.rank).items():
+                getattr(layer_module, name).copy_(value)
+        for name, flag in flags[part.hf_name].items():
+            getattr(layer_module, name).requires_grad_(flag)
+    if moe.expert_bias is not None and hasattr(router, "e_score_correction_bias"):
+        with torch.no_grad():
             moe.expert_bias.copy_(router.e_score_correction_bias)
     # Free the HF copies: the skeleton keeps shapes only.
-    for part in ("experts", family.shared, family.shared_gate):
-        if part is not None:
-            getattr(block, part).to("meta")
+    for part in parts:
+        getattr(block, part.hf_name).to("meta")
     return ConvertedMoeBlock(family, moe, block, expert_dropout=family.expert_dropout(block))
 
 
-def _materialize(module: nn.Module, like: Tensor) -> None:
-    """Give every ``meta`` parameter and buffer of ``module`` real (uninitialised) storage like ``like``."""
-    for sub in module.modules():
-        for name, p in list(sub.named_parameters(recurse=False)):
-            if p.is_meta:
-                setattr(sub, name, nn.Parameter(torch.empty(p.shape, device=like.device, dtype=like.dtype),
-                                                requires_grad=p.requires_grad))
-        for name, b in list(sub.named_buffers(recurse=False)):
-            if b.is_meta:
-                sub.register_buffer(name, torch.empty(b.shape, device=like.device, dtype=b.dtype))
+def copied_requires_grad(block: Any, family: Family) -> dict[str, dict[str, bool]]:
+    """For each part of HF block ``block`` that a converted layer copies (by its name in ``block``), the
+    ``requires_grad`` each layer tensor takes: that of the HF tensors it comes from (``w1`` and ``w3`` both
+    ``gate_up_proj``'s; Switch's ``w1`` every expert's ``wi``). Changes nothing, so ``convert`` checks every block
+    before building any. Raises ``ValueError`` when a part's tensors are not in the routed experts' dtype and
+    device (the layer holds one of each), and when the HF tensors of one layer tensor disagree on
+    ``requires_grad`` (:func:`~flexmoe.hf.hf_state.layer_requires_grad`)."""
+    parts = layer_parts(family)
+    like = parts[0].sources(block.experts)["w1"][0]
+    for part in parts:
+        for name, tensors in part.sources(getattr(block, part.hf_name)).items():
+            for source in tensors:
+                if (source.dtype, source.device) != (like.dtype, like.device):
+                    raise ValueError(f"{type(block).__name__}.{part.hf_name} ({name}) is {source.dtype} on "
+                                     f"{source.device}, its experts {like.dtype} on {like.device}; the flexmoe "
+                                     f"layer holds one dtype and device: cast the block first")
+    return {part.hf_name: layer_requires_grad(part, getattr(block, part.hf_name)) for part in parts}
+
+
+def adapted_modules(module: nn.Module) -> list[str]:
+    """Names (``""``: ``module`` itself) of the modules under ``module`` that an adapter wraps or parametrizes:
+    PEFT's tuner layers (they have ``get_base_layer()``) and modules with torch parametrizations. Copying
+    ``module``'s tensors, as convert and to_hf do, would drop their adaptation."""
+    return [name for name, m in module.named_modules()
+            if callable(getattr(m, "get_base_layer", None)) or parametrize.is_parametrized(m)]
+

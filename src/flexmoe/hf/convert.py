@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from flexmoe.experts import ExpertOptions
-from flexmoe.hf.block import ConvertedMoeBlock, build_converted_block
+from flexmoe.hf.block import ConvertedMoeBlock, adapted_modules, build_converted_block, copied_requires_grad
 from flexmoe.hf.families import FAMILIES, family_of
 from flexmoe.layer import MoELayer
 from flexmoe.parallel.options import ParallelOptions
@@ -36,7 +36,11 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
     top-1, ``expert_capacity`` per sequence, a dropped token's MLP output 0 as in HF's; its experts' dropout is
     refused in training). The converted model computes HF's function: the same logits (to float32 rounding), the
     same loss, and with ``output_router_logits=True`` the same ``router_logits`` and auxiliary loss (HF's router
-    module is kept and still recorded); ``generate()`` and the KV cache work unchanged. Under ``torch.autocast``
+    module is kept and still recorded); ``generate()`` and the KV cache work unchanged. Its ``state_dict()`` is
+    HF's model's (names, shapes, layouts: ``save_pretrained`` and ``Trainer`` write plain HF checkpoints; under
+    expert parallelism a collective, every rank calls it), and ``load_state_dict`` takes HF's state dicts. Each
+    parameter keeps its ``requires_grad``, dtype and device (``w1`` and ``w3`` both take ``gate_up_proj``'s flag;
+    Switch's ``w1`` / ``w2`` that of every expert's ``wi`` / ``wo``, which must agree). Under ``torch.autocast``
     it routes as HF's does (``router_dtype=None``: HF's router runs under the autocast, its bf16 logits are scored
     in the dtype HF scores them in, and ``ties="topk"`` breaks equal scores as HF's ``torch.topk``), so the same
     experts are chosen. DeepSeek-V3's ``e_score_correction_bias`` becomes the layer's ``expert_bias``
@@ -63,11 +67,19 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
         score function, groups, scale) are the family's: passing one, or a name that is no MoELayer option, is a
         ``ValueError`` naming it.
 
+    Adapters: one outside the MoE blocks (PEFT's LoRA on attention) is kept and keeps working. One inside a block
+    (LoRA on HF's ``gate_up_proj`` / ``down_proj``, on a shared expert or the router, a torch parametrization) is a
+    ``ValueError`` naming it: convert copies the block's tensors and would drop it. Merge it first, or convert
+    the plain model and put LoRA on flexmoe's experts, ``peft.LoraConfig(target_parameters=["experts.w1",
+    "experts.w2", "experts.w3"])`` (docs/architecture.md, "Adapters on the experts").
+
     Raises ``ValueError`` naming the class for an unsupported block, and for a model with no supported block (or
-    with an MoE-looking block of an unsupported class).
+    with an MoE-looking block of an unsupported class); naming the tensors, when some of Switch's experts are
+    frozen and others not (flexmoe holds them all in one tensor).
     """
     _check_options(options)
     if family_of(model) is not None:
+        _refuse_adapters(model, type(model).__name__)
         return _convert_block(model, group, options)
     if isinstance(model, ConvertedMoeBlock):
         raise ValueError("model is already a flexmoe ConvertedMoeBlock (flexmoe.hf.to_hf gives the HF block back)")
@@ -81,6 +93,11 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
             isinstance(m, ConvertedMoeBlock) for m in model.modules()) else ""
         raise ValueError(f"{type(model).__name__} is not a supported sparse-MoE block and contains none{done} "
                          f"(supported block classes: {sorted(FAMILIES)})")
+    for name, block in blocks:  # every block checked before any is emptied into its skeleton
+        _refuse_adapters(block, name)
+        family = family_of(block)
+        assert family is not None  # found by its family
+        copied_requires_grad(block, family)
     # Build every replacement before swapping any in, so that a bad option leaves the model untouched.
     converted = [(name, _convert_block(block, group, options)) for name, block in blocks]
     for name, new in converted:
@@ -95,14 +112,20 @@ def to_hf(model: nn.Module) -> nn.Module:
     the HF block. ``model.save_pretrained`` then writes HF's own format, which plain ``transformers`` loads.
 
     Collective under expert parallelism: every rank of the group must call it (each block's experts are gathered
-    from the ranks). The HF parameters are new tensors: build the optimizer again to continue training. Raises
-    ``ValueError`` when ``model`` holds no converted block.
+    from the ranks). Each HF tensor takes the ``requires_grad`` of the layer's tensors it holds. The HF parameters
+    are new tensors: build the optimizer again to continue training (saving needs no ``to_hf``: a converted
+    model's ``state_dict`` is already HF's). Raises ``ValueError`` when ``model`` holds no converted block, when
+    ``w1`` and ``w3`` of one block (one ``gate_up_proj``) disagree on ``requires_grad``, and when a block carries
+    an unmerged adapter (the HF block would drop it: ``merge_and_unload()`` first).
     """
     if isinstance(model, ConvertedMoeBlock):
         return model.to_hf()
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, ConvertedMoeBlock)]
     if not blocks:
         raise ValueError(f"{type(model).__name__} holds no flexmoe block to export (flexmoe.hf.convert makes them)")
+    for _, block in blocks:  # before any block goes back, so that a refusal leaves the model as it was
+        block.refuse_unmerged_adapters()
+        block.hf_requires_grad()
     for name, block in blocks:  # the same order on every rank: each gather is a collective
         _replace(model, name, block.to_hf())
     return model
@@ -112,6 +135,21 @@ def _convert_block(block: nn.Module, group: object | None, options: dict[str, An
     family = family_of(block)
     assert family is not None  # callers pick supported blocks
     return build_converted_block(block, family, group=group, options=options)
+
+
+def _refuse_adapters(block: nn.Module, where: str) -> None:
+    """``ValueError`` when an adapter wraps or parametrizes part of HF block ``block`` (at ``where``): convert
+    copies the block's tensors into flexmoe's experts, so the adapter would be silently dropped."""
+    adapted = adapted_modules(block)
+    if adapted:
+        parts = [f"{where}.{name}" if name else where for name in adapted]
+        raise ValueError(f"{parts} carry an adapter (PEFT LoRA or a torch parametrization), which convert would "
+                         f"drop (it copies the block's weights). Either merge it into the weights first "
+                         f"(peft_model.merge_and_unload()) and convert the merged model, or convert the plain "
+                         f"model, then put LoRA on flexmoe's experts: peft.LoraConfig(target_parameters="
+                         f"['experts.w1', 'experts.w2', 'experts.w3']), and merge_and_unload() before to_hf "
+                         f"(docs/architecture.md, 'Adapters on the experts'). Adapters outside the MoE blocks "
+                         f"(attention, embeddings) are kept as they are")
 
 
 def _check_options(options: dict[str, Any]) -> None:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from flexmoe.experts import resolve_activation
 
 __all__ = ["Family", "SwitchFamily", "FAMILIES", "family_of", "StoredExperts", "stored_experts", "expert_weights",
-           "expert_unit", "shared_mlp_weights"]
+           "expert_sources", "copy_into_views", "expert_unit", "shared_mlp_weights", "shared_mlp_sources"]
 
 # HF's activation names that flexmoe has under a name of its own (same function); others pass as a callable.
 _ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu": "gelu"}
@@ -44,22 +44,28 @@ def _gpt_oss_glu(gate: Tensor, alpha: float) -> Tensor:
 def expert_unit(experts: Any) -> tuple[str | Callable[[Tensor], Tensor], float | None]:
     """``(activation, glu_limit)`` of an HF experts module, as flexmoe's ``ExpertOptions`` take them.
 
-    The default gated unit (``act_fn(gate) * up``) and GPT-OSS's clamped one are known; any other (a custom
-    ``_apply_gate``, a post-expert norm) raises ``ValueError`` naming the class: flexmoe would compute another
+    Known by what the module computes and holds, never by its class name (PEFT's ``target_parameters`` runs the
+    module as a parametrized subclass, ``ParametrizedGptOssExperts``): its gated unit is the function its class
+    resolves ``_apply_gate`` to. transformers' default ``act_fn(gate) * up`` over concatenated halves, or
+    GPT-OSS's clamped unit over interleaved columns (with the module's ``alpha`` and ``limit``); a non-gated module
+    (``has_gate=False``) applies its activation alone. Anything else (another ``_apply_gate``, a post-expert
+    norm, a layout the unit does not read) raises ``ValueError`` naming the class: flexmoe would compute another
     function.
     """
     name = type(experts).__name__
     if getattr(experts, "has_post_expert_norm", False):
         raise ValueError(f"{name} normalizes each expert's output (has_post_expert_norm); flexmoe's experts do not")
-    if name == "GptOssExperts":
-        return functools.partial(_gpt_oss_glu, alpha=float(experts.alpha)), float(experts.limit)
-    apply_gate = getattr(type(experts), "_apply_gate", None)
-    if getattr(experts, "has_gate", True) and getattr(apply_gate, "__name__", None) != "_default_apply_gate":
-        raise ValueError(f"{name} has its own gated unit (_apply_gate); flexmoe knows the default "
-                         f"act_fn(gate) * up and GPT-OSS's clamped unit only")
-    if not getattr(experts, "is_concatenated", True) and getattr(experts, "has_gate", True):
-        raise ValueError(f"{name} interleaves gate and up columns with the default gated unit; flexmoe knows "
-                         f"that layout for GPT-OSS only")
+    if getattr(experts, "has_gate", True):
+        gate_unit = getattr(type(experts), "_apply_gate", None)
+        concatenated = getattr(experts, "is_concatenated", True)
+        if gate_unit is _gpt_oss_apply_gate() and not concatenated:
+            return functools.partial(_gpt_oss_glu, alpha=float(experts.alpha)), float(experts.limit)
+        if gate_unit is not _default_apply_gate():
+            raise ValueError(f"{name} has its own gated unit (_apply_gate); flexmoe knows transformers' default "
+                             f"act_fn(gate) * up and GPT-OSS's clamped unit (on interleaved columns) only")
+        if not concatenated:
+            raise ValueError(f"{name} interleaves gate and up columns with the default gated unit; flexmoe knows "
+                             f"that layout for GPT-OSS's unit only")
     hidden_act = getattr(getattr(experts, "config", None), "hidden_act", None)
     if isinstance(hidden_act, str) and hidden_act in _ACTIVATION_NAMES:
         return _ACTIVATION_NAMES[hidden_act], None
@@ -67,6 +73,20 @@ def expert_unit(experts: Any) -> tuple[str | Callable[[Tensor], Tensor], float |
     if not callable(act_fn):
         raise ValueError(f"{name} has no act_fn to read its activation from")
     return act_fn, None
+
+
+def _default_apply_gate() -> Callable[..., Tensor] | None:
+    """transformers' default gated unit, ``act_fn(gate) * up`` over the concatenated halves."""
+    from transformers.integrations import moe
+
+    return getattr(moe, "_default_apply_gate", None)  # absent in some future transformers: then nothing matches
+
+
+def _gpt_oss_apply_gate() -> Callable[..., Tensor]:
+    """GPT-OSS's gated unit (clamped, ``alpha``, interleaved columns): the function, whatever class holds it."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    return GptOssExperts._apply_gate
 
 
 @dataclass(frozen=True)
@@ -148,6 +168,27 @@ def expert_weights(experts: Any) -> dict[str, Tensor]:
     return weights
 
 
+def expert_sources(experts: Any) -> dict[str, list[Tensor]]:
+    """For each of :func:`expert_weights`' names, the HF parameter it is a view of (``w1`` and ``w3`` both of
+    ``gate_up_proj``, ``b1`` and ``b3`` of its bias), as a one-item list: what a ``requires_grad`` flag belongs
+    to."""
+    stored = stored_experts(experts)
+    sources = {"w1": [stored.up], "w2": [stored.down]}
+    if stored.gated:
+        sources["w3"] = [stored.up]
+    if stored.up_bias is not None:
+        sources.update({"b1": [stored.up_bias], **({"b3": [stored.up_bias]} if stored.gated else {})})
+    if stored.down_bias is not None:
+        sources["b2"] = [stored.down_bias]
+    return sources
+
+
+def copy_into_views(views: dict[str, Tensor], weights: dict[str, Tensor]) -> None:
+    """Write ``weights[name]`` into each view of ``views`` (views of HF's parameters; call under ``no_grad``)."""
+    for name, view in views.items():
+        view.copy_(weights[name])
+
+
 def shared_mlp_weights(mlp: Any) -> dict[str, Tensor]:
     """A gate/up/down ``nn.Linear`` MLP (HF's shared expert) as shared expert 0's ``w1, w3: [1, M, Hs]``,
     ``w2: [1, Hs, M]``, views of the Linear weights."""
@@ -156,8 +197,12 @@ def shared_mlp_weights(mlp: Any) -> dict[str, Tensor]:
         if not isinstance(layer, nn.Linear) or layer.bias is not None:
             raise ValueError(f"{type(mlp).__name__}.{proj} must be an nn.Linear without bias to be a flexmoe "
                              f"shared expert")
-    return {"w1": mlp.gate_proj.weight.T.unsqueeze(0), "w3": mlp.up_proj.weight.T.unsqueeze(0),
-            "w2": mlp.down_proj.weight.T.unsqueeze(0)}
+    return {name: weight.T.unsqueeze(0) for name, weight in shared_mlp_sources(mlp).items()}
+
+
+def shared_mlp_sources(mlp: Any) -> dict[str, Tensor]:
+    """The ``nn.Linear`` weight each of :func:`shared_mlp_weights`' names is a view of."""
+    return {"w1": mlp.gate_proj.weight, "w3": mlp.up_proj.weight, "w2": mlp.down_proj.weight}
 
 
 @dataclass(frozen=True)
@@ -246,8 +291,12 @@ class Family:
 
     def write_experts(self, experts: Any, weights: dict[str, Tensor]) -> None:
         """Copy flexmoe's expert tensors (all E experts) into HF's experts module (call under ``no_grad``)."""
-        for name, view in expert_weights(experts).items():
-            view.copy_(weights[name])
+        copy_into_views(expert_weights(experts), weights)
+
+    def expert_sources(self, experts: Any) -> dict[str, list[Tensor]]:
+        """For each of :meth:`read_experts`' names, the HF parameters it is read from (:func:`expert_sources`):
+        the layer tensor's ``requires_grad`` is theirs, and goes back to them."""
+        return expert_sources(experts)
 
     def expert_dropout(self, block: Any) -> float:
         """The dropout probability inside HF's experts (applied in training; flexmoe's experts have none)."""
@@ -277,6 +326,10 @@ class SwitchFamily(Family):
             "ties": "lower",  # torch.argmax takes the first of equal probabilities
         }
 
+    def sizes(self, block: Any) -> tuple[int, int, int]:
+        hidden_dim, model_dim = _switch_units(block.experts)[0].wi.weight.shape  # no stacked copy, as read would
+        return int(model_dim), int(block.experts.num_experts), int(hidden_dim)
+
     def read_experts(self, experts: Any) -> dict[str, Tensor]:
         """``w1: [E, M, H]``, ``w2: [E, H, M]`` stacked from each expert's ``wi`` / ``wo`` (copies)."""
         units = _switch_units(experts)
@@ -286,6 +339,11 @@ class SwitchFamily(Family):
         for e, unit in enumerate(_switch_units(experts)):
             unit.wi.weight.copy_(weights["w1"][e].T)
             unit.wo.weight.copy_(weights["w2"][e].T)
+
+    def expert_sources(self, experts: Any) -> dict[str, list[Tensor]]:
+        """``w1``: every expert's ``wi.weight``, ``w2``: every ``wo.weight``, in expert order."""
+        units = _switch_units(experts)
+        return {"w1": [u.wi.weight for u in units], "w2": [u.wo.weight for u in units]}
 
     def expert_dropout(self, block: Any) -> float:
         return float(block.experts["expert_0"].dropout.p)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flexmoe.experts import FeedForwardExperts
+from flexmoe.experts import FeedForwardExperts, differentiated_weights
 from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, make_exchange, transpose
 from flexmoe.parallel.groups import ExpertGroup
 from flexmoe.parallel.layout import HIDDEN_DIM, ExpertLayout
@@ -349,7 +349,7 @@ def _hidden_dim(name: str) -> int:
 
 
 def _first_trainable(module: nn.Module) -> Tensor | None:
-    return next((p for p in module.parameters() if p.requires_grad), None)
+    return next(iter(differentiated_weights(module)), None)
 
 
 def _keep_in_graph(out: Tensor, tensors: list[Tensor]) -> Tensor:

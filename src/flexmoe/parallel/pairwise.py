@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from flexmoe.experts import differentiated_weights
 from flexmoe.parallel.groups import ExpertGroup
 from flexmoe.parallel.layout import ExpertLayout
 
@@ -234,7 +235,8 @@ def run_pairwise(eg: ExpertGroup, layout: ExpertLayout, experts: nn.Module, rows
     """rows ``[N, M]`` sorted by global expert (this rank's ``all_counts[rank]`` per expert) -> ``[N, M]``
     expert outputs, equal to the all-to-all path's. Differentiable in rows and the experts' parameters."""
     plan = make_pairwise_plan(all_counts, layout, eg.rank)
-    params: list[Tensor] = [p for p in experts.parameters() if p.requires_grad]
+    # The weights as read (an adapter's w + delta inside its call), so that their gradient reaches the adapter.
+    params = differentiated_weights(experts)
     if not torch.is_grad_enabled() or not (rows.requires_grad or params):
         with torch.no_grad():
             blocks = list(rows.split(plan.send_sizes))

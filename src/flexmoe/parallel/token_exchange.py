@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flexmoe.dispatch import sum_rows_by_token
-from flexmoe.experts import FeedForwardExperts, expert_ffn
+from flexmoe.experts import FeedForwardExperts, differentiated_weights, expert_ffn
 from flexmoe.fused_experts import HiddenUnit, fused_experts, fused_size_rule, fused_supported, fused_work_rule
 from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, exchange, transpose
 from flexmoe.parallel.groups import ExpertGroup
@@ -134,8 +134,7 @@ def exchange_tokens(tokens: Tensor, row_token: Tensor, row_weight: Tensor, count
     partial = _weighted_experts(received, local_token, local_weight, local_counts, experts)  # [u', M]
     if torch.is_grad_enabled() and not partial.requires_grad:
         # No pairs here that need a gradient: still join the gradient exchange, which every rank must run.
-        anchor = received if received.requires_grad else next(
-            (p for p in experts.parameters() if p.requires_grad), None)
+        anchor = received if received.requires_grad else next(iter(differentiated_weights(experts)), None)
         if anchor is not None:
             partial = partial + anchor.reshape(-1)[:0].sum().to(partial.dtype)
     back = exchange(partial, transport, transpose(route.token_splits), stats)  # [u, M]
