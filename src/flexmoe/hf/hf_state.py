@@ -128,10 +128,11 @@ def layer_requires_grad(part: Part, hf_module: nn.Module) -> dict[str, bool]:
     """
     flags = {}
     for name, sources in part.sources(hf_module).items():
-        frozen = [_name_in(hf_module, s) for s in sources if not s.requires_grad]
+        frozen = [s for s in sources if not s.requires_grad]
         if frozen and len(frozen) < len(sources):
+            names = [_name_in(hf_module, s) for s in frozen]
             raise ValueError(
-                f"{part.hf_name}: {frozen} are frozen (requires_grad=False) and the rest of the tensors flexmoe "
+                f"{part.hf_name}: {names} are frozen (requires_grad=False) and the rest of the tensors flexmoe "
                 f"holds as one moe.{part.layer_name}.{name} are not; freeze all of them or none before convert")
         flags[name] = not frozen
     return flags
