@@ -392,8 +392,9 @@ def test_two_ranks_keep_their_own_experts_and_to_hf_gathers_them():
     assert [r.value["rank"] for r in ranks] == [0, 1]
 
 
-def test_qwen3_next_block_converts():
-    """Qwen3-Next's whole model needs its linear-attention kernels; its MoE block is Qwen2-MoE's shape."""
+def qwen3_next_block() -> nn.Module:
+    """Qwen3-Next's MoE block alone (its whole model needs its linear-attention kernels), 8 experts, weights
+    N(0, 0.25) under a seed."""
     from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
@@ -404,6 +405,12 @@ def test_qwen3_next_block_converts():
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.5)
+    return block
+
+
+def test_qwen3_next_block_converts():
+    """Qwen3-Next's MoE block is Qwen2-MoE's shape."""
+    block = qwen3_next_block()
     converted = fh.convert(copy.deepcopy(block), group="single")
     assert converted.family == "qwen3_next" and converted.moe.num_shared_experts == 1
     xs = [torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(True) for _ in range(2)]
@@ -412,3 +419,192 @@ def test_qwen3_next_block_converts():
     expected.square().sum().backward()
     got.square().sum().backward()
     torch.testing.assert_close(xs[1].grad, xs[0].grad, **TOL)
+
+
+# ------------------------------------------------------------------------------------------- autocast
+
+BF16_TOL = dict(rtol=2e-2, atol=2e-2)  # a few bf16 roundings of O(1) values
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["glm4_moe"])
+def test_autocast_bf16_routes_as_hf(family):
+    """Under ``torch.autocast(bfloat16)`` HF's router makes bf16 logits (DeepSeek's explicit float32 casts
+    included: autocast recasts its linear map), which tie and round as float32 ones do not. Each MoE block, fed
+    the input HF's own block saw, must choose HF's experts for every token (HF's router output is the reference)
+    and give its output to bf16 rounding; the model's logits too. An explicit ``router_dtype=torch.float32``
+    routes in float32 instead: the choices then follow float32 logits."""
+    from flexmoe.hf.families import family_of
+
+    ref = tiny_model(family).eval()
+    model = fh.convert(copy.deepcopy(ref), group="single")
+    hf_blocks = [m for m in ref.modules() if family_of(m) is not None]
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (input, output, HF's choices) per block
+    for block in hf_blocks:
+        router = getattr(block, family_of(block).router)
+        choices: list[torch.Tensor] = []
+        router.register_forward_hook(lambda m, args, out, into=choices: into.append(out[2]))
+        block.register_forward_hook(
+            lambda m, args, out, into=choices: seen.append((args[0], out[0] if isinstance(out, tuple) else out,
+                                                            into[-1])))
+    ids = batches(1, seed=13, batch=8, seq=64)[0]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref(ids)
+        assert all(c.dtype == torch.int64 for _, _, c in seen) and len(seen) == len(moe_blocks(model))
+        for block, (x, out_hf, chosen_hf) in zip(moe_blocks(model), seen):
+            out = block(x)
+            out = out[0] if isinstance(out, tuple) else out
+            ours = block.moe.last_plan.expert_index
+            assert torch.equal(ours.sort(dim=-1).values, chosen_hf.sort(dim=-1).values), \
+                f"{int((ours.sort(-1).values != chosen_hf.sort(-1).values).any(-1).sum())} tokens differ"
+            torch.testing.assert_close(out.float(), out_hf.float(), **BF16_TOL)
+        small = batches(1, seed=14)[0]
+        torch.testing.assert_close(model(small).logits.float(), ref(small).logits.float(), **BF16_TOL)
+    # The option still chooses float32 routing: HF's router then runs outside autocast, making float32 logits.
+    in_float32 = fh.convert(copy.deepcopy(ref), group="single", router_dtype=torch.float32)
+    logits_dtypes: list[torch.dtype] = []
+    for block in (moe_blocks(model)[0], moe_blocks(in_float32)[0]):
+        block.moe.router.hf_router.register_forward_hook(lambda m, args, out: logits_dtypes.append(out[0].dtype))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            block(seen[0][0])
+    assert logits_dtypes == [torch.bfloat16, torch.float32]
+
+
+# ---------------------------------------------------------------------------------------------- Switch
+
+SWITCH_CONFIG = dict(vocab_size=V, d_model=16, d_ff=12, d_kv=8, num_heads=2, num_layers=2, num_decoder_layers=2,
+                     num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, num_experts=4, expert_capacity=3,
+                     router_bias=True, router_jitter_noise=0.0, dropout_rate=0.0, router_z_loss_coef=0.1,
+                     router_aux_loss_coef=0.1, tie_word_embeddings=False, decoder_start_token_id=0, pad_token_id=0,
+                     eos_token_id=None, bos_token_id=None)
+
+
+def tiny_switch(seed: int = 0, **overrides) -> nn.Module:
+    """HF's Switch Transformers encoder-decoder from a tiny config (one sparse layer in the encoder and one in
+    the decoder, 4 experts, a capacity of 3 tokens per expert and sequence, so that sequences of 12 drop some)."""
+    config = transformers.SwitchTransformersConfig(**{**SWITCH_CONFIG, **overrides})
+    torch.manual_seed(seed)
+    return transformers.SwitchTransformersForConditionalGeneration(config)
+
+
+def switch_train(model: nn.Module, data: list[torch.Tensor], lr: float = 0.05) -> list[float]:
+    """SGD steps on Switch's loss (LM loss plus HF's z-loss and balance loss, ``output_router_logits=True``)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    for ids in data:
+        out = model(input_ids=ids, labels=ids.flip(-1), output_router_logits=True)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(out.loss.detach()))
+    return losses
+
+
+def test_switch_converts_with_its_capacity_router_and_losses():
+    ref = tiny_switch().eval()
+    model = fh.convert(copy.deepcopy(ref), group="single")
+    blocks = moe_blocks(model)
+    assert [b.family for b in blocks] == ["switch_transformers"] * 2
+    assert all(b.moe.k == 1 and b.moe.capacity == 3 and b.moe.capacity_per == "sequence" for b in blocks)
+    ids = batches(1)[0]
+    with torch.no_grad():
+        expected = ref(input_ids=ids, labels=ids.flip(-1), output_router_logits=True)
+        got = model(input_ids=ids, labels=ids.flip(-1), output_router_logits=True)
+    # The capacity drops tokens in both stacks, so the test covers HF's treatment of them (MLP output 0).
+    assert all(b.moe.last_plan.num_dropped > 0 for b in blocks)
+    torch.testing.assert_close(got.logits, expected.logits, **TOL)
+    for name in ("loss", "encoder_z_loss", "encoder_aux_loss", "decoder_z_loss", "decoder_aux_loss"):
+        assert float(getattr(expected, name)) > 0, name
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name), **TOL, msg=name)
+    # HF's recorder still sees its router: the logits [B, S, E] of each sparse layer.
+    for name in ("encoder_router_logits", "decoder_router_logits"):
+        (a,), (b,) = getattr(got, name), getattr(expected, name)
+        assert a.shape == (2, 12, 4)
+        torch.testing.assert_close(a, b, **TOL)
+    # Under autocast HF's classifier makes bf16 logits whatever its router_dtype; the encoder's sparse block, fed
+    # HF's block input, keeps HF's experts and tokens and gives its output to bf16 rounding.
+    hf_block, (block, _) = ref.encoder.block[1].layer[1].mlp, blocks
+    seen = []
+    hf_block.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref(input_ids=ids, labels=ids.flip(-1))
+        (x, out_hf), = seen
+        kept_hf, _, logits_hf = hf_block.router(x)
+        out = block(x)
+    assert logits_hf.dtype == torch.bfloat16
+    plan = block.moe.last_plan
+    kept = torch.zeros_like(kept_hf).view(-1, 4)
+    kept[plan.row_token, plan.row_expert] = 1
+    assert torch.equal(kept, kept_hf.view(-1, 4))
+    torch.testing.assert_close(out, out_hf, **BF16_TOL)
+
+
+@pytest.mark.parametrize("jitter", [0.0, 0.1])
+def test_switch_trains_as_hf_and_goes_back_with_its_weights(jitter):
+    """Training steps equal HF's; with jitter too, as HF's router module draws its own noise (in place on the
+    MLP's input, so HF's experts see it as well) from the same generator state."""
+    ref = tiny_switch(seed=1, router_jitter_noise=jitter)
+    model = fh.convert(copy.deepcopy(ref), group="single")
+    data = batches(9, seed=4)
+    torch.manual_seed(5)
+    ours = switch_train(model, data[:6])
+    torch.manual_seed(5)
+    torch.testing.assert_close(ours, switch_train(ref, data[:6]), rtol=1e-4, atol=1e-5)
+    fh.to_hf(model)
+    assert not moe_blocks(model)
+    assert type(model.encoder.block[1].layer[1].mlp).__name__ == "SwitchTransformersSparseMLP"
+    ref_state = ref.state_dict()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, ref_state[name], rtol=1e-4, atol=1e-5, msg=name)
+    torch.manual_seed(6)
+    ours = switch_train(model, data[6:])
+    torch.manual_seed(6)
+    torch.testing.assert_close(ours, switch_train(ref, data[6:]), rtol=1e-4, atol=1e-5)
+
+
+def test_switch_generates_hf_tokens():
+    ref = tiny_switch(seed=2).eval()
+    model = fh.convert(copy.deepcopy(ref), group="single")
+    prompt = batches(1, seed=9, batch=2, seq=12)[0]
+    kwargs = dict(max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(prompt))
+    expected = ref.generate(prompt, **kwargs)
+    assert expected.shape == (2, 7)
+    assert torch.equal(model.generate(prompt, **kwargs), expected)
+
+
+@pytest.mark.slow
+def test_switch_over_two_ranks_keeps_its_own_experts_and_to_hf_gathers_them():
+    from flexmoe.launch import spawn_ranks
+    from hf_ep_worker import switch_rank_main
+
+    ranks = spawn_ranks(2, switch_rank_main, [], timeout=240, check=True, what="Switch over 2 expert-parallel ranks")
+    failures = [f for r in ranks for f in r.value["failures"]]
+    assert not failures, "\n".join(failures)
+    assert [r.value["rank"] for r in ranks] == [0, 1]
+
+
+def test_switch_expert_dropout_is_refused_in_training():
+    model = fh.convert(tiny_switch(dropout_rate=0.1), group="single")
+    ids = batches(1)[0]
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)  # evaluation has no dropout
+    model.train()
+    with pytest.raises(ValueError, match=r"dropout \(p=0.1\).*dropout_rate=0.0"):
+        model(input_ids=ids, labels=ids)
+
+
+def test_qwen3_next_block_routes_as_hf_under_autocast():
+    """Qwen3-Next's block under autocast: HF's choices, its output to bf16 rounding."""
+    block = qwen3_next_block()
+    converted = fh.convert(copy.deepcopy(block), group="single")
+    chosen: list[torch.Tensor] = []
+    block.gate.register_forward_hook(lambda m, args, out: chosen.append(out[2]))
+    x = torch.randn(8, 64, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = block(x), converted(x)
+    ours = converted.moe.last_plan.expert_index
+    assert torch.equal(ours.sort(dim=-1).values, chosen[0].sort(dim=-1).values)
+    # Sums of O(10) bf16 products: within a few bf16 roundings of the output's scale.
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)

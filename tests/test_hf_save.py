@@ -1,10 +1,11 @@
 """A converted Hugging Face model inside HF's own toolchain: its state dict, ``save_pretrained`` and ``Trainer``
 checkpoints are HF's own names and layout, load back into a converted model (strict), refuse missing tensors,
-and ``convert`` / ``to_hf`` keep every parameter's ``requires_grad``, dtype and device.
+and ``convert`` / ``to_hf`` keep every parameter's ``requires_grad``, dtype and device. Switch Transformers (one
+``wi`` / ``wo`` Linear pair per expert, read and written through its family) goes through the same checks.
 
 References are HF's own: the unconverted model's ``state_dict()`` and logits, HF's eager model trained alongside
 (in one process on the whole batch for the 2-rank case, tests/hf_ep_worker.py), and plain
-``AutoModelForCausalLM.from_pretrained`` of what was saved.
+``AutoModelForCausalLM`` / ``AutoModelForSeq2SeqLM.from_pretrained`` of what was saved.
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ transformers = pytest.importorskip(
 
 import flexmoe.hf as fh  # noqa: E402
 from flexmoe.apps import cli  # noqa: E402
-from test_hf_convert import COMMON, FAMILIES, FAMILY_CONFIGS, TOL, batches, moe_blocks, tiny_model  # noqa: E402
+from test_hf_convert import (  # noqa: E402
+    COMMON,
+    FAMILIES,
+    FAMILY_CONFIGS,
+    TOL,
+    batches,
+    moe_blocks,
+    tiny_model,
+    tiny_switch,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,20 +50,36 @@ def sgd_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: li
 
 
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Evaluation logits; the labels give Switch's decoder its input (shifted right), a causal LM's logits ignore
+    them."""
     model.eval()
     with torch.no_grad():
-        return model(ids).logits
+        return model(ids, labels=ids).logits
 
 
 BLOCK = "model.layers.1.mlp."  # an MoE block in every family (DeepSeek's first layer is dense)
+SWITCH = "switch_transformers"
+SAVE_FAMILIES = [*FAMILIES, SWITCH]  # Switch: HF keeps one wi / wo Linear pair per expert, not fused tensors
+SWITCH_BLOCK = "encoder.block.1.layer.1.mlp."  # Switch's sparse encoder block
+
+
+def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """HF's tiny model of ``family``: test_hf_convert's causal LMs, Switch's encoder-decoder."""
+    return tiny_switch(seed) if family == SWITCH else tiny_model(family, seed)
+
+
+def plain_from_pretrained(family: str, directory: str | Path) -> torch.nn.Module:
+    """``from_pretrained`` of plain transformers, by the auto class of the model's kind."""
+    auto = transformers.AutoModelForSeq2SeqLM if family == SWITCH else transformers.AutoModelForCausalLM
+    return auto.from_pretrained(directory)
 
 
 # --------------------------------------------------------------------------------------- HF's names on disk
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SAVE_FAMILIES)
 def test_state_dict_is_hfs_own_keys_shapes_and_values(family):
-    ref = tiny_model(family)
+    ref = hf_model(family)
     model = fh.convert(copy.deepcopy(ref), group="single")
     want, got = ref.state_dict(), model.state_dict()
     assert list(got) == list(want), sorted(set(got) ^ set(want))  # HF's keys, in HF's order
@@ -62,11 +88,11 @@ def test_state_dict_is_hfs_own_keys_shapes_and_values(family):
         assert torch.equal(got[name], tensor), name
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SAVE_FAMILIES)
 def test_save_pretrained_mid_training_loads_in_plain_transformers_and_training_goes_on(family, tmp_path):
     """No to_hf: save_pretrained of the converted model in the middle of training, HF's eager model trained
     alongside as the reference; the optimizer keeps the live parameters, so training goes on as HF's."""
-    ref = tiny_model(family)
+    ref = hf_model(family)
     model = fh.convert(copy.deepcopy(ref), group="single")
     data = batches(6, seed=21)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -74,7 +100,7 @@ def test_save_pretrained_mid_training_loads_in_plain_transformers_and_training_g
                                atol=1e-5)
     model.save_pretrained(tmp_path)
     ids = batches(1, seed=8)[0]
-    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    plain = plain_from_pretrained(family, tmp_path)
     assert not moe_blocks(plain)
     torch.testing.assert_close(logits(plain, ids), logits(ref, ids), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(logits(plain, ids), logits(model, ids), **TOL)
@@ -83,12 +109,12 @@ def test_save_pretrained_mid_training_loads_in_plain_transformers_and_training_g
     torch.testing.assert_close(logits(model, ids), logits(ref, ids), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SAVE_FAMILIES)
 def test_an_hf_state_dict_loads_back_into_a_converted_model(family):
     """HF's state dict of another model (other seed) loads strictly into a converted one: the converted model
     then computes that model's logits, and saves that model's state dict again."""
-    other = tiny_model(family, seed=5)
-    model = fh.convert(tiny_model(family), group="single")
+    other = hf_model(family, seed=5)
+    model = fh.convert(hf_model(family), group="single")
     assert not model.load_state_dict(other.state_dict(), strict=True).missing_keys
     ids = batches(1, seed=8)[0]
     torch.testing.assert_close(logits(model, ids), logits(other, ids), **TOL)
@@ -122,6 +148,18 @@ def test_missing_expert_or_router_tensors_are_errors_naming_them(family):
     assert not any(".moe." in k for k in result.missing_keys), result.missing_keys
     for name, p in experts.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_switch_missing_or_partial_experts_are_errors_naming_them():
+    """Switch's experts are one HF module each: a missing one, or one expert's ``wo`` without the rest, is named."""
+    model = fh.convert(tiny_switch(), group="single")
+    full = tiny_switch(seed=5).state_dict()
+    block = SWITCH_BLOCK
+    with pytest.raises(RuntimeError, match=rf"Missing key\(s\).*{block}experts\.expert_0\.wi\.weight"):
+        model.load_state_dict({k: v for k, v in full.items() if not k.startswith(block + "experts.")})
+    with pytest.raises(RuntimeError, match=rf"{block}experts: .*missing \['{block}experts\.expert_2\.wo\.weight'\]"):
+        model.load_state_dict({k: v for k, v in full.items() if k != block + "experts.expert_2.wo.weight"},
+                              strict=False)
 
 
 def test_hf_model_from_a_directory_of_flexmoe_internal_names_is_a_usage_error(tmp_path, capsys):
@@ -183,6 +221,46 @@ def test_convert_and_to_hf_keep_requires_grad(family):
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, trained[name], rtol=1e-4, atol=1e-5, msg=name)
     assert torch.equal(block.experts.gate_up_proj, tiny_model(family).model.layers[1].mlp.experts.gate_up_proj)
+
+
+def test_switch_convert_and_to_hf_keep_requires_grad():
+    """Switch: the router and every expert's ``wi`` frozen in HF's model; flexmoe's ``w1`` (all the ``wi``) is
+    frozen, ``w2`` not, training matches HF's frozen alike, and to_hf gives each expert's Linear its flag back."""
+    ref = tiny_switch()
+    block = ref.get_submodule(SWITCH_BLOCK[:-1])
+    block.router.classifier.weight.requires_grad_(False)
+    for e in range(block.experts.num_experts):
+        block.experts[f"expert_{e}"].wi.weight.requires_grad_(False)
+    flags = {name: p.requires_grad for name, p in ref.named_parameters()}
+    model = fh.convert(copy.deepcopy(ref), group="single")
+    moe = model.get_submodule(SWITCH_BLOCK + "moe")
+    assert not moe.experts.w1.requires_grad and moe.experts.w2.requires_grad
+    assert not moe.router.hf_router.classifier.weight.requires_grad
+    data = batches(3, seed=4)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.05)
+    torch.testing.assert_close(sgd_steps(model, opt, data), sgd_steps(ref, ref_opt, data), rtol=1e-4, atol=1e-5)
+    fh.to_hf(model)
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    trained = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, trained[name], rtol=1e-4, atol=1e-5, msg=name)
+    fresh = tiny_switch().get_submodule(SWITCH_BLOCK + "experts.expert_1.wi")
+    assert torch.equal(model.get_submodule(SWITCH_BLOCK + "experts.expert_1.wi").weight, fresh.weight)
+
+
+def test_switch_experts_frozen_one_by_one_are_refused():
+    """flexmoe holds every expert's ``wi`` in one ``w1``: one frozen expert among trainable ones is named, before
+    any block is emptied (the decoder's block is the model's second)."""
+    ref = tiny_switch()
+    decoder_block = ref.decoder.block[1].layer[2].mlp
+    decoder_block.experts["expert_1"].wo.weight.requires_grad_(False)
+    want = dict(ref.state_dict())
+    with pytest.raises(ValueError, match=r"experts: \['expert_1\.wo\.weight'\] are frozen .* moe\.experts\.w2"):
+        fh.convert(ref, group="single")
+    assert not moe_blocks(ref)
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
 
 
 def test_to_hf_refuses_w1_and_w3_frozen_apart():
@@ -263,7 +341,7 @@ def test_two_ranks_save_pretrained_midway_loads_in_plain_transformers_and_traini
     from flexmoe.launch import spawn_ranks
     from hf_ep_worker import save_rank_main
 
-    ranks = spawn_ranks(2, save_rank_main, [FAMILIES, str(tmp_path)], timeout=400, check=True,
+    ranks = spawn_ranks(2, save_rank_main, [SAVE_FAMILIES, str(tmp_path)], timeout=400, check=True,
                         what="save_pretrained of a converted model with 2 expert-parallel ranks")
     failures = [f"rank {r.rank}: {f}" for r in ranks for f in r.value["failures"]]
     assert not failures, "\n".join(failures)

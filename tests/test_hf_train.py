@@ -206,6 +206,8 @@ def _usage_error(argv: list[str], capsys) -> str:
 
 @pytest.mark.parametrize("argv,expected", [
     (["--hf-arch", "llama"], "--hf-arch llama: unknown; choose one of mixtral"),
+    (["--hf-arch", "switch_transformers"], "--hf-arch switch_transformers: not offered: Switch Transformers is an "
+                                           "encoder-decoder"),
     (["--hf-arch", "mixtral", "--hf-model", "x"], "--hf-arch and --hf-model exclude each other"),
     (["--hf-model", "no/such/dir"], "--hf-model no/such/dir: no such directory"),
     (["--hf-arch", "mixtral", "--n-layer", "2"], "--n-layer is a flag of the MoE GPT"),
@@ -225,6 +227,14 @@ def test_hf_model_needs_a_save_pretrained_directory(tmp_path: Path, capsys) -> N
     (tmp_path / "empty").mkdir()
     err = _usage_error(["--hf-model", str(tmp_path / "empty"), "--out", str(tmp_path / "run")], capsys)
     assert "no config.json" in err
+
+
+def test_hf_model_refuses_an_encoder_decoder_model(tmp_path: Path, capsys) -> None:
+    config = transformers.SwitchTransformersConfig(vocab_size=256, d_model=16, d_ff=12, d_kv=8, num_heads=2,
+                                                   num_layers=2, num_decoder_layers=2, num_experts=4)
+    config.save_pretrained(tmp_path / "switch")
+    err = _usage_error(["--hf-model", str(tmp_path / "switch"), "--out", str(tmp_path / "run")], capsys)
+    assert "an encoder-decoder model (switch_transformers): Switch Transformers is an encoder-decoder" in err
 
 
 def test_resuming_another_model_is_refused(tmp_path: Path, capsys) -> None:

@@ -195,7 +195,9 @@ class MoELayer(nn.Module):
         # Buffers, not parameters: moved with the layer, changed by the load rule, never by the optimizer.
         # expert_bias is saved with the model; pending_load (this step's load so far) is not.
         uses_bias = routing.balance == "bias"
-        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=routing.router_dtype, device=device)
+        # With the router's own precision (router_dtype None) the bias stays float32, as DeepSeek-V3's in HF.
+        bias_dtype = torch.float32 if routing.router_dtype is None else routing.router_dtype
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=bias_dtype, device=device)
                              if uses_bias else None)
         self.register_buffer("pending_load", torch.zeros(num_experts, dtype=torch.long, device=device)
                              if uses_bias else None, persistent=False)
@@ -242,8 +244,8 @@ class MoELayer(nn.Module):
             if served is not None:
                 return served.to(x.dtype).reshape(x.shape)
 
-        logits = route(self.router, tokens, dtype=routing.router_dtype, training=self.training,
-                       jitter=routing.jitter, gate_noise=routing.gate_noise,
+        logits = route(self.router, _router_input(tokens, num_sequences), dtype=routing.router_dtype,
+                       training=self.training, jitter=routing.jitter, gate_noise=routing.gate_noise,
                        input_dropout=routing.router_input_dropout)  # [T, E]
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
                           topology=self.topology, num_sequences=num_sequences, padded=self._padded_layout(routing),
@@ -340,12 +342,13 @@ class MoELayer(nn.Module):
         number of small ops, not the FLOPs, is the cost outside the experts.
         """
         k = routing.k
-        logits = route(self.router, tokens, dtype=routing.router_dtype)  # [T, E]; evaluation: no exploration
+        # [T, E]; evaluation: no exploration
+        logits = route(self.router, _router_input(tokens, num_sequences), dtype=routing.router_dtype)
         num_tokens, num_experts = check_logits(logits, k)
         scores = router_scores(logits, routing.score_func)
         expert_index, _ = select_experts(scores, k, selection_bias=self.expert_bias,
                                          num_expert_groups=routing.num_expert_groups,
-                                         num_limited_groups=routing.num_limited_groups)  # [T, k]
+                                         num_limited_groups=routing.num_limited_groups, ties=routing.ties)  # [T, k]
         few_pairs = num_tokens * k <= HOST_ORDER_MAX_PAIRS
         if few_pairs:
             order = order_pairs_on_host(expert_index.tolist(), num_experts)
@@ -357,7 +360,7 @@ class MoELayer(nn.Module):
                                        max_load):
             return None
         _, weight = routed_weights(scores, expert_index, normalize_weights=routing.normalize_weights,
-                                   route_scale=routing.route_scale)  # [T, k]
+                                   route_scale=routing.route_scale, dtype=logits.dtype)  # [T, k]
         weight = weight.to(tokens.dtype)
         scaled = routing.score_at == "dispatch"
         if few_pairs:
@@ -644,6 +647,12 @@ def _options_from_keywords(given: dict[str, Any], keywords: dict[str, Any]) -> d
 
 def _field_names(options_cls: _OptionsClass) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(options_cls))
+
+
+def _router_input(tokens: Tensor, num_sequences: int | None) -> Tensor:
+    """What the router sees: the tokens ``[T, M]``, or ``[B, S, M]`` when the routing is per sequence (a router
+    module that reads the sequences, as Switch's in ``transformers``, gets them; the linear gate is the same)."""
+    return tokens if num_sequences is None else tokens.view(num_sequences, -1, tokens.shape[-1])
 
 
 def _in_backward() -> bool:

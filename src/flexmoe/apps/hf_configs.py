@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HF_ARCHS", "small_config_keywords", "small_config"]
+__all__ = ["HF_ARCHS", "NOT_OFFERED", "small_config_keywords", "small_config"]
 
 # What every family shares: the byte vocabulary, 4 layers of width 64, 4 query heads over 2 key/value heads.
 # The special tokens are bytes too (HF's defaults point past a 256-token vocabulary); the embeddings are untied
@@ -44,6 +44,13 @@ _FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 HF_ARCHS: tuple[str, ...] = tuple(_FAMILIES)
+
+# Families flexmoe.hf converts that the job does not train, and why.
+NOT_OFFERED: dict[str, str] = {
+    "switch_transformers": "Switch Transformers is an encoder-decoder (its loss needs decoder inputs and labels "
+                           "apart from the encoder's), and the job trains causal LMs on one token stream; "
+                           "flexmoe.hf.convert converts it for a loop of your own",
+}
 
 
 def small_config_keywords(arch: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from flexmoe.apps.data import TokenData, load_text_bytes
 from flexmoe.apps.errors import UsageError
-from flexmoe.apps.hf_configs import HF_ARCHS, small_config_keywords
+from flexmoe.apps.hf_configs import HF_ARCHS, NOT_OFFERED, small_config_keywords
 from flexmoe.apps.models.moe_model import MoEModel
 from flexmoe.apps.train import (
     MOE_MODEL_FLAGS,
@@ -59,7 +59,7 @@ def add_hf_flags(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--hf-arch", default=None, metavar="NAME",
       help=f"train a small Hugging Face model of this family instead of the MoE GPT: {', '.join(HF_ARCHS)} "
-           f"(default: none, the MoE GPT)")
+           f"(default: none, the MoE GPT; not offered: {'; '.join(f'{n}: {why}' for n, why in NOT_OFFERED.items())})")
     a("--hf-model", default=None, metavar="DIR",
       help="fine-tune the Hugging Face model saved in DIR (save_pretrained); its tokenizer if it has one, else bytes "
            "(default: none)")
@@ -131,6 +131,8 @@ def job_config(args: argparse.Namespace) -> tuple[HFJobConfig, TrainConfig] | No
         if value is not None and value is not False:
             raise UsageError(f"{flag} is a flag of the MoE GPT; a Hugging Face model's size and layout come from its "
                              f"config (--hf-arch / --hf-model)")
+    if args.hf_arch in NOT_OFFERED:
+        raise UsageError(f"--hf-arch {args.hf_arch}: not offered: {NOT_OFFERED[args.hf_arch]}")
     if args.hf_arch is not None and args.hf_arch not in HF_ARCHS:
         raise UsageError(f"--hf-arch {args.hf_arch}: unknown; choose one of {', '.join(HF_ARCHS)}")
     _import_transformers()
@@ -180,6 +182,9 @@ def _saved_model(directory: Path) -> tuple[Any, Path | None]:
         config = AutoConfig.from_pretrained(directory)
     except (ValueError, OSError, KeyError) as exc:
         raise UsageError(f"--hf-model {directory}: its config.json cannot be read ({exc})".splitlines()[0]) from None
+    if getattr(config, "is_encoder_decoder", False):
+        why = NOT_OFFERED.get(config.model_type, "the job trains causal LMs on one token stream")
+        raise UsageError(f"--hf-model {directory}: an encoder-decoder model ({config.model_type}): {why}")
     if getattr(config, "tie_word_embeddings", False):
         raise UsageError(f"--hf-model {directory}: ties its input and output embeddings (tie_word_embeddings), "
                          f"which flexmoe's checkpoints cannot store yet")

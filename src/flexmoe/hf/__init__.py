@@ -1,9 +1,10 @@
 """Hugging Face ``transformers`` MoE models on flexmoe (docs/architecture.md, "Hugging Face models (flexmoe.hf)").
 
 * :func:`convert` replaces a model's sparse-MoE blocks (Mixtral, Qwen2/3-MoE, Qwen3-Next, OLMoE, DeepSeek-V2/V3,
-  GLM-4.5, GPT-OSS) with flexmoe blocks computing the same function, optionally spread over an expert-parallel
-  group; their state dict is HF's block's (:mod:`flexmoe.hf.hf_state`), so ``save_pretrained`` and ``Trainer``
-  write HF's format as they are; :func:`to_hf` turns them back into HF blocks with the trained weights.
+  GLM-4.5, GPT-OSS, Switch Transformers) with flexmoe blocks computing the same function, optionally spread over an
+  expert-parallel group; their state dict is HF's block's (:mod:`flexmoe.hf.hf_state`), so ``save_pretrained``
+  and ``Trainer`` write HF's format as they are; :func:`to_hf` turns them back into HF blocks with the trained
+  weights.
 * :func:`register` adds ``"flexmoe"`` to transformers' experts implementations: HF's own routing, flexmoe's
   dispatch and expert FFN on HF's parameters, no conversion.
 

@@ -19,11 +19,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from flexmoe.hf.families import Family, expert_weights
+from flexmoe.hf.families import Family
 from flexmoe.hf.hf_state import (
     experts_like,
     hf_requires_grad,
     layer_parts,
+    layer_requires_grad,
     layer_values,
     load_hf_names,
     materialize,
@@ -32,19 +33,25 @@ from flexmoe.hf.hf_state import (
 )
 from flexmoe.layer import MoELayer
 
-__all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block", "adapted_modules"]
+__all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block", "copied_requires_grad", "adapted_modules"]
 
 
 class HFRouterLogits(nn.Module):
-    """HF's router module as flexmoe's gate: tokens ``[T, M]`` -> its logits ``[T, E]`` (the first of the
-    ``(logits, weights, indices)`` it returns; its own choices are not used, flexmoe makes the plan)."""
+    """HF's router module as flexmoe's gate: tokens ``[T, M]`` (or ``[B, S, M]``) -> its logits ``[T, E]``,
+    element ``logits_at`` of the tuple it returns (its own choices are not used, flexmoe makes the plan), in
+    ``score_dtype`` (None: as the router made them), the dtype HF's block computes its scores in: under autocast
+    the router's linear map gives bf16 logits, which HF's softmax families upcast and DeepSeek-V3 does not."""
 
-    def __init__(self, hf_router: nn.Module) -> None:
+    def __init__(self, hf_router: nn.Module, *, logits_at: int = 0, score_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.hf_router = hf_router
+        self.logits_at = logits_at
+        self.score_dtype = score_dtype
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.hf_router(x)[0]
+        logits = self.hf_router(x)[self.logits_at]
+        logits = logits.reshape(-1, logits.shape[-1])
+        return logits if self.score_dtype is None else logits.to(self.score_dtype)
 
 
 class ConvertedMoeBlock(nn.Module):
@@ -58,10 +65,11 @@ class ConvertedMoeBlock(nn.Module):
     (:func:`~flexmoe.hf.hf_state.load_hf_names`). Made by :func:`flexmoe.hf.convert`.
     """
 
-    def __init__(self, family: Family, moe: MoELayer, hf_skeleton: nn.Module) -> None:
+    def __init__(self, family: Family, moe: MoELayer, hf_skeleton: nn.Module, expert_dropout: float = 0.0) -> None:
         super().__init__()
         self.family = family.name
         self.returns_router_scores = family.returns_router_scores
+        self.expert_dropout = expert_dropout
         self.moe = moe
         # The emptied HF block, kept outside the module tree: its tensors are on "meta" (no memory, not
         # parameters of the model) until to_hf fills them; its router is the live one inside self.moe.
@@ -72,6 +80,12 @@ class ConvertedMoeBlock(nn.Module):
         self.register_load_state_dict_pre_hook(load_hf_names)
 
     def forward(self, hidden_states: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        if self.training and self.expert_dropout > 0:
+            # HF's experts would drop hidden units here; flexmoe's have no dropout: refuse rather than differ.
+            raise ValueError(
+                f"the HF {self.family} experts apply dropout (p={self.expert_dropout}) in training, which flexmoe's "
+                f"experts do not; convert a model whose expert dropout is 0 (e.g. from_pretrained(..., "
+                f"dropout_rate=0.0)), or run this block in eval mode")
         out = self.moe(hidden_states)
         if self.returns_router_scores:
             plan = self.moe.last_plan
@@ -119,8 +133,9 @@ class ConvertedMoeBlock(nn.Module):
             hf_module = getattr(block, part.hf_name)
             materialize(hf_module, experts_like(moe))
             write_hf(part, hf_module, moe)
-            for name, source in part.sources(hf_module).items():
-                source.requires_grad_(part_flags[name])
+            for name, tensors in part.sources(hf_module).items():
+                for source in tensors:
+                    source.requires_grad_(part_flags[name])
         router = getattr(block, self.hf_family.router)
         if moe.expert_bias is not None and hasattr(router, "e_score_correction_bias"):
             with torch.no_grad():  # DeepSeek-V3's e_score_correction_bias, carried by expert_bias while converted
@@ -132,35 +147,50 @@ def build_converted_block(block: Any, family: Family, *, group: object | None,
                           options: dict[str, object]) -> ConvertedMoeBlock:
     """The :class:`ConvertedMoeBlock` for HF block ``block`` of ``family``, with ``options`` applied on top of the
     family's; ``block`` is emptied into the skeleton only once the layer is built (a bad option leaves it whole).
-    Each layer tensor takes the ``requires_grad`` of the HF tensor it comes from (``w1`` and ``w3`` both
-    ``gate_up_proj``'s), and the dtype and device of the routed experts, which every copied part must share."""
+    The layer takes the dtype and device of the routed experts, and each layer tensor the ``requires_grad`` of the
+    HF tensors it comes from (:func:`copied_requires_grad`, which raises before anything is built)."""
     model_dim, num_experts, hidden_dim = family.sizes(block)
-    like = expert_weights(block.experts)["w1"]
     parts = layer_parts(family)
-    for part in parts:
-        for name, source in part.sources(getattr(block, part.hf_name)).items():
-            if (source.dtype, source.device) != (like.dtype, like.device):
-                raise ValueError(f"{type(block).__name__}.{part.hf_name} ({name}) is {source.dtype} on "
-                                 f"{source.device}, its experts {like.dtype} on {like.device}; the flexmoe layer "
-                                 f"holds one dtype and device: cast the block first")
+    flags = copied_requires_grad(block, family)
+    like = parts[0].sources(block.experts)["w1"][0]
     router = getattr(block, family.router)
-    moe = MoELayer(model_dim, num_experts, hidden_dim, router=HFRouterLogits(router), group=group,
+    gate = HFRouterLogits(router, logits_at=family.router_logits_at, score_dtype=family.score_dtype(router))
+    moe = MoELayer(model_dim, num_experts, hidden_dim, router=gate, group=group,
                    device=like.device, dtype=like.dtype, **{**family.layer_options(block), **options})
     for part in parts:
         hf_module, layer_module = getattr(block, part.hf_name), getattr(moe, part.layer_name)
         with torch.no_grad():
-            # Only this rank's experts are copied (flexmoe.parallel.layout); the views are not copies.
+            # Only this rank's experts are copied (flexmoe.parallel.layout); fused HF experts are read through views.
             for name, value in layer_values(part, hf_module, moe.layout, moe.ep_group.rank).items():
                 getattr(layer_module, name).copy_(value)
-        for name, source in part.sources(hf_module).items():
-            getattr(layer_module, name).requires_grad_(source.requires_grad)
+        for name, flag in flags[part.hf_name].items():
+            getattr(layer_module, name).requires_grad_(flag)
     if moe.expert_bias is not None and hasattr(router, "e_score_correction_bias"):
         with torch.no_grad():
             moe.expert_bias.copy_(router.e_score_correction_bias)
     # Free the HF copies: the skeleton keeps shapes only.
     for part in parts:
         getattr(block, part.hf_name).to("meta")
-    return ConvertedMoeBlock(family, moe, block)
+    return ConvertedMoeBlock(family, moe, block, expert_dropout=family.expert_dropout(block))
+
+
+def copied_requires_grad(block: Any, family: Family) -> dict[str, dict[str, bool]]:
+    """For each part of HF block ``block`` that a converted layer copies (by its name in ``block``), the
+    ``requires_grad`` each layer tensor takes: that of the HF tensors it comes from (``w1`` and ``w3`` both
+    ``gate_up_proj``'s; Switch's ``w1`` every expert's ``wi``). Changes nothing, so ``convert`` checks every block
+    before building any. Raises ``ValueError`` when a part's tensors are not in the routed experts' dtype and
+    device (the layer holds one of each), and when the HF tensors of one layer tensor disagree on
+    ``requires_grad`` (:func:`~flexmoe.hf.hf_state.layer_requires_grad`)."""
+    parts = layer_parts(family)
+    like = parts[0].sources(block.experts)["w1"][0]
+    for part in parts:
+        for name, tensors in part.sources(getattr(block, part.hf_name)).items():
+            for source in tensors:
+                if (source.dtype, source.device) != (like.dtype, like.device):
+                    raise ValueError(f"{type(block).__name__}.{part.hf_name} ({name}) is {source.dtype} on "
+                                     f"{source.device}, its experts {like.dtype} on {like.device}; the flexmoe "
+                                     f"layer holds one dtype and device: cast the block first")
+    return {part.hf_name: layer_requires_grad(part, getattr(block, part.hf_name)) for part in parts}
 
 
 def adapted_modules(module: nn.Module) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from flexmoe.experts import ExpertOptions
-from flexmoe.hf.block import ConvertedMoeBlock, adapted_modules, build_converted_block
+from flexmoe.hf.block import ConvertedMoeBlock, adapted_modules, build_converted_block, copied_requires_grad
 from flexmoe.hf.families import FAMILIES, family_of
 from flexmoe.layer import MoELayer
 from flexmoe.parallel.options import ParallelOptions
@@ -32,17 +32,22 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
     block, return its replacement.
 
     Families (by block class): Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE, DeepSeek-V2 (``topk_method=
-    "greedy"``), DeepSeek-V3, GLM-4.5 (GLM4-MoE) and GPT-OSS. The converted model computes HF's function: the
-    same logits (to float32 rounding), the same loss, and with ``output_router_logits=True`` the same
-    ``router_logits`` and auxiliary loss (HF's router module is kept and still recorded); ``generate()`` and the
-    KV cache work unchanged. Its ``state_dict()`` is HF's model's (names, shapes, layouts: ``save_pretrained`` and
-    ``Trainer`` write plain HF checkpoints; under expert parallelism a collective, every rank calls it), and
-    ``load_state_dict`` takes HF's state dicts. Each parameter keeps its ``requires_grad``, dtype and device
-    (``w1`` and ``w3`` both take ``gate_up_proj``'s flag). DeepSeek-V3's
-    ``e_score_correction_bias`` becomes the layer's ``expert_bias`` (``balance="bias"``, ``bias_update_rate=0``:
-    fixed, as HF keeps it). Differences: an exact tie between router scores goes to the lower expert index
-    (``torch.topk``, which HF uses, promises no order); Mixtral's ``router_jitter_noise`` (training only) jitters
-    the router's input only, HF's the experts' input too.
+    "greedy"``), DeepSeek-V3, GLM-4.5 (GLM4-MoE), GPT-OSS and Switch Transformers (``SwitchTransformersSparseMLP``:
+    top-1, ``expert_capacity`` per sequence, a dropped token's MLP output 0 as in HF's; its experts' dropout is
+    refused in training). The converted model computes HF's function: the same logits (to float32 rounding), the
+    same loss, and with ``output_router_logits=True`` the same ``router_logits`` and auxiliary loss (HF's router
+    module is kept and still recorded); ``generate()`` and the KV cache work unchanged. Its ``state_dict()`` is
+    HF's model's (names, shapes, layouts: ``save_pretrained`` and ``Trainer`` write plain HF checkpoints; under
+    expert parallelism a collective, every rank calls it), and ``load_state_dict`` takes HF's state dicts. Each
+    parameter keeps its ``requires_grad``, dtype and device (``w1`` and ``w3`` both take ``gate_up_proj``'s flag;
+    Switch's ``w1`` / ``w2`` that of every expert's ``wi`` / ``wo``, which must agree). Under ``torch.autocast``
+    it routes as HF's does (``router_dtype=None``: HF's router runs under the autocast, its bf16 logits are scored
+    in the dtype HF scores them in, and ``ties="topk"`` breaks equal scores as HF's ``torch.topk``), so the same
+    experts are chosen. DeepSeek-V3's ``e_score_correction_bias`` becomes the layer's ``expert_bias``
+    (``balance="bias"``, ``bias_update_rate=0``: fixed, as HF keeps it). Differences: in a model cast to bf16
+    (not under autocast) HF's Switch router takes the argmax of probabilities rounded to bf16, flexmoe of float32
+    ones; Mixtral's ``router_jitter_noise`` (training only) jitters the router's input only, HF's the experts'
+    input too.
 
     group: the expert-parallel ``torch.distributed`` group (default: the world when torch.distributed is
         initialized, else one process; ``"single"``: one process holding every expert). Each rank keeps only its
@@ -56,7 +61,8 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
         ``bias_update_rate`` > 0 (moves the bias every step), ``batch_prioritized``, ``score_at="dispatch"``,
         ``second_expert``, ``cross_node_share``, ``jitter``, ``gate_noise``, ``router_input_dropout``;
         ``aux_loss_type`` only changes flexmoe's own ``moe.aux_loss`` (HF computes its loss from the router
-        logits), ``router_dtype`` the routing precision (HF routes in the model's dtype). The options that
+        logits), ``router_dtype`` the routing precision (``torch.float32``: the router outside autocast), ``ties``
+        (``"lower"``: equal scores to the lower expert index, the same on every device). The options that
         describe the block itself (:data:`FAMILY_OPTIONS`: router, experts' activation, biases, shared experts,
         score function, groups, scale) are the family's: passing one, or a name that is no MoELayer option, is a
         ``ValueError`` naming it.
@@ -68,7 +74,8 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
     "experts.w2", "experts.w3"])`` (docs/architecture.md, "Adapters on the experts").
 
     Raises ``ValueError`` naming the class for an unsupported block, and for a model with no supported block (or
-    with an MoE-looking block of an unsupported class).
+    with an MoE-looking block of an unsupported class); naming the tensors, when some of Switch's experts are
+    frozen and others not (flexmoe holds them all in one tensor).
     """
     _check_options(options)
     if family_of(model) is not None:
@@ -86,8 +93,11 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
             isinstance(m, ConvertedMoeBlock) for m in model.modules()) else ""
         raise ValueError(f"{type(model).__name__} is not a supported sparse-MoE block and contains none{done} "
                          f"(supported block classes: {sorted(FAMILIES)})")
-    for name, block in blocks:
+    for name, block in blocks:  # every block checked before any is emptied into its skeleton
         _refuse_adapters(block, name)
+        family = family_of(block)
+        assert family is not None  # found by its family
+        copied_requires_grad(block, family)
     # Build every replacement before swapping any in, so that a bad option leaves the model untouched.
     converted = [(name, _convert_block(block, group, options)) for name, block in blocks]
     for name, new in converted:

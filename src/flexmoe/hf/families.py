@@ -5,6 +5,8 @@ A family is known by its block's class name. For each, :class:`Family` says whic
 are the shared expert and its gate, and :meth:`Family.layer_options` reads the MoELayer options that reproduce the
 block from the block's own attributes (its router's ``top_k``, ``norm_topk_prob``, ``n_group``, ...), so a single
 block converts without its model's config. The routing options follow :mod:`flexmoe.routing.families`.
+:class:`SwitchFamily` is Switch Transformers' (top-1 with a capacity per sequence, one ``nn.Linear`` pair per
+expert).
 
 The experts' weights: every transformers 5.x experts module decorated with ``use_experts_implementation`` stores
 ``gate_up_proj`` (``[E, 2H, M]``, or ``[E, M, 2H]`` when ``is_transposed``; gate then up halves when
@@ -27,8 +29,8 @@ from torch import Tensor, nn
 
 from flexmoe.experts import resolve_activation
 
-__all__ = ["Family", "FAMILIES", "family_of", "StoredExperts", "stored_experts", "expert_weights", "expert_sources",
-           "expert_unit", "shared_mlp_weights", "shared_mlp_sources"]
+__all__ = ["Family", "SwitchFamily", "FAMILIES", "family_of", "StoredExperts", "stored_experts", "expert_weights",
+           "expert_sources", "copy_into_views", "expert_unit", "shared_mlp_weights", "shared_mlp_sources"]
 
 # HF's activation names that flexmoe has under a name of its own (same function); others pass as a callable.
 _ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu": "gelu"}
@@ -166,18 +168,25 @@ def expert_weights(experts: Any) -> dict[str, Tensor]:
     return weights
 
 
-def expert_sources(experts: Any) -> dict[str, Tensor]:
+def expert_sources(experts: Any) -> dict[str, list[Tensor]]:
     """For each of :func:`expert_weights`' names, the HF parameter it is a view of (``w1`` and ``w3`` both of
-    ``gate_up_proj``, ``b1`` and ``b3`` of its bias): what a ``requires_grad`` flag belongs to."""
+    ``gate_up_proj``, ``b1`` and ``b3`` of its bias), as a one-item list: what a ``requires_grad`` flag belongs
+    to."""
     stored = stored_experts(experts)
-    sources = {"w1": stored.up, "w2": stored.down}
+    sources = {"w1": [stored.up], "w2": [stored.down]}
     if stored.gated:
-        sources["w3"] = stored.up
+        sources["w3"] = [stored.up]
     if stored.up_bias is not None:
-        sources.update({"b1": stored.up_bias, **({"b3": stored.up_bias} if stored.gated else {})})
+        sources.update({"b1": [stored.up_bias], **({"b3": [stored.up_bias]} if stored.gated else {})})
     if stored.down_bias is not None:
-        sources["b2"] = stored.down_bias
+        sources["b2"] = [stored.down_bias]
     return sources
+
+
+def copy_into_views(views: dict[str, Tensor], weights: dict[str, Tensor]) -> None:
+    """Write ``weights[name]`` into each view of ``views`` (views of HF's parameters; call under ``no_grad``)."""
+    for name, view in views.items():
+        view.copy_(weights[name])
 
 
 def shared_mlp_weights(mlp: Any) -> dict[str, Tensor]:
@@ -203,9 +212,15 @@ class Family:
     name: the family's short name (``"mixtral"``, ...). router: the block's router attribute. shared: the
     shared-expert MLP attribute, or None. shared_gate: the shared expert's sigmoid gate (an ``nn.Linear(M, 1)``),
     or None. returns_router_scores: the block returns ``(hidden_states, router_scores)`` (GPT-OSS).
+    router_logits_at: where the logits are in the tuple the router returns (Switch: 2).
     score_func: "softmax", or "sigmoid" with DeepSeek-V3's group-limited routing and correction bias.
     normalize: whether the k weights are renormalized (None: the router's ``norm_topk_prob``).
     scaled: the weights are multiplied by the router's ``routed_scaling_factor``.
+    score_precision: the dtype of the logits HF computes its scores and weights from (:meth:`score_dtype`):
+    "logits" (their own: under autocast the router's linear map makes them bf16; flexmoe then, as HF's Qwen
+    routers, takes the softmax in float32 and rounds the weights to bf16, and DeepSeek-V3's sigmoid is bf16),
+    "float32" (HF upcasts them first and keeps float32 weights: Mixtral, DeepSeek-V2) or "router" (the router's
+    ``dtype`` attribute: Switch's ``router_dtype``).
     """
 
     name: str
@@ -216,6 +231,16 @@ class Family:
     score_func: str = "softmax"
     normalize: bool | None = None
     scaled: bool = False
+    score_precision: str = "logits"
+    router_logits_at: int = 0
+
+    def score_dtype(self, router: Any) -> torch.dtype | None:
+        """The dtype the router's logits are scored in, as HF's block scores them (None: the logits' own)."""
+        if self.score_precision == "float32":
+            return torch.float32
+        if self.score_precision == "router":
+            return router.dtype
+        return None
 
     def layer_options(self, block: Any) -> dict[str, Any]:
         """The MoELayer keywords (besides model_dim, num_experts, hidden_dim) that reproduce ``block``."""
@@ -236,6 +261,8 @@ class Family:
             "activation": activation,
             "glu_limit": glu_limit,
             "aux_loss_type": "all_choices",  # HF's load_balancing_loss_func counts every choice
+            "router_dtype": None,  # HF's router runs under the caller's autocast; score_dtype does the rest
+            "ties": "topk",  # HF's routers pick with torch.topk, and bf16 logits (autocast) tie often
         }
         if self.scaled:
             options["route_scale"] = float(router.routed_scaling_factor)
@@ -255,20 +282,108 @@ class Family:
 
     def sizes(self, block: Any) -> tuple[int, int, int]:
         """``(model_dim, num_experts, hidden_dim)`` of ``block``'s routed experts."""
-        w1 = expert_weights(block.experts)["w1"]
+        w1 = self.read_experts(block.experts)["w1"]
         return int(w1.shape[1]), int(w1.shape[0]), int(w1.shape[2])
+
+    def read_experts(self, experts: Any) -> dict[str, Tensor]:
+        """flexmoe's expert tensors (``w1: [E, M, H]``, ...) of HF's experts module: :func:`expert_weights`."""
+        return expert_weights(experts)
+
+    def write_experts(self, experts: Any, weights: dict[str, Tensor]) -> None:
+        """Copy flexmoe's expert tensors (all E experts) into HF's experts module (call under ``no_grad``)."""
+        copy_into_views(expert_weights(experts), weights)
+
+    def expert_sources(self, experts: Any) -> dict[str, list[Tensor]]:
+        """For each of :meth:`read_experts`' names, the HF parameters it is read from (:func:`expert_sources`):
+        the layer tensor's ``requires_grad`` is theirs, and goes back to them."""
+        return expert_sources(experts)
+
+    def expert_dropout(self, block: Any) -> float:
+        """The dropout probability inside HF's experts (applied in training; flexmoe's experts have none)."""
+        return 0.0
+
+
+@dataclass(frozen=True)
+class SwitchFamily(Family):
+    """Switch Transformers' ``SwitchTransformersSparseMLP``: ``router`` (``SwitchTransformersTop1Router``: a
+    ``classifier`` Linear, top-1 by ``argmax`` of the softmax, ``expert_capacity`` tokens per expert and sequence
+    in token order, the rest dropped: their MLP output is 0 and the residual carries them), and ``experts``, a
+    ModuleDict ``expert_{i}`` of non-gated ``wi: Linear(M, H)``, ``act``, ``dropout``, ``wo: Linear(H, M)``
+    without biases. HF's router module stays the gate (its jitter, dtype and recorded logits are its own)."""
+
+    def layer_options(self, block: Any) -> dict[str, Any]:
+        router = block.router
+        return {
+            "k": 1,
+            "capacity": int(router.expert_capacity),
+            "capacity_per": "sequence",
+            "normalize_weights": False,
+            "glu": False,
+            "bias": False,
+            "activation": _switch_activation(block.experts["expert_0"].act),
+            "aux_loss_type": "sequence",  # HF's Switch balance loss (per sequence) at k=1
+            "router_dtype": None,
+            "ties": "lower",  # torch.argmax takes the first of equal probabilities
+        }
+
+    def sizes(self, block: Any) -> tuple[int, int, int]:
+        hidden_dim, model_dim = _switch_units(block.experts)[0].wi.weight.shape  # no stacked copy, as read would
+        return int(model_dim), int(block.experts.num_experts), int(hidden_dim)
+
+    def read_experts(self, experts: Any) -> dict[str, Tensor]:
+        """``w1: [E, M, H]``, ``w2: [E, H, M]`` stacked from each expert's ``wi`` / ``wo`` (copies)."""
+        units = _switch_units(experts)
+        return {"w1": torch.stack([u.wi.weight.T for u in units]), "w2": torch.stack([u.wo.weight.T for u in units])}
+
+    def write_experts(self, experts: Any, weights: dict[str, Tensor]) -> None:
+        for e, unit in enumerate(_switch_units(experts)):
+            unit.wi.weight.copy_(weights["w1"][e].T)
+            unit.wo.weight.copy_(weights["w2"][e].T)
+
+    def expert_sources(self, experts: Any) -> dict[str, list[Tensor]]:
+        """``w1``: every expert's ``wi.weight``, ``w2``: every ``wo.weight``, in expert order."""
+        units = _switch_units(experts)
+        return {"w1": [u.wi.weight for u in units], "w2": [u.wo.weight for u in units]}
+
+    def expert_dropout(self, block: Any) -> float:
+        return float(block.experts["expert_0"].dropout.p)
+
+
+def _switch_units(experts: Any) -> list[Any]:
+    """Switch's experts ``expert_0 .. expert_{E-1}``, each checked to be the non-gated unit flexmoe computes."""
+    units = [experts[f"expert_{e}"] for e in range(int(experts.num_experts))]
+    for e, unit in enumerate(units):
+        for proj in ("wi", "wo"):
+            layer = getattr(unit, proj, None)
+            if not isinstance(layer, nn.Linear) or layer.bias is not None:
+                raise ValueError(f"{type(experts).__name__}.expert_{e}.{proj} must be an nn.Linear without bias to "
+                                 f"be a flexmoe expert")
+    return units
+
+
+def _switch_activation(act: Any) -> str | Callable[[Tensor], Tensor]:
+    """flexmoe's name for a Switch expert's activation module (``ACT2FN[dense_act_fn]``), or the module itself."""
+    if isinstance(act, nn.ReLU):
+        return "relu"
+    if not callable(act):
+        raise ValueError(f"the Switch experts' activation {type(act).__name__} is not callable")
+    return act
 
 
 FAMILIES: dict[str, Family] = {
-    "MixtralSparseMoeBlock": Family("mixtral", normalize=True),
+    "MixtralSparseMoeBlock": Family("mixtral", normalize=True, score_precision="float32"),
     "Qwen2MoeSparseMoeBlock": Family("qwen2_moe", shared="shared_expert", shared_gate="shared_expert_gate"),
     "Qwen3MoeSparseMoeBlock": Family("qwen3_moe"),
     "Qwen3NextSparseMoeBlock": Family("qwen3_next", shared="shared_expert", shared_gate="shared_expert_gate"),
     "OlmoeSparseMoeBlock": Family("olmoe"),
-    "DeepseekV2Moe": Family("deepseek_v2", shared="shared_experts", normalize=False, scaled=True),
+    "DeepseekV2Moe": Family("deepseek_v2", shared="shared_experts", normalize=False, scaled=True,
+                            score_precision="float32"),
     "DeepseekV3MoE": Family("deepseek_v3", shared="shared_experts", score_func="sigmoid", scaled=True),
     "Glm4MoeMoE": Family("glm4_moe", shared="shared_experts", score_func="sigmoid", scaled=True),
+    # HF takes the top-k of the logits (the order of their softmax) and a softmax in their dtype over those.
     "GptOssMLP": Family("gpt_oss", router="router", returns_router_scores=True, normalize=True),
+    "SwitchTransformersSparseMLP": SwitchFamily("switch_transformers", router="router", score_precision="router",
+                                                router_logits_at=2),
 }
 
 

@@ -3,13 +3,15 @@ Face models (flexmoe.hf)", "Saving and loading").
 
 A :class:`~flexmoe.hf.block.ConvertedMoeBlock` keeps HF's router module itself (``moe.router.hf_router``) and
 copies the other parts of HF's block into its :class:`~flexmoe.MoELayer`: the routed experts, the shared expert
-and its gate (:class:`Part`). Each part is described once, by the views that read flexmoe's tensors out of HF's
-module (:func:`~flexmoe.hf.families.expert_weights`, :func:`~flexmoe.hf.families.shared_mlp_weights`):
-``convert`` reads through them (:func:`layer_values`), and writing through them fills an HF module
-(:func:`write_hf`), which is how ``to_hf`` and the block's state dict are made. So the state dict comes out of
-HF's own modules: HF's names, shapes and layouts (fused ``gate_up_proj``, GPT-OSS's interleaved columns,
-transposes, biases) by construction, and ``save_pretrained`` / ``Trainer`` write what plain ``from_pretrained``
-reads.
+and its gate (:class:`Part`). Each part is described once, by how flexmoe's tensors are read out of HF's module
+and written back into it: views of HF's fused tensors (:func:`~flexmoe.hf.families.expert_weights`,
+:func:`~flexmoe.hf.families.shared_mlp_weights`), or the family's own route for experts HF keeps one module each
+(Switch Transformers' ``expert_{i}.wi`` / ``wo``: :meth:`~flexmoe.hf.families.Family.read_experts`,
+:meth:`~flexmoe.hf.families.Family.write_experts`). ``convert`` reads (:func:`layer_values`), and writing fills an
+HF module (:func:`write_hf`), which is how ``to_hf`` and the block's state dict are made. So the state dict comes
+out of HF's own modules: HF's names, shapes and layouts (fused ``gate_up_proj``, GPT-OSS's interleaved columns,
+per-expert Linears, transposes, biases) by construction, and ``save_pretrained`` / ``Trainer`` write what plain
+``from_pretrained`` reads.
 
 :func:`save_hf_names` (a state-dict post-hook of the block) and :func:`load_hf_names` (its load pre-hook) are the
 two directions. Under expert parallelism ``state_dict()`` gathers every rank's experts: it is a collective, every
@@ -28,15 +30,15 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.checkpoint import gather_experts
-from flexmoe.hf.families import Family, expert_sources, expert_weights, shared_mlp_sources, shared_mlp_weights
+from flexmoe.hf.families import Family, copy_into_views, shared_mlp_sources, shared_mlp_weights
 from flexmoe.parallel.layout import ExpertLayout, shard_expert_state
 
 if TYPE_CHECKING:
     from flexmoe.hf.block import ConvertedMoeBlock
     from flexmoe.layer import MoELayer
 
-__all__ = ["ROUTER", "Part", "layer_parts", "layer_values", "write_hf", "hf_requires_grad", "materialize",
-           "experts_like", "layer_module", "save_hf_names", "load_hf_names"]
+__all__ = ["ROUTER", "Part", "layer_parts", "layer_values", "write_hf", "layer_requires_grad", "hf_requires_grad",
+           "materialize", "experts_like", "layer_module", "save_hf_names", "load_hf_names"]
 
 ROUTER = "moe.router.hf_router."  # where the block holds HF's router module (its state-dict prefix)
 
@@ -51,34 +53,49 @@ class Part:
     """A part of HF's block that the layer holds a copy of.
 
     hf_name: its attribute in HF's block (``"experts"``, ``"shared_expert"``, ...). layer_name: the layer's module
-    holding it (``"experts"``, ``"shared"``, ``"shared_gate"``). views: the layer's tensors as views of the HF
-    module's (the experts' ``[E, ...]``, every expert). sources: the HF parameter behind each view, whose
-    ``requires_grad`` the layer's tensor shares. routed: the routed experts, held per rank under expert
-    parallelism.
+    holding it (``"experts"``, ``"shared"``, ``"shared_gate"``). read: the layer's tensors out of the HF module
+    (the experts' ``[E, ...]``, every expert), views of its tensors or copies. write(module, tensors): the layer's
+    tensors (every expert) into the HF module (under ``no_grad``). sources: for each layer tensor's name, the HF
+    parameters it is read from (one fused tensor, or one per expert), whose ``requires_grad`` it shares; its keys
+    are the part's layer tensors. routed: the routed experts, held per rank under expert parallelism.
     """
 
     hf_name: str
     layer_name: str
-    views: Callable[[Any], dict[str, Tensor]]
-    sources: Callable[[Any], dict[str, Tensor]]
+    read: Callable[[Any], dict[str, Tensor]]
+    write: Callable[[Any, dict[str, Tensor]], None]
+    sources: Callable[[Any], dict[str, list[Tensor]]]
     routed: bool = False
+
+
+def _through_views(views: Callable[[Any], dict[str, Tensor]]) -> Callable[[Any, dict[str, Tensor]], None]:
+    """A part's ``write`` when its ``read`` gives views of the HF module's tensors: copy into the views."""
+    return lambda module, weights: copy_into_views(views(module), weights)
+
+
+def _each_one(sources: Callable[[Any], dict[str, Tensor]]) -> Callable[[Any], dict[str, list[Tensor]]]:
+    """A part's ``sources`` when each layer tensor is a view of one HF tensor."""
+    return lambda module: {name: [tensor] for name, tensor in sources(module).items()}
 
 
 def layer_parts(family: Family) -> list[Part]:
     """The parts of ``family``'s block that a converted layer holds."""
-    parts = [Part("experts", "experts", expert_weights, expert_sources, routed=True)]
+    parts = [Part("experts", "experts", family.read_experts, family.write_experts, family.expert_sources,
+                  routed=True)]
     if family.shared is not None:
-        parts.append(Part(family.shared, "shared", shared_mlp_weights, shared_mlp_sources))
+        parts.append(Part(family.shared, "shared", shared_mlp_weights, _through_views(shared_mlp_weights),
+                          _each_one(shared_mlp_sources)))
     if family.shared_gate is not None:
-        parts.append(Part(family.shared_gate, "shared_gate", _gate_weight, _gate_weight))
+        parts.append(Part(family.shared_gate, "shared_gate", _gate_weight, _through_views(_gate_weight),
+                          _each_one(_gate_weight)))
     return parts
 
 
 def layer_values(part: Part, hf_module: nn.Module, layout: ExpertLayout, rank: int) -> dict[str, Tensor]:
     """The layer's tensors of ``part`` read from HF module ``hf_module``: only rank ``rank``'s slice of the routed
-    experts (``layout``); views, or copies where sliced."""
-    views = part.views(hf_module)
-    return shard_expert_state(views, layout, rank) if part.routed else views
+    experts (``layout``); views, or copies where sliced or where the family reads per-expert modules."""
+    values = part.read(hf_module)
+    return shard_expert_state(values, layout, rank) if part.routed else values
 
 
 def layer_module(moe: MoELayer, part: Part) -> tuple[str, nn.Module]:
@@ -94,19 +111,35 @@ def layer_module(moe: MoELayer, part: Part) -> tuple[str, nn.Module]:
 
 @torch.no_grad()
 def write_hf(part: Part, hf_module: nn.Module, moe: MoELayer) -> None:
-    """Write the layer's current tensors of ``part`` into HF module ``hf_module`` (real storage) through the views.
-    The routed experts are gathered from every rank: a collective under expert parallelism."""
-    views = part.views(hf_module)
+    """Write the layer's current tensors of ``part`` into HF module ``hf_module`` (real storage) with the part's
+    ``write``. The routed experts are gathered from every rank: a collective under expert parallelism."""
     _, module = layer_module(moe, part)
-    values = {name: getattr(module, name).detach() for name in views}
+    values = {name: getattr(module, name).detach() for name in part.sources(hf_module)}
     if part.routed and moe.ep_group.distributed:
         values = gather_experts(values, moe.layout, moe.ep_group.group)
-    for name, view in views.items():
-        view.copy_(values[name])
+    part.write(hf_module, values)
+
+
+def layer_requires_grad(part: Part, hf_module: nn.Module) -> dict[str, bool]:
+    """For each of ``part``'s layer tensors, the ``requires_grad`` it takes in ``convert``: its HF parameters'.
+
+    Raises ``ValueError`` when those disagree (Switch's experts frozen one by one): the layer holds every expert
+    in one tensor, which is frozen or not as a whole.
+    """
+    flags = {}
+    for name, sources in part.sources(hf_module).items():
+        frozen = [s for s in sources if not s.requires_grad]
+        if frozen and len(frozen) < len(sources):
+            names = [_name_in(hf_module, s) for s in frozen]
+            raise ValueError(
+                f"{part.hf_name}: {names} are frozen (requires_grad=False) and the rest of the tensors flexmoe "
+                f"holds as one moe.{part.layer_name}.{name} are not; freeze all of them or none before convert")
+        flags[name] = not frozen
+    return flags
 
 
 def hf_requires_grad(part: Part, hf_module: nn.Module, moe: MoELayer) -> dict[str, bool]:
-    """For each of ``part``'s layer tensors, the ``requires_grad`` its HF tensor takes back: the layer tensor's.
+    """For each of ``part``'s layer tensors, the ``requires_grad`` its HF tensors take back: the layer tensor's.
 
     Raises ``ValueError`` when two layer tensors of one HF tensor disagree (``w1`` and ``w3`` are both
     ``gate_up_proj``): HF's model cannot freeze one without the other.
@@ -114,15 +147,20 @@ def hf_requires_grad(part: Part, hf_module: nn.Module, moe: MoELayer) -> dict[st
     sources = part.sources(hf_module)
     _, module = layer_module(moe, part)
     flags = {name: bool(getattr(module, name).requires_grad) for name in sources}
-    for name, source in sources.items():
-        for other, other_source in sources.items():
-            if other_source is source and flags[other] != flags[name]:
-                hf_name = next(n for n, p in hf_module.named_parameters() if p is source)
+    for name, tensors in sources.items():
+        for other, other_tensors in sources.items():
+            shared = [t for t in tensors if any(t is o for o in other_tensors)]
+            if shared and flags[other] != flags[name]:
                 raise ValueError(
                     f"moe.{part.layer_name}.{name} (requires_grad={flags[name]}) and moe.{part.layer_name}.{other} "
-                    f"(requires_grad={flags[other]}) are one HF tensor, {part.hf_name}.{hf_name}: freeze both or "
-                    f"neither before to_hf")
+                    f"(requires_grad={flags[other]}) are one HF tensor, {part.hf_name}.{_name_in(hf_module, shared[0])}"
+                    f": freeze both or neither before to_hf")
     return flags
+
+
+def _name_in(module: nn.Module, parameter: Tensor) -> str:
+    """``parameter``'s name in ``module``."""
+    return next(n for n, p in module.named_parameters() if p is parameter)
 
 
 def materialize(module: nn.Module, like: Tensor) -> None:
@@ -170,7 +208,7 @@ def save_hf_names(block: ConvertedMoeBlock, state_dict: dict[str, Any], prefix: 
         materialize(scratch, experts_like(moe))
         write_hf(part, scratch, moe)
         path, _ = layer_module(moe, part)
-        for name in part.views(scratch):
+        for name in part.sources(scratch):
             state_dict.pop(f"{prefix}moe.{path}.{name}", None)
         for key, value in scratch.state_dict().items():
             state_dict[f"{prefix}{part.hf_name}.{key}"] = value
@@ -218,7 +256,7 @@ def _load_part(block: ConvertedMoeBlock, part: Part, state_dict: dict[str, Any],
     skeleton = getattr(block.hf_skeleton, part.hf_name)
     hf_keys = {f"{prefix}{part.hf_name}.{key}": key for key in skeleton.state_dict(keep_vars=True)}
     path, layer_held = layer_module(moe, part)
-    own = {f"{prefix}moe.{path}.{name}": name for name in part.views(skeleton)}
+    own = {f"{prefix}moe.{path}.{name}": name for name in part.sources(skeleton)}
     given = [key for key in hf_keys if key in state_dict]
     if not given and all(key in state_dict for key in own):
         return  # the layer's own names

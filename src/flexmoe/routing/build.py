@@ -70,4 +70,5 @@ def build_plan(
                      score_func=options.score_func, num_expert_groups=options.num_expert_groups,
                      num_limited_groups=options.num_limited_groups, route_scale=options.route_scale,
                      aux_loss_type=options.aux_loss_type, capacity_per=options.capacity_per,
-                     num_sequences=num_sequences, padded=padded, counts_on_device=counts_on_device)
+                     num_sequences=num_sequences, padded=padded, counts_on_device=counts_on_device,
+                     ties=options.ties)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from flexmoe.routing.families import check_family_options
+from flexmoe.routing.scores import TIES
 from flexmoe.validation import (
     FLOAT_DTYPES,
     check_choice,
@@ -44,8 +45,13 @@ class RoutingOptions:
     capacity_factor: > 0 fixed capacity ``ceil(k * cf * T / E)``; 0 dropless; < 0 adaptive, at most
         ``ceil(k * |cf| * T / E)`` and never more than the largest load.
     capacity: an explicit per-expert capacity (int >= 0) that overrides ``capacity_factor``.
-    router: "topk" (linear, no bias), "cosine" (SwinV2-MoE), "expert_choice", "base", or a module ``[T, M] -> [T, E]``.
-    router_dtype: dtype of the routing math (default float32, whatever the model's dtype).
+    router: "topk" (linear, no bias), "cosine" (SwinV2-MoE), "expert_choice", "base", or a module ``[T, M] -> [T, E]``
+        (``[B, S, M] -> [B, S, E]`` when the routing is per sequence: ``capacity_per`` or ``aux_loss_type``
+        "sequence").
+    router_dtype: dtype of the routing math (default float32, whatever the model's dtype: autocast is off around
+        the router). None: the router's own precision: it runs under the caller's autocast like any module and
+        the routing math runs in its logits' dtype, the softmax in float32 at least (a converted Hugging Face
+        model's default, routing as HF does).
     normalize_weights: divide the k weights of a token by their sum (k > 1).
     batch_prioritized: hand out slots by descending top-1 probability instead of token order.
     score_at: "combine" weights expert outputs when combining; "dispatch" scales expert inputs.
@@ -70,13 +76,16 @@ class RoutingOptions:
         has its own per-expert capacity, computed from S; Switch Transformer).
     aux_loss_type: "switch" (``E * sum_e f_e P_e`` over the 1st choices), "all_choices" (over all k choices,
         Hugging Face's Mixtral-family loss) or "sequence" (DeepSeek-V3's sequence-wise loss, x ``[B, S, M]``).
+    ties: how a top-k router breaks equal scores: "lower" (the lower expert index, the same on every device) or
+        "topk" (as ``torch.topk``, which Hugging Face's routers call: a converted model's default, since bf16
+        logits under autocast tie often).
     """
 
     k: int = 2
     capacity_factor: float = 1.25
     capacity: int | None = None
     router: str | nn.Module = "topk"
-    router_dtype: torch.dtype = torch.float32
+    router_dtype: torch.dtype | None = torch.float32
     normalize_weights: bool = True
     batch_prioritized: bool = False
     score_at: str = "combine"
@@ -94,6 +103,7 @@ class RoutingOptions:
     router_bias: bool = False
     capacity_per: str = "call"
     aux_loss_type: str = "switch"
+    ties: str = "lower"
     # Set per instance by __post_init__ (see static_capacity_factor); ClassVar keeps it out of the fields.
     _capacity_factor_ratio: ClassVar[tuple[int, int]]
 
@@ -102,8 +112,8 @@ class RoutingOptions:
         self._set("capacity_factor", check_float("capacity_factor", self.capacity_factor))
         self._set("_capacity_factor_ratio", self.capacity_factor.as_integer_ratio())
         check_optional_int("capacity", self.capacity, 0)
-        if self.router_dtype not in FLOAT_DTYPES:
-            raise TypeError(f"router_dtype must be a floating dtype, got {self.router_dtype}")
+        if self.router_dtype is not None and self.router_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"router_dtype must be a floating dtype or None, got {self.router_dtype}")
         self._set("normalize_weights", bool(self.normalize_weights))
         self._set("batch_prioritized", bool(self.batch_prioritized))
         check_choice("score_at", self.score_at, ("combine", "dispatch"))
@@ -129,6 +139,7 @@ class RoutingOptions:
             raise ValueError(f"bias_update_rate must be finite and >= 0, got {rate}")
         self._set("bias_update_rate", rate)
         check_choice("second_expert", self.second_expert, ("top", "random"))
+        check_choice("ties", self.ties, TIES)
         share = self.cross_node_share
         if share is not None:
             if isinstance(share, bool) or not isinstance(share, (int, float)):

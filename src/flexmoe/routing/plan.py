@@ -228,6 +228,7 @@ def make_plan(
     num_sequences: int | None = None,
     padded: bool = False,
     counts_on_device: bool = False,
+    ties: str = "lower",
 ) -> RoutingPlan:
     """Build the top-k :class:`RoutingPlan` for router logits.
 
@@ -245,6 +246,7 @@ def make_plan(
     "sequence"); ``aux_loss_type`` picks the balance loss (:func:`flexmoe.routing.losses.balance_loss`).
     ``padded``: the padded layout (every expert ``capacity`` rows, no host sync; see :func:`plan_from_pairs`).
     ``counts_on_device``: dropless without a host sync, the counts left on the device (:func:`plan_from_pairs`).
+    ``ties``: how equal scores are broken, "lower" (the lower expert index) or "topk" (as ``torch.topk``).
 
     Raises ``ValueError`` for non-finite logits, a k out of range, or a negative capacity.
     """
@@ -255,11 +257,11 @@ def make_plan(
     scores = router_scores(logits, score_func)
     expert_index, choice_scores = select_experts(scores, k, selection_bias=selection_bias,
                                                  num_expert_groups=num_expert_groups,
-                                                 num_limited_groups=num_limited_groups)
+                                                 num_limited_groups=num_limited_groups, ties=ties)
     if topology is not None:
         expert_index = topology.apply(choice_scores, expert_index)
     probs_topk, weight = routed_weights(scores, expert_index, normalize_weights=normalize_weights,
-                                        route_scale=route_scale)
+                                        route_scale=route_scale, dtype=logits.dtype)
     return plan_from_pairs(
         logits, expert_index, probs_topk, weight,
         active=sample_second_expert(probs_topk, generator) if random_second else None,

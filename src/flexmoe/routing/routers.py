@@ -1,7 +1,8 @@
 """Routers (gates): small modules mapping tokens ``[T, M]`` to logits ``[T, E]``.
 
 The built-in routers compute in the routing dtype whatever the model's dtype (their weight is cast, and
-autocast is switched off around them), because top-k on bf16 logits flips choices on near-ties.
+autocast is switched off around them), because top-k on bf16 logits flips choices on near-ties; routing dtype
+None leaves the precision to the router and the caller's autocast (:func:`route`).
 """
 
 from __future__ import annotations
@@ -93,31 +94,37 @@ def route(
     router: nn.Module,
     x: Tensor,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = torch.float32,
     training: bool = False,
     jitter: float = 0.0,
     gate_noise: float = 0.0,
     input_dropout: float = 0.0,
 ) -> Tensor:
-    """Router logits ``[T, E]`` in ``dtype`` for tokens x: ``[T, M]``, with exploration in training.
+    """Router logits ``[T, E]`` for tokens x: ``[T, M]`` (or ``[B, S, M]``, flattened to ``T = B * S`` tokens),
+    with exploration in training.
 
+    dtype: the routing dtype: the built-in routers see x in it, autocast is switched off around the router and the
+    logits are cast to it; a custom router module sees x as is. None: the router's own precision: it runs under
+    the caller's autocast like any module (Hugging Face's routers do), and its logits keep their dtype.
     Exploration, applied only when ``training``: ``jitter`` multiplies the router input by U(1-eps, 1+eps),
     ``input_dropout`` drops router input features, ``gate_noise`` adds N(0, gate_noise^2) to the logits.
-    The built-in routers see x in ``dtype``; a custom router module sees x as is and its logits are cast.
     """
-    if torch.is_autocast_enabled(x.device.type):
+    if dtype is not None and torch.is_autocast_enabled(x.device.type):
         # The router computes in `dtype` whatever autocast says (entering the context only when autocast is on:
         # it costs a decoding call measurable time).
         with torch.autocast(device_type=x.device.type, enabled=False):
             return route(router, x, dtype=dtype, training=training, jitter=jitter, gate_noise=gate_noise,
                          input_dropout=input_dropout)
     builtin = isinstance(router, (LinearRouter, CosineRouter))
-    h = x.to(dtype) if builtin else x
+    h = x.to(dtype) if builtin and dtype is not None else x
     if training and jitter > 0:
         h = h * torch.empty_like(h).uniform_(1.0 - jitter, 1.0 + jitter)
     if training and input_dropout > 0:
         h = F.dropout(h, p=input_dropout, training=True)
-    logits = router(h).to(dtype)
+    logits = router(h)
+    logits = logits.reshape(-1, logits.shape[-1])  # [T, E]
+    if dtype is not None:
+        logits = logits.to(dtype)
     if training and gate_noise > 0:
         logits = logits + torch.randn_like(logits) * gate_noise
     return logits

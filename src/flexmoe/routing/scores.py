@@ -18,10 +18,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["SCORE_FUNCS", "top_k", "top_k_by_unique_keys", "normalize_topk", "router_scores", "group_limited_mask",
-           "select_experts", "routed_weights", "check_group_options"]
+__all__ = ["SCORE_FUNCS", "TIES", "top_k", "top_k_by_unique_keys", "normalize_topk", "router_scores",
+           "group_limited_mask", "select_experts", "routed_weights", "check_group_options"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+# How equal scores are broken: "lower" (the lower expert index, a stable sort: the same on every device and
+# compiled) or "topk" (as torch.topk breaks them, which Hugging Face's routers call: the same choices as theirs on
+# the same device; torch.topk itself promises no order).
+TIES = ("lower", "topk")
 
 
 # From this many scores on, top_k first asks torch.topk (measured on a 2-core AVX2 CPU: [4096, 64] 2.2 ms against
@@ -29,11 +33,15 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 _TOPK_MIN_SCORES = 1 << 15
 
 
-def top_k(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The k largest probabilities of each row, ties broken towards the lower expert index.
+def top_k(probs: Tensor, k: int, ties: str = "lower") -> tuple[Tensor, Tensor]:
+    """The k largest probabilities of each row, ties broken towards the lower expert index (``ties="topk"``: as
+    ``torch.topk`` breaks them, :data:`TIES`).
 
     probs: ``[T, E]``. Returns ``(values [T, k], indices [T, k])``, largest first.
     """
+    if ties == "topk":
+        values, indices = torch.topk(probs, k, dim=-1)
+        return values, indices
     if probs.numel() >= _TOPK_MIN_SCORES:
         if torch.compiler.is_compiling():
             if probs.dtype in _KEYED_DTYPES:
@@ -77,9 +85,11 @@ def normalize_topk(probs_topk: Tensor, normalize: bool) -> Tensor:
 
 
 def router_scores(logits: Tensor, score_func: str = "softmax") -> Tensor:
-    """logits: ``[T, E]`` -> scores ``[T, E]``: ``softmax`` over the experts or an elementwise ``sigmoid``."""
+    """logits: ``[T, E]`` -> scores ``[T, E]``: ``softmax`` over the experts, in float32 at least (bf16 or fp16
+    logits are upcast first, as Hugging Face's routers do: rounded probabilities would tie where the logits do
+    not), or an elementwise ``sigmoid`` in the logits' dtype."""
     if score_func == "softmax":
-        return torch.softmax(logits, dim=-1)
+        return torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     if score_func == "sigmoid":
         return torch.sigmoid(logits)
     raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
@@ -112,17 +122,18 @@ def check_group_options(num_experts: int | None, k: int, num_expert_groups: obje
                          f"eligible groups (num_experts / num_expert_groups each)")
 
 
-def group_limited_mask(choice_scores: Tensor, num_groups: int, num_limited_groups: int) -> Tensor:
+def group_limited_mask(choice_scores: Tensor, num_groups: int, num_limited_groups: int,
+                       ties: str = "lower") -> Tensor:
     """``[T, E]`` bool, True for the experts of each token's ``num_limited_groups`` best groups.
 
     choice_scores: ``[T, E]``; the experts form ``num_groups`` groups of ``E / num_groups`` consecutive
     experts. A group's rating is the sum of its two best choice scores (its one score for groups of one); ties
-    between groups go to the lower group index.
+    between groups go to the lower group index (``ties="topk"``: as ``torch.topk`` breaks them).
     """
     num_tokens, num_experts = choice_scores.shape
     grouped = choice_scores.view(num_tokens, num_groups, num_experts // num_groups)
     best_two = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :2]
-    _, best_groups = top_k(best_two.sum(dim=-1), num_limited_groups)  # [T, num_limited_groups]
+    _, best_groups = top_k(best_two.sum(dim=-1), num_limited_groups, ties)  # [T, num_limited_groups]
     keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=choice_scores.device)
     keep.scatter_(1, best_groups, True)
     return keep.repeat_interleave(num_experts // num_groups, dim=1)
@@ -135,19 +146,22 @@ def select_experts(
     selection_bias: Tensor | None = None,
     num_expert_groups: int | None = None,
     num_limited_groups: int | None = None,
+    ties: str = "lower",
 ) -> tuple[Tensor, Tensor]:
     """Each token's k experts: ``(expert_index [T, k], choice_scores [T, E])``.
 
-    scores: ``[T, E]``; selection_bias: ``[E]`` added to the scores to pick only. With groups, experts outside
-    a token's best groups get ``-inf`` choice scores before the top-k. Ties: the lower expert index.
+    scores: ``[T, E]``; selection_bias: ``[E]`` added to the scores to pick only (the sum in the wider dtype).
+    With groups, experts outside a token's best groups get ``-inf`` choice scores before the top-k. Ties: the
+    lower expert index, or as ``torch.topk`` breaks them with ``ties="topk"``.
     """
     choice = scores.detach()
     if selection_bias is not None:
-        choice = choice + selection_bias.to(choice.dtype)
+        # In the wider of the two dtypes, as HF's DeepSeek-V3 adds its float32 bias to bf16 scores under autocast.
+        choice = choice + selection_bias
     if num_expert_groups is not None and num_limited_groups is not None:
-        eligible = group_limited_mask(choice, num_expert_groups, num_limited_groups)
+        eligible = group_limited_mask(choice, num_expert_groups, num_limited_groups, ties)
         choice = choice.masked_fill(~eligible, float("-inf"))
-    _, expert_index = top_k(choice, k)
+    _, expert_index = top_k(choice, k, ties)
     return expert_index, choice
 
 
@@ -157,11 +171,15 @@ def routed_weights(
     *,
     normalize_weights: bool = True,
     route_scale: float = 1.0,
+    dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(probs_topk [T, k], weight [T, k])``: the chosen experts' unbiased scores, and the combine weights
-    (divided by their sum when ``normalize_weights`` and k > 1, then times ``route_scale``)."""
+    (divided by their sum when ``normalize_weights`` and k > 1, then times ``route_scale``), both in ``dtype``
+    (the logits'; None: the scores')."""
     probs_topk = scores.gather(1, expert_index)
     weight = normalize_topk(probs_topk, normalize_weights)
     if route_scale != 1.0:
         weight = weight * route_scale
+    if dtype is not None:
+        probs_topk, weight = probs_topk.to(dtype), weight.to(dtype)
     return probs_topk, weight
