@@ -130,7 +130,7 @@ def test_lora_on_experts_trains_merges_and_exports(family, tmp_path):
         assert all(float(p.grad.abs().max()) > 0 for name, p in model.named_parameters() if "lora_B" in name)
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[-1] < losses[0] - 0.05, losses
     for name, p in model.named_parameters():
         if name in frozen:
