@@ -578,6 +578,40 @@ def test_dropless_under_autocast_compiles_fullgraph_and_equals_eager() -> None:
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-2, atol=1e-2, msg=name)
 
 
+def test_dropless_on_a_gpu_like_device_compiles_to_grouped_mm_with_device_offsets(monkeypatch) -> None:
+    """Where torch's grouped GEMM takes the matmuls (a GPU in bf16; here the CPU made to pass for one), the
+    compiled dropless layer runs them by ``torch._grouped_mm`` with the row ends on the device, and by none of
+    flexmoe's custom ops, which read the counts on the host: the graph holds no such op, and the output and
+    gradients equal the eager layer's."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    import flexmoe.grouped_linear_op as grouped_linear_op
+    import flexmoe.layer as layer_module
+
+    def like_a_gpu(device_type: str, dtype: torch.dtype, w_shape: Any) -> bool:
+        return dtype == torch.bfloat16 and w_shape[-2] % 8 == 0 and w_shape[-1] % 8 == 0
+
+    monkeypatch.setattr(layer_module, "uses_device_offsets", like_a_gpu)
+    monkeypatch.setattr(grouped_linear_op, "uses_device_offsets", like_a_gpu)
+    torch.manual_seed(0)
+    moe = MoELayer(16, 6, 24, k=2, capacity_factor=0.0, glu=True, activation="silu", dtype=torch.bfloat16)
+    x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    want = moe(x)
+    want_grads = _grads(moe, x, want, grad)
+    recorder = EagerAndRecordGraphs()
+    torch._dynamo.reset()
+    got = torch.compile(moe, fullgraph=True, backend=recorder)(x)
+    got_grads = _grads(moe, x, got, grad)
+    (graph,) = recorder.graphs
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert any("_grouped_mm" in t for t in targets), targets
+    assert not any("flexmoe" in t for t in targets), targets
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=2e-2, atol=5e-2, msg=name)
+
+
 # ---- inductor: the real backend, C++ kernels ---------------------------------------------------------------
 
 

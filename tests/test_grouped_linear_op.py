@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexmoe.grouped_linear_op import grouped_linear
+from flexmoe.grouped_linear_op import device_offsets_linear, grouped_linear, uses_device_offsets
 from flexmoe.padded_ffn_op import padded_op_available
 
 pytestmark = pytest.mark.skipif(not padded_op_available(), reason="needs torch.library.custom_op (torch >= 2.4)")
@@ -48,3 +48,33 @@ def test_grouped_linear_passes_torch_opcheck() -> None:
     args = (torch.randn(7, 3, generator=g, requires_grad=True), torch.tensor([2, 0, 5]),
             torch.randn(3, 3, 4, generator=g, requires_grad=True), torch.randn(3, 4, generator=g, requires_grad=True))
     torch.library.opcheck(torch.ops.flexmoe.grouped_linear.default, args)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_device_offsets_path_compiles_whole_and_equals_a_row_loop(bias: bool) -> None:
+    """The GPU's path (torch._grouped_mm, row ends on the device), run here in bf16 on the CPU and compiled with
+    fullgraph=True (a host read would break the graph): values and gradients against the float64 row loop."""
+    g = torch.Generator().manual_seed(2)
+    counts = [3, 0, 5, 2]
+    rows = torch.randn(10, 16, dtype=torch.float64, generator=g)
+    w = torch.randn(4, 16, 8, dtype=torch.float64, generator=g) / 4
+    b = torch.randn(4, 8, dtype=torch.float64, generator=g) if bias else None
+    grad = torch.randn(10, 8, dtype=torch.float64, generator=g)
+    low = [t.to(torch.bfloat16).requires_grad_() if t is not None else None for t in (rows, w, b)]
+    compiled = torch.compile(device_offsets_linear, fullgraph=True, backend="aot_eager")
+    got = compiled(low[0], torch.tensor(counts), low[1], low[2])
+    leaves = [t for t in low if t is not None]
+    got_grads = torch.autograd.grad(got, leaves, grad.to(torch.bfloat16))
+    exact = [t.to(torch.bfloat16).double().requires_grad_() if t is not None else None for t in (rows, w, b)]
+    want = _loop(exact[0], counts, exact[1], exact[2])
+    want_grads = torch.autograd.grad(want, [t for t in exact if t is not None], grad.to(torch.bfloat16).double())
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    for got_g, want_g in zip(got_grads, want_grads):
+        torch.testing.assert_close(got_g.double(), want_g, rtol=2e-2, atol=5e-2)
+
+
+def test_only_bf16_off_the_cpu_with_aligned_sizes_takes_the_device_offsets_path() -> None:
+    assert uses_device_offsets("cuda", torch.bfloat16, (8, 64, 128))
+    assert not uses_device_offsets("cpu", torch.bfloat16, (8, 64, 128))  # the custom op, faster here
+    assert not uses_device_offsets("cuda", torch.float32, (8, 64, 128))
+    assert not uses_device_offsets("cuda", torch.bfloat16, (8, 60, 128))  # 60 bf16 values: not 16-byte aligned

@@ -11,6 +11,11 @@ shapes, which follow from N alone), reads the counts inside, and loops over the 
 helpers of :mod:`flexmoe.segment_ffn`). The elementwise unit between the two matmuls stays in the traced graph,
 so any traceable activation works and inductor fuses it. This is also how Hugging Face's ``grouped_mm`` experts
 run on the CPU under ``torch.compile``.
+
+Off the CPU (a GPU), bf16 matmuls go to ``torch._grouped_mm`` instead, given the experts' row ends as a device
+tensor (:func:`device_offsets_linear`): nothing is read back to the host, so the compiled layer never waits for the
+device. On the CPU the custom op stays: there a host read costs nothing, and its loop of matmuls measured faster
+than ``torch._grouped_mm`` (the benchmark suite's grouped floor).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from flexmoe.experts import FeedForwardExperts, hidden_unit
 from flexmoe.padded_ffn_op import register_op_pair
 from flexmoe.segment_ffn import contiguous_segments, expert_grad_buffer, linear_into, weight_grad_into
 
-__all__ = ["grouped_linear", "grouped_experts_ffn"]
+__all__ = ["grouped_linear", "grouped_experts_ffn", "device_offsets_linear", "uses_device_offsets"]
 
 # A change to either op's signature needs a new name (inductor's on-disk cache keeps graphs that call it).
 _OP = "flexmoe::grouped_linear"
@@ -94,6 +99,28 @@ register_op_pair(_OP, _forward_impl, _forward_fake, _BACKWARD_OP, _backward_impl
                  _setup_context)
 
 
+def uses_device_offsets(device_type: str, dtype: torch.dtype, w_shape: torch.Size | tuple[int, ...]) -> bool:
+    """Whether :func:`grouped_linear` runs :func:`device_offsets_linear` for matmuls of ``dtype`` on a device of
+    ``device_type`` with weights of shape ``[E, in, out]``: off the CPU, in bf16 (the dtype torch's grouped GEMM
+    takes on every device), with ``in`` and ``out`` multiples of 8 (its 16-byte alignment)."""
+    return (device_type != "cpu" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and w_shape[-2] % 8 == 0 and w_shape[-1] % 8 == 0)
+
+
+def device_offsets_linear(rows: Tensor, tokens_per_expert: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """:func:`grouped_linear` by ``torch._grouped_mm``, the experts' row ends a device tensor: rows ``[N, in]``
+    sorted by expert with ``N == tokens_per_expert.sum()`` (dropless: every row is counted), w ``[E, in, out]``,
+    b ``[E, out]`` or None -> ``[N, out]``. No value reaches the host; autograd and ``torch.compile`` see aten ops
+    only. bf16 (the grouped GEMM's dtype)."""
+    ends = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+    out = torch._grouped_mm(rows, w, offs=ends)
+    if b is not None:
+        expert_of_row = torch.repeat_interleave(torch.arange(w.shape[0], device=rows.device), tokens_per_expert,
+                                                output_size=rows.shape[0])  # [N]; output_size: no host read
+        out = out + b.index_select(0, expert_of_row)
+    return out
+
+
 def grouped_linear(rows: Tensor, tokens_per_expert: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """rows: ``[N, in]`` sorted by expert, ``tokens_per_expert[e]`` rows each (``[E]`` long, on the device);
     w: ``[E, in, out]``, b: ``[E, out]`` or None -> ``[N, out]``. Under autocast the matmuls run in autocast's
@@ -103,6 +130,8 @@ def grouped_linear(rows: Tensor, tokens_per_expert: Tensor, w: Tensor, b: Tensor
         dtype = torch.get_autocast_dtype(device_type)
         rows, w = rows.to(dtype), w.to(dtype)
         b = None if b is None else b.to(dtype)
+    if uses_device_offsets(device_type, rows.dtype, w.shape) and w.dtype == rows.dtype:
+        return device_offsets_linear(rows, tokens_per_expert, w, b)
     out: Tensor = torch.ops.flexmoe.grouped_linear(rows, tokens_per_expert, w, b)
     return out
 

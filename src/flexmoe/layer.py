@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch, sum_choices_by_token, sum_rows_by_token
 from flexmoe.experts import ExpertOptions, ExpertsCall, FeedForwardExperts
 from flexmoe.fused_experts import HiddenUnit, fused_experts, use_fused
-from flexmoe.grouped_linear_op import grouped_experts_ffn
+from flexmoe.grouped_linear_op import grouped_experts_ffn, uses_device_offsets
 from flexmoe.padded_ffn_op import layout_op_runs, padded_experts_forward, padded_op_available
 from flexmoe.padded_fused_op import padded_fused_experts, use_padded_fused
 from flexmoe.parallel.auto import MeasuringChooser
@@ -279,7 +279,7 @@ class MoELayer(nn.Module):
         if not isinstance(experts, FeedForwardExperts) or self.ep_group.distributed or routing.score_at != "combine":
             return False
         if plan.padded or torch.compiler.is_compiling():
-            return use_padded_fused(experts, tokens, plan)
+            return not self._grouped_on_device(plan, tokens) and use_padded_fused(experts, tokens, plan)
         return use_fused(tokens, plan.counts, experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3)
 
     def _fused_experts(self, tokens: Tensor, plan: RoutingPlan) -> Tensor:
@@ -506,8 +506,10 @@ class MoELayer(nn.Module):
 
         def run(expert_rows: Tensor) -> Tensor:
             if layout_plan is not None and isinstance(experts, FeedForwardExperts):
-                if layout_plan.host_counts is None and not layout_op_runs(experts, expert_rows):
-                    # Counts on the device, a unit the op cannot take by name (a callable, autocast).
+                if layout_plan.host_counts is None and (not layout_op_runs(experts, expert_rows)
+                                                        or self._grouped_on_device(layout_plan, expert_rows)):
+                    # Counts on the device, and a unit the op cannot take by name (a callable, autocast) or a
+                    # device where torch's grouped GEMM reads them there (the op would read them on the host).
                     return grouped_experts_ffn(experts, expert_rows, layout_plan.tokens_per_expert)
                 return padded_experts_forward(experts, expert_rows, layout_plan)
             return strategy.run(expert_rows, counts, options, pinned)
@@ -515,6 +517,18 @@ class MoELayer(nn.Module):
         out = self._in_expert_dtype(run, rows)
         self.last_choice, self.last_shadowed = strategy.last_choice, list(strategy.last_shadowed)
         return out
+
+    def _grouped_on_device(self, plan: RoutingPlan, rows: Tensor) -> bool:
+        """Whether a plan with its counts on the device runs the experts' matmuls by ``torch._grouped_mm`` with
+        device offsets (:func:`flexmoe.grouped_linear_op.uses_device_offsets`: off the CPU, bf16), so that no count
+        reaches the host: not by the custom ops, which read them there (docs/architecture.md, "Compiling the
+        layer")."""
+        experts = self._built_experts
+        if plan.host_counts is not None or not isinstance(experts, FeedForwardExperts):
+            return False
+        device_type = rows.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else experts.w1.dtype
+        return all(uses_device_offsets(device_type, dtype, w.shape) for w in (experts.w1, experts.w2))
 
     def _in_expert_dtype(self, run: Callable[[Tensor], Tensor], rows: Tensor) -> Tensor:
         """``run(rows)`` in the experts' dtype, returned in rows' dtype: a float32 layer fed bf16 activations (or
