@@ -27,11 +27,13 @@ import torch
 from torch import Tensor
 
 from flexmoe.apps.errors import UsageError
+from flexmoe.apps.flags import COUNT, SEED, Choice
 from flexmoe.apps.models.vit import ViT, ViTConfig
 from flexmoe.apps.train import (
     MOE_MODEL_FLAGS,
     RUN_DIRS,
     RUN_FILES,
+    FlagTable,
     RunResult,
     TrainConfig,
     add_compile_flag,
@@ -39,15 +41,20 @@ from flexmoe.apps.train import (
     add_run_flags,
     build_optimizer,
     check_compile_backend,
+    check_resumed_flags,
     check_run_dir,
     check_run_flags,
     clip_gradients,
     compile_model,
     finished_run,
+    given_dests,
     lr_at,
     model_flag_values,
     remove_run_files,
+    resumed_train_config,
     rewrite_metrics,
+    saved_model_flags,
+    saved_train_flags,
     write_plots,
 )
 from flexmoe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -103,10 +110,10 @@ def load_digits_split() -> tuple[Digits, Digits]:
 # ----------------------------------------------------------------------------------------------------------
 # Command line.
 
-_MODEL_FLAGS = {  # flag -> (ViTConfig field, type)
-    "--patch-size": ("patch_size", int),
+_MODEL_FLAGS: FlagTable = {  # ViTConfig's
+    "--patch-size": ("patch_size", COUNT),
     **MOE_MODEL_FLAGS,
-    "--pool": ("pool", str),
+    "--pool": ("pool", Choice(("mean", "cls"))),
 }
 
 
@@ -115,31 +122,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m = ViTConfig()
     add_run_flags(parser, t, "runs/vision")
     a = parser.add_argument
-    a("--seed", type=int, default=t.seed, help="seed of the initialisation and batch order (not of the split)")
-    a("--batch-size", type=int, default=t.batch_size, help="images per step")
-    a("--eval-every", type=int, default=t.eval_every, help="steps between held-out evaluations")
+    a("--seed", type=SEED, default=t.seed, help="seed of the initialisation and batch order (not of the split)")
+    a("--batch-size", type=COUNT, default=t.batch_size, help="images per step")
+    a("--eval-every", type=COUNT, default=t.eval_every, help="steps between held-out evaluations")
     add_compile_flag(parser)
     add_model_flags(parser, _MODEL_FLAGS, m)
 
 
 def _configs(args: argparse.Namespace) -> tuple[ViTConfig, TrainConfig]:
     """The model and training configuration from the flags (a resumed run: from its config.json)."""
-    check_run_flags(args, ("steps", "batch_size", "log_every", "eval_every", "ckpt_every"))
+    check_run_flags(args)
+    compile_backend = check_compile_backend(args.compile)
     saved = Path(args.out) / "config.json"
     if args.resume and saved.is_file():
-        # A resumed run keeps its configuration; only --steps (to extend or shorten it) is taken from the CLI.
+        # A resumed run keeps its configuration (a flag set to another value is an error).
         old = json.loads(saved.read_text())
-        steps = args.steps if args.steps is not None else old["train"]["steps"]
-        tcfg = TrainConfig(**{**old["train"], "steps": steps, "progress": not args.no_progress,
-                              "plots": not args.no_plots, "compile": check_compile_backend(args.compile)})
-        return ViTConfig.from_dict(old["model"]), tcfg
+        check_resumed_flags(args, {**saved_train_flags(old["train"]), **saved_model_flags(old["model"], _MODEL_FLAGS)},
+                            Path(args.out))
+        asked = TrainConfig(steps=args.steps or 1, log_every=args.log_every, eval_every=args.eval_every,
+                            ckpt_every=args.ckpt_every, plots=not args.no_plots, progress=not args.no_progress,
+                            compile=compile_backend)
+        return ViTConfig.from_dict(old["model"]), resumed_train_config(old["train"], asked, given_dests(args))
     base = default_train_config()
     tcfg = TrainConfig(**{
         **asdict(base), "steps": args.steps if args.steps is not None else base.steps,
         "batch_size": args.batch_size, "lr": args.lr, "min_lr": args.lr / 10, "warmup": args.warmup,
         "seed": args.seed, "log_every": args.log_every, "eval_every": args.eval_every,
         "ckpt_every": args.ckpt_every, "plots": not args.no_plots, "progress": not args.no_progress,
-        "compile": check_compile_backend(args.compile),
+        "compile": compile_backend,
     })
     overrides = model_flag_values(args, _MODEL_FLAGS)
     try:
