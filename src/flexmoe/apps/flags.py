@@ -5,7 +5,8 @@ it on the flag's text before any subcommand runs, and its :class:`argparse.Argum
 line ``error: flexmoe COMMAND: argument --FLAG: must be ..., got ...`` with exit code 2
 (:class:`flexmoe.apps.cli._Parser`), so a bad value never reaches a file, a process group or an optimizer.
 What one flag cannot say alone (``--k`` against ``--num-experts``, a world size against the experts) is
-checked by the subcommand, still before anything is written or launched.
+checked by the subcommand, still before anything is written or launched, as is a path the command will write
+(:func:`check_writable_dir`).
 
 :func:`given_flags` tells which flags a command line set (rather than left at their defaults), which
 ``--resume`` needs to refuse a flag that contradicts the saved run.
@@ -15,11 +16,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from flexmoe.apps.errors import UsageError
 
 __all__ = ["Number", "Choice", "COUNT", "NON_NEGATIVE", "SEED", "POSITIVE", "NON_NEGATIVE_REAL", "FINITE", "FRACTION",
-           "SHARE", "RATIO", "given_flags"]
+           "SHARE", "RATIO", "given_flags",
+           "check_writable_dir"]
 
 
 @dataclass(frozen=True)
@@ -110,3 +116,18 @@ class Choice:
         if text not in self.values:
             raise argparse.ArgumentTypeError(f"must be one of {', '.join(self.values)}, got {text!r}")
         return text
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """``path`` is (or can be made) a directory this process can write into, else :class:`UsageError`."""
+    existing = path
+    while not existing.exists():  # the nearest ancestor that exists is where the directories get created
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {path}: {existing} is a file, so no directory can be made there")
+    try:  # a probe, rather than os.access: root passes every permission check, yet /proc or a read-only mount fail
+        tempfile.TemporaryDirectory(dir=existing, prefix=".flexmoe-probe-").cleanup()
+    except OSError as exc:
+        where = "" if existing == path else f" (in {existing}, where it would be created)"
+        raise UsageError(f"{flag} {path}: cannot write there{where}: {exc.strerror}; give a writable directory") \
+            from None

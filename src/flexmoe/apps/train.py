@@ -24,7 +24,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -48,6 +47,7 @@ from flexmoe.apps.flags import (
     SEED,
     SHARE,
     Choice,
+    check_writable_dir,
 )
 from flexmoe.apps.interrupt import Interrupted, StopSignals, signal_name
 from flexmoe.apps.models.gpt import GPT, GPTConfig
@@ -426,21 +426,6 @@ def check_resumable(run_dir: Path) -> None:
         found = "no checkpoints/ (stopped before its first checkpoint)"
     raise UsageError(f"--resume: {run_dir} holds a run (config.json, {logged}) but {found}; there is nothing to "
                      f"continue from: add --overwrite (instead of --resume) to start it again from step 0")
-
-
-def check_writable_dir(path: Path, flag: str) -> None:
-    """``path`` is (or can be made) a directory this process can write into, else :class:`UsageError`."""
-    existing = path
-    while not existing.exists():  # the nearest ancestor that exists is where the directories get created
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UsageError(f"{flag} {path}: {existing} is a file, so no directory can be made there")
-    try:  # a probe, rather than os.access: root passes every permission check, yet /proc or a read-only mount fail
-        tempfile.TemporaryDirectory(dir=existing, prefix=".flexmoe-probe-").cleanup()
-    except OSError as exc:
-        where = "" if existing == path else f" (in {existing}, where it would be created)"
-        raise UsageError(f"{flag} {path}: cannot write there{where}: {exc.strerror}; give a writable directory") \
-            from None
 
 
 def _run(args: argparse.Namespace, mcfg: GPTConfig, tcfg: TrainConfig) -> int:
