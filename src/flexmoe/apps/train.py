@@ -730,7 +730,8 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
                         target = {"target_loss": tcfg.target_loss, "step": step, "tokens": step * tokens_per_step,
                                   "wall_time_s": time.perf_counter() - t0, "val_loss": val_loss}
                         if rank == 0:
-                            msg = (f"[{label}] reached val loss {val_loss:.4f} <= {tcfg.target_loss} at step {step}: "
+                            msg = (f"[{label}] reached val loss {val_loss:.4f} <= {tcfg.target_loss} at the evaluation "
+                                   f"of step {step} (evaluated every {tcfg.eval_every} steps): "
                                    f"{target['wall_time_s']:.1f} s, {target['tokens']:,} tokens")
                             (bar.write(msg) if bar else print(msg, flush=True))
                         record["target_reached"] = True
@@ -782,7 +783,8 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
         if tcfg.plots:
             write_plots(out, label)
         print(f"[{label}] done: step {step}, val loss {val_loss:.4f}, {wall:.1f} s"
-              + (f"; target {tcfg.target_loss} reached at step {target['step']} after {target['wall_time_s']:.1f} s"
+              + (f"; target {tcfg.target_loss} reached at the evaluation of step {target['step']} after "
+                 f"{target['wall_time_s']:.1f} s"
                  f" and {target['tokens']:,} tokens" if target else
                  (f"; target {tcfg.target_loss} not reached" if tcfg.target_loss is not None else "")), flush=True)
     return RunResult(val_loss, train_loss, step, wall, step * tokens_per_step, target, summary)
