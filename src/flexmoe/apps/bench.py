@@ -452,6 +452,13 @@ class _Stall(torch.autograd.Function):
         return grad, None
 
 
+def _stall_floor(experts: nn.Module, counts: list[int], cfg: BenchConfig) -> Callable[[], None]:
+    """A forward + backward step of :class:`SleepyExperts` alone on ``counts`` rows per local expert."""
+    assert isinstance(experts, SleepyExperts), "the stall floor times the stalling experts"
+    rows = torch.zeros(sum(counts), cfg.model_dim, dtype=_DTYPES[cfg.dtype], requires_grad=True)
+    return _fwd_bwd(lambda: experts(rows, counts), torch.ones_like(rows), experts)
+
+
 def node_cpu_jiffies() -> tuple[int, int] | None:
     """This node's ``(idle, total)`` CPU time since boot in clock ticks, all cores, from the first line of
     ``/proc/stat`` (idle counts iowait; total is user to steal, guest time being inside user); None where there is
@@ -568,13 +575,14 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
 
     cases = {str(s): timed_setting(s) for s in settings}
     floor_name = "floor (1 rank, same per-rank rows)"
-    if sleep_ms is None:
-        with torch.no_grad():
-            layer(x)
-        assert layer.last_plan is not None  # set by the forward above
-        local = _local_counts(layer, ep.gather_counts(layer.last_plan.counts))
-        floor_step, _ = _floor_case(layer, local, cfg)
-        cases[floor_name] = _synced(floor_step)
+    with torch.no_grad():
+        layer(x)
+    assert layer.last_plan is not None  # set by the forward above
+    local = _local_counts(layer, ep.gather_counts(layer.last_plan.counts))
+    # The floor: this rank's experts alone on its rows, no exchange. With --sleep-ms, that is their stall: what
+    # a step would cost if the pipelining hid every exchange.
+    floor_step = _floor_case(layer, local, cfg)[0] if sleep_ms is None else _stall_floor(layer.experts, local, cfg)
+    cases[floor_name] = _synced(floor_step)
     # Where the time goes when the ranks share the cores: each case's CPU time per step (mean over the ranks) and
     # the node's idle share while it ran. A step that keeps the cores busy costs its CPU work, not its waits.
     accounts: dict[str, CpuAccount] = {}
