@@ -547,13 +547,14 @@ def test_evaluation_cadence_changes_no_weight(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ Ctrl-C and SIGTERM save the run
 
 
-def _signal_mid_run(out: Path, signum: int, argv: list[str], nproc: int = 1) -> tuple[int, str]:
-    """Start ``flexmoe train ARGV`` into ``out`` as a subprocess, send it ``signum`` once it has logged 3 steps;
+def _signal_mid_run(out: Path, signum: int, argv: list[str], nproc: int = 1,
+                    command: str = "train") -> tuple[int, str]:
+    """Start ``flexmoe COMMAND ARGV`` into ``out`` as a subprocess, send it ``signum`` once it has logged 3 steps;
     its exit code and stderr."""
     import time
 
     extra = ["--nproc", str(nproc)] if nproc > 1 else []
-    proc = subprocess.Popen([sys.executable, "-m", "flexmoe", "train", "--out", str(out), *argv, *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "flexmoe", command, "--out", str(out), *argv, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -600,6 +601,23 @@ def test_a_signal_saves_the_step_and_resume_equals_an_uninterrupted_run(tmp_path
     expected, resumed = _weights(reference, steps), _weights(victim, steps)
     assert expected.keys() == resumed.keys()
     assert all(torch.equal(expected[name], resumed[name]) for name in expected)
+
+
+@pytest.mark.slow
+def test_train_vision_saves_on_a_signal_and_resumes_exactly(tmp_path: Path) -> None:
+    steps = 60
+    argv = ["--steps", str(steps), "--no-plots", "--no-progress", "--log-every", "1", "--eval-every", "20",
+            "--ckpt-every", "1000", "--n-embd", "16", "--n-layer", "1", "--batch-size", "16"]
+    reference = tmp_path / "reference"
+    assert cli.main(["train-vision", "--out", str(reference), *argv]) == 0
+    victim = tmp_path / "victim"
+    code, err = _signal_mid_run(victim, signal.SIGINT, argv, command="train-vision")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 130 and len(lines) == 1 and lines[0].startswith("[moe] SIGINT: stopped after step "), err
+    assert cli.main(["train-vision", "--out", str(victim), "--resume", *argv]) == 0
+    assert _losses(victim) == _losses(reference)
+    expected, got = _weights(reference, steps), _weights(victim, steps)
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
 
 
 @pytest.mark.slow

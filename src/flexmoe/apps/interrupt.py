@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 from types import FrameType
 
 import torch
@@ -28,6 +29,12 @@ class Interrupted(Exception):
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
         self.exit_code = 128 + signum
+
+    @classmethod
+    def after_step(cls, label: str, signum: int, step: int, steps: int, saved: Path | None) -> Interrupted:
+        """The error of a training loop that saved ``saved`` (None on ranks other than 0) after ``step``."""
+        return cls(f"[{label}] {signal_name(signum)}: stopped after step {step} of {steps} and saved {saved}; "
+                   f"`--resume` continues it", signum)
 
 
 class StopSignals:

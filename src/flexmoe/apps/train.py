@@ -49,7 +49,7 @@ from flexmoe.apps.flags import (
     Choice,
     check_writable_dir,
 )
-from flexmoe.apps.interrupt import Interrupted, StopSignals, signal_name
+from flexmoe.apps.interrupt import Interrupted, StopSignals
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.apps.models.moe_model import MoEModel
 from flexmoe.checkpoint import (
@@ -756,8 +756,7 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
                 if world > 1:
                     dist.barrier()
             if signum:
-                raise Interrupted(f"[{label}] {signal_name(signum)}: stopped after step {step} of {tcfg.steps} and "
-                                  f"saved {saved}; `--resume` continues it", signum)
+                raise Interrupted.after_step(label, signum, step, tcfg.steps, saved)
             if stop:
                 break
     finally:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.flags import COUNT, SEED, Choice
+from flexmoe.apps.interrupt import Interrupted, StopSignals
 from flexmoe.apps.models.vit import ViT, ViTConfig
 from flexmoe.apps.train import (
     MOE_MODEL_FLAGS,
@@ -238,8 +239,10 @@ def train_vision(mcfg: ViTConfig, tcfg: TrainConfig, out: str | Path, *, resume:
     val_loss = accuracy = train_loss = float("nan")
     last_eval_step = -1
     step = start
+    stop_signals = StopSignals()
     with open(metrics_path, "a") as log_file:
         try:
+            stop_signals.install()  # Ctrl-C / SIGTERM from here on: save at the end of the step, then leave
             for step in range(start + 1, tcfg.steps + 1):
                 lr = lr_at(step - 1, tcfg)
                 for g in optimizer.param_groups:
@@ -275,10 +278,15 @@ def train_vision(mcfg: ViTConfig, tcfg: TrainConfig, out: str | Path, *, resume:
                         bar.set_postfix(post, refresh=False)
                 if bar is not None:
                     bar.update(1)
-                if step % tcfg.ckpt_every == 0 or step == tcfg.steps:
-                    save_checkpoint(out, model=model, optimizer=optimizer, step=step, keep=tcfg.keep_checkpoints,
-                                    extra={"elapsed_s": time.perf_counter() - t0, "train": asdict(tcfg)})
+                signum = stop_signals.received(world=1)
+                if step % tcfg.ckpt_every == 0 or step == tcfg.steps or signum:
+                    saved = save_checkpoint(out, model=model, optimizer=optimizer, step=step,
+                                            keep=tcfg.keep_checkpoints,
+                                            extra={"elapsed_s": time.perf_counter() - t0, "train": asdict(tcfg)})
+                if signum:
+                    raise Interrupted.after_step(label, signum, step, tcfg.steps, saved)
         finally:
+            stop_signals.restore()
             if bar is not None:
                 bar.close()
 
