@@ -649,3 +649,13 @@ def test_two_ranks_with_experts_they_cannot_split_is_one_line_before_launching(t
                     "experts or an equal share of one; --nproc values that work: 1, 3, 6, 12, 24, 48, 96, 192, 384, "
                     "768")
     assert not (tmp_path / "run").exists()
+
+
+def test_given_flags_are_the_ones_on_the_command_line_abbreviations_included() -> None:
+    from flexmoe.apps.flags import given_flags
+
+    parser = cli.build_parser("train")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    assert given_flags(sub, ["--n-lay", "4", "--lr=0.002", "--dense", "--out", "x"]) == {"n_layer", "lr", "dense",
+                                                                                         "out"}
+    assert given_flags(sub, []) == set()

@@ -1,6 +1,7 @@
 """What every ``flexmoe`` flag accepts, checked while the command line is parsed.
 
-Each numeric flag's ``type=`` is one of the value kinds below (a :class:`Number` with its bounds). argparse calls
+Each numeric or named flag's ``type=`` is one of the value kinds below (a :class:`Number` with its bounds, or a
+:class:`Choice`). argparse calls
 it on the flag's text before any subcommand runs, and its :class:`argparse.ArgumentTypeError` becomes the one
 line ``error: flexmoe COMMAND: argument --FLAG: must be ..., got ...`` with exit code 2
 (:class:`flexmoe.apps.cli._Parser`), so a bad value never reaches a file, a process group or an optimizer.
@@ -24,8 +25,7 @@ from pathlib import Path
 from flexmoe.apps.errors import UsageError
 
 __all__ = ["Number", "Choice", "COUNT", "NON_NEGATIVE", "SEED", "POSITIVE", "NON_NEGATIVE_REAL", "FINITE", "FRACTION",
-           "SHARE", "RATIO", "given_flags",
-           "check_writable_dir"]
+           "SHARE", "RATIO", "given_flags", "check_writable_dir"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,23 @@ class Number:
         return not (self.high is not None and (value >= self.high if self.high_open else value > self.high))
 
 
+@dataclass(frozen=True)
+class Choice:
+    """A flag value type: one of ``values`` (argparse's ``choices``, as a type, so that it fits a table of
+    flag -> type)."""
+
+    values: tuple[str, ...]
+
+    @property
+    def __name__(self) -> str:
+        return "choice"
+
+    def __call__(self, text: str) -> str:
+        if text not in self.values:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(self.values)}, got {text!r}")
+        return text
+
+
 # The kinds the subcommands use (each flag's help says what it means).
 COUNT = Number(integer=True, low=1)  # sizes, steps, ranks, intervals
 NON_NEGATIVE = Number(integer=True, low=0)  # warm-up steps, tokens to generate
@@ -96,26 +113,9 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozens
     in a default only where a destination is absent, so the ones still holding the marker were not given
     (abbreviations such as ``--n-lay`` count as given, as argparse reads them)."""
     unset = _Unset()
-    namespace = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != argparse.SUPPRESS})
-    parsed = parser.parse_args(list(argv), namespace)
-    return frozenset(dest for dest, value in vars(parsed).items() if value is not unset)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """A flag value type: one of ``values`` (argparse's ``choices``, as a type, so that it fits a table of
-    flag -> type)."""
-
-    values: tuple[str, ...]
-
-    @property
-    def __name__(self) -> str:
-        return "choice"
-
-    def __call__(self, text: str) -> str:
-        if text not in self.values:
-            raise argparse.ArgumentTypeError(f"must be one of {', '.join(self.values)}, got {text!r}")
-        return text
+    dests = {a.dest for a in parser._actions if a.dest != argparse.SUPPRESS}
+    parsed = parser.parse_args(list(argv), argparse.Namespace(**dict.fromkeys(dests, unset)))
+    return frozenset(dest for dest in dests if getattr(parsed, dest) is not unset)
 
 
 def check_writable_dir(path: Path, flag: str) -> None:
