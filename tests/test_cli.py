@@ -659,3 +659,20 @@ def test_given_flags_are_the_ones_on_the_command_line_abbreviations_included() -
     assert given_flags(sub, ["--n-lay", "4", "--lr=0.002", "--dense", "--out", "x"]) == {"n_layer", "lr", "dense",
                                                                                          "out"}
     assert given_flags(sub, []) == set()
+
+
+@pytest.mark.slow
+def test_resume_of_a_hugging_face_run_refuses_another_block_size_or_capacity(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    flags = ["--batch-size", "4", "--block-size", "32", "--warmup", "1", "--eval-every", "2", "--eval-batches", "1",
+             "--ckpt-every", "2", "--no-progress", "--no-plots"]
+    assert cli.main(["train", "--hf-arch", "qwen3_moe", "--out", str(out), "--steps", "2", *flags]) == 0
+    before = _tree(out)
+    for changed, named in ((["--block-size", "64"], "--block-size 64"), (["--capacity-factor", "2"],
+                                                                         "--capacity-factor 2.0")):
+        capsys.readouterr()
+        kept = [f for f in flags if f not in ("--block-size", "32")]
+        assert cli.main(["train", "--out", str(out), "--resume", "--steps", "4", *kept, *changed]) == 2
+        assert named in _error_line(capsys.readouterr().err)
+    assert _tree(out) == before
