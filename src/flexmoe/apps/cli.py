@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 import flexmoe
@@ -110,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         if _is_rank_zero():
             print(str(exc), file=sys.stderr, flush=True)
         return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves first): nothing to save, one line
+        if _is_rank_zero():
+            print(f"flexmoe {args.command}: interrupted (SIGINT)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     except _user_errors() as exc:
         _print_error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return USAGE_EXIT_CODE

@@ -48,8 +48,10 @@ class StopSignals:
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for s in _SIGNALS:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in _SIGNALS:
+            if signal.getsignal(s) is not signal.SIG_IGN:  # one the process was told to ignore stays ignored
                 self._previous[s] = signal.signal(s, self._record)
 
     def restore(self) -> None:
