@@ -676,3 +676,17 @@ def test_resume_of_a_hugging_face_run_refuses_another_block_size_or_capacity(tmp
         assert cli.main(["train", "--out", str(out), "--resume", "--steps", "4", *kept, *changed]) == 2
         assert named in _error_line(capsys.readouterr().err)
     assert _tree(out) == before
+
+
+def test_every_train_flag_is_either_kept_or_free_to_change_on_resume() -> None:
+    """No flag of `flexmoe train` is silently ignored by --resume: each one is compared with the saved run
+    (training, model and Hugging Face flags) or listed as changing no result (RESUME_MAY_CHANGE)."""
+    from flexmoe.apps import train
+
+    parser = cli.build_parser("train")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    dests = {a.dest for a in sub._actions if a.option_strings and a.dest != "help"}
+    model = set(train.saved_model_flags({}, train._MODEL_FLAGS))  # the model flags and --dense
+    kept = set(train.saved_train_flags({})) | model | {"hf_arch", "hf_model"}  # the HF job compares these two
+    assert not kept & set(train.RESUME_MAY_CHANGE)
+    assert dests == kept | set(train.RESUME_MAY_CHANGE)

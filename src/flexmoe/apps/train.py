@@ -150,8 +150,7 @@ def check_run_flags(args: argparse.Namespace) -> None:
                          "--overwrite deletes it")
 
 
-def add_model_flags(parser: argparse.ArgumentParser, flags: FlagTable,
-                    defaults: object) -> None:
+def add_model_flags(parser: argparse.ArgumentParser, flags: FlagTable, defaults: object) -> None:
     """One optional flag per model field of ``flags``; the help shows the field's value in ``defaults``."""
     for flag, (name, typ) in flags.items():
         parser.add_argument(flag, type=typ, default=None, help=f"model: {name} (default: {getattr(defaults, name)})")
