@@ -154,7 +154,10 @@ def launch_ranks(nproc: int, python_args: Sequence[str], *, grace: float = 10.0)
             if p.poll() is None:
                 p.send_signal(signum)
 
-    previous = {s: signal.signal(s, pass_on) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Only the main thread may set handlers; called from another one, the signals keep theirs (a terminal's
+    # Ctrl-C still reaches the ranks, as one process group).
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, pass_on) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
     try:
         for rank in range(nproc):
             proc = subprocess.Popen([sys.executable, *python_args], env=rank_env(rank, nproc, store.port, threads),
