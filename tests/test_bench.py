@@ -75,7 +75,7 @@ def test_bench_command_json() -> None:
 def test_bench_rejects_bad_flags() -> None:
     out = subprocess.run([sys.executable, "-m", "flexmoe", "bench", "--tokens", "0"], capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode == 2 and "--tokens must be >= 1" in out.stderr
+    assert out.returncode == 2 and "argument --tokens: must be an integer >= 1, got 0" in out.stderr
 
 
 @pytest.mark.slow
@@ -98,6 +98,24 @@ def test_distributed_bench_two_ranks() -> None:
 
     table = format_distributed(report)
     assert "cpu ms/rank" in table and "floor (per-rank rows)" in table
+
+
+@pytest.mark.slow
+def test_stalling_experts_have_their_stall_as_the_floor() -> None:
+    """--sleep-ms: the floor is the experts' stall alone (no exchange), so every setting has its x floor; the stall
+    is sleep_ms per pass, forward and backward, scaled by the rows a rank computes over the even share."""
+    sleep_ms, tokens, k = 40, 128, 2
+    out = subprocess.run(
+        [sys.executable, "-m", "flexmoe", "bench", "--nproc", "2", "--tokens", str(tokens), "--model-dim", "32",
+         "--hidden-dim", "64", "--num-experts", "4", "--k", str(k), "--capacity-factor", "0", "--steps", "3",
+         "--warmup", "1", "--degrees", "1,2", "--sleep-ms", str(sleep_ms), "--auto-trials", "1", "--json"],
+        capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(out.stdout[out.stdout.index("{"):])
+    # Dropless: the two ranks compute all 2 x tokens x k rows between them, and the slowest rank's share is at
+    # least half, so its stall is at least 2 passes x sleep_ms (and the rows of one rank at most all of them).
+    assert 2 * sleep_ms / 1e3 <= report["floor_seconds"] <= 2 * 2 * sleep_ms / 1e3 * 1.5
+    assert all(row["x_floor"] == pytest.approx(row["seconds"] / report["floor_seconds"])
+               for row in report["settings"])
 
 
 def test_idle_share_weighs_spans_by_their_ticks() -> None:

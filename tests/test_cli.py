@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import flexmoe
 from flexmoe.apps import cli
@@ -210,7 +212,7 @@ def test_user_errors_are_one_line_with_exit_code_2(tmp_path: Path, argv: list[st
 def test_bad_flag_prints_no_usage_block() -> None:
     proc = _flexmoe("bench", "--tokens", "many")
     assert proc.returncode == 2
-    assert _error_line(proc.stderr) == ("error: flexmoe bench: argument --tokens: invalid int value: 'many' "
+    assert _error_line(proc.stderr) == ("error: flexmoe bench: argument --tokens: must be an integer >= 1, got 'many' "
                                         "(see 'flexmoe bench --help')")
 
 
@@ -380,3 +382,311 @@ def test_makefile_torch_index_reaches_pip() -> None:
     assert dry.returncode == 0, dry.stderr
     line = next(line for line in dry.stdout.splitlines() if '"torch==' in line)
     assert line.rstrip().endswith('"torch==2.13.0" --index-url https://example.org/whl/cpu')
+
+
+# ------------------------------------------------------------------ every flag's range, before anything is written
+
+# (argv, the flag the error line must name): each value was accepted, or ended in a traceback, before the ranges
+# were checked as the command line is parsed (flexmoe.apps.flags).
+BAD_FLAGS = [
+    *[(["train", flag, value], flag) for flag, value in [
+        ("--lr", "-1"), ("--lr", "nan"), ("--a2a", "foo"), ("--capacity-factor", "nan"), ("--dropout", "2"),
+        ("--block-size", "0"), ("--num-experts", "0"), ("--warmup", "-1"), ("--log-every", "0"),
+        ("--ckpt-every", "0"), ("--seed", "-1"), ("--batch-size", "0"), ("--micro-batches", "0"),
+        ("--eval-every", "0"), ("--eval-batches", "0"), ("--target-loss", "nan"), ("--nproc", "0"),
+        ("--n-layer", "0"), ("--n-head", "0"), ("--n-embd", "0"), ("--expert-hidden", "0"), ("--k", "0"),
+        ("--moe-every", "0"), ("--aux-loss-coef", "-1"), ("--cross-node-share", "2"), ("--steps", "inf")]],
+    (["train", "--nproc", "2", "--num-experts", "3"], "--nproc 2 does not fit --num-experts 3"),
+    (["train", "--hf-arch", "mixtral", "--block-size", "0"], "--block-size"),
+    *[(["bench", flag, value], flag) for flag, value in [
+        ("--model-dim", "0"), ("--hidden-dim", "0"), ("--num-experts", "0"), ("--experts", "0"),
+        ("--capacity-factor", "inf"), ("--steps", "0"), ("--warmup", "-1"), ("--seed", "-1"), ("--threads", "0"),
+        ("--nproc", "0"), ("--ranks-per-node", "0"), ("--sleep-ms", "-5"), ("--hf-memory-gib", "0"),
+        ("--auto-trials", "0"), ("--auto-runs", "0")]],
+    (["bench", "--nproc", "2", "--sleep-ms", "10", "--num-experts", "3"], "--num-experts 3"),
+    *[(["simulate", flag, value], flag) for flag, value in [
+        ("--tokens", "0"), ("--model-dim", "0"), ("--num-experts", "0"), ("--k", "0"), ("--capacity-factor", "-1"),
+        ("--skew", "0.5")]],
+    (["simulate", "--plot", "/proc/flexmoe-test/plot.png"], "--plot"),
+    (["calibrate", "--out", "/proc/flexmoe-test/profile.json"], "--out"),
+    *[(["validate-model", flag, value], flag) for flag, value in [
+        ("--warmup", "-1"), ("--rounds", "0"), ("--max-ranks", "0")]],
+    *[(["generate", "--run", ".", flag, value], flag) for flag, value in [
+        ("--tokens", "-1"), ("--temperature", "nan"), ("--top-k", "0"), ("--seed", "-1")]],
+    (["reshard", ".", "--world-size", "0", "--out", "o"], "--world-size"),
+    *[(["train-vision", flag, value], flag) for flag, value in [
+        ("--patch-size", "0"), ("--pool", "max"), ("--batch-size", "0"), ("--dropout", "1"), ("--lr", "0")]],
+]
+
+
+@pytest.mark.parametrize("argv, names", BAD_FLAGS, ids=[" ".join(argv) for argv, _ in BAD_FLAGS])
+def test_every_bad_flag_value_is_one_line_naming_the_flag(tmp_path: Path, argv: list[str], names: str, capsys,
+                                                         monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    out = ["--out", str(tmp_path / "run")] if argv[0] in ("train", "train-vision") else []
+    assert _main([*argv, *out]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert names in line
+    assert list(tmp_path.iterdir()) == []  # no run directory, no plot, nothing in the working directory
+
+
+@pytest.mark.parametrize("out, why", [("/proc/flexmoe-test/run", "cannot write there"),
+                                      ("FILE/run", "is a file")])
+def test_train_out_in_an_unwritable_place_is_one_line(tmp_path: Path, out: str, why: str, capsys) -> None:
+    (tmp_path / "FILE").write_text("not a directory")
+    out = out.replace("FILE", str(tmp_path / "FILE"))
+    assert _main(["train", "--out", out, "--steps", "2", *TINY]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: --out {out}: ") and why in line
+
+
+def test_an_accepted_value_at_each_bound_parses() -> None:
+    """The bounds are the documented ones, not one off: 0 warm-up steps, dropout 0, share 1, seed 0."""
+    parser = cli.build_parser("train")
+    args = parser.parse_args(["train", "--warmup", "0", "--dropout", "0", "--cross-node-share", "1", "--seed", "0",
+                              "--capacity-factor", "-1", "--a2a", "2dh"])
+    assert (args.warmup, args.dropout, args.cross_node_share, args.seed, args.capacity_factor, args.a2a) == \
+        (0, 0.0, 1.0, 0, -1.0, "2dh")
+
+
+def test_experts_is_an_alias_of_num_experts() -> None:
+    for command in ("bench", "simulate"):
+        parser = cli.build_parser(command)
+        assert parser.parse_args([command, "--experts", "6"]).experts == 6
+        assert parser.parse_args([command, "--num-experts", "6"]).experts == 6
+
+
+def test_simulate_writes_its_plot_under_runs_not_the_working_directory(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["simulate", "--profile", "a100-ndv4", "--gpus", "8,64"]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"]
+    assert (tmp_path / "runs" / "simulate" / "simulate-a100-ndv4.png").stat().st_size > 0
+
+
+# ------------------------------------------------------------------------ --resume continues exactly, or refuses
+
+
+def _copy_run(run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    return copy
+
+
+@pytest.mark.parametrize("damage", ["no checkpoints", "latest.json names a deleted step"])
+def test_resume_without_a_usable_checkpoint_is_refused(finished_run: Path, tmp_path: Path, damage: str,
+                                                       capsys) -> None:
+    import shutil
+
+    run = _copy_run(finished_run, tmp_path)
+    if damage == "no checkpoints":  # stopped before its first checkpoint
+        shutil.rmtree(run / "checkpoints")
+    else:
+        for step in (run / "checkpoints").glob("step_*"):
+            shutil.rmtree(step)
+    before = _tree(run)
+    capsys.readouterr()
+    assert cli.main(["train", "--out", str(run), "--resume", "--steps", "6", *TINY]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert str(run) in line and "metrics.jsonl up to step 4" in line and "--overwrite" in line
+    assert ("step_000004, which is missing" in line) == (damage != "no checkpoints")
+    assert _tree(run) == before  # metrics.jsonl and the rest untouched
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--n-layer", "4"], "--n-layer 4"),
+    (["--data", "DATA"], "--data DATA"),
+    (["--lr", "0.01"], "--lr 0.01"),
+    (["--seed", "7"], "--seed 7"),
+    (["--dense"], "--dense given"),
+    (["--k", "1"], "--k 1"),
+])
+def test_resume_refuses_a_flag_that_differs_from_the_saved_run(finished_run: Path, tmp_path: Path, flags: list[str],
+                                                              named: str, capsys) -> None:
+    data = tmp_path / "my.txt"
+    data.write_bytes(bytes(range(97, 123)) * 40)
+    flags = [str(data) if f == "DATA" else f for f in flags]
+    before = _tree(finished_run)
+    capsys.readouterr()
+    pairs = [TINY[i:i + 2] if TINY[i + 1:i + 2] and not TINY[i + 1].startswith("--") else TINY[i:i + 1]
+             for i in range(len(TINY)) if TINY[i].startswith("--")]
+    tiny = [word for pair in pairs if pair[0] not in flags for word in pair]  # TINY's values are the saved run's
+    assert cli.main(["train", "--out", str(finished_run), "--resume", "--steps", "6", *tiny, *flags]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert named.replace("DATA", str(data)) in line and str(finished_run) in line
+    assert _tree(finished_run) == before
+
+
+def test_resume_takes_the_new_logging_cadence(tmp_path: Path) -> None:
+    """--log-every may change on --resume, and does (it used to be the saved value, silently)."""
+    out = tmp_path / "run"
+    assert cli.main(["train", "--out", str(out), "--steps", "2", *TINY]) == 0
+    assert cli.main(["train", "--out", str(out), "--resume", "--steps", "6", *TINY, "--log-every", "3",
+                     "--eval-every", "100"]) == 0
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 6]
+
+
+def test_evaluation_cadence_changes_no_weight(tmp_path: Path) -> None:
+    """Why --eval-every may change on --resume: evaluating draws no random numbers and changes no weight."""
+    from safetensors.torch import load_file
+
+    weights = []
+    for every in ("1", "4"):
+        out = tmp_path / every
+        flags = [f for f in TINY]
+        flags[flags.index("--eval-every") + 1] = every
+        assert cli.main(["train", "--out", str(out), "--steps", "4", "--no-plots", *flags]) == 0
+        weights.append(load_file(out / "checkpoints" / "step_000004" / "model.safetensors"))
+    assert weights[0].keys() == weights[1].keys()
+    for name, tensor in weights[0].items():
+        assert torch.equal(tensor, weights[1][name]), name
+
+
+# ------------------------------------------------------------------------------ Ctrl-C and SIGTERM save the run
+
+
+def _signal_mid_run(out: Path, signum: int, argv: list[str], nproc: int = 1,
+                    command: str = "train") -> tuple[int, str]:
+    """Start ``flexmoe COMMAND ARGV`` into ``out`` as a subprocess, send it ``signum`` once it has logged 3 steps;
+    its exit code and stderr."""
+    import time
+
+    extra = ["--nproc", str(nproc)] if nproc > 1 else []
+    proc = subprocess.Popen([sys.executable, "-m", "flexmoe", command, "--out", str(out), *argv, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run logged no steps in 120 s"
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run / "checkpoints" / f"step_{step:06d}" / "model.safetensors")
+
+
+def _losses(run: Path) -> list[tuple]:
+    return [(r["step"], r["train_loss"], r.get("val_loss"))
+            for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_the_step_and_resume_equals_an_uninterrupted_run(tmp_path: Path, signum: int) -> None:
+    steps = 60
+    argv = ["--steps", str(steps), "--no-plots", *TINY, "--ckpt-every", "1000"]  # no checkpoint but the signal's
+    reference = tmp_path / "reference"
+    assert cli.main(["train", "--out", str(reference), *argv]) == 0
+    victim = tmp_path / "victim"
+    code, err = _signal_mid_run(victim, signum, argv)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 128 + signum and len(lines) == 1, err
+    name = signal.Signals(signum).name
+    assert lines[0].startswith(f"[moe] {name}: stopped after step "), err
+    stopped = int(lines[0].split("stopped after step ")[1].split()[0])
+    assert 3 <= stopped < steps
+    assert str(victim / "checkpoints" / f"step_{stopped:06d}") in lines[0]
+    assert [p.name for p in (victim / "checkpoints").glob("step_*")] == [f"step_{stopped:06d}"]
+
+    assert cli.main(["train", "--out", str(victim), "--resume", *argv]) == 0
+    assert _losses(victim) == _losses(reference)  # every step's losses, bit for bit
+    expected, resumed = _weights(reference, steps), _weights(victim, steps)
+    assert expected.keys() == resumed.keys()
+    assert all(torch.equal(expected[name], resumed[name]) for name in expected)
+
+
+@pytest.mark.slow
+def test_train_vision_saves_on_a_signal_and_resumes_exactly(tmp_path: Path) -> None:
+    steps = 60
+    argv = ["--steps", str(steps), "--no-plots", "--no-progress", "--log-every", "1", "--eval-every", "20",
+            "--ckpt-every", "1000", "--n-embd", "16", "--n-layer", "1", "--batch-size", "16"]
+    reference = tmp_path / "reference"
+    assert cli.main(["train-vision", "--out", str(reference), *argv]) == 0
+    victim = tmp_path / "victim"
+    code, err = _signal_mid_run(victim, signal.SIGINT, argv, command="train-vision")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 130 and len(lines) == 1 and lines[0].startswith("[moe] SIGINT: stopped after step "), err
+    assert cli.main(["train-vision", "--out", str(victim), "--resume", *argv]) == 0
+    assert _losses(victim) == _losses(reference)
+    expected, got = _weights(reference, steps), _weights(victim, steps)
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
+@pytest.mark.slow
+def test_a_signal_to_a_two_rank_run_saves_one_checkpoint_and_resume_equals_an_uninterrupted_run(
+        tmp_path: Path) -> None:
+    """SIGTERM to `flexmoe train --nproc 2` (the launcher passes it on): both ranks stop after the same step, one
+    checkpoint is saved, and --resume with 2 ranks continues exactly as the uninterrupted 2-rank run."""
+    steps = 40
+    argv = ["--steps", str(steps), "--no-plots", *TINY, "--ckpt-every", "1000"]
+    reference = tmp_path / "reference"
+    done = _flexmoe("train", "--out", str(reference), *argv, "--nproc", "2", timeout=300)
+    assert done.returncode == 0, done.stderr
+    victim = tmp_path / "victim"
+    code, err = _signal_mid_run(victim, signal.SIGTERM, argv, nproc=2)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 143 and len(lines) == 1 and lines[0].startswith("[moe] SIGTERM: stopped after step "), err
+    resumed = _flexmoe("train", "--out", str(victim), "--resume", *argv, "--nproc", "2", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _losses(victim) == _losses(reference)
+    expected, got = _weights(reference, steps), _weights(victim, steps)
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
+def test_two_ranks_with_experts_they_cannot_split_is_one_line_before_launching(tmp_path: Path, capsys) -> None:
+    """It used to print 139 lines: both ranks' tracebacks and torchrun's report."""
+    assert _main(["train", "--out", str(tmp_path / "run"), "--nproc", "2", "--num-experts", "3"]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert line == ("error: --nproc 2 does not fit --num-experts 3 (of --expert-hidden 256): each rank holds whole "
+                    "experts or an equal share of one; --nproc values that work: 1, 3, 6, 12, 24, 48, 96, 192, 384, "
+                    "768")
+    assert not (tmp_path / "run").exists()
+
+
+def test_given_flags_are_the_ones_on_the_command_line_abbreviations_included() -> None:
+    from flexmoe.apps.flags import given_flags
+
+    parser = cli.build_parser("train")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    assert given_flags(sub, ["--n-lay", "4", "--lr=0.002", "--dense", "--out", "x"]) == {"n_layer", "lr", "dense",
+                                                                                         "out"}
+    assert given_flags(sub, []) == set()
+
+
+@pytest.mark.slow
+def test_resume_of_a_hugging_face_run_refuses_another_block_size_or_capacity(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    flags = ["--batch-size", "4", "--block-size", "32", "--warmup", "1", "--eval-every", "2", "--eval-batches", "1",
+             "--ckpt-every", "2", "--no-progress", "--no-plots"]
+    assert cli.main(["train", "--hf-arch", "qwen3_moe", "--out", str(out), "--steps", "2", *flags]) == 0
+    before = _tree(out)
+    for changed, named in ((["--block-size", "64"], "--block-size 64"), (["--capacity-factor", "2"],
+                                                                         "--capacity-factor 2.0")):
+        capsys.readouterr()
+        kept = [f for f in flags if f not in ("--block-size", "32")]
+        assert cli.main(["train", "--out", str(out), "--resume", "--steps", "4", *kept, *changed]) == 2
+        assert named in _error_line(capsys.readouterr().err)
+    assert _tree(out) == before
+
+
+def test_every_train_flag_is_either_kept_or_free_to_change_on_resume() -> None:
+    """No flag of `flexmoe train` is silently ignored by --resume: each one is compared with the saved run
+    (training, model and Hugging Face flags) or listed as changing no result (RESUME_MAY_CHANGE)."""
+    from flexmoe.apps import train
+
+    parser = cli.build_parser("train")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    dests = {a.dest for a in sub._actions if a.option_strings and a.dest != "help"}
+    model = set(train.saved_model_flags({}, train._MODEL_FLAGS))  # the model flags and --dense
+    kept = set(train.saved_train_flags({})) | model | {"hf_arch", "hf_model"}  # the HF job compares these two
+    assert not kept & set(train.RESUME_MAY_CHANGE)
+    assert dests == kept | set(train.RESUME_MAY_CHANGE)

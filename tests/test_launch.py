@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -99,3 +101,53 @@ def test_bad_arguments() -> None:
         spawn_ranks(2, local)
     with pytest.raises(ValueError, match="world must be >= 1"):
         spawn_ranks(0, sleep_long)
+
+
+# launch_ranks (what `flexmoe train --nproc N` runs), in a subprocess: it writes to the terminal's stderr.
+_LAUNCH = "import sys; from flexmoe.launch import launch_ranks; sys.exit(launch_ranks(2, sys.argv[2:], grace=1.0))"
+# A rank program: rank FAILING writes a progress line without its newline, then a traceback; the other rank
+# writes one line and waits (a collective with a dead peer, as far as the launcher can tell).
+_RANK = """import os, sys, time
+rank = int(os.environ["RANK"])
+if rank == int(sys.argv[1]):
+    sys.stderr.write("step 3/10\\r"); sys.stderr.flush(); time.sleep(0.3)
+    raise ValueError(f"boom on rank {rank}")
+print(f"rank {rank} waiting", file=sys.stderr, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_launched_ranks_fail_as_one_line_naming_the_first_failing_rank(failing: int) -> None:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _LAUNCH, "-", "-c", _RANK, str(failing)], capture_output=True,
+                          text=True, timeout=60)
+    assert time.monotonic() - t0 < 40, "the other rank was not killed soon after the failure"
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()]
+    # Rank 0's own output passes through (its progress included); no traceback reaches the terminal.
+    shown = ["step 3/10"] if failing == 0 else ["rank 0 waiting"]
+    assert lines[:-1] == shown, proc.stderr
+    prefix = f"error: rank {failing} of 2 exited with code 1: ValueError: boom on rank {failing} (every rank's stderr: "
+    assert lines[-1].startswith(prefix), proc.stderr
+    log = Path(lines[-1][len(prefix):-1])
+    text = log.read_text()
+    log.unlink()
+    assert "===== rank 0 stderr =====" in text and "===== rank 1 stderr =====" in text
+    assert text.count("Traceback (most recent call last):") == 1 and f"boom on rank {failing}" in text
+
+
+def test_a_rank_own_error_line_is_the_only_line() -> None:
+    """A user error: every rank fails alike, rank 0 prints its one line, the launcher adds nothing."""
+    code = "import sys; print('error: --data x: no such file', file=sys.stderr); sys.exit(2)"
+    proc = subprocess.run([sys.executable, "-c", _LAUNCH, "-", "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == "error: --data x: no such file\n"
+
+
+def test_a_traceback_marker_split_by_the_pipe_is_still_held_back() -> None:
+    from flexmoe.launch import _marker_start_length
+
+    assert _marker_start_length(b"step 3\rTraceb") == len(b"Traceb")
+    assert _marker_start_length(b"step 3\r") == 0
+    assert _marker_start_length(b"T") == 1

@@ -1,7 +1,7 @@
 """Starting N local ranks on 127.0.0.1, the one way the library, its applications, benchmarks and tests do it.
 
-* :func:`relaunch`: ``flexmoe train --nproc N`` and ``flexmoe bench --nproc N`` re-run themselves under
-  ``torch.distributed.run`` (torchrun).
+* :func:`relaunch`: ``flexmoe train --nproc N`` and ``flexmoe bench --nproc N`` re-run themselves as N local
+  ranks (:func:`launch_ranks`, torchrun's environment without torchrun's report: a failure is one line).
 * :func:`spawn_ranks`: N plain subprocesses, each running a module-level function (or ``python ARGS...``) with
   the environment ``torch.distributed``'s ``env://`` rendezvous reads (MASTER_ADDR, MASTER_PORT, RANK,
   WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), the rendezvous store served by the launcher itself; it collects
@@ -15,6 +15,7 @@ when the caller is a script without a ``__main__`` guard or ``python -c``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -22,13 +23,16 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import IO, Any
 
-__all__ = ["free_port", "under_torchrun", "relaunch", "rank_env", "spawn_ranks", "RankResult", "RanksFailed"]
+__all__ = ["free_port", "under_torchrun", "relaunch", "launch_ranks", "rank_env", "spawn_ranks", "RankResult",
+           "RanksFailed"]
 
 
 # Where free_port looks first: below the kernel's ephemeral range, from this port up.
@@ -74,14 +78,124 @@ def under_torchrun() -> bool:
 
 
 def relaunch(nproc: int, command: str, argv: list[str]) -> int:
-    """Run ``python -m flexmoe COMMAND ARGV...`` as ``nproc`` local ranks; returns torchrun's exit code.
+    """Run ``python -m flexmoe COMMAND ARGV...`` as ``nproc`` local ranks (:func:`launch_ranks`); returns the
+    exit code of the first rank that failed, 0 if none did."""
+    print(f"launching {nproc} ranks: flexmoe {command} {' '.join(argv)}", flush=True)
+    return launch_ranks(nproc, ["-m", "flexmoe", command, *argv])
 
-    ``--standalone``: torchrun's agent serves the rendezvous on a port the kernel picks as it binds it, so two
-    runs started together never race for one."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "flexmoe", command, *argv]
-    print("launching:", " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+
+# How a Python traceback begins: what a rank writes after this on its stderr goes to the log, not the terminal.
+_TRACEBACK = b"Traceback (most recent call last):"
+_LOG_TAIL_BYTES = 64_000  # of each rank's stderr, kept for the log of a failed launch
+
+
+class _RankStderr(threading.Thread):
+    """Reads one rank's stderr to its end: keeps its last bytes for the log and, with ``forward``, passes it on
+    as it comes (a progress bar included) until a traceback begins."""
+
+    def __init__(self, stream: IO[bytes], forward: IO[bytes] | None) -> None:
+        super().__init__(daemon=True)
+        self.stream, self.forward = stream, forward
+        self.tail = b""
+        self.forwarded = b""  # the last bytes passed on (where the rank's own "error: ..." line is looked for)
+
+    def run(self) -> None:
+        pending = b""
+        while chunk := os.read(self.stream.fileno(), 65536):
+            self.tail = (self.tail + chunk)[-_LOG_TAIL_BYTES:]
+            if self.forward is None:
+                continue
+            pending += chunk
+            start = pending.find(_TRACEBACK)
+            # A marker cut in two by the pipe: hold back an end of the text that could begin it.
+            end = start if start >= 0 else len(pending) - _marker_start_length(pending)
+            self.forward.write(pending[:end])
+            self.forward.flush()
+            self.forwarded = (self.forwarded + pending[:end])[-_LOG_TAIL_BYTES:]
+            pending = pending[end:]
+            if start >= 0:
+                self.forward = None
+
+    def printed_error(self) -> bool:
+        """Whether the rank passed on its own one-line ``error: ...`` (a user error)."""
+        return any(line.startswith(b"error: ") for line in self.forwarded.splitlines())
+
+
+def _marker_start_length(text: bytes) -> int:
+    """The length of the longest end of ``text`` that begins :data:`_TRACEBACK` (0: none)."""
+    return next((n for n in range(min(len(_TRACEBACK) - 1, len(text)), 0, -1) if text.endswith(_TRACEBACK[:n])), 0)
+
+
+def launch_ranks(nproc: int, python_args: Sequence[str], *, grace: float = 10.0) -> int:
+    """Run ``python PYTHON_ARGS...`` as ``nproc`` local ranks on 127.0.0.1 (:func:`rank_env`, the rendezvous
+    store served by this process) and wait for them; returns the exit code of the first rank that failed, 0 if
+    none did.
+
+    The user sees one program: every rank's stdout and rank 0's stderr as they come (its progress bar
+    included), and, when a rank fails, one line. That is rank 0's own ``error: ...`` where it printed one (a user
+    error, which every rank meets alike), else ``error: rank R exited with code C: LAST LINE`` of the first rank
+    to fail and the file that keeps every rank's stderr: the ranks' tracebacks go there, not to the terminal.
+    Once a rank has failed, the others get ``grace`` seconds, then are killed (a collective with a dead peer
+    would wait much longer). SIGINT and SIGTERM reach every rank: a terminal's Ctrl-C reaches them as one process
+    group, and this process passes on what it receives; a training rank then saves and exits 130 / 143
+    (:mod:`flexmoe.apps.interrupt`), and so does this process.
+    """
+    if nproc < 1:
+        raise ValueError(f"launch_ranks: nproc must be >= 1, got {nproc}")
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # served until the ranks are done
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))  # as torchrun: 1 unless the user says otherwise
+    procs: list[subprocess.Popen[bytes]] = []
+    readers: list[_RankStderr] = []
+
+    def pass_on(signum: int, frame: FrameType | None) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    # Only the main thread may set handlers; called from another one, the signals keep theirs (a terminal's
+    # Ctrl-C still reaches the ranks, as one process group).
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, pass_on) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    try:
+        for rank in range(nproc):
+            proc = subprocess.Popen([sys.executable, *python_args], env=rank_env(rank, nproc, store.port, threads),
+                                    stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            procs.append(proc)
+            assert proc.stderr is not None  # stderr=PIPE
+            readers.append(_RankStderr(proc.stderr, sys.stderr.buffer if rank == 0 else None))
+            readers[-1].start()
+        _, _, first_failed = _wait(procs, math.inf, grace)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for reader in readers:
+            reader.join()
+    if first_failed is None:
+        return 0
+    code = procs[first_failed].returncode
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM) or readers[0].printed_error():
+        return code  # rank 0 said where it saved, or what the user's error is, in its own one line
+    log = _write_rank_log(readers)
+    lines = [line for line in readers[first_failed].tail.decode(errors="replace").splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else "(nothing on stderr)"
+    print(f"error: rank {first_failed} of {nproc} exited with code {code}: {last} (every rank's stderr: {log})",
+          file=sys.stderr, flush=True)
+    return code
+
+
+def _write_rank_log(readers: list[_RankStderr]) -> str:
+    """Every rank's stderr (its last bytes) in one new file; its path."""
+    fd, path = tempfile.mkstemp(prefix="flexmoe-ranks-", suffix=".log")
+    with os.fdopen(fd, "wb") as f:
+        for rank, reader in enumerate(readers):
+            f.write(f"===== rank {rank} stderr =====\n".encode() + reader.tail + b"\n")
+    return path
 
 
 def rank_env(rank: int, world: int, port: int, threads: int = 1) -> dict[str, str]:
@@ -232,7 +346,7 @@ def spawn_ranks(world: int, target: Callable[..., Any] | Sequence[str], args: Se
                 with open(tmp / f"rank{rank}.out", "w") as out, open(tmp / f"rank{rank}.err", "w") as err:
                     procs.append(subprocess.Popen(cmd, env=rank_env(rank, world, port, threads), stdout=out,
                                                   stderr=err, stdin=subprocess.DEVNULL))
-            timed_out, killed = _wait(procs, time.monotonic() + timeout, grace)
+            timed_out, killed, _ = _wait(procs, time.monotonic() + timeout, grace)
         finally:  # the caller interrupted (Ctrl-C) or a rank failed to start: leave no rank behind
             for p in procs:
                 if p.poll() is None:
@@ -269,16 +383,21 @@ def _dump_stacks(procs: list[subprocess.Popen[bytes]], wait: float = 1.0) -> Non
     time.sleep(wait)
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], deadline: float, grace: float) -> tuple[bool, set[int]]:
+def _wait(procs: list[subprocess.Popen[bytes]], deadline: float,
+          grace: float) -> tuple[bool, set[int], int | None]:
     """Wait for every process; kill those still running at the deadline, or ``grace`` s after the first one
-    exited non-zero. Returns (whether the deadline was hit, the ranks killed)."""
+    exited non-zero. Returns (whether the deadline was hit, the ranks killed, the first rank seen to exit
+    non-zero or None)."""
     failed_by: float | None = None  # when the ranks left after a failure are killed
+    first_failed: int | None = None
     while True:
         running = [i for i, p in enumerate(procs) if p.poll() is None]
+        if first_failed is None:
+            first_failed = next((i for i, p in enumerate(procs) if p.returncode not in (None, 0)), None)
         if not running:
-            return False, set()
+            return False, set(), first_failed
         now = time.monotonic()
-        if failed_by is None and any(p.returncode not in (None, 0) for p in procs):
+        if failed_by is None and first_failed is not None:
             failed_by = now + grace
         if now >= min(deadline, failed_by if failed_by is not None else deadline):
             hung = failed_by is None or deadline <= failed_by
@@ -287,5 +406,5 @@ def _wait(procs: list[subprocess.Popen[bytes]], deadline: float, grace: float) -
             for i in running:
                 procs[i].kill()
                 procs[i].wait()
-            return hung, set(running)
+            return hung, set(running), first_failed
         time.sleep(0.05)

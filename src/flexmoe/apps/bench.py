@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -49,6 +48,7 @@ from torch import Tensor, nn
 from flexmoe.apps.baselines import expert_floor, grouped_floor, grouped_floor_kind, gshard_einsum_forward
 from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings
 from flexmoe.apps.errors import UsageError
+from flexmoe.apps.flags import COUNT, FINITE, NON_NEGATIVE, POSITIVE, SEED
 from flexmoe.experts import FeedForwardExperts
 from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.layer import MoELayer
@@ -452,6 +452,13 @@ class _Stall(torch.autograd.Function):
         return grad, None
 
 
+def _stall_floor(experts: nn.Module, counts: list[int], cfg: BenchConfig) -> Callable[[], None]:
+    """A forward + backward step of :class:`SleepyExperts` alone on ``counts`` rows per local expert."""
+    assert isinstance(experts, SleepyExperts), "the stall floor times the stalling experts"
+    rows = torch.zeros(sum(counts), cfg.model_dim, dtype=_DTYPES[cfg.dtype], requires_grad=True)
+    return _fwd_bwd(lambda: experts(rows, counts), torch.ones_like(rows), experts)
+
+
 def node_cpu_jiffies() -> tuple[int, int] | None:
     """This node's ``(idle, total)`` CPU time since boot in clock ticks, all cores, from the first line of
     ``/proc/stat`` (idle counts iowait; total is user to steal, guest time being inside user); None where there is
@@ -568,13 +575,14 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
 
     cases = {str(s): timed_setting(s) for s in settings}
     floor_name = "floor (1 rank, same per-rank rows)"
-    if sleep_ms is None:
-        with torch.no_grad():
-            layer(x)
-        assert layer.last_plan is not None  # set by the forward above
-        local = _local_counts(layer, ep.gather_counts(layer.last_plan.counts))
-        floor_step, _ = _floor_case(layer, local, cfg)
-        cases[floor_name] = _synced(floor_step)
+    with torch.no_grad():
+        layer(x)
+    assert layer.last_plan is not None  # set by the forward above
+    local = _local_counts(layer, ep.gather_counts(layer.last_plan.counts))
+    # The floor: this rank's experts alone on its rows, no exchange. With --sleep-ms, that is their stall: what
+    # a step would cost if the pipelining hid every exchange.
+    floor_step = _floor_case(layer, local, cfg)[0] if sleep_ms is None else _stall_floor(layer.experts, local, cfg)
+    cases[floor_name] = _synced(floor_step)
     # Where the time goes when the ranks share the cores: each case's CPU time per step (mean over the ranks) and
     # the node's idle share while it ran. A step that keeps the cores busy costs its CPU work, not its waits.
     accounts: dict[str, CpuAccount] = {}
@@ -716,18 +724,19 @@ def _distributed_conclusions(report: dict[str, Any]) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = BenchConfig()
     a = parser.add_argument
-    a("--tokens", type=int, default=d.tokens, help="tokens per step (per rank under torchrun)")
-    a("--model-dim", type=int, default=d.model_dim, help="model (token) dimension M")
-    a("--hidden-dim", type=int, default=d.hidden_dim, help="hidden dimension H of each expert's FFN")
-    a("--experts", type=int, default=d.experts, help="number of experts E (global under torchrun)")
-    a("--k", type=int, default=d.k, help="experts per token (top-k)")
-    a("--capacity-factor", type=float, default=d.capacity_factor, help="0: dropless, < 0: adaptive")
+    a("--tokens", type=COUNT, default=d.tokens, help="tokens per step (per rank under torchrun)")
+    a("--model-dim", type=COUNT, default=d.model_dim, help="model (token) dimension M")
+    a("--hidden-dim", type=COUNT, default=d.hidden_dim, help="hidden dimension H of each expert's FFN")
+    a("--num-experts", "--experts", dest="experts", type=COUNT, default=d.experts,
+      help="number of experts E (global under torchrun); --experts is the older spelling")
+    a("--k", type=COUNT, default=d.k, help="experts per token (top-k)")
+    a("--capacity-factor", type=FINITE, default=d.capacity_factor, help="0: dropless, < 0: adaptive")
     a("--dtype", choices=sorted(_DTYPES), default=d.dtype, help="parameter and activation dtype")
     a("--glu", action="store_true", help="gated (SwiGLU-style) experts")
-    a("--steps", type=int, default=d.steps, help="timed steps per case (median reported)")
-    a("--warmup", type=int, default=d.warmup, help="untimed steps per case first")
-    a("--seed", type=int, default=d.seed, help="seed of the weights and inputs")
-    a("--threads", type=int, default=None, help="torch threads (default: all cores, shared by local ranks)")
+    a("--steps", type=COUNT, default=d.steps, help="timed steps per case (median reported)")
+    a("--warmup", type=NON_NEGATIVE, default=d.warmup, help="untimed steps per case first")
+    a("--seed", type=SEED, default=d.seed, help="seed of the weights and inputs")
+    a("--threads", type=COUNT, default=None, help="torch threads (default: all cores, shared by local ranks)")
     a("--no-peers", action="store_true", help="skip DeepSpeed / fairscale / Tutel even when importable")
     a("--memory", action="store_true", help="also report activation memory, and E=64 at equal T, k, H")
     a("--suite", action="store_true",
@@ -739,9 +748,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "inherits the allocator state the checks before it left)")
     a("--families", action="store_true",
       help="DeepSeek-style routing vs plain top-k at E=64 (8 groups), k=8 (overrides --experts, --k)")
-    a("--nproc", type=int, default=1, help="launch N local ranks with torchrun (gloo on 127.0.0.1)")
-    a("--ranks-per-node", type=int, default=None, help="for the 2-D hierarchical all-to-all (default: torchrun's)")
-    a("--sleep-ms", type=float, default=None,
+    a("--nproc", type=COUNT, default=1, help="launch N local ranks (gloo on 127.0.0.1)")
+    a("--ranks-per-node", type=COUNT, default=None, help="for the 2-D hierarchical all-to-all (default: torchrun's)")
+    a("--sleep-ms", type=POSITIVE, default=None,
       help="distributed: experts that stall this long per pass without using the CPU (overlap check) "
            "(default: real experts)")
     a("--degrees", type=_degrees, default=(1, 2, 4), help="distributed: overlap degrees to time (default: 1,2,4)")
@@ -751,11 +760,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--hf", default=None, metavar="FAMILY",
       help="time one Hugging Face MoE block on HF's experts implementations and on flexmoe (flexmoe.apps.bench_hf): "
            "mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss or all; needs transformers (default: off)")
-    a("--hf-memory-gib", type=float, default=1.0,
+    a("--hf-memory-gib", type=POSITIVE, default=1.0,
       help="--hf: skip HF batched_mm where its per-pair weight copies need more than this (default: 1)")
-    a("--auto-trials", type=int, default=None,
+    a("--auto-trials", type=COUNT, default=None,
       help="distributed: timed trials per candidate for parallel='auto' (default: MeasuringChooser's own count)")
-    a("--auto-runs", type=int, default=1,
+    a("--auto-runs", type=COUNT, default=1,
       help="distributed: tune parallel='auto' this many times from scratch, each timed against the best static")
     a("--json", action="store_true", help="print the report as JSON")
 
@@ -778,21 +787,13 @@ def _degrees(text: str) -> tuple[int, ...]:
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
-    for name in ("tokens", "model_dim", "hidden_dim", "experts", "k", "steps", "nproc"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    """The layer's configuration; each flag's range was checked as it was parsed (:mod:`flexmoe.apps.flags`)."""
     if args.k > args.experts:
-        raise UsageError(f"--k {args.k} must be at most --experts {args.experts}")
-    if args.warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
-    if not math.isfinite(args.capacity_factor):
-        raise UsageError(f"--capacity-factor must be finite, got {args.capacity_factor}")
-    if args.auto_trials is not None and args.auto_trials < 1:
-        raise UsageError(f"--auto-trials must be >= 1, got {args.auto_trials}")
-    if args.auto_runs < 1:
-        raise UsageError(f"--auto-runs must be >= 1, got {args.auto_runs}")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        raise UsageError(f"--k {args.k} must be at most --num-experts {args.experts}")
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    if args.sleep_ms is not None and args.experts % world:
+        raise UsageError(f"--sleep-ms needs whole experts per rank: --num-experts {args.experts} must be a multiple "
+                         f"of the {world} ranks")
     return BenchConfig(args.tokens, args.model_dim, args.hidden_dim, args.experts, args.k, args.capacity_factor,
                        args.dtype, args.glu, args.steps, args.warmup, args.seed)
 

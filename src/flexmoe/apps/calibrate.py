@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmoe.apps.errors import UsageError
+from flexmoe.apps.flags import check_writable_dir
 from flexmoe.apps.progress import StepBar
 from flexmoe.launch import spawn_ranks
 from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, ComputeSpec, LinkSpec, Profile
@@ -441,6 +442,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--ranks: every entry must be >= 2 (e.g. 2,4), got {args.ranks!r}")
     if args.out.exists() and args.out.is_dir():
         raise UsageError(f"--out {args.out}: is a directory; give the path of the profile's JSON file")
+    check_writable_dir(args.out.parent, "--out")  # before minutes of measuring
     with StepBar(1 + len(worlds), "calibrate", enabled=not args.json) as bar:  # compute, then each world
         profile = calibrate(worlds, quick=args.quick, log=bar)
     path = profile.save(args.out)

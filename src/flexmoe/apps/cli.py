@@ -2,7 +2,9 @@
 ``add_arguments(parser)`` and ``run(args) -> int``; this file only wires them together.
 
 User errors (:class:`flexmoe.apps.errors.UsageError`, and the library's corpus and checkpoint errors) end as one
-line ``error: ...`` on stderr with exit code 2; see :mod:`flexmoe.apps.errors`.
+line ``error: ...`` on stderr with exit code 2; see :mod:`flexmoe.apps.errors`. Each flag's value is checked as it
+is parsed (:mod:`flexmoe.apps.flags`). A subcommand's ``run(args)`` finds the flags the user set in ``args.given``
+(argparse destinations).
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 import flexmoe
 from flexmoe.apps.errors import USAGE_EXIT_CODE, UsageError
+from flexmoe.apps.flags import given_flags
 
 # name -> (module, one-line help). Only the module of the command being run (or whose --help is shown) is
 # imported, so that `flexmoe --help` and one command's start-up do not pay for every other command's imports.
@@ -88,11 +92,29 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(_chosen_command(argv)).parse_args(argv)
+    parser = build_parser(_chosen_command(argv))
+    args = parser.parse_args(argv)
+    # Which flags the user set (not left at their defaults): --resume refuses those that differ from the run.
+    args.given = given_flags(_subcommand_parser(parser, args.command), argv[argv.index(args.command) + 1:])
+    from flexmoe.apps.interrupt import Interrupted
+
     try:
         return int(args._run(args) or 0)
+    except Interrupted as exc:  # a signal stopped the run after saving it: one line, the shell's 128 + signal
+        if _is_rank_zero():
+            print(str(exc), file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves first): nothing to save, one line
+        if _is_rank_zero():
+            print(f"flexmoe {args.command}: interrupted (SIGINT)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     except _user_errors() as exc:
         _print_error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return USAGE_EXIT_CODE

@@ -10,6 +10,7 @@ import torch
 
 from flexmoe.apps.data import decode, encode
 from flexmoe.apps.errors import UsageError
+from flexmoe.apps.flags import COUNT, NON_NEGATIVE, POSITIVE, SEED
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint
 
@@ -20,10 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--run", required=True, help="run directory (its newest checkpoint) or a checkpoint directory")
     a("--prompt", default="\n", help="text to continue (default: a newline)")
-    a("--tokens", type=int, default=500, help="bytes to generate")
-    a("--temperature", type=float, default=0.8, help="softmax temperature")
-    a("--top-k", type=int, default=None, help="sample among the k most likely bytes only (default: all 256)")
-    a("--seed", type=int, default=0, help="sampling seed")
+    a("--tokens", type=NON_NEGATIVE, default=500, help="bytes to generate")
+    a("--temperature", type=POSITIVE, default=0.8, help="softmax temperature")
+    a("--top-k", type=COUNT, default=None, help="sample among the k most likely bytes only (default: all 256)")
+    a("--seed", type=SEED, default=0, help="sampling seed")
 
 
 def load_model(run_dir: str | Path) -> tuple[GPT, Path]:
@@ -43,12 +44,6 @@ def load_model(run_dir: str | Path) -> tuple[GPT, Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tokens < 0:
-        raise UsageError(f"--tokens must be >= 0, got {args.tokens}")
-    if not args.temperature > 0:
-        raise UsageError(f"--temperature must be > 0, got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
     if not Path(args.run).is_dir():
         raise UsageError(f"--run {args.run}: no such directory; give a training run's --out directory")
     model, ckpt = load_model(args.run)

@@ -36,6 +36,7 @@ from flexmoe.apps.train import (
     MOE_MODEL_FLAGS,
     TrainConfig,
     _init_distributed,
+    check_resumed_flags,
     saved_run_config,
     train_config,
     train_model,
@@ -142,6 +143,8 @@ def job_config(args: argparse.Namespace) -> tuple[HFJobConfig, TrainConfig] | No
             raise UsageError(f"--out {args.out} holds a run of the MoE GPT, not of a Hugging Face model; resume it "
                              f"without --hf-arch / --hf-model")
         cfg = HFJobConfig.from_dict(saved["model"])
+        convert = {flag[2:].replace("-", "_"): cfg.convert_options.get(name) for flag, name in _CONVERT_FLAGS.items()}
+        check_resumed_flags(args, {"block_size": cfg.block_size, **convert}, Path(args.out))
         asked = args.hf_arch or args.hf_model
         if asked is not None and asked not in (cfg.arch, cfg.hf_model):
             raise UsageError(f"--out {args.out} holds a run of {cfg.arch or cfg.hf_model}, not of {asked}; resume it "

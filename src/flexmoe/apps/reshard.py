@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from flexmoe.apps.errors import UsageError
+from flexmoe.apps.flags import COUNT, check_writable_dir
 from flexmoe.checkpoint import latest_checkpoint, reshard_checkpoint
 from flexmoe.parallel.layout import ExpertLayout
 
@@ -21,7 +22,7 @@ __all__ = ["add_arguments", "run", "valid_world_sizes"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("checkpoint", help="a checkpoint directory, or a run directory (its newest checkpoint)")
-    a("--world-size", type=int, required=True, help="expert-parallel ranks of the output layout (1: global form)")
+    a("--world-size", type=COUNT, required=True, help="expert-parallel ranks of the output layout (1: global form)")
     a("--out", required=True, help="output checkpoint directory (must not exist or be empty)")
 
 
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.checkpoint}: no checkpoint found; give a run directory (with checkpoints/) or a "
                          f"checkpoint directory (with meta.json)")
     _check_world_size(src, args.world_size)
+    check_writable_dir(Path(args.out), "--out")
     dst = reshard_checkpoint(src, args.out, args.world_size)
     print(f"{src} -> {dst} ({args.world_size} rank{'s' if args.world_size > 1 else ''})")
     return 0

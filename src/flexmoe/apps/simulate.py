@@ -25,11 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from flexmoe.apps.errors import UsageError
+from flexmoe.apps.flags import COUNT, NON_NEGATIVE_REAL, RATIO, check_writable_dir
 from flexmoe.tuning.cost_model import LayerConfig, choose_shadowed, expert_rows, predict, score_candidates, valid_r
 from flexmoe.tuning.profile import available_profiles, load_profile
 
 __all__ = ["add_arguments", "run", "parse_gpus", "simulate", "VARIANTS"]
 
+# Where the plot goes unless --plot says: beside the training runs (runs/default, ...), never the working directory.
+DEFAULT_PLOT_DIR = Path("runs") / "simulate"
 VARIANTS = ["gshard-baseline", "flat", "2dh", "2dh r=s", "2dh d=4", "adaptive", "skewed", "skewed+shadow"]
 OVERLAP_CANDIDATES = (1, 2, 4, 8)
 
@@ -168,16 +171,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="a100-ndv4",
                         help=f"published profile ({', '.join(available_profiles())}), 'local', or a JSON path")
     parser.add_argument("--gpus", default="8,16,...,2048", help="GPU counts: '8,16,...,2048' or a list")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
-    parser.add_argument("--model-dim", type=int, default=2048, help="model (token) dimension M")
-    parser.add_argument("--hidden-dim", type=int, default=2048, help="hidden dimension H of each expert's FFN")
-    parser.add_argument("--experts", type=int, default=64, help="global experts (sharded when GPUs > experts)")
-    parser.add_argument("--k", type=int, default=2, help="experts per token (top-k)")
-    parser.add_argument("--capacity-factor", type=float, default=1.25, help="expert capacity / even share of tokens")
+    parser.add_argument("--tokens", type=COUNT, default=4096, help="tokens per GPU")
+    parser.add_argument("--model-dim", type=COUNT, default=2048, help="model (token) dimension M")
+    parser.add_argument("--hidden-dim", type=COUNT, default=2048, help="hidden dimension H of each expert's FFN")
+    parser.add_argument("--num-experts", "--experts", dest="experts", type=COUNT, default=64,
+                        help="global experts (sharded when GPUs > experts); --experts is the older spelling")
+    parser.add_argument("--k", type=COUNT, default=2, help="experts per token (top-k)")
+    parser.add_argument("--capacity-factor", type=NON_NEGATIVE_REAL, default=1.25,
+                        help="expert capacity / even share of tokens (0: dropless)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                         help="parameter and activation dtype")
-    parser.add_argument("--skew", type=float, default=4.0, help="hottest expert's load / mean in the skewed rows")
-    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: simulate-<profile>.png)")
+    parser.add_argument("--skew", type=RATIO, default=4.0, help="hottest expert's load / mean in the skewed rows")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help=f"PNG path (default: {DEFAULT_PLOT_DIR}/simulate-<profile>.png)")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
 
@@ -192,19 +198,24 @@ def run(args: argparse.Namespace) -> int:
         load_profile(args.profile)
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(f"--profile: {exc}") from None
+    name = Path(str(args.profile)).stem
+    plot_path = args.plot or DEFAULT_PLOT_DIR / f"simulate-{name}.png"
+    if not args.no_plot:
+        if plot_path.is_dir():
+            raise UsageError(f"--plot {plot_path}: is a directory; give the PNG file's path")
+        check_writable_dir(plot_path.parent, "--plot")
     try:
         rows = simulate(args.profile, gpus, tokens=args.tokens, model_dim=args.model_dim,
                         hidden_dim=args.hidden_dim, experts=args.experts, k=args.k,
                         capacity_factor=args.capacity_factor, dtype=args.dtype, skew=args.skew)
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None
-    name = Path(str(args.profile)).stem
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         print(format_table(rows, name))
     if not args.no_plot:
-        path = plot(rows, args.plot or Path(f"simulate-{name}.png"), name)
+        path = plot(rows, plot_path, name)
         if not args.json:
             print(f"plot: {path}")
     return 0

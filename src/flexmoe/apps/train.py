@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +37,19 @@ from torch import Tensor, nn
 
 from flexmoe.apps.data import TokenData
 from flexmoe.apps.errors import UsageError
+from flexmoe.apps.flags import (
+    COUNT,
+    FINITE,
+    FRACTION,
+    NON_NEGATIVE,
+    NON_NEGATIVE_REAL,
+    POSITIVE,
+    SEED,
+    SHARE,
+    Choice,
+    check_writable_dir,
+)
+from flexmoe.apps.interrupt import Interrupted, StopSignals
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.apps.models.moe_model import MoEModel
 from flexmoe.checkpoint import (
@@ -84,24 +98,26 @@ class TrainConfig:
 # ----------------------------------------------------------------------------------------------------------
 # Command line.
 
-# The model flags of every job training an MoEModel: flag -> (config field, type).
-MOE_MODEL_FLAGS: dict[str, tuple[str, type]] = {
-    "--n-layer": ("n_layer", int),
-    "--n-head": ("n_head", int),
-    "--n-embd": ("n_embd", int),
-    "--num-experts": ("num_experts", int),
-    "--expert-hidden": ("expert_hidden", int),
-    "--k": ("k", int),
-    "--moe-every": ("moe_every", int),
-    "--capacity-factor": ("capacity_factor", float),
-    "--aux-loss-coef": ("aux_loss_coef", float),
-    "--dropout": ("dropout", float),
+# flag -> (config field, value type of flexmoe.apps.flags)
+FlagTable = dict[str, tuple[str, Callable[[str], Any]]]
+# The model flags of every job training an MoEModel.
+MOE_MODEL_FLAGS: FlagTable = {
+    "--n-layer": ("n_layer", COUNT),
+    "--n-head": ("n_head", COUNT),
+    "--n-embd": ("n_embd", COUNT),
+    "--num-experts": ("num_experts", COUNT),
+    "--expert-hidden": ("expert_hidden", COUNT),
+    "--k": ("k", COUNT),
+    "--moe-every": ("moe_every", COUNT),
+    "--capacity-factor": ("capacity_factor", FINITE),
+    "--aux-loss-coef": ("aux_loss_coef", NON_NEGATIVE_REAL),
+    "--dropout": ("dropout", FRACTION),
 }
-_MODEL_FLAGS = {  # flag -> (GPTConfig field, type)
-    "--block-size": ("block_size", int),
+_MODEL_FLAGS: FlagTable = {  # GPTConfig's
+    "--block-size": ("block_size", COUNT),
     **MOE_MODEL_FLAGS,
-    "--a2a": ("a2a", str),
-    "--cross-node-share": ("cross_node_share", float),
+    "--a2a": ("a2a", Choice(("flat", "2dh"))),
+    "--cross-node-share": ("cross_node_share", SHARE),
 }
 _ACTIONS: list[argparse.Action] = []
 
@@ -111,41 +127,36 @@ def add_run_flags(parser: argparse.ArgumentParser, t: TrainConfig, out: str) -> 
     and the dense twin."""
     a = parser.add_argument
     a("--out", default=out, help="run directory; an existing one needs --resume or --overwrite")
-    a("--steps", type=int, default=None, help=f"optimizer steps (default: {t.steps}; on --resume: the saved value)")
+    a("--steps", type=COUNT, default=None, help=f"optimizer steps (default: {t.steps}; on --resume: the saved value)")
     a("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
     a("--overwrite", action="store_true", help="delete the run in --out (metrics, checkpoints, plots) and start anew")
-    a("--lr", type=float, default=t.lr, help="peak learning rate (cosine decay to a tenth of it)")
-    a("--warmup", type=int, default=t.warmup, help="linear warm-up steps")
-    a("--log-every", type=int, default=t.log_every, help="steps between metrics records")
-    a("--ckpt-every", type=int, default=t.ckpt_every, help="steps between checkpoints")
+    a("--lr", type=POSITIVE, default=t.lr, help="peak learning rate (cosine decay to a tenth of it)")
+    a("--warmup", type=NON_NEGATIVE, default=t.warmup, help="linear warm-up steps")
+    a("--log-every", type=COUNT, default=t.log_every, help="steps between metrics records")
+    a("--ckpt-every", type=COUNT, default=t.ckpt_every, help="steps between checkpoints")
     a("--dense", action="store_true", help="train the dense twin instead of the MoE model")
     a("--compare-dense", action="store_true",
       help="also train the dense twin (equal active compute) on the same batches; write compare.{png,md,json}")
     a("--no-plots", action="store_true", help="skip the PNG plots")
     a("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(flag_parser=parser)  # given_dests reads the defaults where cli.main did not run
 
 
-def check_run_flags(args: argparse.Namespace, positive: tuple[str, ...]) -> None:
-    """Raise :class:`UsageError` unless each flag of ``positive`` (where given) is >= 1, ``--warmup`` >= 0, and not
-    both ``--resume`` and ``--overwrite``."""
-    for flag in positive:
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if args.warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+def check_run_flags(args: argparse.Namespace) -> None:
+    """Raise :class:`UsageError` for both ``--resume`` and ``--overwrite`` (each value's range is checked as the
+    command line is parsed, :mod:`flexmoe.apps.flags`)."""
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
                          "--overwrite deletes it")
 
 
-def add_model_flags(parser: argparse.ArgumentParser, flags: dict[str, tuple[str, type]], defaults: object) -> None:
+def add_model_flags(parser: argparse.ArgumentParser, flags: FlagTable, defaults: object) -> None:
     """One optional flag per model field of ``flags``; the help shows the field's value in ``defaults``."""
     for flag, (name, typ) in flags.items():
         parser.add_argument(flag, type=typ, default=None, help=f"model: {name} (default: {getattr(defaults, name)})")
 
 
-def model_flag_values(args: argparse.Namespace, flags: dict[str, tuple[str, type]]) -> dict[str, Any]:
+def model_flag_values(args: argparse.Namespace, flags: FlagTable) -> dict[str, Any]:
     """The model fields the command line set (flags left out are absent)."""
     values = {name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _) in flags.items()}
     return {name: value for name, value in values.items() if value is not None}
@@ -157,17 +168,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_flags(parser, t, "runs/default")
     a = parser.add_argument
     a("--data", default=None, help="train on this text file (bytes as tokens) (default: the embedded tiny Shakespeare)")
-    a("--seed", type=int, default=t.seed, help="seed of the initialisation and data order")
-    a("--batch-size", type=int, default=t.batch_size, help="global sequences per step (split over ranks)")
-    a("--micro-batches", type=int, default=t.micro_batches, help="gradient accumulation steps per rank")
-    a("--eval-every", type=int, default=t.eval_every, help="steps between validation evaluations")
-    a("--eval-batches", type=int, default=t.eval_batches, help="validation batches per evaluation")
-    a("--target-loss", type=float, default=None,
-      help="report wall time and tokens until the validation loss first reaches this value (default: none)")
+    a("--seed", type=SEED, default=t.seed, help="seed of the initialisation and data order")
+    a("--batch-size", type=COUNT, default=t.batch_size, help="global sequences per step (split over ranks)")
+    a("--micro-batches", type=COUNT, default=t.micro_batches, help="gradient accumulation steps per rank")
+    a("--eval-every", type=COUNT, default=t.eval_every, help="steps between validation evaluations")
+    a("--eval-batches", type=COUNT, default=t.eval_batches, help="validation batches per evaluation")
+    a("--target-loss", type=NON_NEGATIVE_REAL, default=None,
+      help="report wall time and tokens until the validation loss first reaches this value, checked at each "
+           "evaluation (--eval-every) (default: none)")
     a("--stop-at-target", action="store_true", help="stop training once --target-loss is reached")
     add_compile_flag(parser)
-    a("--nproc", type=int, default=1,
-      help="launch N processes with torch.distributed.run (experts spread over ranks, the rest data-parallel)")
+    a("--nproc", type=COUNT, default=1,
+      help="launch N local processes (experts spread over ranks, the rest data-parallel)")
     add_model_flags(parser, _MODEL_FLAGS, m)
     from flexmoe.apps.hf_job import add_hf_flags
 
@@ -202,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         mcfg, tcfg = _configs(args)
         check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
         TokenData.from_file(tcfg.data, block_size=mcfg.block_size)  # a missing, empty or too small --data
+        check_world_size(mcfg, int(os.environ.get("WORLD_SIZE", args.nproc)))
     else:
         hf_cfg, tcfg = hf
         check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
@@ -218,11 +231,69 @@ def run(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
+def check_world_size(mcfg: Any, nproc: int) -> None:
+    """The world size (``--nproc``) against the experts of ``mcfg`` (a GPT config): every rank must hold whole
+    experts or an equal share of one expert's hidden units, or the ranks would fail at start, each with its own
+    traceback."""
+    if nproc == 1 or mcfg.dense:
+        return
+    from flexmoe.apps.reshard import valid_world_sizes
+
+    sizes = valid_world_sizes(mcfg.num_experts, mcfg.expert_hidden)
+    if nproc not in sizes:
+        raise UsageError(f"--nproc {nproc} does not fit --num-experts {mcfg.num_experts} (of --expert-hidden "
+                         f"{mcfg.expert_hidden}): each rank holds whole experts or an equal share of one; "
+                         f"--nproc values that work: {', '.join(map(str, sizes[:12]))}")
+
+
+# What a resumed run may set anew: these flags change no number the run computes (its weights, losses, or
+# where it is evaluated; --eval-every only moves the evaluations, whose val loss --target-loss is checked on).
+# Every other flag given with --resume must equal the saved run's. --nproc may differ too: the checkpoint is
+# cut for the new world size (whose sums round differently: the losses then match to rounding, not bit for bit).
+RESUME_MAY_CHANGE = ("steps", "log_every", "eval_every", "ckpt_every", "no_plots", "no_progress", "compile",
+                     "nproc", "out", "resume", "overwrite", "compare_dense", "export_hf")
+# The training flags (TrainConfig fields) that a resumed run must keep.
+_KEPT_TRAIN_FLAGS = ("lr", "warmup", "seed", "data", "batch_size", "micro_batches", "eval_batches", "target_loss",
+                     "stop_at_target")
+
+
+def given_dests(args: argparse.Namespace) -> frozenset[str]:
+    """The flags (as argparse destinations) the command line set: what :func:`flexmoe.apps.cli.main` recorded
+    in ``args.given``; for a namespace parsed elsewhere, the flags whose value is not their default (read from
+    ``args.flag_parser``, :func:`add_run_flags`)."""
+    given = getattr(args, "given", None)
+    if given is not None:
+        return frozenset(given)
+    defaults = {a.dest: a.default for a in args.flag_parser._actions if a.option_strings}
+    return frozenset(dest for dest, value in vars(args).items() if dest in defaults and value != defaults[dest])
+
+
+def check_resumed_flags(args: argparse.Namespace, saved: dict[str, Any], out: Path) -> None:
+    """Raise :class:`UsageError` for the first flag of ``saved`` (destination -> the saved run's value) that the
+    command line sets to another value: a resumed run continues exactly the saved one, or not at all."""
+    for dest in sorted(given_dests(args) & saved.keys()):
+        value = getattr(args, dest)
+        if value != saved[dest]:
+            flag = "--" + dest.replace("_", "-")
+            shown = "given" if value is True else value
+            raise UsageError(
+                f"--resume: {flag} {shown} differs from the run in {out}, which has {_saved_value(dest, saved[dest])} "
+                f"({out / 'config.json'}); a resumed run keeps its configuration (only --steps, --log-every, "
+                f"--eval-every, --ckpt-every, --nproc, --compile and the output flags may change): leave {flag} out, "
+                f"or start a new run (--overwrite, or another --out)")
+
+
+def _saved_value(dest: str, value: Any) -> str:
+    if dest == "data" and value is None:
+        return "the embedded tiny Shakespeare"
+    return "it off" if value is False or value is None else f"{value}"
+
+
 def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any] | None]:
     """The training configuration from the flags, and the saved ``config.json`` of a run being resumed (else
-    None): a resumed run keeps its configuration; only --steps (to extend or shorten it) is taken from the CLI."""
-    check_run_flags(args, ("steps", "batch_size", "micro_batches", "log_every", "eval_every", "eval_batches",
-                           "ckpt_every", "nproc"))
+    None): a resumed run keeps its configuration (a flag set to another value is an error,
+    :func:`check_resumed_flags`); the flags of :data:`RESUME_MAY_CHANGE` are taken from the command line."""
+    check_run_flags(args)
     tcfg = TrainConfig(
         steps=args.steps if args.steps is not None else TrainConfig.steps,
         batch_size=args.batch_size, micro_batches=args.micro_batches, lr=args.lr, warmup=args.warmup,
@@ -233,15 +304,28 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any] 
     )
     saved = saved_run_config(Path(args.out)) if args.resume else None
     if saved is not None:
-        # How the run executes (compiled or not, progress, plots) is this invocation's; what it computes is saved.
-        steps = tcfg.steps if args.steps is not None else saved["train"]["steps"]
-        tcfg = TrainConfig(**{**saved["train"], "steps": steps, "progress": tcfg.progress, "plots": tcfg.plots,
-                              "compile": tcfg.compile})
+        check_resumed_flags(args, saved_train_flags(saved["train"]), Path(args.out))
+        tcfg = resumed_train_config(saved["train"], tcfg, given_dests(args))
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
     if tcfg.batch_size % (world * tcfg.micro_batches):
         raise UsageError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
                          f"({world} x {tcfg.micro_batches}); e.g. --batch-size {world * tcfg.micro_batches * 8}")
     return tcfg, saved
+
+
+def saved_train_flags(train: dict[str, Any]) -> dict[str, Any]:
+    """The training flags' values of a saved run that a resumed run must keep (destination -> value)."""
+    return {name: train.get(name) for name in _KEPT_TRAIN_FLAGS}
+
+
+def resumed_train_config(saved: dict[str, Any], asked: TrainConfig, given: frozenset[str]) -> TrainConfig:
+    """The saved run's training configuration, with what this command line may change (:data:`RESUME_MAY_CHANGE`)
+    taken from ``asked``: how the run executes (compiled or not, progress, plots) always, the cadences and
+    ``--steps`` where given."""
+    cadences: dict[str, Any] = {name: getattr(asked, name) for name in ("steps", "log_every", "eval_every",
+                                                                         "ckpt_every") if name in given}
+    return TrainConfig(**{**saved, **cadences, "progress": asked.progress, "plots": asked.plots,
+                          "compile": asked.compile})
 
 
 def add_compile_flag(parser: argparse.ArgumentParser) -> None:
@@ -284,6 +368,7 @@ def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
     """The model and training configuration from the flags (a resumed run: from its config.json)."""
     tcfg, saved = train_config(args)
     if saved is not None:
+        check_resumed_flags(args, saved_model_flags(saved["model"], _MODEL_FLAGS), Path(args.out))
         mcfg = GPTConfig.from_dict(saved["model"])
     else:
         try:
@@ -293,8 +378,15 @@ def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
     return mcfg, tcfg
 
 
+def saved_model_flags(model: dict[str, Any], flags: FlagTable) -> dict[str, Any]:
+    """The model flags' values of a saved run (destination -> value), ``--dense`` included."""
+    values = {flag[2:].replace("-", "_"): model.get(name) for flag, (name, _) in flags.items()}
+    return {**values, "dense": bool(model.get("dense", False))}
+
+
 def check_run_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
-    """An existing run directory is touched only with --resume (continue it) or --overwrite (replace it)."""
+    """An existing run directory is touched only with --resume (continue it) or --overwrite (replace it); a run
+    that --resume cannot continue exactly (no usable checkpoint) is refused; a new one needs a writable place."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, not a directory; give a new or existing run directory")
     existing = out.is_dir() and any(out.iterdir())
@@ -304,6 +396,35 @@ def check_run_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
     if existing and not (resume or overwrite):
         raise UsageError(f"--out {out} already exists: add --resume to continue that run or --overwrite to "
                          f"replace it (or give another --out)")
+    if resume:
+        for run_dir in (out, out / "dense"):  # the dense twin of --compare-dense has its own checkpoints
+            if (run_dir / "config.json").is_file():
+                check_resumable(run_dir)
+    check_writable_dir(out, "--out")
+
+
+def check_resumable(run_dir: Path) -> None:
+    """A run directory with a config.json but no checkpoint to continue from (stopped before its first one, or
+    its checkpoints deleted) is an error saying what the directory holds, before anything in it is rewritten."""
+    if latest_checkpoint(run_dir) is not None:
+        return
+    metrics = run_dir / "metrics.jsonl"
+    steps = [json.loads(line).get("step") for line in metrics.read_text().splitlines() if line.strip()] \
+        if metrics.is_file() else []
+    logged = f"metrics.jsonl up to step {steps[-1]}" if steps else "no metrics"
+    pointer = run_dir / "checkpoints" / "latest.json"
+    if pointer.is_file():
+        try:
+            named = json.loads(pointer.read_text()).get("path", "?")
+        except ValueError:
+            named = "?"
+        found = f"checkpoints/latest.json names {named}, which is missing or incomplete, and no other checkpoint is"
+    elif (run_dir / "checkpoints").is_dir():
+        found = "checkpoints/ holds no complete checkpoint"
+    else:
+        found = "no checkpoints/ (stopped before its first checkpoint)"
+    raise UsageError(f"--resume: {run_dir} holds a run (config.json, {logged}) but {found}; there is nothing to "
+                     f"continue from: add --overwrite (instead of --resume) to start it again from step 0")
 
 
 def _run(args: argparse.Namespace, mcfg: GPTConfig, tcfg: TrainConfig) -> int:
@@ -552,7 +673,9 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
     val_loss = train_loss = float("nan")
     last_eval_step = -1
     step = start
+    stop_signals = StopSignals()
     try:
+        stop_signals.install()  # Ctrl-C / SIGTERM from here on: save at the end of the step, then leave
         for step in range(start + 1, tcfg.steps + 1):
             lr = lr_at(step - 1, tcfg)
             for g in optimizer.param_groups:
@@ -606,7 +729,8 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
                         target = {"target_loss": tcfg.target_loss, "step": step, "tokens": step * tokens_per_step,
                                   "wall_time_s": time.perf_counter() - t0, "val_loss": val_loss}
                         if rank == 0:
-                            msg = (f"[{label}] reached val loss {val_loss:.4f} <= {tcfg.target_loss} at step {step}: "
+                            msg = (f"[{label}] reached val loss {val_loss:.4f} <= {tcfg.target_loss} at the evaluation "
+                                   f"of step {step} (evaluated every {tcfg.eval_every} steps): "
                                    f"{target['wall_time_s']:.1f} s, {target['tokens']:,} tokens")
                             (bar.write(msg) if bar else print(msg, flush=True))
                         record["target_reached"] = True
@@ -623,15 +747,19 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
             if bar is not None:
                 bar.update(1)
             stop = tcfg.stop_at_target and target is not None
-            if step % tcfg.ckpt_every == 0 or step == tcfg.steps or stop:
-                save_checkpoint(out, model=model, optimizer=optimizer, step=step, keep=tcfg.keep_checkpoints,
-                                extra={"elapsed_s": time.perf_counter() - t0, "target": target,
-                                       "train": asdict(tcfg)})
+            signum = stop_signals.received(world)
+            if step % tcfg.ckpt_every == 0 or step == tcfg.steps or stop or signum:
+                saved = save_checkpoint(out, model=model, optimizer=optimizer, step=step, keep=tcfg.keep_checkpoints,
+                                        extra={"elapsed_s": time.perf_counter() - t0, "target": target,
+                                               "train": asdict(tcfg)})
                 if world > 1:
                     dist.barrier()
+            if signum:
+                raise Interrupted.after_step(label, signum, step, tcfg.steps, saved)
             if stop:
                 break
     finally:
+        stop_signals.restore()
         if bar is not None:
             bar.close()
         if log_file is not None:
@@ -653,7 +781,8 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
         if tcfg.plots:
             write_plots(out, label)
         print(f"[{label}] done: step {step}, val loss {val_loss:.4f}, {wall:.1f} s"
-              + (f"; target {tcfg.target_loss} reached at step {target['step']} after {target['wall_time_s']:.1f} s"
+              + (f"; target {tcfg.target_loss} reached at the evaluation of step {target['step']} after "
+                 f"{target['wall_time_s']:.1f} s"
                  f" and {target['tokens']:,} tokens" if target else
                  (f"; target {tcfg.target_loss} not reached" if tcfg.target_loss is not None else "")), flush=True)
     return RunResult(val_loss, train_loss, step, wall, step * tokens_per_step, target, summary)

@@ -23,6 +23,7 @@ from typing import Any
 
 from flexmoe.apps.calibrate import calibrate
 from flexmoe.apps.errors import UsageError
+from flexmoe.apps.flags import COUNT, NON_NEGATIVE
 from flexmoe.apps.progress import StepBar
 from flexmoe.launch import RanksFailed, spawn_ranks
 from flexmoe.tuning.cost_model import LayerConfig, predict
@@ -306,21 +307,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="profile to predict with: 'local' (calibrated here; calibrates first if missing) "
                              "or a JSON path")
     parser.add_argument("--recalibrate", action="store_true", help="calibrate again before validating")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--steps", type=COUNT, default=5, help="timed steps per configuration (median)")
+    parser.add_argument("--warmup", type=NON_NEGATIVE, default=2, help="untimed steps first")
+    parser.add_argument("--rounds", type=COUNT, default=2,
                         help="measure every configuration this many times, in turn, and keep the median "
                              "(default: 2; a shared machine's load drifts over minutes)")
-    parser.add_argument("--max-ranks", type=int, default=4, help="skip configurations with more ranks")
+    parser.add_argument("--max-ranks", type=COUNT, default=4, help="skip configurations with more ranks")
     parser.add_argument("--json", action="store_true", help="print {median_abs_error, rows} as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag in ("steps", "rounds", "max_ranks"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     if args.profile != "local":
         try:
             load_profile(args.profile)

@@ -27,11 +27,14 @@ import torch
 from torch import Tensor
 
 from flexmoe.apps.errors import UsageError
+from flexmoe.apps.flags import COUNT, SEED, Choice
+from flexmoe.apps.interrupt import Interrupted, StopSignals
 from flexmoe.apps.models.vit import ViT, ViTConfig
 from flexmoe.apps.train import (
     MOE_MODEL_FLAGS,
     RUN_DIRS,
     RUN_FILES,
+    FlagTable,
     RunResult,
     TrainConfig,
     add_compile_flag,
@@ -39,15 +42,20 @@ from flexmoe.apps.train import (
     add_run_flags,
     build_optimizer,
     check_compile_backend,
+    check_resumed_flags,
     check_run_dir,
     check_run_flags,
     clip_gradients,
     compile_model,
     finished_run,
+    given_dests,
     lr_at,
     model_flag_values,
     remove_run_files,
+    resumed_train_config,
     rewrite_metrics,
+    saved_model_flags,
+    saved_train_flags,
     write_plots,
 )
 from flexmoe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -103,10 +111,10 @@ def load_digits_split() -> tuple[Digits, Digits]:
 # ----------------------------------------------------------------------------------------------------------
 # Command line.
 
-_MODEL_FLAGS = {  # flag -> (ViTConfig field, type)
-    "--patch-size": ("patch_size", int),
+_MODEL_FLAGS: FlagTable = {  # ViTConfig's
+    "--patch-size": ("patch_size", COUNT),
     **MOE_MODEL_FLAGS,
-    "--pool": ("pool", str),
+    "--pool": ("pool", Choice(("mean", "cls"))),
 }
 
 
@@ -115,31 +123,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m = ViTConfig()
     add_run_flags(parser, t, "runs/vision")
     a = parser.add_argument
-    a("--seed", type=int, default=t.seed, help="seed of the initialisation and batch order (not of the split)")
-    a("--batch-size", type=int, default=t.batch_size, help="images per step")
-    a("--eval-every", type=int, default=t.eval_every, help="steps between held-out evaluations")
+    a("--seed", type=SEED, default=t.seed, help="seed of the initialisation and batch order (not of the split)")
+    a("--batch-size", type=COUNT, default=t.batch_size, help="images per step")
+    a("--eval-every", type=COUNT, default=t.eval_every, help="steps between held-out evaluations")
     add_compile_flag(parser)
     add_model_flags(parser, _MODEL_FLAGS, m)
 
 
 def _configs(args: argparse.Namespace) -> tuple[ViTConfig, TrainConfig]:
     """The model and training configuration from the flags (a resumed run: from its config.json)."""
-    check_run_flags(args, ("steps", "batch_size", "log_every", "eval_every", "ckpt_every"))
+    check_run_flags(args)
+    compile_backend = check_compile_backend(args.compile)
     saved = Path(args.out) / "config.json"
     if args.resume and saved.is_file():
-        # A resumed run keeps its configuration; only --steps (to extend or shorten it) is taken from the CLI.
+        # A resumed run keeps its configuration (a flag set to another value is an error).
         old = json.loads(saved.read_text())
-        steps = args.steps if args.steps is not None else old["train"]["steps"]
-        tcfg = TrainConfig(**{**old["train"], "steps": steps, "progress": not args.no_progress,
-                              "plots": not args.no_plots, "compile": check_compile_backend(args.compile)})
-        return ViTConfig.from_dict(old["model"]), tcfg
+        check_resumed_flags(args, {**saved_train_flags(old["train"]), **saved_model_flags(old["model"], _MODEL_FLAGS)},
+                            Path(args.out))
+        asked = TrainConfig(steps=args.steps or 1, log_every=args.log_every, eval_every=args.eval_every,
+                            ckpt_every=args.ckpt_every, plots=not args.no_plots, progress=not args.no_progress,
+                            compile=compile_backend)
+        return ViTConfig.from_dict(old["model"]), resumed_train_config(old["train"], asked, given_dests(args))
     base = default_train_config()
     tcfg = TrainConfig(**{
         **asdict(base), "steps": args.steps if args.steps is not None else base.steps,
         "batch_size": args.batch_size, "lr": args.lr, "min_lr": args.lr / 10, "warmup": args.warmup,
         "seed": args.seed, "log_every": args.log_every, "eval_every": args.eval_every,
         "ckpt_every": args.ckpt_every, "plots": not args.no_plots, "progress": not args.no_progress,
-        "compile": check_compile_backend(args.compile),
+        "compile": compile_backend,
     })
     overrides = model_flag_values(args, _MODEL_FLAGS)
     try:
@@ -228,8 +239,10 @@ def train_vision(mcfg: ViTConfig, tcfg: TrainConfig, out: str | Path, *, resume:
     val_loss = accuracy = train_loss = float("nan")
     last_eval_step = -1
     step = start
+    stop_signals = StopSignals()
     with open(metrics_path, "a") as log_file:
         try:
+            stop_signals.install()  # Ctrl-C / SIGTERM from here on: save at the end of the step, then leave
             for step in range(start + 1, tcfg.steps + 1):
                 lr = lr_at(step - 1, tcfg)
                 for g in optimizer.param_groups:
@@ -265,10 +278,15 @@ def train_vision(mcfg: ViTConfig, tcfg: TrainConfig, out: str | Path, *, resume:
                         bar.set_postfix(post, refresh=False)
                 if bar is not None:
                     bar.update(1)
-                if step % tcfg.ckpt_every == 0 or step == tcfg.steps:
-                    save_checkpoint(out, model=model, optimizer=optimizer, step=step, keep=tcfg.keep_checkpoints,
-                                    extra={"elapsed_s": time.perf_counter() - t0, "train": asdict(tcfg)})
+                signum = stop_signals.received(world=1)
+                if step % tcfg.ckpt_every == 0 or step == tcfg.steps or signum:
+                    saved = save_checkpoint(out, model=model, optimizer=optimizer, step=step,
+                                            keep=tcfg.keep_checkpoints,
+                                            extra={"elapsed_s": time.perf_counter() - t0, "train": asdict(tcfg)})
+                if signum:
+                    raise Interrupted.after_step(label, signum, step, tcfg.steps, saved)
         finally:
+            stop_signals.restore()
             if bar is not None:
                 bar.close()
 
