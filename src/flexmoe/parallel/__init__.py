@@ -8,6 +8,7 @@ Nothing here imports :mod:`flexmoe.tuning`: the policies that need the cost mode
 from flexmoe.parallel.auto import AutoContext, Chooser, MeasuringChooser, candidates
 from flexmoe.parallel.ddp import expert_parameter_names, wrap_ddp
 from flexmoe.parallel.expert_parallel import ParallelSetting
+from flexmoe.parallel.fsdp import default_blocks, parallelize, place_experts
 from flexmoe.parallel.groups import (
     SINGLE_PROCESS,
     CollectiveError,
@@ -16,6 +17,8 @@ from flexmoe.parallel.groups import (
     resolve_group,
 )
 from flexmoe.parallel.layout import ExpertLayout, shard_expert_state, unshard_expert_states, valid_r
+from flexmoe.parallel.memory import local_state_bytes
+from flexmoe.parallel.mesh import MESH_DIMS, make_mesh
 from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.pairwise import pairwise_peers
 from flexmoe.parallel.shadow import (
@@ -60,6 +63,12 @@ __all__ = [
     "candidates",
     "expert_parameter_names",
     "wrap_ddp",
+    "MESH_DIMS",
+    "make_mesh",
+    "parallelize",
+    "place_experts",
+    "default_blocks",
+    "local_state_bytes",
     "pairwise_peers",
     "ShadowContext",
     "ShadowExperts",

@@ -1,0 +1,207 @@
+"""The multi-rank scenarios of :func:`flexmoe.parallel.parallelize` (FSDP2 with expert parallelism), run in every
+rank by ``multiproc.rank_main`` (registered in ``scenario_worker.SCENARIOS``); the pytest cases are in
+tests/test_fsdp.py.
+
+The reference: one process holding every expert, running each rank's batch as its own forward, the loss the mean
+of the ranks' losses (what FSDP's averaged gradients are the gradient of), one AdamW step per step. Every rank
+computes it for itself (the model is tiny) and compares its own losses and its own shards of the final weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from flexmoe import MoELayer, update_expert_biases
+from flexmoe.apps.models.gpt import GPT, GPTConfig
+from flexmoe.parallel import ExpertLayout, local_state_bytes, make_mesh, parallelize, shard_expert_state
+
+# Tiny: 2 MoE blocks of 8 experts, so ep=4 holds 2 experts a rank and ep=2 x dp_shard=2 one expert's worth of each.
+CFG = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, num_experts=8, expert_hidden=16, k=2,
+           moe_every=1, capacity_factor=1.25)
+BATCH, SEQ = 2, 16
+LR = 1e-2
+# The attention's key bias has a gradient of exactly 0 (softmax ignores a shift per query): only rounding noise,
+# which AdamW's default eps=1e-8 would blow up into lr-sized steps that differ between any two summation orders.
+EPS = 1e-4
+# float32 end to end: the ranks sum gradients in another order than the reference, and AdamW divides by sqrt(v).
+TOL = 2e-5
+DTYPE = torch.float32
+
+
+def gpt(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**CFG, **overrides}))
+
+
+def with_layer_options(model: GPT, **options) -> GPT:
+    """``model`` with every MoE layer rebuilt with ``options`` on top of its own (same weights, one process)."""
+    for block in model.blocks:
+        old = block.mlp
+        if not isinstance(old, MoELayer):
+            continue
+        new = MoELayer(old.model_dim, old.num_experts, old.hidden_dim, group="single",
+                       routing_options=old.routing_options, expert_options=old.expert_options,
+                       parallel_options=old.parallel_options, **options)
+        new.load_state_dict(old.state_dict(), strict=False)  # a new expert_bias starts at 0
+        block.mlp = new
+    return model.to(DTYPE)
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    data = torch.randint(0, CFG["vocab_size"], (BATCH, SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def train_reference(model: GPT, world: int, steps: int) -> list[list[float]]:
+    """losses[step][rank] of one process running each rank's batch, the loss their mean."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        total = torch.zeros((), dtype=DTYPE)
+        mine = []
+        for j in range(world):
+            x, y = batch(step, j)
+            _, loss = model(x, y)
+            loss = loss + model.regularization_loss()
+            mine.append(loss.item())
+            total = total + loss / world
+        total.backward()
+        update_expert_biases(model)
+        opt.step()
+        losses.append(mine)
+    return losses
+
+
+def train_parallel(model: GPT, rank: int, steps: int) -> tuple[list[float], torch.optim.Optimizer]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step, rank)
+        _, loss = model(x, y)
+        loss = loss + model.regularization_loss()
+        loss.backward()
+        update_expert_biases(model)
+        opt.step()
+        losses.append(loss.item())
+    return losses, opt
+
+
+def expected_shard(ref: GPT, name: str, ep: int, ep_rank: int, grad: bool = False) -> torch.Tensor:
+    """What this rank's expert-parallel group member holds of reference parameter ``name`` (all of it, for a
+    non-expert parameter), or of its gradient."""
+    p = dict(ref.named_parameters())[name]
+    want = (p.grad if grad else p).detach()
+    if ".experts." not in name:
+        return want
+    layer_name, param = name.rsplit(".experts.", 1)
+    layer = ref.get_submodule(layer_name)
+    layout = ExpertLayout(layer.num_experts, ep, layer.hidden_dim)
+    return shard_expert_state({param: want}, layout, ep_rank)[param]
+
+
+def compare_run(tag: str, ref_losses, losses, ref: GPT, model, rank: int, ep: int, failures: list[str]) -> None:
+    got = torch.tensor(losses)
+    want = torch.tensor([step[rank] for step in ref_losses])
+    if not torch.allclose(got, want, rtol=TOL, atol=TOL):
+        failures.append(f"{tag}: losses differ (max {(got - want).abs().max().item():.3g}): {got} vs {want}")
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        want_p = expected_shard(ref, name, ep, rank % ep)
+        if full.shape != want_p.shape:
+            failures.append(f"{tag}: {name} has shape {tuple(full.shape)}, expected {tuple(want_p.shape)}")
+        elif not torch.allclose(full.detach(), want_p, rtol=TOL, atol=TOL):
+            failures.append(f"{tag}: {name} differs by {(full.detach() - want_p).abs().max().item():.3g}")
+
+
+def state_bound(ref: GPT, world: int) -> float:
+    """1.1 x the whole model's training state / world + the largest tensor (fp32 AdamW: 4 tensors a parameter)."""
+    total = sum(4 * 4 * p.numel() for p in ref.parameters())
+    largest = max(4 * p.numel() for p in ref.parameters())
+    return 1.1 * total / world + largest
+
+
+def check_mesh(tag: str, rank: int, world: int, mesh_sizes: dict, out: dict, failures: list[str], steps: int = 10,
+               activation_checkpointing: bool = False, **options) -> None:
+    """Train the GPT laid on ``make_mesh(**mesh_sizes)`` and compare it with one process; record its state bytes."""
+    ref = with_layer_options(gpt(), **options)
+    ref_losses = train_reference(ref, world, steps)
+    model = parallelize(with_layer_options(gpt(), **options), make_mesh(**mesh_sizes),
+                        activation_checkpointing=activation_checkpointing)
+    losses, opt = train_parallel(model, rank, steps)
+    ep = mesh_sizes.get("ep", 1)
+    compare_run(tag, ref_losses, losses, ref, model, rank, ep, failures)
+    held = local_state_bytes(model, opt)
+    out.setdefault("state_bytes", {})[tag] = held
+    out.setdefault("bound", {})[tag] = state_bound(ref, world)
+    out.setdefault("cases", 0)
+    out["cases"] += 1
+
+
+def scenario_fsdp_gpt(rank: int, world: int, out: dict) -> None:
+    """The GPT laid on every mesh of this world: losses and final weights equal one process's."""
+    failures: list[str] = []
+    meshes = {2: [dict(ep=2)], 4: [dict(ep=2, dp_shard=2), dict(ep=4)]}[world]
+    for sizes in meshes:
+        tag = "x".join(f"{k}={v}" for k, v in sizes.items())
+        check_mesh(tag, rank, world, sizes, out, failures)
+    if world == 2:
+        check_mesh("ep=2 activation checkpointing", rank, world, dict(ep=2), out, failures, steps=4,
+                   activation_checkpointing=True)
+    out["failures"] = failures
+
+
+def scenario_fsdp_features(rank: int, world: int, out: dict) -> None:
+    """Options that change no layout, under parallelize (ep=2): still one process's numbers."""
+    from flexmoe.parallel import ShadowExperts
+
+    failures: list[str] = []
+    cases = {
+        "r=0": dict(r=0),
+        "overlap_degree=2": dict(overlap_degree=2),
+        "shadow": dict(shadow=ShadowExperts([0, 5])),
+        "pairwise": dict(schedule="pairwise"),
+        "auto": dict(parallel="auto"),
+        "bias balance, sigmoid": dict(balance="bias", score_func="sigmoid"),
+        "dropless": dict(capacity_factor=0.0),
+    }
+    for tag, options in cases.items():
+        check_mesh(tag, rank, world, dict(ep=2), out, failures, steps=3, **options)
+    out["failures"] = failures
+
+
+def scenario_fsdp_errors(rank: int, world: int, out: dict) -> None:
+    """What parallelize refuses, with errors naming the combination."""
+    failures: list[str] = []
+
+    def expect(tag: str, exc: type, words: tuple[str, ...], fn) -> None:
+        try:
+            fn()
+        except exc as e:
+            if not all(w in str(e) for w in words):
+                failures.append(f"{tag}: message lacks {words}: {e}")
+        except Exception as e:  # noqa: BLE001 - any other type is the failure reported
+            failures.append(f"{tag}: raised {type(e).__name__} instead of {exc.__name__}: {e}")
+        else:
+            failures.append(f"{tag}: no error")
+
+    expect("bias balance with dp", ValueError, ("balance='bias'", "dp_shard"),
+           lambda: parallelize(with_layer_options(gpt(), balance="bias"), make_mesh(ep=1, dp_shard=world)))
+    expect("float64 reduction over one-rank groups", ValueError, ("float64", "dp_shard=1"),
+           lambda: parallelize(gpt().double(), make_mesh(ep=world)))
+    expect("not a mesh", TypeError, ("mesh",), lambda: parallelize(gpt(), "ep=2"))
+    expect("mesh size", ValueError, ("world has",), lambda: make_mesh(ep=3, dp_shard=1))
+    expect("experts not divisible", ValueError, ("num_experts",),
+           lambda: parallelize(gpt(num_experts=3, k=1), make_mesh(ep=2)))
+    out["failures"] = failures
+
+
+SCENARIOS = {
+    "fsdp_gpt": scenario_fsdp_gpt,
+    "fsdp_features": scenario_fsdp_features,
+    "fsdp_errors": scenario_fsdp_errors,
+}
+
