@@ -14,7 +14,14 @@ from torch.distributed.tensor import DTensor
 
 from flexmoe import MoELayer, update_expert_biases
 from flexmoe.apps.models.gpt import GPT, GPTConfig
-from flexmoe.parallel import ExpertLayout, local_state_bytes, make_mesh, parallelize, shard_expert_state
+from flexmoe.parallel import (
+    ExpertLayout,
+    local_state_bytes,
+    make_mesh,
+    materialize,
+    parallelize,
+    shard_expert_state,
+)
 
 # Tiny: 2 MoE blocks of 8 experts, so ep=4 holds 2 experts a rank and ep=2 x dp_shard=2 one expert's worth of each.
 CFG = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, num_experts=8, expert_hidden=16, k=2,
@@ -26,6 +33,7 @@ LR = 1e-2
 EPS = 1e-4
 # float32 end to end: the ranks sum gradients in another order than the reference, and AdamW divides by sqrt(v).
 TOL = 2e-5
+SEED = 7
 DTYPE = torch.float32
 
 
@@ -154,6 +162,40 @@ def scenario_fsdp_gpt(rank: int, world: int, out: dict) -> None:
     out["failures"] = failures
 
 
+def meta_gpt(**overrides) -> GPT:
+    with torch.device("meta"):
+        return GPT(GPTConfig(**{**CFG, **overrides}))
+
+
+def scenario_fsdp_meta(rank: int, world: int, out: dict) -> None:
+    """The GPT built on the meta device, laid on every mesh of this world and materialised from one seed: only
+    this rank's shards allocated, the same global weights as one process materialising it, and 3 training steps
+    equal to that process's."""
+    failures: list[str] = []
+    meshes = {2: [dict(ep=2)], 4: [dict(ep=2, dp_shard=2), dict(ep=4)]}[world]
+    ref_init = meta_gpt()
+    materialize(ref_init, seed=SEED, init=ref_init.init_module)
+    ref_losses = train_reference(ref_init, world, 3)
+    fresh = meta_gpt()
+    materialize(fresh, seed=SEED, init=fresh.init_module)
+    total = sum(4 * p.numel() for p in fresh.parameters())
+    largest = max(4 * p.numel() for p in fresh.parameters())
+    for sizes in meshes:
+        tag = "meta " + "x".join(f"{k}={v}" for k, v in sizes.items())
+        model = parallelize(meta_gpt(), make_mesh(**sizes))
+        if not all(p.is_meta for p in model.parameters()):
+            failures.append(f"{tag}: parallelize allocated parameters of a meta model")
+        materialize(model, seed=SEED, init=model.init_module)
+        held = local_state_bytes(model)
+        if held > 1.1 * total / world + largest:
+            failures.append(f"{tag}: holds {held} parameter bytes of {total} over {world} ranks")
+        compare_run(f"{tag} initial", [], [], fresh, model, rank, sizes.get("ep", 1), failures)
+        losses, _ = train_parallel(model, rank, 3)
+        compare_run(f"{tag} trained", ref_losses, losses, ref_init, model, rank, sizes.get("ep", 1), failures)
+        out["cases"] = out.get("cases", 0) + 1
+    out["failures"] = failures
+
+
 def scenario_fsdp_features(rank: int, world: int, out: dict) -> None:
     """Options that change no layout, under parallelize (ep=2): still one process's numbers."""
     from flexmoe.parallel import ShadowExperts
@@ -202,6 +244,7 @@ def scenario_fsdp_errors(rank: int, world: int, out: dict) -> None:
 SCENARIOS = {
     "fsdp_gpt": scenario_fsdp_gpt,
     "fsdp_features": scenario_fsdp_features,
+    "fsdp_meta": scenario_fsdp_meta,
     "fsdp_errors": scenario_fsdp_errors,
 }
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from flexmoe.apps.models.gpt import GPT, GPTConfig
-from flexmoe.parallel import default_blocks, local_state_bytes, make_mesh
+from flexmoe.parallel import default_blocks, local_state_bytes, make_mesh, materialize
 from multiproc import Scenario, failures_of, run_scenario
 
 
@@ -32,6 +32,12 @@ def _cases(n: int) -> Callable[[list[dict]], None]:
     return check
 
 
+def _meta_cases(n: int) -> Callable[[list[dict]], None]:
+    def check(reports: list[dict]) -> None:
+        assert all(rep.get("cases") == n for rep in reports), [rep.get("cases") for rep in reports]
+    return check
+
+
 CASES = [
     pytest.param(Scenario("fsdp_gpt", 2, "ep=2 with FSDP (and activation checkpointing): 10 AdamW steps of the GPT "
                           "equal one process's losses and weights"), _cases(2), id="fsdp_gpt-w2"),
@@ -41,6 +47,11 @@ CASES = [
     pytest.param(Scenario("fsdp_features", 2, "r=0, overlap, shadowing, pairwise, auto, bias balance and dropless "
                           "routing under parallelize equal one process", timeout=300.0), _cases(7),
                  id="fsdp_features-w2", marks=pytest.mark.slow),
+    pytest.param(Scenario("fsdp_meta", 2, "a meta-built GPT laid on ep=2 and materialised from a seed holds only its "
+                          "shards, has one process's weights and trains like it"), _meta_cases(1), id="fsdp_meta-w2"),
+    pytest.param(Scenario("fsdp_meta", 4, "a meta-built GPT laid on ep=2 x dp_shard=2 and on ep=4 and materialised "
+                          "from a seed has one process's weights and trains like it", timeout=400.0,
+                          collective_timeout=60.0), _meta_cases(2), id="fsdp_meta-w4", marks=pytest.mark.slow),
     pytest.param(Scenario("fsdp_errors", 2, "parallelize refuses what it cannot do, naming it"), None,
                  id="fsdp_errors-w2"),
 ]
@@ -73,3 +84,50 @@ def test_default_blocks_are_the_gpt_blocks() -> None:
 def test_make_mesh_needs_torch_distributed() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         make_mesh(ep=2)
+
+
+def _meta_gpt(n_layer: int = 2) -> GPT:
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=32, num_experts=4,
+                             expert_hidden=16, k=2, moe_every=1))
+
+
+def test_materialize_follows_the_gpt_initialisation_rule() -> None:
+    model = _meta_gpt()
+    assert all(p.is_meta for p in model.parameters())
+    materialize(model, seed=1, init=model.init_module)
+    params = dict(model.named_parameters())
+    assert not any(p.is_meta for p in params.values())
+    # GPT-2 rule: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 * n_layer)), linear biases 0, norms 1 and 0.
+    assert abs(params["tok_emb.weight"].std().item() - 0.02) < 0.003
+    assert abs(params["blocks.0.attn.proj.weight"].std().item() - 0.02 / 2) < 0.002
+    assert torch.equal(params["blocks.1.attn.qkv.bias"], torch.zeros(96))
+    assert torch.equal(params["blocks.0.ln1.weight"], torch.ones(32))
+    assert torch.equal(params["ln_f.bias"], torch.zeros(32))
+    # Experts and routers: nn.Linear's default, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), every expert drawn differently.
+    w1 = params["blocks.0.mlp.experts.w1"]  # [E, M, H], fan_in M = 32
+    assert w1.abs().max().item() <= 32**-0.5 and w1.std().item() > 0.8 * 32**-0.5 / 3**0.5
+    assert not torch.equal(w1[0], w1[1])
+    assert params["blocks.0.mlp.router.weight"].abs().max().item() <= 32**-0.5
+    x = torch.randint(0, 64, (2, 16))
+    _, loss = model(x, x)
+    assert abs(loss.item() - torch.log(torch.tensor(64.0)).item()) < 0.1  # small init: near-uniform predictions
+    again = _meta_gpt()
+    materialize(again, seed=1, init=again.init_module)
+    other = _meta_gpt()
+    materialize(other, seed=2, init=other.init_module)
+    for name, p in again.named_parameters():
+        assert torch.equal(p, params[name]), name
+    assert not torch.equal(dict(other.named_parameters())["blocks.0.mlp.experts.w1"], w1)
+
+
+def test_materialize_refuses_a_module_it_cannot_initialise() -> None:
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(3))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), Scale())
+    with pytest.raises(ValueError, match="1.*Scale.*reset_parameters"):
+        materialize(model, seed=0)

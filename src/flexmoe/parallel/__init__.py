@@ -17,6 +17,7 @@ from flexmoe.parallel.groups import (
     resolve_group,
 )
 from flexmoe.parallel.layout import ExpertLayout, shard_expert_state, unshard_expert_states, valid_r
+from flexmoe.parallel.materialize import materialize, reset_module
 from flexmoe.parallel.memory import local_state_bytes
 from flexmoe.parallel.mesh import MESH_DIMS, make_mesh
 from flexmoe.parallel.options import ParallelOptions
@@ -69,6 +70,8 @@ __all__ = [
     "place_experts",
     "default_blocks",
     "local_state_bytes",
+    "materialize",
+    "reset_module",
     "pairwise_peers",
     "ShadowContext",
     "ShadowExperts",
