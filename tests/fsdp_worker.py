@@ -241,6 +241,62 @@ def scenario_fsdp_errors(rank: int, world: int, out: dict) -> None:
     out["failures"] = failures
 
 
+# --- DCP checkpoints: save at one mesh, load at others (each a separate group of processes) -----------------------
+
+def _logits_and_moment(model, opt) -> dict:
+    """The logits of a fixed batch (evaluation) and this rank's share of sum(exp_avg^2) over every parameter."""
+    x, _ = batch(99, 0)
+    model.eval()
+    with torch.no_grad():
+        logits, _ = model(x)
+    model.train()
+    square = 0.0
+    # The optimizer's parameters (the sharded ones): after a forward, FSDP keeps the root's gathered ones in the model.
+    for p in (p for group in opt.param_groups for p in group["params"]):
+        m = opt.state[p].get("exp_avg")
+        if m is None:  # a parameter without a gradient yet (no tokens reached it) has no state
+            continue
+        local = m.to_local() if isinstance(m, DTensor) else m
+        square += float(local.double().square().sum())
+    return {"logits": logits.tolist(), "exp_avg_square": square}
+
+
+def dcp_save_main(directory: str, ep: int, dp_shard: int) -> dict:
+    """A rank of a run on ep x dp_shard: 3 training steps, then a DCP checkpoint of model and optimizer."""
+    import torch.distributed as dist
+
+    from flexmoe.parallel import save_sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        mesh = make_mesh(ep=ep, dp_shard=dp_shard)
+        model = parallelize(gpt(), mesh)
+        _, opt = train_parallel(model, dist.get_rank(), 3)
+        save_sharded(directory, model, opt, mesh=mesh)
+        return _logits_and_moment(model, opt)
+    finally:
+        dist.destroy_process_group()
+
+
+def dcp_load_main(directory: str, ep: int) -> dict:
+    """A rank of a run on ep ranks that loads the checkpoint into a differently seeded model."""
+    import torch.distributed as dist
+
+    from flexmoe.parallel import load_sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        mesh = make_mesh(ep=ep)
+        model = parallelize(gpt(seed=99), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+        load_sharded(directory, model, opt, mesh=mesh)
+        return _logits_and_moment(model, opt)
+    finally:
+        dist.destroy_process_group()
+
+
 SCENARIOS = {
     "fsdp_gpt": scenario_fsdp_gpt,
     "fsdp_features": scenario_fsdp_features,

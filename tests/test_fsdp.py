@@ -131,3 +131,30 @@ def test_materialize_refuses_a_module_it_cannot_initialise() -> None:
         model = nn.Sequential(nn.Linear(3, 3), Scale())
     with pytest.raises(ValueError, match="1.*Scale.*reset_parameters"):
         materialize(model, seed=0)
+
+
+@pytest.mark.slow
+def test_dcp_checkpoint_saved_at_2x2_loads_at_2_ranks_and_at_1_process(tmp_path) -> None:
+    """Saved at 4 ranks (ep=2 x dp_shard=2) after 3 AdamW steps; loaded into differently seeded models at ep=2 and
+    in one process: the same logits, and the same AdamW moments (their global sum of squares)."""
+    from flexmoe.launch import spawn_ranks
+    from flexmoe.parallel import load_sharded
+    from fsdp_worker import _logits_and_moment, dcp_load_main, dcp_save_main, gpt
+
+    directory = str(tmp_path / "ckpt")
+    saved = [r.value for r in spawn_ranks(4, dcp_save_main, [directory, 2, 2], timeout=300.0, what="DCP save")]
+    loaded = [r.value for r in spawn_ranks(2, dcp_load_main, [directory, 2], timeout=300.0, what="DCP load")]
+    model = gpt(seed=99)
+    opt = torch.optim.AdamW(model.parameters())
+    load_sharded(directory, model, opt)
+    alone = _logits_and_moment(model, opt)
+
+    want = torch.tensor(saved[0]["logits"])
+    for who, logits in [*((f"saving rank {i}", s["logits"]) for i, s in enumerate(saved)),
+                        *((f"loading rank {i}", s["logits"]) for i, s in enumerate(loaded)),
+                        ("one process", alone["logits"])]:
+        assert torch.allclose(torch.tensor(logits), want, rtol=1e-6, atol=1e-6), who
+    square = sum(s["exp_avg_square"] for s in saved)
+    assert square > 0
+    assert sum(s["exp_avg_square"] for s in loaded) == pytest.approx(square, rel=1e-9)
+    assert alone["exp_avg_square"] == pytest.approx(square, rel=1e-9)

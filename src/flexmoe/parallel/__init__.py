@@ -6,6 +6,7 @@ Nothing here imports :mod:`flexmoe.tuning`: the policies that need the cost mode
 """
 
 from flexmoe.parallel.auto import AutoContext, Chooser, MeasuringChooser, candidates
+from flexmoe.parallel.dcp import load_sharded, save_sharded
 from flexmoe.parallel.ddp import expert_parameter_names, wrap_ddp
 from flexmoe.parallel.expert_parallel import ParallelSetting
 from flexmoe.parallel.fsdp import default_blocks, parallelize, place_experts
@@ -70,6 +71,8 @@ __all__ = [
     "place_experts",
     "default_blocks",
     "local_state_bytes",
+    "save_sharded",
+    "load_sharded",
     "materialize",
     "reset_module",
     "pairwise_peers",
