@@ -65,7 +65,7 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
                 buffers[name].copy_(value)
     if optimizer is not None:
         loaded = state["optimizer"]
-        current = get_optimizer_state_dict(model, optimizer)
+        current: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer))
         with torch.no_grad():
             for name, entries in loaded["state"].items():
                 for key, value in entries.items():
@@ -88,7 +88,7 @@ def _global_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
         # New dicts: the inner ones of get_optimizer_state_dict are the optimizer's own.
-        optim_state = get_optimizer_state_dict(model, optimizer)
+        optim_state: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer))
         state["optimizer"] = {**optim_state, "state": {
             name: {key: _as_global(value, experts.get(name), root)
                    if isinstance(value, Tensor) and value.dim() > 0 else value for key, value in entries.items()}
