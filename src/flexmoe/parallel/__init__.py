@@ -1,5 +1,7 @@
 """Expert parallelism: the expert layout over ranks, process groups, all-to-all transports and overlap, and the
-execution strategies that run a layer's experts (:mod:`flexmoe.parallel.strategy`).
+execution strategies that run a layer's experts (:mod:`flexmoe.parallel.strategy`); and models larger than one
+rank: the device mesh (:mod:`~flexmoe.parallel.mesh`), FSDP2 with expert parallelism
+(:func:`~flexmoe.parallel.fsdp.parallelize`), meta-device materialisation and DCP checkpoints.
 
 Nothing here imports :mod:`flexmoe.tuning`: the policies that need the cost model
 (:class:`flexmoe.tuning.ModelGuidedChooser`, :class:`flexmoe.tuning.CostModelShadowPolicy`) live beside it.
