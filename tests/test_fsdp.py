@@ -7,7 +7,12 @@ reference is one process holding every expert, running each rank's batch, its lo
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +163,66 @@ def test_dcp_checkpoint_saved_at_2x2_loads_at_2_ranks_and_at_1_process(tmp_path)
     assert square > 0
     assert sum(s["exp_avg_square"] for s in loaded) == pytest.approx(square, rel=1e-9)
     assert alone["exp_avg_square"] == pytest.approx(square, rel=1e-9)
+
+
+# --- the job: flexmoe train --fsdp -----------------------------------------------------------------------------
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--num-experts", "4",
+        "--expert-hidden", "32", "--batch-size", "8", "--warmup", "2", "--no-progress", "--eval-batches", "1",
+        "--eval-every", "4", "--ckpt-every", "3", "--log-every", "1", "--no-plots"]
+
+
+def _train(out: Path, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    return subprocess.run([sys.executable, "-m", "flexmoe", "train", "--out", str(out), *argv, *TINY],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["train_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_train_fsdp_equals_the_replicated_run_holds_less_and_resumes(tmp_path: Path, nproc: int) -> None:
+    """flexmoe train --nproc N --ep 2 --fsdp (activation checkpointing at 2 ranks) logs the losses of the replicated
+    run (wrap_ddp, experts over all ranks), holds at most 1.1 x its state / N + the largest tensor per rank, and
+    resumed from its DCP checkpoint at step 3 continues exactly."""
+    flags = ["--nproc", str(nproc), "--ep", "2", "--fsdp"] + (["--activation-checkpointing"] if nproc == 2 else [])
+    ddp = _train(tmp_path / "ddp", "--steps", "6", "--nproc", str(nproc))
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    fsdp = _train(tmp_path / "fsdp", "--steps", "6", *flags)
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    want = _losses(tmp_path / "ddp")
+    assert len(want) == 6
+    assert _losses(tmp_path / "fsdp") == pytest.approx(want, rel=1e-5)
+    held = json.loads((tmp_path / "fsdp" / "summary.json").read_text())["state_bytes_per_rank"]
+    replicated = json.loads((tmp_path / "ddp" / "summary.json").read_text())["state_bytes_per_rank"]
+    assert "state bytes per rank" in fsdp.stdout and len(held) == len(replicated) == nproc
+    # The whole model's state (every rank holds the non-expert part and 1/N of the experts when replicated).
+    total = 16 * json.loads((tmp_path / "ddp" / "summary.json").read_text())["params"]
+    largest = 4 * 256 * 32  # the largest tensor: the token embedding / head, vocab 256 x n_embd 32, fp32
+    assert all(h <= 1.1 * total / nproc + largest for h in held), (held, total)
+    assert all(h < r for h, r in zip(held, replicated)), (held, replicated)
+
+    first = _train(tmp_path / "resumed", "--steps", "3", *flags)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "resumed" / "checkpoints" / "dcp-step_000003" / "meta.json").is_file()
+    resumed = _train(tmp_path / "resumed", "--steps", "6", "--resume", "--nproc", str(nproc))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "fsdp")
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--nproc", "4", "--ep", "2"], "--ep 2 of 4 ranks needs --fsdp"),
+    pytest.param(["--nproc", "4", "--ep", "3", "--fsdp"], "--ep 3 must divide the number of ranks 4",
+                 marks=pytest.mark.slow),
+    (["--activation-checkpointing"], "--activation-checkpointing needs --fsdp"),
+    pytest.param(["--nproc", "2", "--fsdp", "--dense"], "--fsdp shards an MoE model", marks=pytest.mark.slow),
+])
+def test_train_mesh_flags_are_checked_before_anything_runs(tmp_path: Path, argv: list[str], words: str) -> None:
+    out = _train(tmp_path / "run", "--steps", "1", *argv)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert words in out.stderr
+    assert not (tmp_path / "run").exists()
