@@ -232,8 +232,8 @@ def scenario_fsdp_errors(rank: int, world: int, out: dict) -> None:
 
     expect("bias balance with dp", ValueError, ("balance='bias'", "dp_shard"),
            lambda: parallelize(with_layer_options(gpt(), balance="bias"), make_mesh(ep=1, dp_shard=world)))
-    expect("float64 reduction over one-rank groups", ValueError, ("float64", "dp_shard=1"),
-           lambda: parallelize(gpt().double(), make_mesh(ep=world)))
+    expect("float64 reduction over one-rank groups", ValueError, ("float64", "dp_shard=1 and ep=1"),
+           lambda: parallelize(gpt().double(), make_mesh(ep=1, dp_shard=1, dp_replicate=world)))
     expect("not a mesh", TypeError, ("mesh",), lambda: parallelize(gpt(), "ep=2"))
     expect("mesh size", ValueError, ("world has",), lambda: make_mesh(ep=3, dp_shard=1))
     expect("experts not divisible", ValueError, ("num_experts",),

@@ -35,6 +35,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPM
 from torch.distributed.tensor import Shard
 
 from flexmoe.experts import FeedForwardExperts
+from flexmoe.parallel.ddp import divide_gradients
 from flexmoe.parallel.groups import SINGLE_PROCESS
 from flexmoe.parallel.layout import ExpertLayout, shard_expert_state
 from flexmoe.parallel.mesh import full_mesh, mesh_sizes
@@ -76,13 +77,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecision
 
     policy = mp_policy or MixedPrecisionPolicy()
     _check_reduce_dtype(model, policy, sizes)
-    expert_params = {id(p) for layer in _moe_layers(model) for p in layer.experts.parameters()}
-    placement = _expert_placement(mesh, sizes, expert_params)
+    experts = [p for layer in _moe_layers(model) for p in layer.experts.parameters()]
     dense_mesh = _dense_mesh(mesh, sizes)
+    if sizes["ep"] > 1 and sizes["dp_replicate"] * sizes["dp_shard"] == 1:
+        # No other rank holds this rank's experts: nothing to shard or reduce, so FSDP leaves them alone (its
+        # gathers of them would only copy). Their gradients already sum every rank's tokens: divide by the world.
+        placement, ignored = None, set(experts)
+        divide_gradients(experts, dist.get_world_size())
+    else:
+        placement, ignored = _expert_placement(mesh, sizes, {id(p) for p in experts}), None
     for block in units:
         fully_shard(block, mesh=dense_mesh, shard_placement_fn=placement, mp_policy=policy,
-                    reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dense_mesh, shard_placement_fn=placement, mp_policy=policy)
+                    reshard_after_forward=reshard_after_forward, ignored_params=ignored)
+    fully_shard(model, mesh=dense_mesh, shard_placement_fn=placement, mp_policy=policy, ignored_params=ignored)
     _divide_gradients_by_world(model, gloo=dist.get_backend(dense_mesh.get_group(dense_mesh.ndim - 1)) == "gloo")
     return model
 
@@ -154,14 +161,15 @@ def _place_every_layer(model: nn.Module, group: Any, data_parallel: int) -> nn.M
 
 
 def _check_reduce_dtype(model: nn.Module, policy: MixedPrecisionPolicy, sizes: dict[str, int]) -> None:
-    """Refuse gradients reduced in float16/float64 where a parameter group is sharded over one rank: torch 2.13
-    divides those gradients twice (before and after the skipped reduce-scatter)."""
+    """Refuse gradients reduced in float16/float64 where a parameter group is sharded over one rank (dp_shard = ep
+    = 1; experts with no dp peers are left out of FSDP): torch 2.13 divides those gradients twice (before and
+    after the skipped reduce-scatter)."""
     dtypes = {policy.reduce_dtype or policy.param_dtype or p.dtype for p in model.parameters()}
     risky = sorted(str(d) for d in dtypes if d not in (torch.float32, torch.bfloat16))
-    if sizes["dp_shard"] == 1 and risky:
-        raise ValueError(f"parallelize: gradients reduced in {risky} with dp_shard=1 (experts or parameters sharded "
+    if sizes["dp_shard"] * sizes["ep"] == 1 and risky:
+        raise ValueError(f"parallelize: gradients reduced in {risky} with dp_shard=1 and ep=1 (parameters sharded "
                          f"over one rank) would be divided twice by torch's FSDP; reduce in float32 "
-                         f"(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) or use dp_shard > 1")
+                         f"(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) or shard over more ranks")
 
 
 def _check_balance(layer: MoELayer, name: str, data_parallel: int) -> None:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from flexmoe.experts import FeedForwardExperts
+from flexmoe.parallel.ddp import GRAD_DIVISOR, divide_gradients
 from flexmoe.parallel.layout import HIDDEN_DIM
 
 if TYPE_CHECKING:
@@ -56,7 +57,12 @@ def materialize(model: nn.Module, *, seed: int, device: torch.device | str | Non
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not callable(init):
         raise TypeError(f"init must be a callable init(name, module), got {type(init).__name__}")
+    # to_empty replaces every meta parameter by a new one: the gradient division of divide_gradients moves along.
+    divisors = {n: getattr(p, GRAD_DIVISOR) for n, p in model.named_parameters() if hasattr(p, GRAD_DIVISOR)}
     model.to_empty(device=device or _mesh_device(model))
+    params = dict(model.named_parameters())
+    for name, divisor in divisors.items():
+        divide_gradients([params[name]], divisor)
     experts = _layer_experts(model)
     for name, module in model.named_modules():
         if id(module) in experts:
