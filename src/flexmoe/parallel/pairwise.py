@@ -181,8 +181,12 @@ def pairwise_schedule(
 class _PairwiseRun:
     """One differentiable pairwise exchange: keeps each piece's autograd graph between forward and backward."""
 
-    def __init__(self, eg: ExpertGroup, plan: PairwisePlan, experts: nn.Module, params: list[Tensor]) -> None:
-        self.eg, self.plan, self.experts, self.params = eg, plan, experts, params
+    def __init__(self, eg: ExpertGroup, plan: PairwisePlan, experts: nn.Module, params: dict[str, Tensor]) -> None:
+        self.eg, self.plan, self.experts = eg, plan, experts
+        # The pieces' graphs use detached aliases of the parameters: the gradient hooks of the parameters
+        # themselves (wrap_ddp's division) then run once, on what _Pairwise returns, not inside each piece's grad.
+        self.aliases = {name: p.detach().requires_grad_(True) for name, p in params.items()}
+        self.params = list(self.aliases.values())
         self.pieces: dict[int, tuple[Tensor, Tensor]] = {}  # src -> (input leaf, output)
 
     def forward(self, rows: Tensor) -> Tensor:
@@ -191,7 +195,7 @@ class _PairwiseRun:
                 return piece
             leaf = piece.detach().requires_grad_(True)
             with torch.enable_grad():
-                out = self.experts(leaf, self.plan.recv_counts[src])
+                out = torch.func.functional_call(self.experts, self.aliases, (leaf, self.plan.recv_counts[src]))
             self.pieces[src] = (leaf, out)
             return out.detach()
 
@@ -234,7 +238,8 @@ def run_pairwise(eg: ExpertGroup, layout: ExpertLayout, experts: nn.Module, rows
     """rows ``[N, M]`` sorted by global expert (this rank's ``all_counts[rank]`` per expert) -> ``[N, M]``
     expert outputs, equal to the all-to-all path's. Differentiable in rows and the experts' parameters."""
     plan = make_pairwise_plan(all_counts, layout, eg.rank)
-    params: list[Tensor] = [p for p in experts.parameters() if p.requires_grad]
+    named: dict[str, Tensor] = {name: p for name, p in experts.named_parameters() if p.requires_grad}
+    params = list(named.values())
     if not torch.is_grad_enabled() or not (rows.requires_grad or params):
         with torch.no_grad():
             blocks = list(rows.split(plan.send_sizes))
@@ -242,4 +247,4 @@ def run_pairwise(eg: ExpertGroup, layout: ExpertLayout, experts: nn.Module, rows
                                      lambda src, piece: experts(piece, plan.recv_counts[src]) if piece.shape[0]
                                      else piece)
             return torch.cat(outs)
-    return _Pairwise.apply(rows, _PairwiseRun(eg, plan, experts, params), *params)
+    return _Pairwise.apply(rows, _PairwiseRun(eg, plan, experts, named), *params)
