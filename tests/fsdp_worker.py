@@ -196,6 +196,52 @@ def scenario_fsdp_meta(rank: int, world: int, out: dict) -> None:
     out["failures"] = failures
 
 
+def hf_model(family: str, mesh_ep: int | None = None):
+    """A tiny converted Hugging Face model of ``family`` built from seed 5 (every expert in this process), float32:
+    Qwen3-MoE (8 experts, k=2) or DeepSeek-V3 (8 experts in 4 groups, 2 groups per token, a shared expert, a
+    selection bias, scaled weights)."""
+    import transformers
+
+    from flexmoe.apps.hf_job import HFJobConfig, build_hf_model
+
+    common = dict(vocab_size=CFG["vocab_size"], hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=None,
+                  eos_token_id=None, pad_token_id=None)
+    if family == "qwen3_moe":
+        extra = dict(intermediate_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                     norm_topk_prob=True, head_dim=8)
+    else:
+        extra = dict(intermediate_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                     n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=True,
+                     routed_scaling_factor=2.5, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+                     qk_nope_head_dim=4, v_head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    config = transformers.AutoConfig.for_model(family, **{**common, **extra})
+    model, _ = build_hf_model(HFJobConfig(hf_config=config.to_dict(), block_size=SEQ, group="single"), seed=5,
+                              pretrained=False)
+    g = torch.Generator().manual_seed(9)
+    for layer in model.moe_layers:
+        if layer.expert_bias is not None:  # DeepSeek-V3's selection bias, fixed (HF's), from random values
+            layer.expert_bias.copy_(torch.randn(layer.expert_bias.shape, generator=g) * 0.05)
+    return model
+
+
+def scenario_fsdp_hf(rank: int, world: int, out: dict) -> None:
+    """Converted Qwen3-MoE and DeepSeek-V3 models laid on ep=2 (and ep=2 x dp_shard=2 at 4 ranks): 5 AdamW steps
+    equal one process's losses and weights."""
+    failures: list[str] = []
+    meshes = {2: [dict(ep=2)], 4: [dict(ep=2, dp_shard=2)]}[world]
+    for family in ("qwen3_moe", "deepseek_v3"):
+        ref = hf_model(family)
+        ref_losses = train_reference(ref, world, 5)
+        for sizes in meshes:
+            tag = f"{family} " + "x".join(f"{k}={v}" for k, v in sizes.items())
+            model = parallelize(hf_model(family), make_mesh(**sizes))
+            losses, _ = train_parallel(model, rank, 5)
+            compare_run(tag, ref_losses, losses, ref, model, rank, sizes["ep"], failures)
+            out["cases"] = out.get("cases", 0) + 1
+    out["failures"] = failures
+
+
 def scenario_fsdp_features(rank: int, world: int, out: dict) -> None:
     """Options that change no layout, under parallelize (ep=2): still one process's numbers."""
     from flexmoe.parallel import ShadowExperts
@@ -301,6 +347,7 @@ SCENARIOS = {
     "fsdp_gpt": scenario_fsdp_gpt,
     "fsdp_features": scenario_fsdp_features,
     "fsdp_meta": scenario_fsdp_meta,
+    "fsdp_hf": scenario_fsdp_hf,
     "fsdp_errors": scenario_fsdp_errors,
 }
 

@@ -37,7 +37,7 @@ def _cases(n: int) -> Callable[[list[dict]], None]:
     return check
 
 
-def _meta_cases(n: int) -> Callable[[list[dict]], None]:
+def _ran(n: int) -> Callable[[list[dict]], None]:
     def check(reports: list[dict]) -> None:
         assert all(rep.get("cases") == n for rep in reports), [rep.get("cases") for rep in reports]
     return check
@@ -53,10 +53,16 @@ CASES = [
                           "routing under parallelize equal one process", timeout=300.0), _cases(7),
                  id="fsdp_features-w2", marks=pytest.mark.slow),
     pytest.param(Scenario("fsdp_meta", 2, "a meta-built GPT laid on ep=2 and materialised from a seed holds only its "
-                          "shards, has one process's weights and trains like it"), _meta_cases(1), id="fsdp_meta-w2"),
+                          "shards, has one process's weights and trains like it"), _ran(1), id="fsdp_meta-w2"),
     pytest.param(Scenario("fsdp_meta", 4, "a meta-built GPT laid on ep=2 x dp_shard=2 and on ep=4 and materialised "
                           "from a seed has one process's weights and trains like it", timeout=400.0,
-                          collective_timeout=60.0), _meta_cases(2), id="fsdp_meta-w4", marks=pytest.mark.slow),
+                          collective_timeout=60.0), _ran(2), id="fsdp_meta-w4", marks=pytest.mark.slow),
+    pytest.param(Scenario("fsdp_hf", 2, "converted Qwen3-MoE and DeepSeek-V3 models at ep=2: 5 AdamW steps equal one "
+                          "process's losses and weights", timeout=300.0), _ran(2), id="fsdp_hf-w2",
+                 marks=pytest.mark.slow),
+    pytest.param(Scenario("fsdp_hf", 4, "converted Qwen3-MoE and DeepSeek-V3 models at ep=2 x dp_shard=2: 5 AdamW "
+                          "steps equal one process's losses and weights", timeout=500.0, collective_timeout=60.0),
+                 _ran(2), id="fsdp_hf-w4", marks=pytest.mark.slow),
     pytest.param(Scenario("fsdp_errors", 2, "parallelize refuses what it cannot do, naming it"), None,
                  id="fsdp_errors-w2"),
 ]

@@ -173,10 +173,12 @@ def _check_reduce_dtype(model: nn.Module, policy: MixedPrecisionPolicy, sizes: d
 
 
 def _check_balance(layer: MoELayer, name: str, data_parallel: int) -> None:
-    if layer.routing_options.balance == "bias" and data_parallel > 1:
+    moving = layer.routing_options.balance == "bias" and layer.routing_options.bias_update_rate > 0
+    if moving and data_parallel > 1:
         raise ValueError(f"MoE layer {name}: balance='bias' with data-parallel dims (dp_replicate x dp_shard = "
                          f"{data_parallel}) is not supported: its load is summed over the ep group only, so the "
-                         f"replicas' biases would drift apart; use a mesh of ep alone, or balance='aux'")
+                         f"replicas' biases would drift apart; use a mesh of ep alone, bias_update_rate=0 (a fixed "
+                         f"bias), or balance='aux'")
 
 
 def _moe_layers(model: nn.Module) -> list[MoELayer]:
