@@ -196,6 +196,35 @@ def scenario_fsdp_meta(rank: int, world: int, out: dict) -> None:
     out["failures"] = failures
 
 
+# About 2.1 billion parameters, nearly all in experts (a DeepSeek-V3-like share: 128 experts per layer, k=8).
+BIG = dict(vocab_size=256, block_size=16, n_layer=8, n_head=8, n_embd=1024, num_experts=128, expert_hidden=1024, k=8,
+           moe_every=1)
+
+
+def scenario_fsdp_big(rank: int, world: int, out: dict) -> None:
+    """A ~2B-parameter GPT built on meta and materialised on 4 ranks (ep=2 x dp_shard=2): each rank's peak memory
+    up to then (its resident set, torch included) stays below half the model's fp32 size; then a forward runs."""
+    import resource
+
+    failures: list[str] = []
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**BIG))
+    params = sum(p.numel() for p in model.parameters())
+    model = parallelize(model, make_mesh(ep=2, dp_shard=world // 2))
+    materialize(model, seed=SEED, init=model.init_module)
+    if any(p.is_meta for p in model.parameters()):
+        failures.append("parameters left on meta")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
+    x, y = batch(0, rank)
+    with torch.no_grad():
+        _, loss = model(x, y)
+    out.update(params=params, peak_bytes=peak, loss=loss.item(), held=local_state_bytes(model))
+    if peak >= 4 * params / 2:
+        failures.append(f"peak resident memory {peak / 2**30:.2f} GiB >= half the fp32 model "
+                        f"({4 * params / 2 / 2**30:.2f} GiB)")
+    out["failures"] = failures
+
+
 def hf_model(family: str, mesh_ep: int | None = None):
     """A tiny converted Hugging Face model of ``family`` built from seed 5 (every expert in this process), float32:
     Qwen3-MoE (8 experts, k=2) or DeepSeek-V3 (8 experts in 4 groups, 2 groups per token, a shared expert, a
@@ -348,6 +377,7 @@ SCENARIOS = {
     "fsdp_features": scenario_fsdp_features,
     "fsdp_meta": scenario_fsdp_meta,
     "fsdp_hf": scenario_fsdp_hf,
+    "fsdp_big": scenario_fsdp_big,
     "fsdp_errors": scenario_fsdp_errors,
 }
 

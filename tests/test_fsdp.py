@@ -43,6 +43,12 @@ def _ran(n: int) -> Callable[[list[dict]], None]:
     return check
 
 
+def _big(reports: list[dict]) -> None:
+    assert all(rep["params"] >= 2e9 for rep in reports), [rep.get("params") for rep in reports]
+    assert all(abs(rep["loss"] - 5.545) < 0.5 for rep in reports), [rep["loss"] for rep in reports]  # ~ln 256
+    print({rep["rank"]: round(rep["peak_bytes"] / 2**30, 2) for rep in reports})
+
+
 CASES = [
     pytest.param(Scenario("fsdp_gpt", 2, "ep=2 with FSDP (and activation checkpointing): 10 AdamW steps of the GPT "
                           "equal one process's losses and weights"), _cases(2), id="fsdp_gpt-w2"),
@@ -63,6 +69,9 @@ CASES = [
     pytest.param(Scenario("fsdp_hf", 4, "converted Qwen3-MoE and DeepSeek-V3 models at ep=2 x dp_shard=2: 5 AdamW "
                           "steps equal one process's losses and weights", timeout=500.0, collective_timeout=60.0),
                  _ran(2), id="fsdp_hf-w4", marks=pytest.mark.slow),
+    pytest.param(Scenario("fsdp_big", 4, "a ~2B-parameter GPT built on meta and materialised on 4 ranks stays below "
+                          "half its fp32 size per rank", timeout=600.0, collective_timeout=300.0), _big,
+                 id="fsdp_big-w4", marks=pytest.mark.slow),
     pytest.param(Scenario("fsdp_errors", 2, "parallelize refuses what it cannot do, naming it"), None,
                  id="fsdp_errors-w2"),
 ]
