@@ -144,15 +144,16 @@ def check_mesh(tag: str, rank: int, world: int, mesh_sizes: dict, out: dict, fai
     compare_run(tag, ref_losses, losses, ref, model, rank, ep, failures)
     held = local_state_bytes(model, opt)
     out.setdefault("state_bytes", {})[tag] = held
-    out.setdefault("bound", {})[tag] = state_bound(ref, world)
+    # HSDP keeps a whole copy per replica: the state is sharded over the ranks of one replica.
+    out.setdefault("bound", {})[tag] = state_bound(ref, world // mesh_sizes.get("dp_replicate", 1))
     out.setdefault("cases", 0)
     out["cases"] += 1
 
 
 def scenario_fsdp_gpt(rank: int, world: int, out: dict) -> None:
-    """The GPT laid on every mesh of this world: losses and final weights equal one process's."""
+    """The GPT laid on every mesh of this world (HSDP too): losses and final weights equal one process's."""
     failures: list[str] = []
-    meshes = {2: [dict(ep=2)], 4: [dict(ep=2, dp_shard=2), dict(ep=4)]}[world]
+    meshes = {2: [dict(ep=2)], 4: [dict(ep=2, dp_shard=2), dict(ep=4), dict(dp_replicate=2, ep=2, dp_shard=1)]}[world]
     for sizes in meshes:
         tag = "x".join(f"{k}={v}" for k, v in sizes.items())
         check_mesh(tag, rank, world, sizes, out, failures)

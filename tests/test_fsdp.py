@@ -52,8 +52,9 @@ def _big(reports: list[dict]) -> None:
 CASES = [
     pytest.param(Scenario("fsdp_gpt", 2, "ep=2 with FSDP (and activation checkpointing): 10 AdamW steps of the GPT "
                           "equal one process's losses and weights"), _cases(2), id="fsdp_gpt-w2"),
-    pytest.param(Scenario("fsdp_gpt", 4, "ep=2 x dp_shard=2 and ep=4: 10 AdamW steps of the GPT equal one process's "
-                          "losses and weights", timeout=400.0, collective_timeout=60.0), _cases(2),
+    pytest.param(Scenario("fsdp_gpt", 4, "ep=2 x dp_shard=2, ep=4 and dp_replicate=2 x ep=2 (HSDP): 10 AdamW steps "
+                          "of the GPT equal one process's losses and weights", timeout=400.0, collective_timeout=60.0),
+                 _cases(3),
                  id="fsdp_gpt-w4", marks=pytest.mark.slow),
     pytest.param(Scenario("fsdp_features", 2, "r=0, overlap, shadowing, pairwise, auto, bias balance and dropless "
                           "routing under parallelize equal one process", timeout=300.0), _cases(7),
