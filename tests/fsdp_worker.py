@@ -34,6 +34,7 @@ EPS = 1e-4
 # float32 end to end: the ranks sum gradients in another order than the reference, and AdamW divides by sqrt(v).
 TOL = 2e-5
 SEED = 7
+COMPILE_BACKEND = "inductor"
 DTYPE = torch.float32
 
 
@@ -291,6 +292,20 @@ def scenario_fsdp_features(rank: int, world: int, out: dict) -> None:
     out["failures"] = failures
 
 
+def scenario_fsdp_compile(rank: int, world: int, out: dict) -> None:
+    """torch.compile applied per block to the GPT laid on ep=2: 3 AdamW steps equal one eager process's."""
+    failures: list[str] = []
+    ref = with_layer_options(gpt())
+    ref_losses = train_reference(ref, world, 3)
+    model = parallelize(with_layer_options(gpt()), make_mesh(ep=2))
+    for block in model.blocks:
+        block.compile(backend=COMPILE_BACKEND)
+    losses, _ = train_parallel(model, rank, 3)
+    compare_run(f"compiled ({COMPILE_BACKEND})", ref_losses, losses, ref, model, rank, 2, failures)
+    out["cases"] = 1
+    out["failures"] = failures
+
+
 def scenario_fsdp_errors(rank: int, world: int, out: dict) -> None:
     """What parallelize refuses, with errors naming the combination."""
     failures: list[str] = []
@@ -380,5 +395,5 @@ SCENARIOS = {
     "fsdp_hf": scenario_fsdp_hf,
     "fsdp_big": scenario_fsdp_big,
     "fsdp_errors": scenario_fsdp_errors,
+    "fsdp_compile": scenario_fsdp_compile,
 }
-

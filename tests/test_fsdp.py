@@ -73,6 +73,9 @@ CASES = [
     pytest.param(Scenario("fsdp_big", 4, "a ~2B-parameter GPT built on meta and materialised on 4 ranks stays below "
                           "half its fp32 size per rank", timeout=600.0, collective_timeout=300.0), _big,
                  id="fsdp_big-w4", marks=pytest.mark.slow),
+    pytest.param(Scenario("fsdp_compile", 2, "torch.compile (inductor) per block of the GPT at ep=2 gives the eager "
+                          "process's losses and weights", timeout=900.0, collective_timeout=300.0), _ran(1),
+                 id="fsdp_compile-w2", marks=pytest.mark.slow),
     pytest.param(Scenario("fsdp_errors", 2, "parallelize refuses what it cannot do, naming it"), None,
                  id="fsdp_errors-w2"),
 ]
