@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -245,3 +247,36 @@ def test_train_mesh_flags_are_checked_before_anything_runs(tmp_path: Path, argv:
     assert out.returncode == 2, out.stderr[-2000:]
     assert words in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_train_fsdp_killed_with_sigkill_resumes_bit_identical(tmp_path: Path) -> None:
+    """Every process of a 2-rank --fsdp run killed at once (SIGKILL to its process group) after a DCP checkpoint;
+    --resume then logs exactly the losses, validation losses and expert loads of an uninterrupted run."""
+    steps = 40
+    flags = ["--steps", str(steps), "--nproc", "2", "--ep", "2", "--fsdp"]
+    ref = _train(tmp_path / "ref", *flags)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    victim = subprocess.Popen([sys.executable, "-m", "flexmoe", "train", "--out", str(tmp_path / "victim"), *flags,
+                               *TINY], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # its own process group: the launcher and both ranks
+    checkpoints = tmp_path / "victim" / "checkpoints"
+    deadline = time.time() + 240
+    while time.time() < deadline and victim.poll() is None:
+        done = [json.loads(m.read_text())["step"] for m in checkpoints.glob("dcp-step_*/meta.json")]
+        if done and max(done) >= 9:
+            break
+        time.sleep(0.05)
+    assert victim.poll() is None, "the run ended before it could be killed"
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert max(json.loads(line)["step"] for line in (tmp_path / "victim" / "metrics.jsonl").read_text().splitlines()) \
+        < steps
+    resumed = _train(tmp_path / "victim", "--steps", str(steps), "--resume", "--nproc", "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = [(tmp_path / run / "metrics.jsonl").read_text().splitlines() for run in ("ref", "victim")]
+    keys = ("step", "train_loss", "val_loss", "expert_load")
+    rows = [[{k: json.loads(line).get(k) for k in keys} for line in lines] for lines in (want, got)]
+    assert [r["step"] for r in rows[1]] == list(range(1, steps + 1))
+    assert rows[1] == rows[0]

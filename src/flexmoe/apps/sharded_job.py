@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -106,13 +107,16 @@ def state_bytes_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 def save_dcp_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, step: int,
                         extra: dict[str, Any], keep: int) -> Path:
     """``out/checkpoints/dcp-step_NNNNNN``: the DCP files, then ``meta.json`` (written last by rank 0: a directory
-    without it is an unfinished checkpoint and is ignored); the oldest beyond ``keep`` are removed."""
+    without it is an unfinished checkpoint and is ignored) with the torch CPU and Python RNG states (the same on
+    every rank: seeded alike, drawn alike); the oldest beyond ``keep`` are removed."""
     path = out / "checkpoints" / f"{DCP_PREFIX}{step:06d}"
     save_sharded(path, model, optimizer, mesh=mesh)
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = path / "meta.json.tmp"
-        tmp.write_text(json.dumps({"step": step, **extra}))
+        py = random.getstate()
+        rng = {"torch_cpu": torch.get_rng_state().tolist(), "python": [py[0], list(py[1]), py[2]]}
+        tmp.write_text(json.dumps({"step": step, **extra, "rng": rng}))
         os.replace(tmp, path / "meta.json")
         for old in _finished(out)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
@@ -128,9 +132,14 @@ def latest_dcp_checkpoint(out: Path) -> Path | None:
 
 def load_dcp_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                         mesh: DeviceMesh) -> dict[str, Any]:
-    """Load a :func:`save_dcp_checkpoint` checkpoint (saved at any mesh); returns its ``meta.json``."""
+    """Load a :func:`save_dcp_checkpoint` checkpoint (saved at any mesh) and its RNG states; returns its
+    ``meta.json``."""
     load_sharded(path, model, optimizer, mesh=mesh)
-    return json.loads((path / "meta.json").read_text())
+    meta = json.loads((path / "meta.json").read_text())
+    torch.set_rng_state(torch.tensor(meta["rng"]["torch_cpu"], dtype=torch.uint8))
+    py = meta["rng"]["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    return meta
 
 
 def _finished(out: Path) -> list[Path]:
