@@ -1,8 +1,9 @@
-"""``flexmoe train --fsdp``: the GPT laid on a device mesh by :func:`flexmoe.parallel.parallelize` (FSDP2 over all
-ranks, experts over ``--ep``), its gradient clipping, its DCP checkpoints, and what each rank holds.
+"""``flexmoe train --fsdp``: the model (the GPT, or a converted Hugging Face model) laid on a device mesh by
+:func:`flexmoe.parallel.parallelize` (FSDP2 over all ranks, experts over ``--ep``), its gradient clipping, its DCP
+checkpoints, and what each rank holds.
 
 Without ``--fsdp`` the job replicates the non-expert part (``wrap_ddp``, experts over all ranks); this module
-holds only what differs under ``--fsdp``, so train.py wires it in one place.
+holds only what differs under ``--fsdp``, so train.py and hf_job.py wire it in one place each.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
       help="recompute each block's activations in backward (needs --fsdp)")
 
 
-def check_mesh_flags(args: argparse.Namespace, world: int, hf: bool) -> None:
+def check_mesh_flags(args: argparse.Namespace, world: int) -> None:
     """UsageError for a mesh the job cannot run: --ep not dividing the ranks, --ep or activation checkpointing
-    without --fsdp, --fsdp with what it does not cover yet."""
+    without --fsdp, --fsdp with what it does not cover yet (--compile, --dense, --export-hf)."""
     ep = getattr(args, "ep", None)
     if ep is not None and world % ep:
         raise UsageError(f"--ep {ep} must divide the number of ranks {world}")
@@ -52,8 +53,9 @@ def check_mesh_flags(args: argparse.Namespace, world: int, hf: bool) -> None:
                          f"experts: --ep is the number of ranks)")
     if args.activation_checkpointing and not args.fsdp:
         raise UsageError("--activation-checkpointing needs --fsdp")
-    if args.fsdp and hf:
-        raise UsageError("--fsdp trains the MoE GPT; --hf-arch / --hf-model runs replicate the non-expert part")
+    if args.fsdp and getattr(args, "export_hf", None) is not None:
+        raise UsageError("--export-hf with --fsdp is not supported yet (the export gathers replicated weights); "
+                         "train with --fsdp, then export from a run without it")
     if args.fsdp and args.compile:
         raise UsageError("--fsdp with --compile is not supported yet: train eagerly, or without --fsdp")
     if args.fsdp and getattr(args, "dense", False):

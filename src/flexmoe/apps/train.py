@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         hf_cfg, tcfg = hf
         check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
         hf_job.check_inputs(hf_cfg, tcfg, args)
-    sharded_job.check_mesh_flags(args, int(os.environ.get("WORLD_SIZE", args.nproc)), hf=hf is not None)
+    sharded_job.check_mesh_flags(args, int(os.environ.get("WORLD_SIZE", args.nproc)))
     if args.nproc > 1 and not under_torchrun():
         return relaunch(args.nproc, "train", _forward_argv(args))
     try:
