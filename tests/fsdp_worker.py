@@ -258,7 +258,7 @@ def hf_model(family: str, mesh_ep: int | None = None):
 
 def scenario_fsdp_hf(rank: int, world: int, out: dict) -> None:
     """Converted Qwen3-MoE and DeepSeek-V3 models laid on ep=2 (and ep=2 x dp_shard=2 at 4 ranks): 5 AdamW steps
-    equal one process's losses and weights."""
+    equal one process's losses and weights, each rank's state within the bound."""
     failures: list[str] = []
     meshes = {2: [dict(ep=2)], 4: [dict(ep=2, dp_shard=2)]}[world]
     for family in ("qwen3_moe", "deepseek_v3"):
@@ -267,8 +267,10 @@ def scenario_fsdp_hf(rank: int, world: int, out: dict) -> None:
         for sizes in meshes:
             tag = f"{family} " + "x".join(f"{k}={v}" for k, v in sizes.items())
             model = parallelize(hf_model(family), make_mesh(**sizes))
-            losses, _ = train_parallel(model, rank, 5)
+            losses, opt = train_parallel(model, rank, 5)
             compare_run(tag, ref_losses, losses, ref, model, rank, sizes["ep"], failures)
+            out.setdefault("state_bytes", {})[tag] = local_state_bytes(model, opt)
+            out.setdefault("bound", {})[tag] = state_bound(ref, world)
             out["cases"] = out.get("cases", 0) + 1
     out["failures"] = failures
 

@@ -68,11 +68,11 @@ CASES = [
                           "from a seed has one process's weights and trains like it", timeout=400.0,
                           collective_timeout=60.0), _ran(2), id="fsdp_meta-w4", marks=pytest.mark.slow),
     pytest.param(Scenario("fsdp_hf", 2, "converted Qwen3-MoE and DeepSeek-V3 models at ep=2: 5 AdamW steps equal one "
-                          "process's losses and weights", timeout=300.0), _ran(2), id="fsdp_hf-w2",
+                          "process's losses and weights", timeout=300.0), _cases(2), id="fsdp_hf-w2",
                  marks=pytest.mark.slow),
     pytest.param(Scenario("fsdp_hf", 4, "converted Qwen3-MoE and DeepSeek-V3 models at ep=2 x dp_shard=2: 5 AdamW "
                           "steps equal one process's losses and weights", timeout=500.0, collective_timeout=60.0),
-                 _ran(2), id="fsdp_hf-w4", marks=pytest.mark.slow),
+                 _cases(2), id="fsdp_hf-w4", marks=pytest.mark.slow),
     pytest.param(Scenario("fsdp_big", 4, "a ~2B-parameter GPT built on meta and materialised on 4 ranks stays below "
                           "half its fp32 size per rank", timeout=600.0, collective_timeout=300.0), _big,
                  id="fsdp_big-w4", marks=pytest.mark.slow),

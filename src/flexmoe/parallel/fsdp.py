@@ -82,10 +82,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecision
     if sizes["ep"] > 1 and sizes["dp_replicate"] * sizes["dp_shard"] == 1:
         # No other rank holds this rank's experts: nothing to shard or reduce, so FSDP leaves them alone (its
         # gathers of them would only copy). Their gradients already sum every rank's tokens: divide by the world.
-        placement, ignored = None, set(experts)
+        placement, ignored = _placement(mesh, sizes, set()), set(experts)
         divide_gradients(experts, dist.get_world_size())
     else:
-        placement, ignored = _expert_placement(mesh, sizes, {id(p) for p in experts}), None
+        placement, ignored = _placement(mesh, sizes, {id(p) for p in experts}), None
     for block in units:
         fully_shard(block, mesh=dense_mesh, shard_placement_fn=placement, mp_policy=policy,
                     reshard_after_forward=reshard_after_forward, ignored_params=ignored)
@@ -207,21 +207,31 @@ def _dense_mesh(mesh: DeviceMesh, sizes: dict[str, int]) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard_ep"] if sizes["dp_replicate"] > 1 else shard
 
 
-def _expert_placement(mesh: DeviceMesh, sizes: dict[str, int],
-                      expert_params: set[int]) -> Callable[[nn.Parameter], ShardPlacementResult | None] | None:
-    """FSDP2's ``shard_placement_fn``: expert parameters sharded on their leading (expert) dim over the ranks
-    holding the same experts; None (the unit's mesh) for the rest. None without expert parallelism, where the
-    experts are sharded like everything else."""
-    if sizes["ep"] == 1:
-        return None
-    info: FSDPMeshInfo
-    if sizes["dp_replicate"] > 1:
-        info = HSDPMeshInfo(mesh["dp_replicate", "dp_shard"], shard_mesh_dim=1, replicate_mesh_dim=0)
-    else:
-        info = FSDPMeshInfo(mesh["dp_shard"], shard_mesh_dim=0)
-    expert_shard = ShardPlacementResult(Shard(0), info)  # one object: FSDP groups parameters by it
+def _placement(mesh: DeviceMesh, sizes: dict[str, int],
+               expert_params: set[int]) -> Callable[[nn.Parameter], Shard | ShardPlacementResult | None]:
+    """FSDP2's ``shard_placement_fn``: the parameters in ``expert_params`` (ids) sharded over the ranks holding
+    the same experts, every other one over the unit's mesh. Each on its leading dim, unless that dim is shorter than
+    the number of shards (a shared expert stored as ``[1, M, H]``: one rank would hold all of it), then on the
+    first dim that divides evenly (FSDP2 needs even shards off dim 0)."""
+    expert_info: FSDPMeshInfo | None = None
+    if sizes["ep"] > 1 and expert_params:
+        if sizes["dp_replicate"] > 1:
+            expert_info = HSDPMeshInfo(mesh["dp_replicate", "dp_shard"], shard_mesh_dim=1, replicate_mesh_dim=0)
+        else:
+            expert_info = FSDPMeshInfo(mesh["dp_shard"], shard_mesh_dim=0)  # one object: FSDP groups by it
+    dense_shards = sizes["dp_shard"] * sizes["ep"]
 
-    def placement(p: nn.Parameter) -> ShardPlacementResult | None:
-        return expert_shard if id(p) in expert_params else None
+    def placement(p: nn.Parameter) -> Shard | ShardPlacementResult | None:
+        if expert_info is not None and id(p) in expert_params:
+            return ShardPlacementResult(Shard(_balanced_dim(p, sizes["dp_shard"])), expert_info)
+        dim = _balanced_dim(p, dense_shards)
+        return Shard(dim) if dim else None
 
     return placement
+
+
+def _balanced_dim(p: nn.Parameter, shards: int) -> int:
+    """The dim to shard ``p`` on over ``shards`` ranks (see :func:`_placement`)."""
+    if p.dim() == 0 or p.shape[0] >= shards:
+        return 0
+    return next((d for d in range(1, p.dim()) if p.shape[d] % shards == 0), 0)
