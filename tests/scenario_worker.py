@@ -768,3 +768,8 @@ SCENARIOS = {
     "routing_ep": scenario_routing_ep,
     "families": scenario_families,
 }
+
+# The scenarios of parallelize (FSDP2 with expert parallelism) live in their own file; one registry serves both.
+from fsdp_worker import SCENARIOS as _FSDP_SCENARIOS  # noqa: E402
+
+SCENARIOS.update(_FSDP_SCENARIOS)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from flexmoe.apps import sharded_job
 from flexmoe.apps.data import TokenData, load_text_bytes
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.hf_configs import HF_ARCHS, NOT_OFFERED, small_config_keywords
@@ -362,13 +363,21 @@ def run_job(args: argparse.Namespace, cfg: HFJobConfig, tcfg: TrainConfig) -> in
     rank, world = _init_distributed()
     if args.resume and not (out / "config.json").is_file() and rank == 0:
         print(f"--resume: no run in {out} yet, starting a new one", flush=True)
-    cfg = dataclasses.replace(cfg, group=dist.group.WORLD if world > 1 else None)
+    # Under --fsdp every rank builds every expert, and parallelize keeps its own (flexmoe.apps.sharded_job).
+    group = "single" if tcfg.fsdp else dist.group.WORLD if world > 1 else None
+    cfg = dataclasses.replace(cfg, group=group)
     data = load_data(cfg, tcfg)
     # A resumed run takes its weights from its checkpoint; a new one from --hf-model (or the seed).
-    resumes = args.resume and (out / "checkpoints").is_dir() and latest_checkpoint(out) is not None
+    latest = sharded_job.latest_dcp_checkpoint if tcfg.fsdp else latest_checkpoint
+    resumes = args.resume and (out / "checkpoints").is_dir() and latest(out) is not None
     model, counts = build_hf_model(cfg, tcfg.seed, pretrained=cfg.hf_model is not None and not resumes)
+    mesh = None
+    if tcfg.fsdp:
+        laid, mesh = sharded_job.lay_out(model, tcfg.ep, tcfg.activation_checkpointing)
+        assert isinstance(laid, HFCausalLM)  # parallelize lays the model out in place
+        model = laid
     train_model(model, data, tcfg, out, label=cfg.label, model_config=cfg.to_dict(), param_counts=counts,
-                resume=args.resume)
+                resume=args.resume, mesh=mesh)
     if args.export_hf is not None:
         export_hf(model, Path(args.export_hf), cfg.tokenizer)
     return 0

@@ -34,7 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from flexmoe.apps import sharded_job
 from flexmoe.apps.data import TokenData
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.flags import (
@@ -92,6 +94,10 @@ class TrainConfig:
     plots: bool = True
     progress: bool = True
     compile: str | None = None  # a torch.compile backend ("inductor", "aot_eager", ...); None: eager
+    # The mesh (flexmoe.apps.sharded_job): FSDP2 over all ranks, experts over ep ranks (None: all).
+    fsdp: bool = False
+    ep: int | None = None
+    activation_checkpointing: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -180,6 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_compile_flag(parser)
     a("--nproc", type=COUNT, default=1,
       help="launch N local processes (experts spread over ranks, the rest data-parallel)")
+    sharded_job.add_mesh_flags(parser)
     add_model_flags(parser, _MODEL_FLAGS, m)
     from flexmoe.apps.hf_job import add_hf_flags
 
@@ -219,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         hf_cfg, tcfg = hf
         check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
         hf_job.check_inputs(hf_cfg, tcfg, args)
+    sharded_job.check_mesh_flags(args, int(os.environ.get("WORLD_SIZE", args.nproc)))
     if args.nproc > 1 and not under_torchrun():
         return relaunch(args.nproc, "train", _forward_argv(args))
     try:
@@ -253,8 +261,9 @@ def check_world_size(mcfg: Any, nproc: int) -> None:
 RESUME_MAY_CHANGE = ("steps", "log_every", "eval_every", "ckpt_every", "no_plots", "no_progress", "compile",
                      "nproc", "out", "resume", "overwrite", "compare_dense", "export_hf")
 # The training flags (TrainConfig fields) that a resumed run must keep.
+# The mesh flags too: a sharded run's checkpoints are DCP directories, a replicated run's flexmoe's own.
 _KEPT_TRAIN_FLAGS = ("lr", "warmup", "seed", "data", "batch_size", "micro_batches", "eval_batches", "target_loss",
-                     "stop_at_target")
+                     "stop_at_target", "fsdp", "ep", "activation_checkpointing")
 
 
 def given_dests(args: argparse.Namespace) -> frozenset[str]:
@@ -301,6 +310,7 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any] 
         eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, target_loss=args.target_loss,
         stop_at_target=args.stop_at_target, plots=not args.no_plots, progress=not args.no_progress,
         compile=check_compile_backend(args.compile),
+        fsdp=args.fsdp, ep=args.ep, activation_checkpointing=args.activation_checkpointing,
     )
     saved = saved_run_config(Path(args.out)) if args.resume else None
     if saved is not None:
@@ -592,25 +602,32 @@ def rewrite_metrics(path: Path, upto_step: int) -> list[dict[str, Any]]:
 def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool = False) -> RunResult:
     """Train one model into run directory ``out``; returns its final numbers (on every rank)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1 and not mcfg.dense:
+    if world > 1 and not mcfg.dense and not tcfg.fsdp:  # under --fsdp, parallelize spreads the experts
         mcfg = GPTConfig.from_dict(mcfg.to_dict(), group=dist.group.WORLD)
     if tcfg.batch_size % (world * tcfg.micro_batches):
         raise UsageError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
                          f"({world} x {tcfg.micro_batches})")
     data = TokenData.from_file(tcfg.data, block_size=mcfg.block_size)
-    model = build_model(mcfg, tcfg.seed)
+    model: nn.Module = build_model(mcfg, tcfg.seed)
+    mesh = None
+    if tcfg.fsdp:
+        model, mesh = sharded_job.lay_out(model, tcfg.ep, tcfg.activation_checkpointing)
+    assert isinstance(model, MoEModel)
     return train_model(model, data, tcfg, out, label="dense" if mcfg.dense else "moe",
-                       model_config=mcfg.to_dict(), param_counts=global_param_counts(mcfg), resume=resume)
+                       model_config=mcfg.to_dict(), param_counts=global_param_counts(mcfg), resume=resume, mesh=mesh)
 
 
 def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | Path, *, label: str,
-                model_config: dict[str, Any], param_counts: tuple[int, int], resume: bool = False) -> RunResult:
+                model_config: dict[str, Any], param_counts: tuple[int, int], resume: bool = False,
+                mesh: DeviceMesh | None = None) -> RunResult:
     """The training loop shared by every language-model job: train ``model`` on ``data`` into run directory
     ``out`` (metrics, checkpoints, plots, summary); returns its final numbers (on every rank).
 
     ``model`` is built on this rank (under expert parallelism: holding its experts) and its ``forward(x, y)``
     returns ``(logits, loss)`` for tokens ``x, y: [B, L]`` with ``L = model.cfg.block_size``. ``model_config``
     goes into config.json, ``param_counts`` is (parameters, parameters active per token) of the whole model.
+    ``mesh``: the model was laid on it by :func:`flexmoe.parallel.parallelize` (``--fsdp``): no DDP, and DCP
+    checkpoints (:mod:`flexmoe.apps.sharded_job`).
     """
     out = Path(out)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -618,14 +635,17 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
     optimizer = build_optimizer(model, tcfg)
     # Replicated parameters are all-reduced by DDP; spread experts are left out (their gradients already
     # hold every rank's tokens through the all-to-all).
-    ddp = wrap_ddp(model) if world > 1 else None
+    ddp = wrap_ddp(model) if world > 1 and mesh is None else None
     torch.manual_seed(tcfg.seed + 1)  # training-time randomness (dropout, router noise), same at any world size
 
     metrics_path = out / "metrics.jsonl"
     start, elapsed, target = 0, 0.0, None
-    ckpt = latest_checkpoint(out) if resume and (out / "checkpoints").is_dir() else None
+    ckpt = None
+    if resume and (out / "checkpoints").is_dir():
+        ckpt = latest_checkpoint(out) if mesh is None else sharded_job.latest_dcp_checkpoint(out)
     if ckpt is not None:
-        meta = load_checkpoint(ckpt, model=model, optimizer=optimizer)
+        meta = (load_checkpoint(ckpt, model=model, optimizer=optimizer) if mesh is None else
+                sharded_job.load_dcp_checkpoint(ckpt, model, optimizer, mesh))
         start, elapsed, target = meta["step"], meta.get("elapsed_s", 0.0), meta.get("target")
         finished = finished_run(out, start, tcfg, target)
         if finished is not None:
@@ -674,6 +694,7 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
     last_eval_step = -1
     step = start
     stop_signals = StopSignals()
+    state_bytes: list[int] | None = None  # per rank, counted at the first step (parameters, gradients, AdamW)
     try:
         stop_signals.install()  # Ctrl-C / SIGTERM from here on: save at the end of the step, then leave
         for step in range(start + 1, tcfg.steps + 1):
@@ -695,9 +716,17 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
                 drop_sum += model.drop_rate()
                 loads.append(torch.tensor(model.expert_load(), dtype=torch.float64))
                 demands.append(torch.tensor(model.expert_demand(), dtype=torch.float64))
-            clip_gradients(model, tcfg.grad_clip, world)
+            if mesh is None:
+                clip_gradients(model, tcfg.grad_clip, world)
+            else:
+                sharded_job.clip_sharded_gradients(model, tcfg.grad_clip)
             update_expert_biases(model)  # balance="bias": once per optimizer step, from all micro-batches' load
             optimizer.step()
+            if state_bytes is None:
+                state_bytes = sharded_job.state_bytes_per_rank(model, optimizer)
+                if rank == 0:
+                    msg = f"[{label}] state bytes per rank (parameters, gradients, AdamW): {state_bytes}"
+                    (bar.write(msg) if bar else print(msg, flush=True))
             optimizer.zero_grad(set_to_none=True)
 
             is_eval = step % tcfg.eval_every == 0 or step == tcfg.steps
@@ -749,9 +778,13 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
             stop = tcfg.stop_at_target and target is not None
             signum = stop_signals.received(world)
             if step % tcfg.ckpt_every == 0 or step == tcfg.steps or stop or signum:
-                saved = save_checkpoint(out, model=model, optimizer=optimizer, step=step, keep=tcfg.keep_checkpoints,
-                                        extra={"elapsed_s": time.perf_counter() - t0, "target": target,
-                                               "train": asdict(tcfg)})
+                extra = {"elapsed_s": time.perf_counter() - t0, "target": target, "train": asdict(tcfg)}
+                if mesh is None:
+                    saved = save_checkpoint(out, model=model, optimizer=optimizer, step=step,
+                                            keep=tcfg.keep_checkpoints, extra=extra)
+                else:
+                    saved = sharded_job.save_dcp_checkpoint(out, model, optimizer, mesh, step, extra,
+                                                            tcfg.keep_checkpoints)
                 if world > 1:
                     dist.barrier()
             if signum:
@@ -774,7 +807,7 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
         "model": label, "steps": step, "final_val_loss": val_loss, "final_train_loss": train_loss,
         "wall_time_s": wall, "tokens": step * tokens_per_step, "params": params,
         "active_params": active_params, "world_size": world, "ranks_per_node": ranks_per_node,
-        "target": target,
+        "target": target, "state_bytes_per_rank": state_bytes,
     }
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))

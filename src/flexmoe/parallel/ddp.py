@@ -19,7 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 if TYPE_CHECKING:
     from flexmoe.layer import MoELayer
 
-__all__ = ["expert_parameter_names", "wrap_ddp"]
+__all__ = ["expert_parameter_names", "divide_gradients", "wrap_ddp", "GRAD_DIVISOR"]
+
+GRAD_DIVISOR = "_flexmoe_grad_divisor"  # the attribute divide_gradients marks a parameter with
 
 
 def _expert_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
@@ -36,6 +38,16 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
         for pname, _ in layer.experts.named_parameters():
             names.append(f"{prefix}.experts.{pname}" if prefix else f"experts.{pname}")
     return names
+
+
+def divide_gradients(params: list[nn.Parameter], world: int) -> None:
+    """Divide every gradient ``params`` receive by ``world`` (once per parameter, however often this is called):
+    expert gradients that already sum every rank's tokens become the gradient of the mean of the ranks' losses."""
+    for p in params:
+        if p.requires_grad and getattr(p, GRAD_DIVISOR, None) is None:
+            # Scale each incoming gradient (not the accumulated one), so gradient accumulation stays right.
+            p.register_hook(lambda g, w=world: g / w)
+            setattr(p, GRAD_DIVISOR, world)  # read again where a parameter is replaced (materialize's to_empty)
 
 
 def wrap_ddp(model: nn.Module, process_group: Any = None, **ddp_kwargs: Any) -> DistributedDataParallel:
@@ -55,10 +67,6 @@ def wrap_ddp(model: nn.Module, process_group: Any = None, **ddp_kwargs: Any) -> 
                 f"the data-parallel group is {list(dp_ranks)}; wrap_ddp supports expert-parallel group == "
                 f"data-parallel group"
             )
-    for name, p in model.named_parameters():
-        if name in names and p.requires_grad and not getattr(p, "_flexmoe_grad_scaled", False):
-            # Scale each incoming gradient (not the accumulated one), so gradient accumulation stays right.
-            p.register_hook(lambda g, w=world: g / w)
-            p._flexmoe_grad_scaled = True  # type: ignore[attr-defined]
+    divide_gradients([p for name, p in model.named_parameters() if name in names], world)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(names))
     return DistributedDataParallel(model, process_group=group, **ddp_kwargs)

@@ -180,10 +180,19 @@ def pairwise_schedule(
 
 
 class _PairwiseRun:
-    """One differentiable pairwise exchange: keeps each piece's autograd graph between forward and backward."""
+    """One differentiable pairwise exchange: keeps each piece's autograd graph between forward and backward.
 
-    def __init__(self, eg: ExpertGroup, plan: PairwisePlan, experts: nn.Module, params: list[Tensor]) -> None:
-        self.eg, self.plan, self.experts, self.params = eg, plan, experts, params
+    params: the tensors differentiated (:func:`~flexmoe.experts.differentiated_weights`); names: their names
+    when they are the experts module's own parameters, else None (an adapter's weights as read, ``w + delta``)."""
+
+    def __init__(self, eg: ExpertGroup, plan: PairwisePlan, experts: nn.Module, params: list[Tensor],
+                 names: list[str] | None) -> None:
+        self.eg, self.plan, self.experts = eg, plan, experts
+        # The module's own parameters enter the pieces' graphs as detached aliases: their gradient hooks (wrap_ddp's
+        # division) then run once, on what _Pairwise returns, not inside each piece's grad as well. An adapter's
+        # weights as read are no leaves, so no parameter hook runs inside the pieces: they enter as they are.
+        self.aliases = None if names is None else {n: p.detach().requires_grad_(True) for n, p in zip(names, params)}
+        self.params = params if self.aliases is None else list(self.aliases.values())
         self.pieces: dict[int, tuple[Tensor, Tensor]] = {}  # src -> (input leaf, output)
 
     def forward(self, rows: Tensor) -> Tensor:
@@ -192,7 +201,9 @@ class _PairwiseRun:
                 return piece
             leaf = piece.detach().requires_grad_(True)
             with torch.enable_grad():
-                out = self.experts(leaf, self.plan.recv_counts[src])
+                args = (leaf, self.plan.recv_counts[src])
+                out = self.experts(*args) if self.aliases is None else \
+                    torch.func.functional_call(self.experts, self.aliases, args)
             self.pieces[src] = (leaf, out)
             return out.detach()
 
@@ -237,6 +248,10 @@ def run_pairwise(eg: ExpertGroup, layout: ExpertLayout, experts: nn.Module, rows
     plan = make_pairwise_plan(all_counts, layout, eg.rank)
     # The weights as read (an adapter's w + delta inside its call), so that their gradient reaches the adapter.
     params = differentiated_weights(experts)
+    own = {name: p for name, p in experts.named_parameters() if p.requires_grad}
+    names = None
+    if {id(p) for p in params} == {id(p) for p in own.values()}:
+        names, params = list(own), list(own.values())
     if not torch.is_grad_enabled() or not (rows.requires_grad or params):
         with torch.no_grad():
             blocks = list(rows.split(plan.send_sizes))
@@ -244,4 +259,4 @@ def run_pairwise(eg: ExpertGroup, layout: ExpertLayout, experts: nn.Module, rows
                                      lambda src, piece: experts(piece, plan.recv_counts[src]) if piece.shape[0]
                                      else piece)
             return torch.cat(outs)
-    return _Pairwise.apply(rows, _PairwiseRun(eg, plan, experts, params), *params)
+    return _Pairwise.apply(rows, _PairwiseRun(eg, plan, experts, params, names), *params)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flexmoe.apps.models.moe_model import Block, MoEModel, MoEModelConfig
+from flexmoe.parallel.materialize import reset_module
 
 __all__ = ["GPTConfig", "GPT"]
 
@@ -73,16 +74,28 @@ class GPT(MoEModel):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        # GPT-2 style: N(0, 0.02) for linears and embeddings, residual projections scaled by 1/sqrt(2 * n_layer)
-        # so the residual stream does not grow with depth. Experts keep MoELayer's own initialisation.
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)) and ".experts" not in name and "router" not in name:
-                std = 0.02
-                if name.endswith("proj"):
-                    std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-                nn.init.normal_(module.weight, 0.0, std)
-                if isinstance(module, nn.Linear) and module.bias is not None:
-                    nn.init.zeros_(module.bias)
+            self._init_gpt_style(name, module)
+
+    def _init_gpt_style(self, name: str, module: nn.Module) -> bool:
+        """GPT-2 style: N(0, 0.02) for linears and embeddings, residual projections scaled by 1/sqrt(2 * n_layer)
+        so the residual stream does not grow with depth; False (untouched) for other modules: the experts and
+        the router keep MoELayer's own initialisation, the layer norms theirs."""
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or ".experts" in name or "router" in name:
+            return False
+        std = 0.02
+        if name.endswith("proj"):
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        nn.init.normal_(module.weight, 0.0, std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        return True
+
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """Initialise submodule ``name``'s own parameters as this model does, for
+        :func:`flexmoe.parallel.materialize` (a GPT built on the meta device)."""
+        if not self._init_gpt_style(name, module):
+            reset_module(name, module)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """idx: ``[B, L]`` long -> (logits ``[B, L, V]``, mean cross-entropy over ``targets [B, L]`` or None).
