@@ -415,8 +415,10 @@ def check_run_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
 
 def check_resumable(run_dir: Path) -> None:
     """A run directory with a config.json but no checkpoint to continue from (stopped before its first one, or
-    its checkpoints deleted) is an error saying what the directory holds, before anything in it is rewritten."""
-    if latest_checkpoint(run_dir) is not None:
+    its checkpoints deleted) is an error saying what the directory holds, before anything in it is rewritten.
+    A checkpoint is flexmoe's own (a replicated run) or a finished DCP directory (a sharded run, ``--fsdp``);
+    which one the run takes is fixed by its saved ``--fsdp``, which a resumed run must keep."""
+    if latest_checkpoint(run_dir) is not None or sharded_job.latest_dcp_checkpoint(run_dir) is not None:
         return
     metrics = run_dir / "metrics.jsonl"
     steps = [json.loads(line).get("step") for line in metrics.read_text().splitlines() if line.strip()] \
