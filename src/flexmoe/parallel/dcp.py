@@ -11,6 +11,7 @@ Experts sharded along the hidden dim (``num_experts < ep``) are refused.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +52,10 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     if not Path(path).is_dir():
         raise FileNotFoundError(f"no DCP checkpoint directory at {path}")
     state = _global_state(model, optimizer, mesh)
-    dcp.load(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():
+        # mesh=None in one process is the documented way to load here; DCP warns that it assumes so.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, checkpoint_id=str(path))
     experts = _expert_params(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
