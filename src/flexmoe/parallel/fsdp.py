@@ -30,8 +30,10 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-# FSDP2's per-parameter mesh (torch >= 2.11): not re-exported by torch.distributed.fsdp yet.
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
+# FSDP2's per-parameter mesh: private, not re-exported by torch.distributed.fsdp, and absent from torch 2.11
+# (present in 2.13). flexmoe imports on any torch >= 2.3; only parallelize needs it (_require_per_parameter_mesh).
+from torch.distributed.fsdp._fully_shard import _fsdp_common
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 from torch.distributed.tensor import Shard
 
 from flexmoe.experts import FeedForwardExperts
@@ -66,6 +68,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecision
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
                         f"{type(mp_policy).__name__}")
+    _require_per_parameter_mesh()
     mesh = full_mesh(mesh)
     sizes = mesh_sizes(mesh)
     ep_group = mesh["ep"].get_group() if sizes["ep"] > 1 else SINGLE_PROCESS
@@ -208,7 +211,7 @@ def _dense_mesh(mesh: DeviceMesh, sizes: dict[str, int]) -> DeviceMesh:
 
 
 def _placement(mesh: DeviceMesh, sizes: dict[str, int],
-               expert_params: set[int]) -> Callable[[nn.Parameter], Shard | ShardPlacementResult | None]:
+               expert_params: set[int]) -> Callable[[nn.Parameter], Any]:
     """FSDP2's ``shard_placement_fn``: the parameters in ``expert_params`` (ids) sharded over the ranks holding
     the same experts, every other one over the unit's mesh. Each on its leading dim, unless that dim is shorter than
     the number of shards (a shared expert stored as ``[1, M, H]``: one rank would hold all of it), then on the
@@ -221,9 +224,9 @@ def _placement(mesh: DeviceMesh, sizes: dict[str, int],
             expert_info = FSDPMeshInfo(mesh["dp_shard"], shard_mesh_dim=0)  # one object: FSDP groups by it
     dense_shards = sizes["dp_shard"] * sizes["ep"]
 
-    def placement(p: nn.Parameter) -> Shard | ShardPlacementResult | None:
+    def placement(p: nn.Parameter) -> Any:
         if expert_info is not None and id(p) in expert_params:
-            return ShardPlacementResult(Shard(_balanced_dim(p, sizes["dp_shard"])), expert_info)
+            return _fsdp_common.ShardPlacementResult(Shard(_balanced_dim(p, sizes["dp_shard"])), expert_info)
         dim = _balanced_dim(p, dense_shards)
         return Shard(dim) if dim else None
 
@@ -235,3 +238,13 @@ def _balanced_dim(p: nn.Parameter, shards: int) -> int:
     if p.dim() == 0 or p.shape[0] >= shards:
         return 0
     return next((d for d in range(1, p.dim()) if p.shape[d] % shards == 0), 0)
+
+
+def _require_per_parameter_mesh() -> None:
+    """parallelize shards experts and the rest over different ranks in one FSDP2 unit, which needs FSDP2's
+    per-parameter mesh (``ShardPlacementResult``): say so by name on a torch without it, rather than fail inside."""
+    if not hasattr(_fsdp_common, "ShardPlacementResult"):
+        raise RuntimeError(
+            f"flexmoe.parallel.parallelize needs FSDP2's per-parameter mesh (torch.distributed.fsdp."
+            f"_fully_shard._fsdp_common.ShardPlacementResult), which torch {torch.__version__} lacks (torch 2.13 has "
+            f"it): upgrade torch, or replicate the non-expert part with flexmoe.parallel.wrap_ddp")
