@@ -371,6 +371,7 @@ def run_job(args: argparse.Namespace, cfg: HFJobConfig, tcfg: TrainConfig) -> in
     latest = sharded_job.latest_dcp_checkpoint if tcfg.fsdp else latest_checkpoint
     resumes = args.resume and (out / "checkpoints").is_dir() and latest(out) is not None
     model, counts = build_hf_model(cfg, tcfg.seed, pretrained=cfg.hf_model is not None and not resumes)
+    model.to(tcfg.device)
     mesh = None
     if tcfg.fsdp:
         laid, mesh = sharded_job.lay_out(model, tcfg.ep, tcfg.activation_checkpointing)

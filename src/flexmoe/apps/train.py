@@ -94,6 +94,7 @@ class TrainConfig:
     plots: bool = True
     progress: bool = True
     compile: str | None = None  # a torch.compile backend ("inductor", "aot_eager", ...); None: eager
+    device: str = "cpu"  # where the model and its batches live ("cpu", "cuda", "cuda:1", ...)
     # The mesh (flexmoe.apps.sharded_job): FSDP2 over all ranks, experts over ep ranks (None: all).
     fsdp: bool = False
     ep: int | None = None
@@ -143,6 +144,9 @@ def add_run_flags(parser: argparse.ArgumentParser, t: TrainConfig, out: str) -> 
     a("--dense", action="store_true", help="train the dense twin instead of the MoE model")
     a("--compare-dense", action="store_true",
       help="also train the dense twin (equal active compute) on the same batches; write compare.{png,md,json}")
+    a("--device", default=t.device,
+      help="where the model trains: cpu, cuda, cuda:N, or any torch device type this torch has (one process; "
+           "with --nproc N, cpu)")
     a("--no-plots", action="store_true", help="skip the PNG plots")
     a("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(flag_parser=parser)  # given_dests reads the defaults where cli.main did not run
@@ -154,6 +158,29 @@ def check_run_flags(args: argparse.Namespace) -> None:
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
                          "--overwrite deletes it")
+    check_device(args.device, int(os.environ.get("WORLD_SIZE", getattr(args, "nproc", 1))))
+
+
+def check_device(name: str, world: int) -> torch.device:
+    """``--device``'s value as a torch device; :class:`UsageError` for a name torch does not know, a device this
+    machine lacks, or an accelerator with several ranks (the job's own collectives, loss and load all-reduces,
+    are written for gloo's CPU tensors: not built for NCCL yet)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(f"--device: torch knows no device {name!r} ({e})") from None
+    if device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        available = getattr(module, "is_available", None)
+        if available is None or not available():
+            raise UsageError(f"--device {name}: this machine's torch {torch.__version__} has no {device.type} device")
+        count = getattr(module, "device_count", lambda: 1)()
+        if device.index is not None and device.index >= count:
+            raise UsageError(f"--device {name}: this machine has {count} {device.type} device(s)")
+        if world > 1:
+            raise UsageError(f"--device {name} with {world} ranks is not built yet: the job's own collectives run "
+                             f"on CPU tensors (gloo); train on {device.type} in one process, or on cpu with --nproc")
+    return device
 
 
 def add_model_flags(parser: argparse.ArgumentParser, flags: FlagTable, defaults: object) -> None:
@@ -257,9 +284,10 @@ def check_world_size(mcfg: Any, nproc: int) -> None:
 # What a resumed run may set anew: these flags change no number the run computes (its weights, losses, or
 # where it is evaluated; --eval-every only moves the evaluations, whose val loss --target-loss is checked on).
 # Every other flag given with --resume must equal the saved run's. --nproc may differ too: the checkpoint is
-# cut for the new world size (whose sums round differently: the losses then match to rounding, not bit for bit).
+# cut for the new world size (whose sums round differently: the losses then match to rounding, not bit for bit);
+# so may --device (another device's kernels round differently too).
 RESUME_MAY_CHANGE = ("steps", "log_every", "eval_every", "ckpt_every", "no_plots", "no_progress", "compile",
-                     "nproc", "out", "resume", "overwrite", "compare_dense", "export_hf")
+                     "device", "nproc", "out", "resume", "overwrite", "compare_dense", "export_hf")
 # The training flags (TrainConfig fields) that a resumed run must keep.
 # The mesh flags too: a sharded run's checkpoints are DCP directories, a replicated run's flexmoe's own.
 _KEPT_TRAIN_FLAGS = ("lr", "warmup", "seed", "data", "batch_size", "micro_batches", "eval_batches", "target_loss",
@@ -309,7 +337,7 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any] 
         seed=args.seed, data=args.data, log_every=args.log_every, eval_every=args.eval_every,
         eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, target_loss=args.target_loss,
         stop_at_target=args.stop_at_target, plots=not args.no_plots, progress=not args.no_progress,
-        compile=check_compile_backend(args.compile),
+        compile=check_compile_backend(args.compile), device=args.device,
         fsdp=args.fsdp, ep=args.ep, activation_checkpointing=args.activation_checkpointing,
     )
     saved = saved_run_config(Path(args.out)) if args.resume else None
@@ -330,12 +358,12 @@ def saved_train_flags(train: dict[str, Any]) -> dict[str, Any]:
 
 def resumed_train_config(saved: dict[str, Any], asked: TrainConfig, given: frozenset[str]) -> TrainConfig:
     """The saved run's training configuration, with what this command line may change (:data:`RESUME_MAY_CHANGE`)
-    taken from ``asked``: how the run executes (compiled or not, progress, plots) always, the cadences and
+    taken from ``asked``: how the run executes (compiled or not, device, progress, plots) always, the cadences and
     ``--steps`` where given."""
     cadences: dict[str, Any] = {name: getattr(asked, name) for name in ("steps", "log_every", "eval_every",
                                                                          "ckpt_every") if name in given}
     return TrainConfig(**{**saved, **cadences, "progress": asked.progress, "plots": asked.plots,
-                          "compile": asked.compile})
+                          "compile": asked.compile, "device": asked.device})
 
 
 def add_compile_flag(parser: argparse.ArgumentParser) -> None:
@@ -576,7 +604,7 @@ def evaluate(model: MoEModel, data: TokenData, tcfg: TrainConfig, rank: int, wor
     total = 0.0
     for i in range(tcfg.eval_batches):
         x, y = data.batch("val", tcfg.batch_size, model.cfg.block_size, seed=0, step=i, rows=rows)
-        _, loss = model(x, y)
+        _, loss = model(x.to(tcfg.device), y.to(tcfg.device))
         total += loss.item()
     model.train()
     return _mean_over_ranks(total / tcfg.eval_batches, world)
@@ -610,7 +638,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
         raise UsageError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
                          f"({world} x {tcfg.micro_batches})")
     data = TokenData.from_file(tcfg.data, block_size=mcfg.block_size)
-    model: nn.Module = build_model(mcfg, tcfg.seed)
+    model: nn.Module = build_model(mcfg, tcfg.seed).to(tcfg.device)
     mesh = None
     if tcfg.fsdp:
         model, mesh = sharded_job.lay_out(model, tcfg.ep, tcfg.activation_checkpointing)
@@ -634,6 +662,7 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
     out = Path(out)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     block_size = model.cfg.block_size
+    device = torch.device(tcfg.device)
     optimizer = build_optimizer(model, tcfg)
     # Replicated parameters are all-reduced by DDP; spread experts are left out (their gradients already
     # hold every rank's tokens through the all-to-all).
@@ -704,6 +733,7 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
             for g in optimizer.param_groups:
                 g["lr"] = lr
             x, y = data.batch("train", tcfg.batch_size, block_size, seed=tcfg.seed, step=step, rows=rows)
+            x, y = x.to(device), y.to(device)
             loss_sum = bal_sum = drop_sum = 0.0
             loads: list[Tensor] = []
             demands: list[Tensor] = []

@@ -1,0 +1,77 @@
+"""``flexmoe train --device``: the job on an accelerator trains the same model as on the CPU (the same losses, to
+the accelerator's rounding), and a device this machine lacks is one ``error:`` line.
+
+On a machine without CUDA the accelerator case checks the refusal; on one with CUDA (``make test-gpu``) it trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--num-experts", "4",
+        "--expert-hidden", "64", "--k", "2", "--batch-size", "8", "--steps", "4", "--log-every", "1",
+        "--eval-every", "4", "--eval-batches", "1", "--no-plots", "--no-progress"]
+
+
+def _train(out: Path, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flexmoe", "train", "--out", str(out), *TINY, *argv],
+                          capture_output=True, text=True, timeout=300, env=_env())
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["train_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.device
+def test_train_on_cuda_matches_cpu_or_is_refused_in_one_line(tmp_path: Path) -> None:
+    done = _train(tmp_path / "cuda", "--device", "cuda")
+    if not torch.cuda.is_available():
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().splitlines() == [
+            f"error: --device cuda: this machine's torch {torch.__version__} has no cuda device"]
+        return
+    assert done.returncode == 0, done.stderr
+    cpu = _train(tmp_path / "cpu", "--device", "cpu")
+    assert cpu.returncode == 0, cpu.stderr
+    on_cuda, on_cpu = _losses(tmp_path / "cuda"), _losses(tmp_path / "cpu")
+    assert len(on_cuda) == len(on_cpu) == 4
+    # fp32 everywhere; CUDA's matmuls round differently (TF32 stays off by default), routing identical at this size
+    assert on_cuda == pytest.approx(on_cpu, rel=1e-4)
+
+
+@pytest.mark.parametrize("device, says", [
+    ("bogus", "error: --device: torch knows no device 'bogus'"),
+    ("cuda:7", "error: --device cuda:7: "),
+])
+def test_bad_device_is_one_error_line(tmp_path: Path, device: str, says: str) -> None:
+    done = _train(tmp_path / "run", "--device", device)
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith(says), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_accelerator_with_several_ranks_is_refused_before_launching(tmp_path: Path) -> None:
+    from flexmoe.apps.errors import UsageError
+    from flexmoe.apps.train import check_device
+
+    assert check_device("cpu", 4) == torch.device("cpu")
+    if torch.cuda.is_available():
+        with pytest.raises(UsageError, match="--device cuda with 2 ranks is not built yet"):
+            check_device("cuda", 2)
+    else:
+        with pytest.raises(UsageError, match="has no cuda device"):
+            check_device("cuda", 2)
