@@ -1,4 +1,11 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and the ``--device`` option.
+
+``--device`` (default ``cpu``) names the device that the device-parametrised tests run on: a test takes the
+``device`` fixture and builds its layer and inputs there, comparing against a reference computed on the CPU in
+float64. Every such test is marked ``device`` automatically, so ``pytest -m device --device cuda`` (what
+``make test-gpu`` runs) runs exactly those cases on the GPU; without ``--device`` they run on the CPU in the
+default suite at no extra cost.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,43 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default="cpu",
+                     help="device for the tests that take the `device` fixture (marked `device`): cpu (default), "
+                          "cuda, cuda:1, ...")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "device: takes the `device` fixture; runs on the device named by --device")
+    name = config.getoption("--device")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise pytest.UsageError(f"--device {name!r}: not a torch device ({exc})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {name}: this machine has no CUDA device that torch {torch.__version__} "
+                                f"can use (torch.cuda.is_available() is False)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise pytest.UsageError(f"--device {name}: there are only {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"--device {name}: expected cpu or cuda[:index]")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.device)
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """The device named by ``--device``, with its index (``cuda`` -> ``cuda:0``) so that tensors compare equal."""
+    device = torch.device(request.config.getoption("--device"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 @pytest.fixture
