@@ -105,7 +105,7 @@ def test_op_computes_real_rows_only_and_matches_the_reference(case: str, dtype: 
     got_p = {n: t.to(device, dtype).requires_grad_() if t is not None else None for n, t in p64.items()}
     got_rows = rows64.to(device, dtype).requires_grad_()
     out, *saved = torch.ops.flexmoe.padded_experts(
-        got_rows, torch.tensor(unit_rows), capacity, got_p["w1"], got_p["b1"], got_p["w2"], got_p["b2"],
+        got_rows, torch.tensor(unit_rows, device=device), capacity, got_p["w1"], got_p["b1"], got_p["w2"], got_p["b2"],
         got_p["w3"], got_p["b3"], activation, glu_limit)
     # The pre-activations and the unit's output only ride along for the backward: no gradient flows into them.
     # Padded: one [capacity, H] piece per unit each (pre3: none without gating); packed: one [N, H] piece.

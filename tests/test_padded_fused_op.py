@@ -85,8 +85,8 @@ def test_op_matches_the_reference_and_never_reads_padding(case: str, dtype: torc
     got_tokens = tokens64.to(device, dtype).requires_grad_()
     got_weight = row_weight64.to(device, dtype).requires_grad_()
     y, pre1, pre3, h = torch.ops.flexmoe.padded_fused_experts(
-        got_tokens, row_token.to(device), got_weight, torch.tensor(unit_rows), capacity, got_p["w1"], got_p["b1"],
-        got_p["w2"], got_p["b2"], got_p["w3"], got_p["b3"], activation)
+        got_tokens, row_token.to(device), got_weight, torch.tensor(unit_rows, device=device), capacity,
+        got_p["w1"], got_p["b1"], got_p["w2"], got_p["b2"], got_p["w3"], got_p["b3"], activation)
     pieces = len(unit_rows) if layout == "padded" else 1  # packed: one [N, H] piece
     assert len(pre1) == len(h) == pieces and len(pre3) == (pieces if glu else 0)
     assert y.requires_grad and not any(t.requires_grad for t in [*pre1, *pre3, *h])  # saved for backward only
