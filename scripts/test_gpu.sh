@@ -43,13 +43,13 @@ if "$python" -c 'import xdist' 2>/dev/null; then
     workers=(-n 4)  # the compile cases are CPU-bound (inductor); four processes share the one GPU well
 fi
 # --test-timeout: a hung kernel stops its test's process with a traceback instead of hanging the run.
-timeout 240 "$python" -m pytest -q -m device --device cuda -x --test-timeout 120 "${workers[@]}" \
+timeout 180 "$python" -m pytest -q -m device --device cuda -x --test-timeout 120 "${workers[@]}" \
     -p no:cacheprovider --junitxml="$results/tests.xml" 2>&1 | tee "$results/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 # The suite with few steps per case (medians of 3 timed steps after 1 untimed one), all checks in one process:
 # a fresh process per check (the CPU default, against glibc's heap state) would cost a CUDA start each.
-timeout 330 "$python" -m flexmoe bench --suite --suite-one-process --device cuda --steps 3 --warmup 1 2>&1 \
+timeout 240 "$python" -m flexmoe bench --suite --suite-one-process --device cuda --steps 3 --warmup 1 2>&1 \
     | tee "$results/bench_suite.txt"
 bench_rc=${PIPESTATUS[0]}
 
