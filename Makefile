@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[train,test]"
 	touch $@
 
-.PHONY: setup train bench test test-slow
+.PHONY: setup train bench test test-slow test-gpu
 setup: $(VENV)/.installed
 
 # The main job: train the MoE GPT on the embedded tiny Shakespeare (about 3.5 minutes on 2 cores) into runs/default.
@@ -31,3 +31,10 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -n auto -m slow
+
+# A GPU machine: the device-parametrised tests on CUDA, then `flexmoe bench --suite --device cuda`; one line and
+# exit 0 without a GPU. No setup step (it runs where `make setup` cannot reach a registry): PYTHON=... names the
+# interpreter (default .venv/bin/python, else python3). Logs go to RESULTS (default gpu-results).
+RESULTS ?= gpu-results
+test-gpu:
+	scripts/test_gpu.sh $(RESULTS)

@@ -1,5 +1,6 @@
 """The distributed test harness: a multi-rank scenario of tests/scenario_worker.py run as W real processes
-(gloo on 127.0.0.1, a free port per run, started by :func:`flexmoe.launch.spawn_ranks`).
+(gloo on 127.0.0.1, a free port per run, started by :func:`flexmoe.launch.spawn_ranks`; NCCL with one GPU per
+rank for a scenario run on CUDA).
 
 Every rank runs :func:`rank_main`, the one worker entry point: it joins the group, runs the scenario and returns
 its report (``{"rank": r, "failures": [...], ...}``). The named pytest cases are in tests/test_expert_parallel.py.
@@ -22,6 +23,7 @@ class Scenario:
     collective_timeout: seconds a collective may wait for a peer (short, so a broken group fails fast).
     teardown: destroy the process group at the end (not when a peer is gone on purpose: that would wait).
     ranks: whose failures count (None: every rank's).
+    device_type: "cpu" (gloo) or "cuda" (NCCL, rank r on GPU r; the scenario reads the device from the group).
     """
 
     name: str
@@ -31,21 +33,27 @@ class Scenario:
     timeout: float = 150.0
     teardown: bool = True
     ranks: tuple[int, ...] | None = None
+    device_type: str = "cpu"
 
     @property
     def id(self) -> str:
         return f"{self.name}-w{self.world}"
 
 
-def rank_main(name: str, collective_timeout: float, teardown: bool) -> dict:
+def rank_main(name: str, collective_timeout: float, teardown: bool, device_type: str = "cpu") -> dict:
     """One rank of a scenario (run by spawn_ranks, rendezvous in the environment); its report."""
+    import os
+
     import torch
     import torch.distributed as dist
 
     from scenario_worker import SCENARIOS
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=collective_timeout))
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ["RANK"]))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=collective_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict = {"rank": rank}
     t0 = time.perf_counter()
@@ -62,7 +70,7 @@ def rank_main(name: str, collective_timeout: float, teardown: bool) -> dict:
 def run_scenario(case: Scenario) -> list[dict]:
     """Every rank's report. A rank that returned none (it crashed, exited early or was killed at the timeout)
     gets ``{"rank": r, "missing": True, "failures": [its exit code and stderr]}``."""
-    ranks = spawn_ranks(case.world, rank_main, [case.name, case.collective_timeout, case.teardown],
+    ranks = spawn_ranks(case.world, rank_main, [case.name, case.collective_timeout, case.teardown, case.device_type],
                         timeout=case.timeout, check=False, what=f"scenario {case.id}")
     return [r.value if r.value is not None else {"rank": r.rank, "missing": True, "failures": [_no_report(r, case)]}
             for r in ranks]

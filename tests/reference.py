@@ -263,8 +263,10 @@ def reference_moe(
 
 
 def layer_params_f64(module: torch.nn.Module) -> dict[str, Tensor]:
-    """Float64 leaf copies (requires_grad) of a module's parameters, keyed by their dotted names."""
-    return {name: p.detach().to(torch.float64).clone().requires_grad_(True) for name, p in module.named_parameters()}
+    """Float64 CPU leaf copies (requires_grad) of a module's parameters, keyed by their dotted names: the reference
+    runs on the CPU whatever device the module is on."""
+    return {name: p.detach().to("cpu", torch.float64).clone().requires_grad_(True)
+            for name, p in module.named_parameters()}
 
 
 def reference_for_layer(
@@ -279,14 +281,15 @@ def reference_for_layer(
 ) -> tuple[RefResult, Tensor, dict[str, Tensor]]:
     """Run the reference with float64 copies of a flexmoe layer's weights (read, never its computation).
 
-    x: ``[..., M]`` of any dtype. Returns ``(result, x64 [T, M] leaf, params)`` where params are the float64
-    leaves keyed as in ``moe.named_parameters()`` (e.g. ``"router.weight"``, ``"experts.w1"``), so a test can
-    backpropagate through ``result.y`` and compare each ``.grad``. The router and expert settings are the
-    test's own (passed in), not read from the layer. ``expert`` builds a custom expert function from params;
-    ``routing``: the keyword options of :func:`reference_moe` (``k`` and the routing contract's settings).
+    x: ``[..., M]`` of any dtype, on any device (the reference runs on the CPU). Returns ``(result, x64 [T, M]
+    leaf, params)`` where params are the float64 CPU leaves keyed as in ``moe.named_parameters()`` (e.g.
+    ``"router.weight"``, ``"experts.w1"``), so a test can backpropagate through ``result.y`` and compare each
+    ``.grad``. The router and expert settings are the test's own (passed in), not read from the layer.
+    ``expert`` builds a custom expert function from params; ``routing``: the keyword options of
+    :func:`reference_moe` (``k`` and the routing contract's settings).
     """
     params = layer_params_f64(moe)
-    x64 = x.detach().reshape(-1, x.shape[-1]).to(torch.float64).clone().requires_grad_(True)
+    x64 = x.detach().reshape(-1, x.shape[-1]).to("cpu", torch.float64).clone().requires_grad_(True)
     if router == "topk":
         logits = ref_linear_logits(x64, params["router.weight"])
     elif router == "cosine":
@@ -326,7 +329,7 @@ def assert_expert_grads(got: dict[str, Tensor | None], ref: dict[str, Tensor | N
             continue
         assert got_t.grad is not None and ref_t.grad is not None, name
         assert torch.equal(got_t.grad[idle_expert], torch.zeros_like(got_t.grad[idle_expert])), name
-        torch.testing.assert_close(got_t.grad.double(), ref_t.grad, **tol, msg=name)
+        torch.testing.assert_close(got_t.grad.to("cpu", torch.float64), ref_t.grad, **tol, msg=name)
 
 
 def ref_layout_rows(unit_rows: list[int], capacity: int, num_experts: int) -> tuple[int, dict[int, int]]:

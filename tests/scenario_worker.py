@@ -105,7 +105,9 @@ def compare(tag: str, got: torch.Tensor | None, want: torch.Tensor, failures: li
     # float64 experts; the routing math runs in float32 (router_dtype), whose gradients sum in another order.
     if got is None:
         failures.append(f"{tag}: no gradient")
-    elif got.shape != want.shape or not torch.allclose(got.to(want.dtype), want, rtol=tol, atol=tol / 10):
+        return
+    got = got.to(want.device)  # the reference runs on the CPU, the layer on any device
+    if got.shape != want.shape or not torch.allclose(got.to(want.dtype), want, rtol=tol, atol=tol / 10):
         err = (got.to(want.dtype) - want).abs().max().item() if got.shape == want.shape else "shape"
         failures.append(f"{tag}: mismatch (max err {err}, shapes {tuple(got.shape)} vs {tuple(want.shape)})")
 
@@ -128,10 +130,10 @@ def check_case(tag, ref, ep, layout, rank, world, failures, tokens=EP_TOKENS, sk
     xs, ws = inputs(world, tokens, skewed, cold)
     want, total, counts = reference(ref, xs, ws, rank)
     ep.zero_grad(set_to_none=True)
-    dtype = ep.experts.w1.dtype
-    x = xs[rank].to(dtype, copy=True).requires_grad_(x_grad)
+    dtype, device = ep.experts.w1.dtype, ep.experts.w1.device
+    x = xs[rank].to(device, dtype, copy=True).requires_grad_(x_grad)
     y = ep(x, **call)
-    (y * ws[rank].to(dtype)).sum().backward()
+    (y * ws[rank].to(device, dtype)).sum().backward()
     compare(f"{tag} output", y.detach(), want["y"], failures, tol)
     if x_grad:
         compare(f"{tag} x.grad", x.grad, want["x.grad"], failures, tol)
@@ -141,7 +143,7 @@ def check_case(tag, ref, ep, layout, rank, world, failures, tokens=EP_TOKENS, sk
         for n, g in gathered_grads(ep, layout, world).items():
             compare(f"{tag} experts.{n}.grad (global)", g, total[n], failures, tol)
         with torch.no_grad():  # the inference path (no autograd Functions) gives the same output
-            compare(f"{tag} no_grad output", ep(xs[rank].to(dtype), **call), want["y"], failures, tol)
+            compare(f"{tag} no_grad output", ep(xs[rank].to(device, dtype), **call), want["y"], failures, tol)
     else:
         local = shard_expert_state(total, layout, rank)
         for n, p in ep.experts.named_parameters():
@@ -189,6 +191,26 @@ def scenario_ep_equivalence(rank: int, world: int, out: dict) -> None:
         if "valid r" not in str(e):
             failures.append(f"r=3 error unclear: {e}")
     out["failures"], out["cases"] = failures, cases
+
+
+def scenario_ep_on_device(rank: int, world: int, out: dict) -> None:
+    """Expert parallelism with the layer on the group's device (rank r on GPU r under NCCL, else the CPU):
+    capacity and dropless, k=1 and 2, sharded experts (E < W) and whole ones, sending rows and tokens."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else \
+        torch.device("cpu")
+    failures: list[str] = []
+    cases = 0
+    for E, k, cf in ((2 * world, 2, 1.0), (2 * world, 1, 0.0), (world // 2 or 1, 1, 0.0)):
+        ref, ep, layout = make_pair(E, k, cf, world, rank)
+        ep = ep.to(device)
+        for r in ep._ep.valid_r():
+            tag = f"[{device.type} W={world} E={E} k={k} cf={cf} r={r}]"
+            try:
+                check_case(tag, ref, ep, layout, rank, world, failures, r=r)
+            except Exception:
+                failures.append(f"{tag} raised:\n{traceback.format_exc()}")
+            cases += 1
+    out["failures"], out["cases"], out["device"] = failures, cases, str(device)
 
 
 def _rows_each_way(plan, rank: int, world: int) -> tuple[int, int]:
@@ -754,6 +776,7 @@ def scenario_families(rank: int, world: int, out: dict) -> None:
 
 SCENARIOS = {
     "ep_equivalence": scenario_ep_equivalence,
+    "ep_on_device": scenario_ep_on_device,
     "token_exchange": scenario_token_exchange,
     "evaluation": scenario_evaluation,
     "auto": scenario_auto,

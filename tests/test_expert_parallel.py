@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from multiproc import Scenario, failures_of, run_scenario
 
@@ -122,3 +123,19 @@ def test_permute_rows_forward_and_gradient_match_indexing() -> None:
     assert torch.equal(grad, want_grad)
     empty = torch.zeros(0, dtype=torch.long)
     assert permute_rows(torch.zeros(0, 5), empty, empty).shape == (0, 5)
+
+
+@pytest.mark.slow
+def test_expert_parallel_on_the_device(device: torch.device) -> None:
+    """Two ranks of expert parallelism on ``device`` against one CPU process in float64: gloo on the CPU, NCCL
+    with one GPU per rank on CUDA."""
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip(f"NCCL expert parallelism needs one GPU per rank: 2 ranks, {torch.cuda.device_count()} GPU here")
+    case = Scenario("ep_on_device", 2, f"expert parallelism on {device.type} equals one process", timeout=240,
+                    device_type=device.type)
+    reports = run_scenario(case)
+    failures = failures_of(reports)
+    assert not failures, f"{case.id}: {case.claim}: {len(failures)} failures:\n" + "\n".join(failures[:30])
+    assert [rep["device"] for rep in reports] == ([f"cuda:{r}" for r in range(2)] if device.type == "cuda"
+                                                 else ["cpu", "cpu"])
+    _many_cases(5)(reports)

@@ -67,9 +67,16 @@ def _run(path, rows: torch.Tensor, counts: list[int], weights: dict, glu: bool, 
                 weights["b3"], act, glu_limit=glu_limit)
 
 
+# Tolerances of a path in each dtype against the float64 reference (outputs of order 1). bf16: 8-bit significand
+# (round-off 2^-9 ~ 2e-3) through two small matmuls and the unit.
+TOLERANCES = {torch.float64: {"atol": 1e-12, "rtol": 1e-10}, torch.float32: {"atol": 2e-5, "rtol": 2e-5},
+              torch.bfloat16: {"atol": 3e-2, "rtol": 2e-2}}
+
+
 def _check_path(path, dtype: torch.dtype, counts: list[int], *, glu: bool = False, bias: bool = True,
-                glu_limit: float | None = None, model_dim: int = 8, hidden: int = 12) -> None:
-    """``path`` in ``dtype`` against the float64 reference: output and every gradient."""
+                glu_limit: float | None = None, model_dim: int = 8, hidden: int = 12,
+                device: torch.device | str = "cpu") -> None:
+    """``path`` in ``dtype`` on ``device`` against the float64 CPU reference: output and every gradient."""
     weights64 = _weights(len(counts), model_dim, hidden, glu=glu, bias=bias)
     gen = torch.Generator().manual_seed(1)
     rows64 = torch.randn(sum(counts), model_dim, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -80,19 +87,20 @@ def _check_path(path, dtype: torch.dtype, counts: list[int], *, glu: bool = Fals
     expected_grads = torch.autograd.grad(expected, [rows64] + [weights64[n] for n in names], grad_out,
                                          allow_unused=True) if expected.numel() else None
 
-    rows = rows64.detach().to(dtype).requires_grad_()
-    weights = {n: (w.detach().to(dtype).requires_grad_() if w is not None else None) for n, w in weights64.items()}
+    rows = rows64.detach().to(device, dtype).requires_grad_()
+    weights = {n: (w.detach().to(device, dtype).requires_grad_() if w is not None else None)
+               for n, w in weights64.items()}
     got = _run(path, rows, counts, weights, glu, glu_limit)
-    assert got.shape == (sum(counts), model_dim) and got.dtype == dtype
-    tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 2e-5, "rtol": 2e-5}
-    torch.testing.assert_close(got.double(), expected, **tol)
+    assert got.shape == (sum(counts), model_dim) and got.dtype == dtype and got.device == rows.device
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(got.to("cpu", torch.float64), expected, **tol)
     if expected_grads is None:
         return
-    got_grads = torch.autograd.grad(got, [rows] + [weights[n] for n in names], grad_out.to(dtype),
+    got_grads = torch.autograd.grad(got, [rows] + [weights[n] for n in names], grad_out.to(device, dtype),
                                     allow_unused=True)
     for name, g, e in zip(["rows"] + names, got_grads, expected_grads):
         e = torch.zeros_like(weights64[name] if name != "rows" else rows64) if e is None else e
-        g = torch.zeros_like(e) if g is None else g.double()
+        g = torch.zeros_like(e) if g is None else g.to("cpu", torch.float64)
         torch.testing.assert_close(g, e, **tol, msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
@@ -107,29 +115,33 @@ COUNTS = {
 @pytest.mark.parametrize("case", list(COUNTS))
 @pytest.mark.parametrize("glu,bias,glu_limit", [(False, True, None), (False, False, None), (True, True, None),
                                                 (True, False, 7.0)])
-def test_grouped_path_matches_the_reference_float32(case: str, glu: bool, bias: bool,
-                                                    glu_limit: float | None) -> None:
-    _check_path(grouped_expert_ffn, torch.float32, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit)
+def test_grouped_path_matches_the_reference(case: str, glu: bool, bias: bool, glu_limit: float | None,
+                                            device: torch.device) -> None:
+    """float32 on the CPU (its grouped GEMM's dtype there); bf16 on CUDA, the dtype of CUDA's grouped GEMM."""
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    _check_path(grouped_expert_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit,
+                model_dim=16, hidden=16, device=device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", list(COUNTS))
-def test_looped_path_and_expert_ffn_match_the_reference(dtype: torch.dtype, case: str) -> None:
-    _check_path(looped_expert_ffn, dtype, COUNTS[case], glu=True)
-    _check_path(expert_ffn, dtype, COUNTS[case])
+def test_looped_path_and_expert_ffn_match_the_reference(dtype: torch.dtype, case: str,
+                                                        device: torch.device) -> None:
+    _check_path(looped_expert_ffn, dtype, COUNTS[case], glu=True, device=device)
+    _check_path(expert_ffn, dtype, COUNTS[case], device=device)
 
 
 def _check_without_autograd(path, dtype: torch.dtype, counts: list[int], *, glu: bool, bias: bool,
-                            glu_limit: float | None, model_dim: int = 8, hidden: int = 12) -> None:
+                            glu_limit: float | None, model_dim: int = 8, hidden: int = 12,
+                            device: torch.device | str = "cpu") -> None:
     weights64 = _weights(len(counts), model_dim, hidden, glu=glu, bias=bias)
     rows64 = torch.randn(sum(counts), model_dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     expected = _reference(rows64, counts, weights64, glu, glu_limit)
     with torch.no_grad():
-        weights = {n: (w.detach().to(dtype) if w is not None else None) for n, w in weights64.items()}
-        got = _run(path, rows64.to(dtype), counts, weights, glu, glu_limit)
+        weights = {n: (w.detach().to(device, dtype) if w is not None else None) for n, w in weights64.items()}
+        got = _run(path, rows64.to(device, dtype), counts, weights, glu, glu_limit)
     assert got.shape == expected.shape and got.dtype == dtype
-    tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 2e-5, "rtol": 2e-5}
-    torch.testing.assert_close(got.double(), expected, **tol)
+    torch.testing.assert_close(got.to("cpu", torch.float64), expected, **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -137,10 +149,13 @@ def _check_without_autograd(path, dtype: torch.dtype, counts: list[int], *, glu:
 @pytest.mark.parametrize("glu,bias,glu_limit", [(False, True, None), (False, False, None), (True, True, None),
                                                 (True, False, 7.0)])
 def test_joined_unit_path_without_autograd_matches_the_reference(dtype: torch.dtype, case: str, glu: bool,
-                                                                 bias: bool, glu_limit: float | None) -> None:
+                                                                 bias: bool, glu_limit: float | None,
+                                                                 device: torch.device) -> None:
     """The decoding path: each expert's matmuls into its rows of one buffer, the unit once over all rows."""
-    _check_without_autograd(joined_unit_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit)
-    _check_without_autograd(looped_expert_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit)
+    _check_without_autograd(joined_unit_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit,
+                            device=device)
+    _check_without_autograd(looped_expert_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit,
+                            device=device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -148,9 +163,11 @@ def test_joined_unit_path_without_autograd_matches_the_reference(dtype: torch.dt
 @pytest.mark.parametrize("glu,bias,glu_limit", [(False, True, None), (False, False, None), (True, True, None),
                                                 (True, False, 7.0)])
 def test_embedding_bag_path_without_autograd_matches_the_reference(dtype: torch.dtype, case: str, glu: bool,
-                                                                   bias: bool, glu_limit: float | None) -> None:
+                                                                   bias: bool, glu_limit: float | None,
+                                                                   device: torch.device) -> None:
     """The decoding path with no matmul: each row's products as weighted sums of its expert's weight rows."""
-    _check_without_autograd(embedding_bag_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit)
+    _check_without_autograd(embedding_bag_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit,
+                            device=device)
 
 
 def test_embedding_bag_path_with_model_dim_unlike_hidden_and_many_experts() -> None:
@@ -299,8 +316,8 @@ def test_use_grouped_mm_without_grad_keeps_the_loop_for_few_active_experts() -> 
 @pytest.mark.parametrize("glu,bias,glu_limit", [(False, True, None), (False, False, None), (True, True, None),
                                                 (True, False, 7.0)])
 def test_segmented_path_matches_the_reference(dtype: torch.dtype, case: str, glu: bool, bias: bool,
-                                              glu_limit: float | None) -> None:
-    _check_path(segmented_expert_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit)
+                                              glu_limit: float | None, device: torch.device) -> None:
+    _check_path(segmented_expert_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit, device=device)
 
 
 def test_segmented_path_with_256_experts_and_no_rows() -> None:

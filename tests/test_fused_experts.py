@@ -83,8 +83,9 @@ CASES = [  # activation, glu, bias, glu_limit
 @pytest.mark.parametrize("activation,glu,bias,glu_limit", CASES)
 @pytest.mark.parametrize("k,keep,chunk_rows", [(1, 1.0, 1), (2, 0.7, 9), (3, 1.0, CHUNK_ROWS)])
 def test_fused_experts_match_a_dense_loop(activation: str, glu: bool, bias: bool, glu_limit: float | None, k: int,
-                                          keep: float, chunk_rows: int) -> None:
-    """chunk_rows 1: one expert per chunk; 9: a few; the default: every expert in one chunk."""
+                                          keep: float, chunk_rows: int, device: torch.device) -> None:
+    """chunk_rows 1: one expert per chunk; 9: a few; the default: every expert in one chunk. The kernel runs in
+    float64 on ``device``, the dense loop on the CPU."""
     T, E, M, H = 13, 6, 5, 7
     row_token, row_expert, counts = random_rows(T, E, k, keep, seed=k)
     p = make_params(E, M, H, glu, bias, seed=3)
@@ -98,9 +99,11 @@ def test_fused_experts_match_a_dense_loop(activation: str, glu: bool, bias: bool
     else:
         fn, ref_act = resolve_activation(activation), ref_activation(activation)
     leaves = [x, row_weight, *p.values()]
-    y = fused_experts(x, row_token, row_weight, counts, p["w1"], p.get("b1"), p["w2"], p.get("b2"), p.get("w3"),
-                      p.get("b3"), HiddenUnit(fn, glu_limit), chunk_rows=chunk_rows)
-    got = torch.autograd.grad(y, leaves, grad_y)
+    on_device = [t.detach().to(device).requires_grad_() for t in leaves]
+    d = dict(zip(p, on_device[2:]))
+    y = fused_experts(on_device[0], row_token.to(device), on_device[1], counts, d["w1"], d.get("b1"), d["w2"],
+                      d.get("b2"), d.get("w3"), d.get("b3"), HiddenUnit(fn, glu_limit), chunk_rows=chunk_rows)
+    got = torch.autograd.grad(y, on_device, grad_y.to(device))
     want_y = dense_reference(x, row_token, row_expert, row_weight, p, ref_act, glu_limit)
     want = torch.autograd.grad(want_y, leaves, grad_y)
     assert_close(y, want_y, TOL64, "output")

@@ -77,12 +77,13 @@ def _fused_glu_grads(layer: MoELayer) -> dict[str, Tensor]:
             "down_proj": e.w2.grad.transpose(1, 2)}
 
 
-def _run_both(hf_block: nn.Module, layer: MoELayer, seed: int = 7) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Run both on the same input ``[B, S, M]`` and backward the same random projection of the output.
-    Returns (hf_out, our_out, hf_x_grad, our_x_grad)."""
+def _run_both(hf_block: nn.Module, layer: MoELayer, seed: int = 7,
+              device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Run both on the same input ``[B, S, M]`` on ``device`` and backward the same random projection of the
+    output. Returns (hf_out, our_out, hf_x_grad, our_x_grad)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, S, M, generator=g)
-    proj = torch.randn(B, S, M, generator=g)
+    x = torch.randn(B, S, M, generator=g).to(device)
+    proj = torch.randn(B, S, M, generator=g).to(device)
     xs = [x.clone().requires_grad_(True) for _ in range(2)]
     out_hf = hf_block(xs[0])
     out_hf = out_hf[0] if isinstance(out_hf, tuple) else out_hf
@@ -105,9 +106,9 @@ def _diffs(pairs: dict[str, tuple[Tensor, Tensor]]) -> dict[str, float]:
     return {name: float((a - b).detach().abs().max()) for name, (a, b) in pairs.items()}
 
 
-def _same_choices(hf_router: nn.Module, layer: MoELayer) -> None:
+def _same_choices(hf_router: nn.Module, layer: MoELayer, device: torch.device | str = "cpu") -> None:
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(B, S, M, generator=g).view(-1, M)
+    x = torch.randn(B, S, M, generator=g).view(-1, M).to(device)
     ours = layer.last_plan.expert_index.sort(dim=-1).values
     assert torch.equal(ours, _hf_choices(hf_router, x)), "expert choices differ from HF's"
 
@@ -143,10 +144,13 @@ def _mixtral_like(family: str, k: int, norm: bool, seed: int):
     return block, layer
 
 
-def compare_mixtral_like(family: str, k: int = 2, norm: bool = True) -> dict[str, float]:
+def compare_mixtral_like(family: str, k: int = 2, norm: bool = True,
+                         device: torch.device | str = "cpu") -> dict[str, float]:
+    """HF's block and the layer, both on ``device``."""
     block, layer = _mixtral_like(family, k, norm, seed=11)
-    out_hf, out, gx_hf, gx = _run_both(block, layer)
-    _same_choices(block.gate, layer)
+    block, layer = block.to(device), layer.to(device)
+    out_hf, out, gx_hf, gx = _run_both(block, layer, device=device)
+    _same_choices(block.gate, layer, device)
     ours = _fused_glu_grads(layer)
     return _diffs({"output": (out_hf, out), "grad x": (gx_hf, gx),
                    "grad router": (block.gate.weight.grad, layer.router.weight.grad),
@@ -155,8 +159,8 @@ def compare_mixtral_like(family: str, k: int = 2, norm: bool = True) -> dict[str
 
 
 @pytest.mark.parametrize("family,norm", [("mixtral", True), ("qwen3_moe", True), ("olmoe", False)])
-def test_mixtral_family_matches_hf(family, norm):
-    compare_mixtral_like(family, k=2, norm=norm)
+def test_mixtral_family_matches_hf(family, norm, device):
+    compare_mixtral_like(family, k=2, norm=norm, device=device)
 
 
 def test_all_choices_loss_matches_hf_load_balancing_loss():

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from devices import on_cpu64
 from flexmoe import MoELayer
 from reference import RefResult, layer_params_f64, reference_for_layer
 
@@ -31,22 +32,24 @@ TOL = {
 
 
 def make_layer(*, dtype: torch.dtype = torch.float64, router_dtype: torch.dtype | None = None, seed: int = 0,
-               num_experts: int = E, **kwargs) -> MoELayer:
-    """A small layer with seeded weights; by default everything (routing too) in float64."""
+               num_experts: int = E, device: torch.device | str = "cpu", **kwargs) -> MoELayer:
+    """A small layer with seeded weights (drawn on the CPU, then moved to ``device``, so every device gets the
+    same ones); by default everything (routing too) in float64."""
     torch.manual_seed(seed)
     if router_dtype is None:
         router_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    return MoELayer(M, num_experts, H, dtype=dtype, router_dtype=router_dtype, **kwargs)
+    return MoELayer(M, num_experts, H, dtype=dtype, router_dtype=router_dtype, **kwargs).to(device)
 
 
-def make_input(shape: tuple[int, ...] = (T, M), *, dtype: torch.dtype = torch.float64, seed: int = 1) -> Tensor:
+def make_input(shape: tuple[int, ...] = (T, M), *, dtype: torch.dtype = torch.float64, seed: int = 1,
+               device: torch.device | str = "cpu") -> Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(device, dtype)
 
 
 def assert_close(got: Tensor, want: Tensor, tol: float, what: str) -> None:
-    """max |got - want| <= tol * max(1, max |want|)."""
-    got64, want64 = got.detach().to(torch.float64), want.detach().to(torch.float64)
+    """max |got - want| <= tol * max(1, max |want|), compared on the CPU in float64."""
+    got64, want64 = on_cpu64(got), on_cpu64(want)
     assert got64.shape == want64.shape, f"{what}: shape {tuple(got64.shape)} != {tuple(want64.shape)}"
     scale = max(1.0, float(want64.abs().max())) if want64.numel() else 1.0
     err = float((got64 - want64).abs().max()) if want64.numel() else 0.0
@@ -80,7 +83,7 @@ def check_layer(moe: MoELayer, x: Tensor, *, tol: float | None = None, forward_k
     y = moe(x, **(forward_kwargs or {}))
     assert y.shape == x.shape and y.dtype == x.dtype
     g = make_input(tuple(y.shape), dtype=torch.float64, seed=99)
-    loss = (y.to(torch.float64) * g).sum() + aux_coef * moe.aux_loss.to(torch.float64) \
+    loss = (y.to(torch.float64) * g.to(y.device)).sum() + aux_coef * moe.aux_loss.to(torch.float64) \
         + z_coef * moe.z_loss.to(torch.float64)
     loss.backward()
 
@@ -122,10 +125,10 @@ CAPACITY_MODES = {
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("mode", list(CAPACITY_MODES))
-def test_matches_reference_every_capacity_mode(k: int, mode: str) -> None:
+def test_matches_reference_every_capacity_mode(k: int, mode: str, device: torch.device) -> None:
     layer_kw, fwd_kw, ref_kw, drops = CAPACITY_MODES[mode]
-    moe = make_layer(k=k, seed=k, **layer_kw)
-    ref = check_layer(moe, make_input(seed=10 + k), forward_kwargs=fwd_kw, k=k, **ref_kw)
+    moe = make_layer(k=k, seed=k, device=device, **layer_kw)
+    ref = check_layer(moe, make_input(seed=10 + k, device=device), forward_kwargs=fwd_kw, k=k, **ref_kw)
     # The mode must have done what it is named for, or the comparison above proves less than it claims.
     if drops == "none":
         assert ref.num_dropped == 0
@@ -150,9 +153,9 @@ def test_forward_override_applies_to_that_call_only() -> None:
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_batch_prioritized_matches_reference(k: int) -> None:
-    moe = make_layer(k=k, capacity_factor=0.6, batch_prioritized=True, seed=3)
-    x = make_input(seed=4)
+def test_batch_prioritized_matches_reference(k: int, device: torch.device) -> None:
+    moe = make_layer(k=k, capacity_factor=0.6, batch_prioritized=True, seed=3, device=device)
+    x = make_input(seed=4, device=device)
     ref = check_layer(moe, x, k=k, capacity_factor=0.6, batch_prioritized=True)
     assert ref.num_dropped > 0
     # With drops, priority by top-1 probability keeps a different set than token order would.
@@ -161,9 +164,9 @@ def test_batch_prioritized_matches_reference(k: int) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_score_at_dispatch_matches_reference(k: int) -> None:
-    moe = make_layer(k=k, capacity_factor=0.8, score_at="dispatch", seed=5)
-    ref = check_layer(moe, make_input(seed=6), k=k, capacity_factor=0.8, score_at="dispatch")
+def test_score_at_dispatch_matches_reference(k: int, device: torch.device) -> None:
+    moe = make_layer(k=k, capacity_factor=0.8, score_at="dispatch", seed=5, device=device)
+    ref = check_layer(moe, make_input(seed=6, device=device), k=k, capacity_factor=0.8, score_at="dispatch")
     assert ref.num_dropped > 0
     # The two placements of the score differ for a nonlinear expert with biases.
     combine_ref, _, _ = reference_for_layer(moe, make_input(seed=6), k=k, capacity_factor=0.8)
@@ -173,19 +176,21 @@ def test_score_at_dispatch_matches_reference(k: int) -> None:
 @pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-def test_activations_glu_and_bias_match_reference(activation: str, glu: bool, bias: bool) -> None:
-    moe = make_layer(k=2, capacity_factor=1.0, activation=activation, glu=glu, bias=bias, seed=7)
+def test_activations_glu_and_bias_match_reference(activation: str, glu: bool, bias: bool,
+                                                  device: torch.device) -> None:
+    moe = make_layer(k=2, capacity_factor=1.0, activation=activation, glu=glu, bias=bias, seed=7, device=device)
     names = {n for n, _ in moe.named_parameters()}
     assert ("experts.w3" in names) == glu and ("experts.b1" in names) == bias
     if glu:
         assert tuple(moe.experts.w3.shape) == (E, M, H)
-    check_layer(moe, make_input(seed=8), k=2, capacity_factor=1.0, activation=activation, glu=glu)
+    check_layer(moe, make_input(seed=8, device=device), k=2, capacity_factor=1.0, activation=activation, glu=glu)
 
 
 @pytest.mark.parametrize("score_at", ["combine", "dispatch"])
-def test_glu_with_score_at(score_at: str) -> None:
-    moe = make_layer(k=3, capacity_factor=0.9, glu=True, activation="silu", score_at=score_at, seed=9)
-    check_layer(moe, make_input(seed=9), k=3, capacity_factor=0.9, glu=True, activation="silu", score_at=score_at)
+def test_glu_with_score_at(score_at: str, device: torch.device) -> None:
+    moe = make_layer(k=3, capacity_factor=0.9, glu=True, activation="silu", score_at=score_at, seed=9, device=device)
+    check_layer(moe, make_input(seed=9, device=device), k=3, capacity_factor=0.9, glu=True, activation="silu",
+                score_at=score_at)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -233,22 +238,22 @@ def test_custom_expert_matches_reference(k: int, capacity_factor: float) -> None
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_cosine_router_matches_reference(k: int) -> None:
-    moe = make_layer(k=k, capacity_factor=0.8, router="cosine", seed=14)
+def test_cosine_router_matches_reference(k: int, device: torch.device) -> None:
+    moe = make_layer(k=k, capacity_factor=0.8, router="cosine", seed=14, device=device)
     with torch.no_grad():  # a larger spread of weights than the init so that routing is not near-uniform
         moe.router.weight.normal_()
         moe.router.log_temperature.fill_(math.log(0.5))
     assert tuple(moe.router.weight.shape) == (E, M)
-    ref = check_layer(moe, make_input(seed=14), k=k, capacity_factor=0.8, router="cosine")
+    ref = check_layer(moe, make_input(seed=14, device=device), k=k, capacity_factor=0.8, router="cosine")
     assert moe.router.log_temperature.grad is not None and float(moe.router.log_temperature.grad.abs()) > 0
     assert ref.num_dropped > 0
 
 
-def test_float32_layer_with_default_router_dtype() -> None:
+def test_float32_layer_with_default_router_dtype(device: torch.device) -> None:
     torch.manual_seed(15)
-    moe = MoELayer(M, E, H, k=2, capacity_factor=0.9)
+    moe = MoELayer(M, E, H, k=2, capacity_factor=0.9).to(device)
     assert moe.router_dtype == torch.float32 and moe.experts.w1.dtype == torch.float32
-    check_layer(moe, make_input(seed=15, dtype=torch.float32), k=2, capacity_factor=0.9)
+    check_layer(moe, make_input(seed=15, dtype=torch.float32, device=device), k=2, capacity_factor=0.9)
 
 
 # --- shapes ---------------------------------------------------------------------------------------------
@@ -275,12 +280,14 @@ def test_leading_shape_is_flattened_in_token_order() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k,capacity_factor", [(1, 1.0), (2, 0.0), (3, 0.8)])
-def test_low_precision_against_float64_reference(dtype: torch.dtype, k: int, capacity_factor: float) -> None:
+def test_low_precision_against_float64_reference(dtype: torch.dtype, k: int, capacity_factor: float,
+                                                 device: torch.device) -> None:
     """bf16/fp16 parameters and input; routing in float32 (the default); reference in float64 with the same
     (rounded) weights. Routing decisions must be identical; values within TOL[dtype] of the reference scale."""
-    moe = make_layer(dtype=dtype, router_dtype=torch.float32, k=k, capacity_factor=capacity_factor, seed=17)
+    moe = make_layer(dtype=dtype, router_dtype=torch.float32, k=k, capacity_factor=capacity_factor, seed=17,
+                     device=device)
     assert moe.experts.w1.dtype == dtype
-    check_layer(moe, make_input(seed=18, dtype=dtype), k=k, capacity_factor=capacity_factor)
+    check_layer(moe, make_input(seed=18, dtype=dtype, device=device), k=k, capacity_factor=capacity_factor)
     assert moe.last_plan.weight.dtype == torch.float32
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from devices import on_cpu64
 from flexmoe.padded_ffn_op import PACKED, padded_op_available, padded_segments, padding_ranges
 from reference import assert_expert_grads, random_expert_params, ref_activation, ref_layout_rows
 
@@ -76,7 +77,8 @@ CASES = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", list(CASES))
-def test_op_computes_real_rows_only_and_matches_the_reference(case: str, dtype: torch.dtype, layout: str) -> None:
+def test_op_computes_real_rows_only_and_matches_the_reference(case: str, dtype: torch.dtype, layout: str,
+                                                              device: torch.device) -> None:
     options = CASES[case]
     activation, glu, bias, glu_limit = (options["activation"], options["glu"], options["bias"],
                                         options["glu_limit"])
@@ -100,10 +102,10 @@ def test_op_computes_real_rows_only_and_matches_the_reference(case: str, dtype: 
     ref_out = {i: _reference_row(ref_rows[i], expert_of[i], ref_p, activation, glu, glu_limit) for i in real}
     torch.stack([ref_out[i] for i in real]).mul(grad64[real]).sum().backward()
 
-    got_p = {n: t.to(dtype).requires_grad_() if t is not None else None for n, t in p64.items()}
-    got_rows = rows64.to(dtype).requires_grad_()
+    got_p = {n: t.to(device, dtype).requires_grad_() if t is not None else None for n, t in p64.items()}
+    got_rows = rows64.to(device, dtype).requires_grad_()
     out, *saved = torch.ops.flexmoe.padded_experts(
-        got_rows, torch.tensor(unit_rows), capacity, got_p["w1"], got_p["b1"], got_p["w2"], got_p["b2"],
+        got_rows, torch.tensor(unit_rows, device=device), capacity, got_p["w1"], got_p["b1"], got_p["w2"], got_p["b2"],
         got_p["w3"], got_p["b3"], activation, glu_limit)
     # The pre-activations and the unit's output only ride along for the backward: no gradient flows into them.
     # Padded: one [capacity, H] piece per unit each (pre3: none without gating); packed: one [N, H] piece.
@@ -112,12 +114,13 @@ def test_op_computes_real_rows_only_and_matches_the_reference(case: str, dtype: 
     assert len(pre1) == len(h) == pieces and len(pre3) == (pieces if glu else 0)
     assert all(t.shape == (piece_rows, HIDDEN) for t in [*pre1, *pre3, *h])
     assert out.requires_grad and not any(t.requires_grad for t in [*pre1, *pre3, *h])
-    out.backward(grad64.to(dtype))
+    out.backward(grad64.to(device, dtype))
 
     tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
-    assert torch.equal(out[padding], torch.zeros(len(padding), MODEL_DIM, dtype=dtype))
-    torch.testing.assert_close(out[real].double(), torch.stack([ref_out[i] for i in real]).detach(), **tol)
-    assert got_rows.grad is not None and ref_rows.grad is not None
-    assert torch.equal(got_rows.grad[padding], torch.zeros(len(padding), MODEL_DIM, dtype=dtype))
-    torch.testing.assert_close(got_rows.grad[real].double(), ref_rows.grad[real], **tol)
+    out, got_grad = on_cpu64(out), on_cpu64(got_rows.grad)
+    assert torch.equal(out[padding], torch.zeros(len(padding), MODEL_DIM, dtype=torch.float64))
+    torch.testing.assert_close(out[real], torch.stack([ref_out[i] for i in real]).detach(), **tol)
+    assert ref_rows.grad is not None
+    assert torch.equal(got_grad[padding], torch.zeros(len(padding), MODEL_DIM, dtype=torch.float64))
+    torch.testing.assert_close(got_grad[real], ref_rows.grad[real], **tol)
     assert_expert_grads(got_p, ref_p, idle_expert=2, **tol)

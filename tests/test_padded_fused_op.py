@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from devices import on_cpu64
 from flexmoe import MoELayer
 from flexmoe.padded_ffn_op import PACKED, padded_op_available
 from flexmoe.padded_fused_op import padded_chunks, use_padded_fused
@@ -42,7 +43,8 @@ def test_padded_chunks_are_the_units_with_rows() -> None:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", list(CASES))
-def test_op_matches_the_reference_and_never_reads_padding(case: str, dtype: torch.dtype, layout: str) -> None:
+def test_op_matches_the_reference_and_never_reads_padding(case: str, dtype: torch.dtype, layout: str,
+                                                          device: torch.device) -> None:
     activation, glu, bias = CASES[case]["activation"], CASES[case]["glu"], CASES[case]["bias"]
     gen = torch.Generator().manual_seed(0)
 
@@ -79,24 +81,27 @@ def test_op_matches_the_reference_and_never_reads_padding(case: str, dtype: torc
     want = torch.stack(ref_y)
     (want * grad64).sum().backward()
 
-    got_p = {n: t.to(dtype).requires_grad_() if t is not None else None for n, t in p64.items()}
-    got_tokens, got_weight = tokens64.to(dtype).requires_grad_(), row_weight64.to(dtype).requires_grad_()
+    got_p = {n: t.to(device, dtype).requires_grad_() if t is not None else None for n, t in p64.items()}
+    got_tokens = tokens64.to(device, dtype).requires_grad_()
+    got_weight = row_weight64.to(device, dtype).requires_grad_()
     y, pre1, pre3, h = torch.ops.flexmoe.padded_fused_experts(
-        got_tokens, row_token, got_weight, torch.tensor(unit_rows), capacity, got_p["w1"], got_p["b1"], got_p["w2"],
-        got_p["b2"], got_p["w3"], got_p["b3"], activation)
+        got_tokens, row_token.to(device), got_weight, torch.tensor(unit_rows, device=device), capacity,
+        got_p["w1"], got_p["b1"], got_p["w2"], got_p["b2"], got_p["w3"], got_p["b3"], activation)
     pieces = len(unit_rows) if layout == "padded" else 1  # packed: one [N, H] piece
     assert len(pre1) == len(h) == pieces and len(pre3) == (pieces if glu else 0)
     assert y.requires_grad and not any(t.requires_grad for t in [*pre1, *pre3, *h])  # saved for backward only
-    y.backward(grad64.to(dtype))
+    y.backward(grad64.to(device, dtype))
 
     tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(y.double(), want.detach(), **tol)
-    assert torch.equal(y[-1], torch.zeros(MODEL_DIM, dtype=dtype))  # the token without a row
+    y = on_cpu64(y)
+    torch.testing.assert_close(y, want.detach(), **tol)
+    assert torch.equal(y[-1], torch.zeros(MODEL_DIM, dtype=torch.float64))  # the token without a row
     assert got_tokens.grad is not None and ref_tokens.grad is not None
-    torch.testing.assert_close(got_tokens.grad.double(), ref_tokens.grad, **tol)
+    torch.testing.assert_close(on_cpu64(got_tokens.grad), ref_tokens.grad, **tol)
     assert got_weight.grad is not None and ref_weight.grad is not None
-    assert torch.equal(got_weight.grad[padding], torch.zeros(len(padding), dtype=dtype))
-    torch.testing.assert_close(got_weight.grad[real].double(), ref_weight.grad[real], **tol)
+    weight_grad = on_cpu64(got_weight.grad)
+    assert torch.equal(weight_grad[padding], torch.zeros(len(padding), dtype=torch.float64))
+    torch.testing.assert_close(weight_grad[real], ref_weight.grad[real], **tol)
     assert_expert_grads(got_p, ref_p, idle_expert=2, **tol)
 
 

@@ -205,9 +205,9 @@ def _build(opt: dict, E: int = 8) -> MoELayer:
 
 
 def _params(layer: MoELayer) -> dict:
-    """The layer's parameters as leaf float64 tensors of the reference (their gradients are compared)."""
+    """The layer's parameters as leaf float64 CPU tensors of the reference (their gradients are compared)."""
     def leaf(t: Tensor) -> Tensor:
-        return t.detach().clone().requires_grad_(True)
+        return t.detach().to("cpu").clone().requires_grad_(True)
 
     p = {"router_w": leaf(layer.router.weight), "experts": {}}
     if layer.router.bias is not None:
@@ -219,7 +219,7 @@ def _params(layer: MoELayer) -> dict:
     if layer.shared_gate is not None:
         p["shared_gate"] = leaf(layer.shared_gate.weight)
     if layer.expert_bias is not None:
-        p["sel_bias"] = layer.expert_bias.detach().clone()
+        p["sel_bias"] = layer.expert_bias.detach().to("cpu").clone()
     return p
 
 
@@ -238,18 +238,19 @@ def _pairs(layer: MoELayer, p: dict) -> dict[str, tuple[Tensor | None, Tensor]]:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_family_option_matches_loop_reference(name: str) -> None:
+def test_family_option_matches_loop_reference(name: str, device: torch.device) -> None:
+    """The layer in float64 on ``device``; the loop reference on the CPU."""
     opt = {**BASE, **CASES[name]}
     opt["act_ref"] = _gpt_oss_act if opt["activation"] == "gpt_oss" else _silu
-    layer = _build(opt)
+    layer = _build(opt).to(device)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 6, M, generator=g, dtype=torch.float64)
     proj = torch.randn(2, 6, M, generator=g, dtype=torch.float64)
     loss_weight = 0.37
 
-    xl = x.clone().requires_grad_(True)
+    xl = x.to(device, copy=True).requires_grad_(True)
     y = layer(xl)
-    ((y * proj).sum() + loss_weight * layer.aux_loss).backward()
+    ((y * proj.to(device)).sum() + loss_weight * layer.aux_loss).backward()
 
     p = _params(layer)
     xr = x.clone().requires_grad_(True)
@@ -258,16 +259,16 @@ def test_family_option_matches_loop_reference(name: str) -> None:
 
     assert layer.last_plan.expert_index.tolist() == choices
     assert layer.last_plan.counts == kept
-    torch.testing.assert_close(y, y_ref)
-    torch.testing.assert_close(layer.aux_loss, aux_ref)
-    torch.testing.assert_close(xl.grad, xr.grad)
+    torch.testing.assert_close(y.cpu(), y_ref)
+    torch.testing.assert_close(layer.aux_loss.cpu(), aux_ref)
+    torch.testing.assert_close(xl.grad.cpu(), xr.grad)
     for what, (ours, ref) in _pairs(layer, p).items():
         assert ours is not None and ref is not None, what
-        torch.testing.assert_close(ours, ref, msg=lambda m, what=what: f"{what}: {m}")
+        torch.testing.assert_close(ours.cpu(), ref, msg=lambda m, what=what: f"{what}: {m}")
     if opt["limit"] is not None:  # both clamps of the GPT-OSS unit were active somewhere
         with torch.no_grad():
-            pre_gate = x.view(-1, M) @ layer.experts.w1[0] + layer.experts.b1[0]
-            pre_up = x.view(-1, M) @ layer.experts.w3[0] + layer.experts.b3[0]
+            pre_gate = x.view(-1, M) @ p["experts"]["w1"][0] + p["experts"]["b1"][0]
+            pre_up = x.view(-1, M) @ p["experts"]["w3"][0] + p["experts"]["b3"][0]
         assert (pre_gate > opt["limit"]).any() and (pre_up.abs() > opt["limit"]).any()
     if opt["capacity_per"] == "sequence" or opt["cf"] > 0:
         assert layer.last_plan.num_dropped > 0, "the case should drop pairs to test the capacity"
@@ -390,7 +391,7 @@ def test_plan_from_choices_lays_out_the_given_choices_with_zero_losses() -> None
 
 
 @pytest.mark.parametrize("case", ["distinct", "many ties", "tie at the boundary"])
-def test_top_k_of_many_scores_breaks_ties_towards_the_lower_expert(case: str) -> None:
+def test_top_k_of_many_scores_breaks_ties_towards_the_lower_expert(case: str, device: torch.device) -> None:
     """From 2^15 scores top_k asks torch.topk first; its answer must stay the reference's, ties included."""
     T, E, k = 512, 64, 8
     assert T * E >= _TOPK_MIN_SCORES  # the torch.topk path is the one under test
@@ -401,7 +402,7 @@ def test_top_k_of_many_scores_breaks_ties_towards_the_lower_expert(case: str) ->
     elif case == "tie at the boundary":
         order = probs[3].argsort(descending=True)
         probs[3, order[k]] = probs[3, order[k - 1]]  # the k-th and (k+1)-th best of token 3 are equal
-    values, indices = top_k(probs, k)
+    values, indices = (t.cpu() for t in top_k(probs.to(device), k))
     for t in range(T):
         want = ref_top_k(probs[t].tolist(), k)
         assert indices[t].tolist() == want, f"token {t}"
@@ -410,7 +411,7 @@ def test_top_k_of_many_scores_breaks_ties_towards_the_lower_expert(case: str) ->
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", ["distinct", "many ties", "signed with zeros of both signs"])
-def test_top_k_by_unique_keys_is_the_reference_top_k(case: str, dtype: torch.dtype) -> None:
+def test_top_k_by_unique_keys_is_the_reference_top_k(case: str, dtype: torch.dtype, device: torch.device) -> None:
     """The compiled graph's top-k (no sort, no host sync) against the plain reference: ties to the lower expert."""
     T, E, k = 256, 64, 8
     g = torch.Generator().manual_seed(3)
@@ -425,7 +426,7 @@ def test_top_k_by_unique_keys_is_the_reference_top_k(case: str, dtype: torch.dty
         scores[1, :] = -1.0
         scores[1, [5, 10, 20]] = torch.tensor([-0.0, -0.0, 0.0])  # the best three: zeros of both signs, tied
     scores = scores.to(dtype)
-    values, indices = top_k_by_unique_keys(scores, k)
+    values, indices = (t.cpu() for t in top_k_by_unique_keys(scores.to(device), k))
     assert values.dtype == dtype
     for t in range(T):
         want = ref_top_k(scores[t].float().tolist(), k)

@@ -75,21 +75,31 @@ class BenchConfig:
     steps: int = 10
     warmup: int = 3
     seed: int = 0
+    device: str = "cpu"
 
     def describe(self) -> str:
         cf = "dropless" if self.capacity_factor == 0 else f"cf={self.capacity_factor:g}"
+        on = "" if self.device == "cpu" else f" on {self.device}"
         return (f"T={self.tokens} M={self.model_dim} H={self.hidden_dim} E={self.experts} k={self.k} {cf} "
-                f"{self.dtype}{' glu' if self.glu else ''}")
+                f"{self.dtype}{' glu' if self.glu else ''}{on}")
 
 
 # --------------------------------------------------------------------------------------------- measuring
 
 
+def wait_for(device: torch.device | str) -> None:
+    """Block until the work queued on ``device`` is done (CUDA runs kernels asynchronously; the CPU does not)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_side_by_side(cases: dict[str, Callable[[], None]], steps: int, warmup: int,
                       sync: Callable[[float], float] = lambda t: t, desc: str | None = None,
-                      ) -> dict[str, list[float]]:
+                      device: torch.device | str = "cpu") -> dict[str, list[float]]:
     """Seconds of each case per step, the cases taking turns (order rotated each step so none always runs
     first). ``sync`` maps one local time to the time that counts (under torchrun: the slowest rank's).
+    ``device``: where the cases run; each case's time ends when that device has finished its work.
 
     With ``desc``, a progress bar on stderr counts the rounds (every case once) and shows each case's running
     median over the floor's; the rows themselves exist only once all rounds are in, since the cases share them.
@@ -100,8 +110,10 @@ def time_side_by_side(cases: dict[str, Callable[[], None]], steps: int, warmup: 
     for step in range(warmup + steps):
         shift = step % len(names)
         for name in names[shift:] + names[:shift]:
+            wait_for(device)
             start = time.perf_counter()
             cases[name]()
+            wait_for(device)
             elapsed = sync(time.perf_counter() - start)
             if step >= warmup:
                 times[name].append(elapsed)
@@ -151,14 +163,19 @@ def saved_activation_bytes(step: Callable[[], Tensor], params: Sequence[Tensor])
 def build_layer(cfg: BenchConfig, **extra: Any) -> MoELayer:
     torch.manual_seed(cfg.seed)
     return MoELayer(cfg.model_dim, cfg.experts, cfg.hidden_dim, k=cfg.k, capacity_factor=cfg.capacity_factor,
-                    glu=cfg.glu, dtype=_DTYPES[cfg.dtype], **extra)
+                    glu=cfg.glu, dtype=_DTYPES[cfg.dtype], **extra).to(cfg.device)
+
+
+def random_rows(cfg: BenchConfig, rows: int, gen: torch.Generator) -> Tensor:
+    """``[rows, model_dim]`` normal values drawn on the CPU (the same on every device), in ``cfg``'s dtype on
+    ``cfg``'s device."""
+    return torch.randn(rows, cfg.model_dim, generator=gen).to(cfg.device, _DTYPES[cfg.dtype])
 
 
 def _inputs(cfg: BenchConfig, seed: int) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    dtype = _DTYPES[cfg.dtype]
-    x = torch.randn(cfg.tokens, cfg.model_dim, generator=gen).to(dtype).requires_grad_()
-    grad = torch.randn(cfg.tokens, cfg.model_dim, generator=gen).to(dtype)
+    x = random_rows(cfg, cfg.tokens, gen).requires_grad_()
+    grad = random_rows(cfg, cfg.tokens, gen)
     return x, grad
 
 
@@ -175,8 +192,8 @@ def _floor_case(layer: MoELayer, counts: list[int], cfg: BenchConfig, grouped: b
     """A forward + backward step of the floor (``grouped``: the grouped-GEMM floor) on random rows of the
     routed counts, and its forward alone."""
     gen = torch.Generator().manual_seed(cfg.seed + 7)
-    rows = torch.randn(sum(counts), cfg.model_dim, generator=gen).to(_DTYPES[cfg.dtype]).requires_grad_()
-    grad = torch.randn(rows.shape, generator=gen).to(rows.dtype)
+    rows = random_rows(cfg, sum(counts), gen).requires_grad_()
+    grad = random_rows(cfg, sum(counts), gen)
     experts = layer.experts
     assert isinstance(experts, FeedForwardExperts), "the floor times the built-in FFN experts"
     forward = partial(grouped_floor if grouped else expert_floor, experts, rows, counts)
@@ -286,13 +303,16 @@ def bench_single(cfg: BenchConfig, *, peers: bool = True, reference: bool = True
     if reference:
         cases["gshard-einsum"] = _fwd_bwd(lambda: gshard_einsum_forward(layer, x), grad, layer)
     skipped: list[str] = []
-    if peers:
+    if peers and cfg.device != "cpu":
+        skipped.append(f"peers: skipped on {cfg.device} (DeepSpeed, fairscale and Tutel are compared on the CPU)")
+    elif peers:
         peer_cases, skipped = _peer_cases(cfg, x, grad)
         cases.update(peer_cases)
     if show:
         for line in skipped:
             print(line, flush=True)
-    times = time_side_by_side(cases, cfg.steps, cfg.warmup, desc=f"timing {len(cases)} cases" if show else None)
+    times = time_side_by_side(cases, cfg.steps, cfg.warmup, desc=f"timing {len(cases)} cases" if show else None,
+                              device=cfg.device)
     floor = statistics.median(times["floor"])
     rows = []
     for name, samples in times.items():
@@ -381,7 +401,7 @@ def floor_ratio_check(label: str, cfg: BenchConfig, target: float, group: str = 
     interleaved; the note gives the ratio to the grouped-GEMM floor too."""
     def measure(settings: SuiteSettings) -> Measurement:
         run_cfg = replace(cfg, steps=min(cfg.steps, settings.steps), warmup=min(cfg.warmup, settings.warmup),
-                          seed=settings.seed)
+                          seed=settings.seed, device=settings.device)
         report = bench_single(run_cfg, peers=settings.peers, reference=False, show=settings.show)
         ratio = next(r["x_floor"] for r in report["rows"] if r["case"] == "flexmoe")
         floors = report["floors"]
@@ -395,7 +415,7 @@ def memory_check(label: str, cfg: BenchConfig, wide_experts: int, target: float,
                  ) -> SuiteCheck:
     """Activation memory (bytes autograd saves) at ``wide_experts`` over ``cfg``'s, same T, k and H."""
     def measure(settings: SuiteSettings) -> Measurement:
-        narrow = replace(cfg, seed=settings.seed)
+        narrow = replace(cfg, seed=settings.seed, device=settings.device)
         x, _ = _inputs(narrow, narrow.seed + 1)
         saved = {}
         for experts in (cfg.experts, wide_experts):
@@ -736,6 +756,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--steps", type=COUNT, default=d.steps, help="timed steps per case (median reported)")
     a("--warmup", type=NON_NEGATIVE, default=d.warmup, help="untimed steps per case first")
     a("--seed", type=SEED, default=d.seed, help="seed of the weights and inputs")
+    a("--device", type=_device, default=d.device,
+      help="where the layer and every suite check run: cpu (default), cuda, cuda:1, ...; a check that only means "
+           "something on the CPU (peers, gloo expert parallelism) says it was skipped")
     a("--threads", type=COUNT, default=None, help="torch threads (default: all cores, shared by local ranks)")
     a("--no-peers", action="store_true", help="skip DeepSpeed / fairscale / Tutel even when importable")
     a("--memory", action="store_true", help="also report activation memory, and E=64 at equal T, k, H")
@@ -776,6 +799,24 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _device(text: str) -> str:
+    """A device this machine has: ``cpu`` or ``cuda[:index]`` with CUDA available."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:index], got {text!r}") from None
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:index], got {text!r}")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has no CUDA device that torch {torch.__version__} "
+                                         f"can use")
+    if (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return str(device)
+
+
 def _degrees(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
@@ -794,8 +835,10 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     if args.sleep_ms is not None and args.experts % world:
         raise UsageError(f"--sleep-ms needs whole experts per rank: --num-experts {args.experts} must be a multiple "
                          f"of the {world} ranks")
+    if args.device != "cpu" and (args.nproc > 1 or under_torchrun()):
+        raise UsageError(f"--device {args.device}: the distributed benchmark runs on CPU ranks (gloo) only")
     return BenchConfig(args.tokens, args.model_dim, args.hidden_dim, args.experts, args.k, args.capacity_factor,
-                       args.dtype, args.glu, args.steps, args.warmup, args.seed)
+                       args.dtype, args.glu, args.steps, args.warmup, args.seed, args.device)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -814,7 +857,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(f"--suite-groups: {exc}") from None
         settings = SuiteSettings(steps=cfg.steps, warmup=cfg.warmup, seed=cfg.seed, peers=not args.no_peers,
-                                 show=not args.json)
+                                 show=not args.json, device=cfg.device)
         if args.suite_one_process:
             results = run_suite_checks(checks, settings)
         else:
@@ -824,7 +867,7 @@ def run(args: argparse.Namespace) -> int:
     if args.hf is not None:
         from flexmoe.apps.bench_hf import run_hf
         return run_hf(args.hf, steps=cfg.steps, warmup=cfg.warmup, seed=cfg.seed, memory_gib=args.hf_memory_gib,
-                      tokens=cfg.tokens, model_dim=cfg.model_dim, as_json=args.json)
+                      tokens=cfg.tokens, model_dim=cfg.model_dim, as_json=args.json, device=cfg.device)
     if args.families:
         from flexmoe.apps.bench_families import bench_families, format_families
         report = bench_families(cfg)

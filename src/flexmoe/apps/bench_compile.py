@@ -21,7 +21,7 @@ import torch
 import torch._dynamo
 from torch import Tensor
 
-from flexmoe.apps.bench import BenchConfig, _fwd_bwd, _inputs, build_layer, time_side_by_side
+from flexmoe.apps.bench import BenchConfig, _fwd_bwd, _inputs, build_layer, time_side_by_side, wait_for
 from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings
 
 __all__ = ["compiled_vs_eager", "compiled_model_vs_eager", "dropless_graph_breaks", "compile_checks"]
@@ -32,16 +32,18 @@ DROPLESS_GRAPH_BREAKS = 0
 
 
 def _eager_and_compiled(eager_step: Callable[[], None], compiled_step: Callable[[], None], steps: int, warmup: int,
-                        show: str | None) -> tuple[float, float, float]:
-    """The median seconds of each step timed side by side, after one compiled call (tracing and code generation)
-    timed apart: ``(eager, compiled, first compiled call)``. ``show``: what is compiled, to print progress."""
+                        show: str | None, device: str = "cpu") -> tuple[float, float, float]:
+    """The median seconds of each step on ``device`` timed side by side, after one compiled call (tracing and code
+    generation) timed apart: ``(eager, compiled, first compiled call)``. ``show``: what is compiled, to print
+    progress."""
     if show is not None:
         print(f"compiling {show} ...", flush=True)
     start = time.perf_counter()
     compiled_step()
+    wait_for(device)
     first_call = time.perf_counter() - start
     times = time_side_by_side({"eager": eager_step, "compiled": compiled_step}, steps, warmup,
-                              desc="eager vs compiled" if show is not None else None)
+                              desc="eager vs compiled" if show is not None else None, device=device)
     return statistics.median(times["eager"]), statistics.median(times["compiled"]), first_call
 
 
@@ -54,24 +56,25 @@ def compiled_vs_eager(cfg: BenchConfig, show: bool = False) -> Measurement:
     eager_step = _fwd_bwd(lambda: layer(x), grad, layer)
     compiled_step = _fwd_bwd(lambda: compiled(x), grad, layer)
     eager, comp, first_call = _eager_and_compiled(eager_step, compiled_step, cfg.steps, cfg.warmup,
-                                                  cfg.describe() if show else None)
+                                                  cfg.describe() if show else None, cfg.device)
     return Measurement(comp / eager, "x eager", {"config": cfg.describe(), "eager_s": eager, "compiled_s": comp,
                                                  "first_compiled_call_s": first_call},
                        f"eager {eager:.3f} s, compiled {comp:.3f} s, first compiled call {first_call:.0f} s")
 
 
-def compiled_model_vs_eager(steps: int, warmup: int, seed: int, show: bool = False) -> Measurement:
+def compiled_model_vs_eager(steps: int, warmup: int, seed: int, show: bool = False,
+                            device: str = "cpu") -> Measurement:
     """The training job's MoE GPT (its defaults: :class:`flexmoe.apps.models.gpt.GPTConfig`, a batch of
-    :class:`flexmoe.apps.train.TrainConfig`'s size) compiled by inductor, forward + backward of the loss with
-    the router's regularization, over the eager model's time (one model, two forwards)."""
+    :class:`flexmoe.apps.train.TrainConfig`'s size) on ``device`` compiled by inductor, forward + backward of the
+    loss with the router's regularization, over the eager model's time (one model, two forwards)."""
     from flexmoe.apps.models.gpt import GPTConfig
     from flexmoe.apps.train import TrainConfig, build_model
 
     torch._dynamo.reset()
     cfg, batch = GPTConfig(), TrainConfig().batch_size
-    model = build_model(cfg, seed)
+    model = build_model(cfg, seed).to(device)
     gen = torch.Generator().manual_seed(seed + 1)
-    x, y = (torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=gen) for _ in range(2))
+    x, y = (torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=gen).to(device) for _ in range(2))
     compiled = torch.compile(model)
 
     def step(forward: Callable[[Tensor, Tensor], tuple[Any, Tensor]]) -> Callable[[], None]:
@@ -82,7 +85,7 @@ def compiled_model_vs_eager(steps: int, warmup: int, seed: int, show: bool = Fal
         return run
 
     eager, comp, first_call = _eager_and_compiled(step(model), step(compiled), steps, warmup,
-                                                  "the training job's GPT" if show else None)
+                                                  "the training job's GPT" if show else None, device)
     shape = (f"{cfg.n_layer} layers, D={cfg.n_embd}, E={cfg.num_experts} k={cfg.k} H={cfg.expert_hidden} "
              f"cf={cfg.capacity_factor}, {batch}x{cfg.block_size} tokens")
     return Measurement(comp / eager, "x eager", {"model": shape, "eager_s": eager, "compiled_s": comp,
@@ -104,7 +107,7 @@ def dropless_graph_breaks(cfg: BenchConfig) -> Measurement:
 def _ratio_check(label: str, cfg: BenchConfig) -> SuiteCheck:
     def measure(settings: SuiteSettings) -> Measurement:
         run_cfg = replace(cfg, steps=min(cfg.steps, settings.steps), warmup=min(cfg.warmup, settings.warmup),
-                          seed=settings.seed)
+                          seed=settings.seed, device=settings.device)
         return compiled_vs_eager(run_cfg, show=settings.show)
     return SuiteCheck("compile", label, 1.0, measure)
 
@@ -118,7 +121,8 @@ def compile_checks() -> list[SuiteCheck]:
                      BenchConfig(experts=64, hidden_dim=256, k=8, steps=5, warmup=1)),
         SuiteCheck("compile", "compiled / eager, the training job's GPT (flexmoe train --compile)", 1.0,
                    lambda settings: compiled_model_vs_eager(min(10, settings.steps), min(1, settings.warmup),
-                                                            settings.seed, settings.show)),
+                                                            settings.seed, settings.show, settings.device)),
         SuiteCheck("compile", "dropless graph breaks (counts stay on the device)", DROPLESS_GRAPH_BREAKS,
-                   lambda settings: dropless_graph_breaks(replace(small, seed=settings.seed))),
+                   lambda settings: dropless_graph_breaks(replace(small, seed=settings.seed,
+                                                                  device=settings.device))),
     ]

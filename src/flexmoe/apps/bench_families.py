@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from flexmoe.apps.baselines import expert_floor
-from flexmoe.apps.bench import _DTYPES, BenchConfig, _fwd_bwd, _inputs, build_layer, time_side_by_side
+from flexmoe.apps.bench import BenchConfig, _fwd_bwd, _inputs, build_layer, random_rows, time_side_by_side
 
 __all__ = ["bench_families", "format_families", "DEEPSEEK_OPTIONS"]
 
@@ -30,13 +30,12 @@ DEEPSEEK_OPTIONS = dict(score_func="sigmoid", num_expert_groups=8, num_limited_g
 def _floor(layer, counts: list[int], cfg: BenchConfig) -> Callable[[], None]:
     """The experts' math alone: the routed experts on rows of ``counts`` (+ the shared experts on T tokens)."""
     gen = torch.Generator().manual_seed(cfg.seed + 7)
-    dtype = _DTYPES[cfg.dtype]
-    rows = torch.randn(sum(counts), cfg.model_dim, generator=gen).to(dtype).requires_grad_()
-    grad = torch.randn(rows.shape, generator=gen).to(dtype)
+    rows = random_rows(cfg, sum(counts), gen).requires_grad_()
+    grad = random_rows(cfg, sum(counts), gen)
     if layer.shared is None:
         return _fwd_bwd(lambda: expert_floor(layer.experts, rows, counts), grad, layer)
-    tokens = torch.randn(cfg.tokens, cfg.model_dim, generator=gen).to(dtype).requires_grad_()
-    tokens_grad = torch.randn(tokens.shape, generator=gen).to(dtype)
+    tokens = random_rows(cfg, cfg.tokens, gen).requires_grad_()
+    tokens_grad = random_rows(cfg, cfg.tokens, gen)
 
     def step() -> None:
         layer.zero_grad(set_to_none=True)
@@ -61,7 +60,8 @@ def bench_families(cfg: BenchConfig) -> dict[str, Any]:
         plans[name] = plan
         cases[f"{name} floor"] = _floor(layer, plan.counts, cfg)
         cases[name] = _fwd_bwd(partial(layer, x), grad, layer)
-    times = {n: statistics.median(s) for n, s in time_side_by_side(cases, cfg.steps, cfg.warmup).items()}
+    times = {n: statistics.median(s) for n, s in time_side_by_side(cases, cfg.steps, cfg.warmup,
+                                                               device=cfg.device).items()}
     x_floor = {name: times[name] / times[f"{name} floor"] for name in layers}
     rows = [{"routing": name, "ms_per_step": times[name] * 1e3, "floor_ms": times[f"{name} floor"] * 1e3,
              "x_floor": x_floor[name], "rows_computed": sum(plans[name].counts),

@@ -21,7 +21,14 @@ from typing import Any
 import torch
 
 from flexmoe.apps.baselines import expert_floor, grouped_floor, grouped_floor_kind
-from flexmoe.apps.bench import BenchConfig, build_layer, floor_ratio_check, memory_check, time_side_by_side
+from flexmoe.apps.bench import (
+    BenchConfig,
+    build_layer,
+    floor_ratio_check,
+    memory_check,
+    random_rows,
+    time_side_by_side,
+)
 from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings
 from flexmoe.experts import FeedForwardExperts
 
@@ -60,7 +67,7 @@ def decode_checks() -> list[SuiteCheck]:
 
 def _decode_check(tokens: int, target: float) -> SuiteCheck:
     def measure(settings: SuiteSettings) -> Measurement:
-        cfg = replace(DECODE_CONFIG, tokens=tokens, seed=settings.seed)
+        cfg = replace(DECODE_CONFIG, tokens=tokens, seed=settings.seed, device=settings.device)
         report = measure_decode(cfg, steps=settings.steps, warmup=settings.warmup)
         note = (f"{report['flexmoe_us']:.0f} us per call; {report['flexmoe_x_grouped_floor']:.3f}x the grouped "
                 f"floor ({report['grouped_kind']})")
@@ -78,13 +85,13 @@ def measure_decode(cfg: BenchConfig, *, steps: int, warmup: int, calls_per_step:
     experts = layer.experts
     assert isinstance(experts, FeedForwardExperts), "the floor times the built-in FFN experts"
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    x = torch.randn(cfg.tokens, cfg.model_dim, generator=gen)
+    x = random_rows(cfg, cfg.tokens, gen)
     with torch.no_grad():
         layer(x)
     plan = layer.last_plan
     assert plan is not None  # set by the forward above
     counts = plan.counts
-    rows = torch.randn(sum(counts), cfg.model_dim, generator=gen)
+    rows = random_rows(cfg, sum(counts), gen)
 
     def repeated(call: Callable[[], object]) -> Callable[[], None]:
         def step() -> None:
@@ -96,7 +103,7 @@ def measure_decode(cfg: BenchConfig, *, steps: int, warmup: int, calls_per_step:
     cases = {"floor": repeated(partial(expert_floor, experts, rows, counts)),
              "grouped floor": repeated(partial(grouped_floor, experts, rows, counts)),
              "flexmoe": repeated(partial(layer, x))}
-    times = time_side_by_side(cases, steps, warmup)
+    times = time_side_by_side(cases, steps, warmup, device=cfg.device)
     per_call = {name: statistics.median(v) / calls for name, v in times.items()}
     kind = grouped_floor_kind(experts, rows)
     grouped = per_call["grouped floor"] if kind == "torch._grouped_mm" else min(per_call["grouped floor"],

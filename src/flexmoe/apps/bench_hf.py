@@ -187,8 +187,9 @@ def _assert_same(name: str, got: Tensor, want: Tensor, what: str) -> None:
 
 
 def bench_hf_block(family: str, shape: HFShape, *, steps: int = 5, warmup: int = 1, seed: int = 0,
-                   memory_gib: float = 1.0, show: bool = False) -> dict[str, Any]:
-    """Time ``family``'s block at ``shape`` on every implementation, forward + backward, side by side.
+                   memory_gib: float = 1.0, show: bool = False, device: str = "cpu") -> dict[str, Any]:
+    """Time ``family``'s block at ``shape`` on every implementation, forward + backward, side by side, on
+    ``device``.
 
     Returns ``{"family", "shape", "rows": [{"case", "seconds", "x_hf_best", "x_floor"}], "hf_best", "skipped",
     "met"}``; ``met``: the converted block and the flexmoe implementation both beat HF's best built-in one.
@@ -197,10 +198,10 @@ def bench_hf_block(family: str, shape: HFShape, *, steps: int = 5, warmup: int =
     import flexmoe.hf
 
     flexmoe.hf.register()
-    reference = build_hf_block(family, shape, seed)
+    reference = build_hf_block(family, shape, seed).to(device)
     gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(1, shape.tokens, shape.model_dim, generator=gen).requires_grad_()
-    grad = torch.randn(x.shape, generator=gen)
+    x = torch.randn(1, shape.tokens, shape.model_dim, generator=gen).to(device).requires_grad_()
+    grad = torch.randn(x.shape, generator=gen).to(device)
     modules: dict[str, nn.Module] = {}
     skipped: list[str] = []
     for impl in BUILT_IN:
@@ -226,14 +227,15 @@ def bench_hf_block(family: str, shape: HFShape, *, steps: int = 5, warmup: int =
     plan = _converted_layer(converted).last_plan
     assert plan is not None  # set by the forward above
     floor_cfg = BenchConfig(tokens=shape.tokens, model_dim=shape.model_dim, hidden_dim=shape.hidden_dim,
-                            experts=shape.experts, k=shape.k, seed=seed)
+                            experts=shape.experts, k=shape.k, seed=seed, device=device)
 
     cases: dict[str, Callable[[], None]] = {"floor": _floor(_converted_layer(converted), plan.counts, floor_cfg)}
     for name, module in modules.items():
         cases[name] = partial(_step, module, forward, x, grad)
     if show:
         print(f"{family} {shape.name}: {shape.describe()}, all cases equal HF eager; timing ...", flush=True)
-    times = time_side_by_side(cases, steps, warmup, desc=f"{family} {shape.name}" if show else None)
+    times = time_side_by_side(cases, steps, warmup, desc=f"{family} {shape.name}" if show else None,
+                              device=device)
     medians = {name: statistics.median(v) for name, v in times.items()}
     hf_best = min((n for n in medians if n.startswith("hf ")), key=medians.__getitem__)
     rows = [{"case": name, "seconds": medians[name], "x_hf_best": medians[name] / medians[hf_best],
@@ -264,14 +266,14 @@ def _step(module: nn.Module, forward: Callable[[nn.Module], Tensor], x: Tensor, 
 
 
 def bench_hf(families: list[str], *, steps: int = 5, warmup: int = 1, seed: int = 0, memory_gib: float = 1.0,
-             tokens: int = 4096, model_dim: int = 512, show: bool = False) -> dict[str, Any]:
+             tokens: int = 4096, model_dim: int = 512, show: bool = False, device: str = "cpu") -> dict[str, Any]:
     """:func:`bench_hf_block` for every family at each of its shapes, with ``tokens`` and ``model_dim``."""
     blocks = []
     for family in families:
         for name in shapes_of(family):
             shape = replace(SHAPES[name], tokens=tokens, model_dim=model_dim)
             blocks.append(bench_hf_block(family, shape, steps=steps, warmup=warmup, seed=seed,
-                                         memory_gib=memory_gib, show=show))
+                                         memory_gib=memory_gib, show=show, device=device))
     return {"blocks": blocks, "met": all(b["met"] for b in blocks), "threads": torch.get_num_threads()}
 
 
@@ -336,16 +338,18 @@ def build_causal_lm(family: str, seed: int = 0, shape: HFShape = TRAIN_SHAPE) ->
 
 
 def bench_train_step(family: str = "qwen3_moe", *, steps: int = 5, warmup: int = 1, seed: int = 0,
-                     batch: int = 4, shape: HFShape = TRAIN_SHAPE, show: bool = False) -> dict[str, Any]:
-    """One AdamW training step (forward, loss, backward, update) of :func:`build_causal_lm`: converted vs HF's
-    default experts implementation, side by side. Both first compute the same loss and gradients."""
+                     batch: int = 4, shape: HFShape = TRAIN_SHAPE, show: bool = False,
+                     device: str = "cpu") -> dict[str, Any]:
+    """One AdamW training step (forward, loss, backward, update) of :func:`build_causal_lm` on ``device``:
+    converted vs HF's default experts implementation, side by side. Both first compute the same loss and
+    gradients."""
     import flexmoe.hf
 
-    hf_model: Any = build_causal_lm(family, seed, shape)  # a transformers PreTrainedModel
+    hf_model: Any = build_causal_lm(family, seed, shape).to(device)  # a transformers PreTrainedModel
     default = str(hf_model.config._experts_implementation)
     ours: Any = flexmoe.hf.convert(copy.deepcopy(hf_model))
     seq = shape.tokens // batch
-    ids = torch.randint(0, 2048, (batch, seq), generator=torch.Generator().manual_seed(seed + 1))
+    ids = torch.randint(0, 2048, (batch, seq), generator=torch.Generator().manual_seed(seed + 1)).to(device)
     losses, grads = {}, {}
     for name, model in (("hf", hf_model), ("converted", ours)):
         model.zero_grad(set_to_none=True)
@@ -365,7 +369,8 @@ def bench_train_step(family: str = "qwen3_moe", *, steps: int = 5, warmup: int =
 
     cases: dict[str, Callable[[], None]] = {f"hf {default}": partial(train_step, hf_model, optimizers["hf"]),
              "converted": partial(train_step, ours, optimizers["converted"])}
-    times = time_side_by_side(cases, steps, warmup, desc=f"{family} training step" if show else None)
+    times = time_side_by_side(cases, steps, warmup, desc=f"{family} training step" if show else None,
+                              device=device)
     medians = {n: statistics.median(v) for n, v in times.items()}
     ratio = medians["converted"] / medians[f"hf {default}"]
     report = {"family": family, "hf_default": default, "tokens": shape.tokens, "shape": asdict(shape),
@@ -391,7 +396,7 @@ DECODE_TOKENS = (1, 8, 64)
 
 def bench_decode(tokens: tuple[int, ...] = DECODE_TOKENS, *, family: str = "qwen3_moe", steps: int = 20,
                  warmup: int = 3, seed: int = 0, calls: int = 0, model_dim: int = 512,
-                 show: bool = False) -> dict[str, Any]:
+                 show: bool = False, device: str = "cpu") -> dict[str, Any]:
     """Decoding latency, no grad, at ``fine`` (E=64 k=8 H=256 M=512) with T = ``tokens`` per call: the converted
     block and the flexmoe implementation vs HF ``grouped_mm`` on the same weights, and the floor (the experts
     alone on the routed rows). A timed step is ``calls`` calls (default: enough for ~256 tokens) so that one
@@ -402,8 +407,8 @@ def bench_decode(tokens: tuple[int, ...] = DECODE_TOKENS, *, family: str = "qwen
     rows = []
     for t in tokens:
         shape = replace(SHAPES["fine"], tokens=t, model_dim=model_dim)
-        reference = build_hf_block(family, shape, seed).eval()
-        x = torch.randn(1, t, shape.model_dim, generator=torch.Generator().manual_seed(seed + 1))
+        reference = build_hf_block(family, shape, seed).eval().to(device)
+        x = torch.randn(1, t, shape.model_dim, generator=torch.Generator().manual_seed(seed + 1)).to(device)
         modules = {"hf grouped_mm": set_experts_implementation(copy.deepcopy(reference), "grouped_mm"),
                    "flexmoe impl": set_experts_implementation(copy.deepcopy(reference), "flexmoe"),
                    "converted": flexmoe.hf.convert(copy.deepcopy(reference)).eval()}
@@ -415,7 +420,8 @@ def bench_decode(tokens: tuple[int, ...] = DECODE_TOKENS, *, family: str = "qwen
         plan = moe.last_plan
         assert plan is not None
         n = calls or max(1, 256 // t)
-        rows_in = torch.randn(sum(plan.counts), shape.model_dim, generator=torch.Generator().manual_seed(seed + 2))
+        rows_in = torch.randn(sum(plan.counts), shape.model_dim,
+                              generator=torch.Generator().manual_seed(seed + 2)).to(device)
 
         def repeat(fn: Callable[[], Any], n: int = n) -> Callable[[], None]:
             def run() -> None:
@@ -428,7 +434,7 @@ def bench_decode(tokens: tuple[int, ...] = DECODE_TOKENS, *, family: str = "qwen
         assert isinstance(experts, FeedForwardExperts)  # convert builds the built-in experts
         cases = {"floor": repeat(partial(expert_floor, experts, rows_in, plan.counts))}
         cases.update({name: repeat(partial(module, x)) for name, module in modules.items()})
-        times = time_side_by_side(cases, steps, warmup, desc=f"decode T={t}" if show else None)
+        times = time_side_by_side(cases, steps, warmup, desc=f"decode T={t}" if show else None, device=device)
         medians = {name: statistics.median(v) / n for name, v in times.items()}
         hf = medians["hf grouped_mm"]
         rows.append({"tokens": t, "calls_per_step": n, "seconds": medians,
@@ -461,7 +467,7 @@ def format_decode(report: dict[str, Any]) -> str:
 
 
 def run_hf(family: str, *, steps: int, warmup: int, seed: int, memory_gib: float, as_json: bool,
-           tokens: int = 4096, model_dim: int = 512, train_shape: HFShape | None = None) -> int:
+           tokens: int = 4096, model_dim: int = 512, train_shape: HFShape | None = None, device: str = "cpu") -> int:
     """``flexmoe bench --hf FAMILY`` (or ``all``): the blocks at every shape (T = ``tokens``, M = ``model_dim``),
     the training step of each family's small causal LM (``train_shape``, default :data:`TRAIN_SHAPE`), and
     decoding on the family's block (qwen3_moe's for ``all``); the summary table last."""
@@ -478,11 +484,11 @@ def run_hf(family: str, *, steps: int, warmup: int, seed: int, memory_gib: float
     families = list(FAMILY_NAMES) if family == "all" else [family]
     show = not as_json
     report = bench_hf(families, steps=steps, warmup=warmup, seed=seed, memory_gib=memory_gib, tokens=tokens,
-                      model_dim=model_dim, show=show)
+                      model_dim=model_dim, show=show, device=device)
     report["train"] = [bench_train_step(f, steps=steps, warmup=warmup, seed=seed, show=show,
-                                        shape=train_shape or TRAIN_SHAPE) for f in families]
+                                        shape=train_shape or TRAIN_SHAPE, device=device) for f in families]
     report["decode"] = bench_decode(family="qwen3_moe" if family == "all" else family, steps=max(steps, 10),
-                                    warmup=warmup, seed=seed, model_dim=model_dim, show=show)
+                                    warmup=warmup, seed=seed, model_dim=model_dim, show=show, device=device)
     report["met"] = (report["met"] and all(t["met"] for t in report["train"]) and report["decode"]["met"])
     print(json.dumps(report, indent=1) if as_json else format_hf(report))
     return 0
@@ -506,7 +512,7 @@ def hf_checks() -> list[SuiteCheck]:
 
 def _block_measure(family: str, shape: str, settings: SuiteSettings) -> Measurement:
     report = bench_hf_block(family, SHAPES[shape], steps=min(5, settings.steps), warmup=min(1, settings.warmup),
-                            seed=settings.seed, show=settings.show)
+                            seed=settings.seed, show=settings.show, device=settings.device)
     by = {r["case"]: r["x_hf_best"] for r in report["rows"]}
     return Measurement(max(by["converted"], by["flexmoe impl"]), f"x {report['hf_best']}", {"report": report},
                        f"converted {by['converted']:.3f}x, impl {by['flexmoe impl']:.3f}x")
@@ -514,7 +520,7 @@ def _block_measure(family: str, shape: str, settings: SuiteSettings) -> Measurem
 
 def _train_measure(settings: SuiteSettings) -> Measurement:
     report = bench_train_step(steps=min(5, settings.steps), warmup=min(1, settings.warmup), seed=settings.seed,
-                              show=settings.show)
+                              show=settings.show, device=settings.device)
     return Measurement(report["converted_over_hf"], f"x hf {report['hf_default']}", {"report": report})
 
 
@@ -526,7 +532,7 @@ def decode_checks() -> list[SuiteCheck]:
 
 def _decode_measure(tokens: int, settings: SuiteSettings) -> Measurement:
     report = bench_decode((tokens,), steps=max(settings.steps, 10), warmup=settings.warmup, seed=settings.seed,
-                          show=settings.show)
+                          show=settings.show, device=settings.device)
     row = report["rows"][0]
     return Measurement(row["x_hf_grouped_mm"]["converted"], "x hf grouped_mm", {"report": report},
                        f"{row['x_floor']['converted']:.2f}x floor, impl {row['x_hf_grouped_mm']['flexmoe impl']:.2f}x")

@@ -9,6 +9,9 @@ stopping the suite.
 
 Adding a target is one :class:`SuiteCheck` in the owning module's group function.
 
+``--device cuda`` runs every check on that device (:attr:`SuiteSettings.device`); a check whose measurement
+only means something on the CPU names why in :attr:`SuiteCheck.cpu_only`, and is reported as skipped there.
+
 ``flexmoe bench --suite`` measures each check in a fresh Python process (:func:`run_suite_isolated`): in one
 process a check inherits what the checks before it left in the allocator (glibc maps a block afresh, and
 page-faults it on every call, or reuses it from the heap, depending on the sizes freed before), which moved the
@@ -37,13 +40,15 @@ __all__ = ["Measurement", "SuiteCheck", "SuiteSettings", "SUITE_GROUPS", "suite_
 class SuiteSettings:
     """What every check may scale by: ``steps`` / ``warmup`` cap the timed and untimed steps per case (a
     check may use fewer), ``seed`` seeds weights and inputs, ``peers`` allows DeepSpeed / fairscale / Tutel,
-    ``show`` lets a check print its progress and tables (off for ``--json``)."""
+    ``show`` lets a check print its progress and tables (off for ``--json``), ``device`` is where the layers and
+    inputs live (``"cpu"``, ``"cuda"``, ``"cuda:1"``)."""
 
     steps: int = 10
     warmup: int = 3
     seed: int = 0
     peers: bool = True
     show: bool = True
+    device: str = "cpu"
 
 
 @dataclass
@@ -61,7 +66,8 @@ class Measurement:
 class SuiteCheck:
     """``measure(settings)`` must give a value ``<= target`` (``higher_is_better=False``) or ``>= target``.
     ``shares_previous``: the check reads what the check before it measured (one launch, two targets), so an
-    isolated run measures both in the same process."""
+    isolated run measures both in the same process. ``cpu_only``: why the check means nothing off the CPU (empty:
+    it runs on any device)."""
 
     group: str
     label: str
@@ -69,6 +75,7 @@ class SuiteCheck:
     measure: Callable[[SuiteSettings], Measurement]
     higher_is_better: bool = False
     shares_previous: bool = False
+    cpu_only: str = ""
 
     def met(self, value: float) -> bool:
         if not math.isfinite(value):
@@ -115,8 +122,11 @@ def run_suite_checks(checks: Sequence[SuiteCheck], settings: SuiteSettings, firs
         if show:
             print(f"[{first + i + 1}/{total or len(checks)}] {check.group}: {check.label}", flush=True)
         try:
-            m = check.measure(settings)
-            result = _result(check, m.value, m.unit, m.note, m.details)
+            if check.cpu_only and settings.device != "cpu":
+                result = _skipped(check, f"skipped on {settings.device}: {check.cpu_only}")
+            else:
+                m = check.measure(settings)
+                result = _result(check, m.value, m.unit, m.note, m.details)
         except Exception as exc:  # one broken measurement must not hide the others' results
             result = _failed(check, f"error: {type(exc).__name__}: {exc}", traceback.format_exc())
         results.append(result)
@@ -133,6 +143,11 @@ def _result(check: SuiteCheck, value: float, unit: str, note: str, details: dict
 
 def _failed(check: SuiteCheck, note: str, trace: str = "") -> dict[str, Any]:
     return {**_result(check, math.nan, "", note, {}), "traceback": trace}
+
+
+def _skipped(check: SuiteCheck, note: str) -> dict[str, Any]:
+    """Not measured on purpose (``note`` says why): neither met nor failed."""
+    return {**_result(check, math.nan, "", note, {}), "skipped": True}
 
 
 def process_units(checks: Sequence[SuiteCheck]) -> list[list[int]]:
@@ -195,15 +210,18 @@ def _run_request(request: dict[str, Any]) -> None:
 
 def _row(r: dict[str, Any]) -> str:
     value = f"{r['value']:.3f} {r['unit']}" if math.isfinite(r["value"]) else "-"
-    verdict = "met" if r["met"] else "NOT met"
+    verdict = "skipped" if r.get("skipped") else "met" if r["met"] else "NOT met"
     note = f"  ({r['note']})" if r["note"] else ""
     return f"{r['group'] + ': ' + r['label']:<52} {value:>16}  target {r['target_text']:<8} {verdict}{note}"
 
 
 def format_suite_table(results: Sequence[dict[str, Any]]) -> str:
-    """One line per check (measured, target, met / NOT met), then how many were met."""
+    """One line per check (measured, target, met / NOT met / skipped), then how many of the measured ones were
+    met."""
     met = sum(r["met"] for r in results)
-    return "\n".join([_row(r) for r in results] + [f"{met} of {len(results)} targets met"])
+    skipped = sum(bool(r.get("skipped")) for r in results)
+    tail = f" ({skipped} skipped)" if skipped else ""
+    return "\n".join([_row(r) for r in results] + [f"{met} of {len(results) - skipped} targets met{tail}"])
 
 
 if __name__ == "__main__":
