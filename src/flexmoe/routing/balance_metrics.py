@@ -79,9 +79,9 @@ def plan_balance_metrics(plan: RoutingPlan) -> dict[str, float]:
 
 def balance_metrics(model: nn.Module) -> dict[str, float]:
     """Every MoE layer's :func:`plan_balance_metrics` of its last forward, as ``{"<layer name>/<metric>": value}``
-    (e.g. ``"blocks.1.mlp/max_over_mean"``; the name is the layer's in ``model.named_modules()``, the bare metric for
-    a model that is itself the layer). Layers that have
-    not run yet are left out. Raises ``ValueError`` when ``model`` has no MoE layer."""
+    (e.g. ``"blocks.1.mlp/max_over_mean"``; the name is the layer's in ``model.named_modules()``, the bare metric
+    for a model that is itself the layer). Layers that have not run yet are left out. Raises ``ValueError`` when
+    ``model`` has no MoE layer."""
     layers = named_moe_layers(model)
     if not layers:
         raise ValueError(f"the model ({type(model).__name__}) has no flexmoe MoE layer to measure")
