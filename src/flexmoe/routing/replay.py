@@ -50,8 +50,10 @@ class RoutingRecord:
         """The record with each layer's calls made one: for every sequence, its tokens of every call in call order.
 
         A decode record (prefill ``[B, P]``, then ``n`` calls of ``[B, 1]``) becomes one call over ``[B, P + n]``,
-        ordered as a forward over those whole sequences flattens its tokens (sequence by sequence). Raises
-        ``ValueError`` when a layer's calls do not all have the same B.
+        ordered as a forward over those whole sequences flattens its tokens (sequence by sequence). This is for
+        decoding with a KV cache (HF ``generate()``), whose calls see only new tokens; a loop that re-runs the
+        whole context at every step (the apps' ``GPT.generate``) has the whole sequence in its last call already.
+        Raises ``ValueError`` when a layer's calls do not all have the same B.
         """
         calls: dict[str, list[Tensor]] = {}
         sequences: dict[str, list[int]] = {}
