@@ -12,6 +12,7 @@ every MoE layer's balance numbers for a training loop's logger. docs/architectur
 from flexmoe.dispatch import combine, dispatch
 from flexmoe.experts import ExpertOptions, FeedForwardExperts
 from flexmoe.layer import MoELayer, update_expert_biases
+from flexmoe.model_routing import balance_metrics, record_routing, replay_routing
 from flexmoe.parallel import ParallelOptions
 from flexmoe.routing import (
     CosineRouter,
@@ -24,8 +25,7 @@ from flexmoe.routing import (
     route,
     router_z_loss,
 )
-from flexmoe.routing.balance_metrics import balance_metrics
-from flexmoe.routing.replay import RoutingRecord, record_routing, replay_routing
+from flexmoe.routing.replay import RoutingRecord
 
 __version__ = "0.1.0"
 

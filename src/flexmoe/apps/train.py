@@ -65,9 +65,9 @@ from flexmoe.checkpoint import (
 )
 from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.layer import update_expert_biases
+from flexmoe.model_routing import balance_metrics
 from flexmoe.parallel.ddp import wrap_ddp
 from flexmoe.parallel.groups import default_ranks_per_node
-from flexmoe.routing.balance_metrics import balance_metrics
 
 __all__ = ["TrainConfig", "add_arguments", "run", "train", "build_model"]
 

@@ -16,20 +16,19 @@ to each expert before the capacity dropped any, ``[E]``; ``scores``: the router'
 With no token routed (T = 0) the ratios are undefined and come out NaN. Under expert parallelism each rank's
 plan covers its own tokens: these are that rank's numbers.
 
-:func:`balance_metrics` gathers them for a whole model as flat ``"<layer name>/<metric>"`` keys, for one-line
-logging: ``wandb.log(flexmoe.balance_metrics(model))`` or
+:func:`flexmoe.balance_metrics` (:mod:`flexmoe.model_routing`) gathers them for a whole model as flat
+``"<layer name>/<metric>"`` keys, for one-line logging: ``wandb.log(flexmoe.balance_metrics(model))`` or
 ``writer.add_scalars("balance", flexmoe.balance_metrics(model), step)``.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from flexmoe.model_layers import named_moe_layers
 from flexmoe.routing.plan import RoutingPlan
 
-__all__ = ["max_over_mean", "load_cv", "load_entropy", "router_entropy", "plan_balance_metrics", "balance_metrics"]
+__all__ = ["max_over_mean", "load_cv", "load_entropy", "router_entropy", "plan_balance_metrics"]
 
 
 def max_over_mean(load: Tensor) -> float:
@@ -75,21 +74,3 @@ def plan_balance_metrics(plan: RoutingPlan) -> dict[str, float]:
     if plan.scores is not None:
         metrics["router_entropy"] = router_entropy(plan.scores)
     return metrics
-
-
-def balance_metrics(model: nn.Module) -> dict[str, float]:
-    """Every MoE layer's :func:`plan_balance_metrics` of its last forward, as ``{"<layer name>/<metric>": value}``
-    (e.g. ``"blocks.1.mlp/max_over_mean"``; the name is the layer's in ``model.named_modules()``, the bare metric
-    for a model that is itself the layer). Layers that have not run yet are left out. Raises ``ValueError`` when
-    ``model`` has no MoE layer."""
-    layers = named_moe_layers(model)
-    if not layers:
-        raise ValueError(f"the model ({type(model).__name__}) has no flexmoe MoE layer to measure")
-    out: dict[str, float] = {}
-    for name, layer in layers:
-        plan = layer.last_plan
-        if plan is None:
-            continue
-        for metric, value in plan_balance_metrics(plan).items():
-            out[f"{name}/{metric}" if name else metric] = value
-    return out

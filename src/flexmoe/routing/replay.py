@@ -1,4 +1,6 @@
-"""Routing replay: record the experts each MoE layer chose, and make a later forward use them instead of its router's.
+"""Routing replay's values: the record of the experts MoE layers chose, and the taps a layer consults to record
+its choices or to take recorded ones instead of its router's (``flexmoe.record_routing`` / ``flexmoe.replay_routing``
+in :mod:`flexmoe.model_routing` put them on a model's layers).
 
 Reinforcement learning needs it: the trainer must backpropagate through the experts the rollout engine chose,
 not through the ones its own router (in another precision, with other weights, with exploration noise) would
@@ -14,22 +16,19 @@ choose. docs/architecture.md, "Routing replay", states the contract; in short:
 * :meth:`RoutingRecord.joined` turns a decode record (a prefill of ``[B, P]`` tokens, then calls of ``[B, 1]``)
   into one call over the whole sequences ``[B, P + n]``, for one training forward over what was generated.
 
-The taps sit on the layers only inside the ``with`` block (attribute ``routing_tap``, None outside).
+The taps sit on the layers only inside the ``with`` block (attribute ``MoELayer.routing_tap``, None outside).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from flexmoe.model_layers import named_moe_layers
 from flexmoe.routing.plan import check_choices
 
-__all__ = ["RoutingRecord", "RoutingTap", "RecordingTap", "ReplayingTap", "record_routing", "replay_routing"]
+__all__ = ["RoutingRecord", "RoutingTap", "RecordingTap", "ReplayingTap"]
 
 
 @dataclass
@@ -135,59 +134,3 @@ class ReplayingTap(RoutingTap):
                       name=f"the record's call {n} of layer {self.name!r}")
         self.next_call += 1
         return expert_index.to(x.device)
-
-
-@contextmanager
-def record_routing(model: torch.nn.Module) -> Iterator[RoutingRecord]:
-    """``with record_routing(model) as record:`` every MoE layer of ``model`` appends each call's chosen experts
-    ``[T, k]`` to ``record`` (a :class:`RoutingRecord`, complete when the block ends).
-
-    Raises ``ValueError`` when ``model`` has no MoE layer, when a layer routes by expert choice or BASE (no
-    per-token top-k choice to record), or when a layer is already recording or replaying.
-    """
-    record = RoutingRecord()
-    with _tapped(model, lambda name: RecordingTap(record, name)):
-        yield record
-
-
-@contextmanager
-def replay_routing(model: torch.nn.Module, record: RoutingRecord) -> Iterator[None]:
-    """``with replay_routing(model, record):`` the n-th call of every MoE layer of ``model`` takes the record's n-th
-    choices for that layer instead of its router's top-k; weights, losses and capacity as usual (module docstring).
-
-    Raises ``ValueError`` when a layer of ``model`` is missing from the record or the record names a layer
-    ``model`` lacks, and (at the call) when a recorded call does not fit it (T, k, an expert outside ``[0, E)``) or
-    the layer makes more calls than recorded; as :func:`record_routing` for the layers it cannot tap.
-    """
-    if not isinstance(record, RoutingRecord):
-        raise TypeError(f"record must be a RoutingRecord (from record_routing), got {type(record).__name__}")
-    names = {name for name, _ in named_moe_layers(model)}
-    missing, unknown = sorted(names - set(record.calls)), sorted(set(record.calls) - names)
-    if missing:
-        raise ValueError(f"the record has no calls of the MoE layers {missing} (it holds {sorted(record.calls)})")
-    if unknown:
-        raise ValueError(f"the record holds MoE layers {unknown} that the model lacks (its layers: {sorted(names)})")
-    with _tapped(model, lambda name: ReplayingTap(record.calls[name], name)):
-        yield
-
-
-@contextmanager
-def _tapped(model: torch.nn.Module, make_tap: Callable[[str], RoutingTap]) -> Iterator[None]:
-    """Put ``make_tap(name)`` on every MoE layer of ``model`` for the block; take them off after it, whatever
-    happens."""
-    layers = named_moe_layers(model)
-    if not layers:
-        raise ValueError(f"the model ({type(model).__name__}) has no flexmoe MoE layer to record or replay")
-    for name, layer in layers:
-        if layer.routing_options.selection != "topk":
-            raise ValueError(f"layer {name!r} routes by {layer.routing_options.selection!r}: routing replay needs "
-                             "per-token top-k choices (router 'topk', 'cosine' or a custom gate)")
-        if layer.routing_tap is not None:
-            raise ValueError(f"layer {name!r} is already recording or replaying its routing")
-    try:
-        for name, layer in layers:
-            layer.routing_tap = make_tap(name)
-        yield
-    finally:
-        for _, layer in layers:
-            layer.routing_tap = None
