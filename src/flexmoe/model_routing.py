@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-import torch
 from torch import nn
 
 from flexmoe.layer import MoELayer
@@ -25,12 +24,12 @@ def named_moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
     """``(qualified name, layer)`` of every :class:`~flexmoe.MoELayer` in ``model``, in ``named_modules()`` order
     (the model itself is named ``""`` when it is one)."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise TypeError(f"model must be a nn.Module, got {type(model).__name__}")
     return [(name, module) for name, module in model.named_modules() if isinstance(module, MoELayer)]
 
 
 @contextmanager
-def record_routing(model: torch.nn.Module) -> Iterator[RoutingRecord]:
+def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
     """``with record_routing(model) as record:`` every MoE layer of ``model`` appends each call's chosen experts
     ``[T, k]`` to ``record`` (a :class:`RoutingRecord`, complete when the block ends).
 
@@ -43,9 +42,10 @@ def record_routing(model: torch.nn.Module) -> Iterator[RoutingRecord]:
 
 
 @contextmanager
-def replay_routing(model: torch.nn.Module, record: RoutingRecord) -> Iterator[None]:
+def replay_routing(model: nn.Module, record: RoutingRecord) -> Iterator[None]:
     """``with replay_routing(model, record):`` the n-th call of every MoE layer of ``model`` takes the record's n-th
-    choices for that layer instead of its router's top-k; weights, losses and capacity as usual (module docstring).
+    choices for that layer instead of its router's top-k; weights, losses and capacity as usual
+    (:mod:`flexmoe.routing.replay`; docs/architecture.md, "Routing replay").
 
     Raises ``ValueError`` when a layer of ``model`` is missing from the record or the record names a layer
     ``model`` lacks, and (at the call) when a recorded call does not fit it (T, k, an expert outside ``[0, E)``) or
@@ -64,7 +64,7 @@ def replay_routing(model: torch.nn.Module, record: RoutingRecord) -> Iterator[No
 
 
 @contextmanager
-def _tapped(model: torch.nn.Module, make_tap: Callable[[str], RoutingTap]) -> Iterator[None]:
+def _tapped(model: nn.Module, make_tap: Callable[[str], RoutingTap]) -> Iterator[None]:
     """Put ``make_tap(name)`` on every MoE layer of ``model`` for the block; take them off after it, whatever
     happens."""
     layers = named_moe_layers(model)
