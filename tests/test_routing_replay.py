@@ -186,6 +186,11 @@ def test_generate_record_replays_in_one_training_forward_with_hf_logits():
 
     joined = record.joined()
     seq = want.sequences[:, :-1]  # the last token was sampled, never fed back
+    with torch.no_grad():
+        model(seq)  # the router's own choices over the whole sequences: the decode's (float32, no near-ties here)
+    for name, m in model.named_modules():
+        if isinstance(m, MoELayer):
+            assert torch.equal(m.last_plan.expert_index, joined.calls[name][0]), name
     model.train()
     with replay_routing(model, joined):
         logits = model(seq).logits  # [2, 10, V]
