@@ -4,12 +4,15 @@ The layer is :class:`MoELayer`; its stages stand alone for users who build their
 ``route`` (tokens -> logits), ``make_plan`` (logits -> :class:`RoutingPlan`), ``dispatch`` (tokens, plan ->
 expert input), the experts, and ``combine`` (expert output, plan -> tokens). Its options live in
 :class:`RoutingOptions`, :class:`ExpertOptions` and :class:`ParallelOptions`; with ``balance="bias"`` call
-:func:`update_expert_biases` once per optimizer step. docs/architecture.md describes the whole.
+:func:`update_expert_biases` once per optimizer step. :func:`record_routing` / :func:`replay_routing` record a
+model's expert choices and replay them (reinforcement learning's routing replay); :func:`balance_metrics` gives
+every MoE layer's balance numbers for a training loop's logger. docs/architecture.md describes the whole.
 """
 
 from flexmoe.dispatch import combine, dispatch
 from flexmoe.experts import ExpertOptions, FeedForwardExperts
 from flexmoe.layer import MoELayer, update_expert_biases
+from flexmoe.model_routing import balance_metrics, record_routing, replay_routing
 from flexmoe.parallel import ParallelOptions
 from flexmoe.routing import (
     CosineRouter,
@@ -22,6 +25,7 @@ from flexmoe.routing import (
     route,
     router_z_loss,
 )
+from flexmoe.routing.replay import RoutingRecord
 
 __version__ = "0.1.0"
 
@@ -42,4 +46,8 @@ __all__ = [
     "CosineRouter",
     "load_balancing_loss",
     "router_z_loss",
+    "record_routing",
+    "replay_routing",
+    "RoutingRecord",
+    "balance_metrics",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +40,9 @@ from flexmoe.routing.topology import topology_gate
 from flexmoe.shared import SharedExpertGate
 from flexmoe.tuning.policies import resolve_shadow
 from flexmoe.validation import FLOAT_DTYPES, check_int, describe_value
+
+if TYPE_CHECKING:
+    from flexmoe.routing.replay import RoutingTap
 
 __all__ = ["MoELayer", "update_expert_biases"]
 
@@ -216,6 +219,8 @@ class MoELayer(nn.Module):
         # The last call's plan; after a call served without one, the function that builds it when first read.
         self._last_plan: RoutingPlan | None = None
         self._deferred_plan: Callable[[], RoutingPlan] | None = None
+        # Routing replay's recorder or replayer while flexmoe.record_routing / replay_routing runs, else None.
+        self.routing_tap: RoutingTap | None = None
 
     # ---- the data path ----------------------------------------------------------------------------------
 
@@ -239,17 +244,23 @@ class MoELayer(nn.Module):
         routing, parallel, pinned = self._call_options(call_options)
         tokens = x.reshape(-1, self.model_dim)  # [T, M]
         num_sequences = num_sequences_of(x, self.model_dim, routing.capacity_per, routing.aux_loss_type)
+        tap, in_backward = self.routing_tap, _in_backward()
+        given = None if tap is None else tap.given(x, self.num_experts, routing.k, in_backward)  # [T, k] replayed
         if self._serves_without_plan(routing, tokens):
-            served = self._forward_without_plan(tokens, routing, parallel, pinned, num_sequences)
+            served = self._forward_without_plan(tokens, routing, parallel, pinned, num_sequences, given)
             if served is not None:
-                return served.to(x.dtype).reshape(x.shape)
+                if tap is not None:
+                    tap.chosen(x, served[1], in_backward)
+                return served[0].to(x.dtype).reshape(x.shape)
 
         logits = route(self.router, _router_input(tokens, num_sequences), dtype=routing.router_dtype,
                        training=self.training, jitter=routing.jitter, gate_noise=routing.gate_noise,
                        input_dropout=routing.router_input_dropout)  # [T, E]
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
                           topology=self.topology, num_sequences=num_sequences, padded=self._padded_layout(routing),
-                          counts_on_device=self._counts_on_device(routing, tokens))
+                          counts_on_device=self._counts_on_device(routing, tokens), expert_index=given)
+        if tap is not None:
+            tap.chosen(x, plan.expert_index, in_backward)
         if self._runs_fused(tokens, plan, routing):
             y = self._fused_experts(tokens, plan)  # [T, M]
         elif (sent := self._exchange_tokens(tokens, plan, routing, parallel, pinned)) is not None:
@@ -264,7 +275,7 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             y = y + self._shared_output(tokens).to(y.dtype)
 
-        if self.pending_load is not None and self.training and not _in_backward():
+        if self.pending_load is not None and self.training and not in_backward:
             # Counted once per forward; a recomputation under activation checkpointing runs inside backward.
             self.pending_load += plan.load.detach()
         self._last_plan, self._deferred_plan = plan, None
@@ -331,9 +342,11 @@ class MoELayer(nn.Module):
             SCATTER_MAX_ELEMENTS
 
     def _forward_without_plan(self, tokens: Tensor, routing: RoutingOptions, parallel: ParallelOptions,
-                              pinned: frozenset[str], num_sequences: int | None) -> Tensor | None:
-        """tokens: ``[T, M]`` -> ``[T, M]`` (or None when an expert is over its capacity: the full path then drops
-        the pairs), computing only what the output needs (docs/architecture.md, "Decoding").
+                              pinned: frozenset[str], num_sequences: int | None,
+                              given: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """tokens: ``[T, M]`` -> (``[T, M]``, the choices ``[T, k]``), or None when an expert is over its capacity
+        (the full path then drops the pairs), computing only what the output needs (docs/architecture.md,
+        "Decoding"). given: ``[T, k]`` choices to take instead of the router's (routing replay).
 
         The same routing functions as :func:`~flexmoe.routing.plan.make_plan` pick the experts and weights, and
         the rows are in the plan's order (by expert, then slot), so the experts compute exactly the full path's
@@ -346,9 +359,9 @@ class MoELayer(nn.Module):
         logits = route(self.router, _router_input(tokens, num_sequences), dtype=routing.router_dtype)
         num_tokens, num_experts = check_logits(logits, k)
         scores = router_scores(logits, routing.score_func)
-        expert_index, _ = select_experts(scores, k, selection_bias=self.expert_bias,
-                                         num_expert_groups=routing.num_expert_groups,
-                                         num_limited_groups=routing.num_limited_groups, ties=routing.ties)  # [T, k]
+        expert_index = given if given is not None else select_experts(
+            scores, k, selection_bias=self.expert_bias, num_expert_groups=routing.num_expert_groups,
+            num_limited_groups=routing.num_limited_groups, ties=routing.ties)[0]  # [T, k]
         few_pairs = num_tokens * k <= HOST_ORDER_MAX_PAIRS
         if few_pairs:
             order = order_pairs_on_host(expert_index.tolist(), num_experts)
@@ -384,8 +397,9 @@ class MoELayer(nn.Module):
         # The bias as it was for this call (a later update must not change what this call's plan says).
         bias = None if self.expert_bias is None else self.expert_bias.clone()
         self._last_plan = None
-        self._deferred_plan = partial(build_plan, logits, routing, selection_bias=bias, num_sequences=num_sequences)
-        return y
+        self._deferred_plan = partial(build_plan, logits, routing, selection_bias=bias, num_sequences=num_sequences,
+                                      expert_index=given)
+        return y, expert_index
 
     @property
     def expert_adapter(self) -> nn.Module | None:

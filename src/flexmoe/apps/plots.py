@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_metrics", "plot_losses", "plot_expert_load", "plot_compare", "expert_shares", "share_scale"]
+__all__ = ["read_metrics", "plot_losses", "plot_expert_load", "plot_balance", "balance_curves", "plot_compare",
+           "expert_shares", "share_scale"]
 
 
 def _plt():
@@ -141,6 +142,48 @@ def plot_expert_load(records: list[dict[str, Any]], path: str | Path) -> Path | 
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
+
+
+# The balance metrics plotted, in panel order, with their axis labels (flexmoe.routing.balance_metrics defines them).
+BALANCE_PANELS = {
+    "max_over_mean": "max / mean expert load (1 = even)",
+    "cv": "coefficient of variation of the load (0 = even)",
+    "router_entropy": "mean router entropy per token (nats)",
+    "dropped_share": "dropped share of the (token, choice) pairs",
+}
+
+
+def balance_curves(records: list[dict[str, Any]], metric: str) -> dict[str, tuple[list[int], list[float]]]:
+    """Per MoE layer, ``metric``'s (steps, values) from the records' ``balance`` entries (flat
+    ``"<layer>/<metric>"`` keys, as :func:`flexmoe.balance_metrics` gives them)."""
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    suffix = "/" + metric
+    for r in records:
+        for key, value in r.get("balance", {}).items():
+            if key.endswith(suffix):
+                steps, values = curves.setdefault(key[: -len(suffix)], ([], []))
+                steps.append(r["step"])
+                values.append(value)
+    return curves
+
+
+def plot_balance(records: list[dict[str, Any]], path: str | Path) -> Path | None:
+    """One panel per balance metric (:data:`BALANCE_PANELS`), one line per MoE layer, against step; None when the
+    records hold no ``balance`` entries (a dense run)."""
+    if not any(r.get("balance") for r in records):
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True, squeeze=False)
+    for ax, (metric, label) in zip(axes.ravel(), BALANCE_PANELS.items()):
+        for layer, (steps, values) in balance_curves(records, metric).items():
+            ax.plot(steps, values, label=layer)
+        ax.set_ylabel(label, fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    axes[0][0].legend(fontsize=8, title="MoE layer")
+    fig.suptitle("expert balance per MoE layer (the last micro-batch of each logged step)")
+    return _save(fig, path)
 
 
 def plot_compare(runs: dict[str, list[dict[str, Any]]], path: str | Path, unit: str = "nats / byte") -> Path:

@@ -1,7 +1,8 @@
 """``flexmoe train``: train the MoE GPT (or its dense twin) on the embedded corpus or any text file.
 
 The run directory (``--out``) holds ``config.json``, ``metrics.jsonl`` (one JSON object per logged step:
-``step``, ``train_loss``, and ``val_loss`` where evaluated), ``checkpoints/``, ``summary.json`` and PNG plots.
+``step``, ``train_loss``, ``val_loss`` where evaluated, and ``balance``: :func:`flexmoe.balance_metrics` of the
+step's last micro-batch, the mean over ranks), ``checkpoints/``, ``summary.json`` and PNG plots.
 With ``--compare-dense`` the dense twin trains on the same batches into ``OUT/dense`` and ``OUT`` also gets
 ``compare.png``, ``compare.md`` and ``compare.json``. An existing run directory is only touched with
 ``--resume`` (continue it; a finished run is left as it is) or ``--overwrite`` (remove its run files first).
@@ -64,6 +65,7 @@ from flexmoe.checkpoint import (
 )
 from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.layer import update_expert_biases
+from flexmoe.model_routing import balance_metrics
 from flexmoe.parallel.ddp import wrap_ddp
 from flexmoe.parallel.groups import default_ranks_per_node
 
@@ -782,6 +784,8 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
                 if load.numel():
                     record["expert_load"] = load.long().tolist()
                     record["expert_demand"] = demand.long().tolist()
+                    # Before the evaluation below routes other tokens through the layers.
+                    record["balance"] = {k: _mean_over_ranks(v, world) for k, v in balance_metrics(model).items()}
                 if is_eval:
                     val_loss = evaluate(model, data, tcfg, rank, world)
                     last_eval_step = step
@@ -864,8 +868,8 @@ def global_param_counts(cfg: GPTConfig) -> tuple[int, int]:
 
 
 # What a run writes into its directory (and --overwrite removes; nothing else in the directory is touched).
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "expert_load.png", "compare.png",
-             "compare.md", "compare.json")
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "expert_load.png", "balance.png",
+             "compare.png", "compare.md", "compare.json")
 RUN_DIRS = ("checkpoints", "dense")
 
 
@@ -891,12 +895,13 @@ def finished_run(out: Path, step: int, tcfg: TrainConfig, target: dict[str, Any]
 
 
 def write_plots(out: Path, label: str, loss_unit: str = "nats / byte") -> None:
-    """loss.png and expert_load.png from ``out/metrics.jsonl``."""
-    from flexmoe.apps.plots import plot_expert_load, plot_losses, read_metrics
+    """loss.png, expert_load.png and balance.png from ``out/metrics.jsonl``."""
+    from flexmoe.apps.plots import plot_balance, plot_expert_load, plot_losses, read_metrics
 
     records = read_metrics(out / "metrics.jsonl")
     plot_losses(records, out / "loss.png", title=f"{label}: loss", unit=loss_unit)
     plot_expert_load(records, out / "expert_load.png")
+    plot_balance(records, out / "balance.png")
 
 
 def write_comparison(out: Path, results: dict[str, RunResult]) -> None:

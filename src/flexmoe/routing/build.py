@@ -42,6 +42,7 @@ def build_plan(
     num_sequences: int | None = None,
     padded: bool = False,
     counts_on_device: bool = False,
+    expert_index: Tensor | None = None,
 ) -> RoutingPlan:
     """The :class:`RoutingPlan` for router logits ``[T, E]`` under ``options``.
 
@@ -52,8 +53,12 @@ def build_plan(
     counts_on_device: the dropless top-k plan with its counts left on the device (no host sync, for
     ``torch.compile``; :func:`~flexmoe.routing.plan.plan_from_pairs`).
     Expert choice and BASE have no padded layout nor counts left on the device: they ignore both.
+    expert_index: ``[T, k]`` choices given instead of the router's (routing replay; top-k selection only, see
+    :func:`~flexmoe.routing.plan.make_plan`), else ``ValueError``.
     """
     kind, k = options.selection, options.k
+    if expert_index is not None and kind != "topk":
+        raise ValueError(f"given choices (routing replay) need top-k selection, got router={options.router!r}")
     if kind == "expert_choice":
         return make_expert_choice_plan(logits, k, capacity_factor=options.static_capacity_factor,
                                        capacity=options.capacity)
@@ -71,4 +76,4 @@ def build_plan(
                      num_limited_groups=options.num_limited_groups, route_scale=options.route_scale,
                      aux_loss_type=options.aux_loss_type, capacity_per=options.capacity_per,
                      num_sequences=num_sequences, padded=padded, counts_on_device=counts_on_device,
-                     ties=options.ties)
+                     ties=options.ties, expert_index=expert_index)

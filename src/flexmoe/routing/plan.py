@@ -36,7 +36,7 @@ from flexmoe.routing.scores import normalize_topk, routed_weights, router_scores
 from flexmoe.routing.topology import TopologyGate
 
 __all__ = ["RoutingPlan", "resolve_capacity", "top_k", "normalize_topk", "assign_slots", "all_finite", "check_logits",
-           "plan_from_pairs", "plan_from_choices", "make_plan"]
+           "check_choices", "plan_from_pairs", "plan_from_choices", "make_plan"]
 
 
 @dataclass
@@ -79,6 +79,8 @@ class RoutingPlan:
         kind: the builder that made the plan: "topk" (this module, also the random 2nd expert), "base"
             (:mod:`flexmoe.routing.balanced`) or "expert_choice" (:mod:`flexmoe.routing.expert_choice`, whose
             per-pair fields are ``[T, E]``, one column per expert). Readers of the row fields need not care.
+        scores: ``[T, E]`` the router's scores (softmax or sigmoid of the logits, detached) where the builder
+            kept them (top-k plans; None otherwise), read by :mod:`flexmoe.routing.balance_metrics`.
     """
 
     expert_index: Tensor
@@ -100,6 +102,7 @@ class RoutingPlan:
     kind: str = "topk"
     padded: bool = False
     pair_row: Tensor | None = None  # [T, k] the row of each pair (N where none); a padded plan sets it
+    scores: Tensor | None = None  # [T, E] the router's scores (detached; top-k plans), for the balance metrics
 
     @property
     def counts(self) -> list[int]:
@@ -207,6 +210,26 @@ def check_logits(logits: Tensor, k: int, *, name: str = "logits",
     return num_tokens, num_experts
 
 
+def check_choices(expert_index: Tensor, num_experts: int, *, num_tokens: int | None = None, k: int | None = None,
+                  active: Tensor | None = None, name: str = "expert_index") -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``expert_index`` is ``[num_tokens, k]`` integer choices in
+    ``[0, num_experts)`` (where ``active``, ``[T, k]`` bool, says the pair is dispatched; default all). None for
+    ``num_tokens`` / ``k``: any. One host read (the range)."""
+    if expert_index.dim() != 2:
+        raise ValueError(f"{name} must be [tokens, k], got shape {tuple(expert_index.shape)}")
+    if expert_index.dtype.is_floating_point or expert_index.dtype.is_complex or expert_index.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer expert indices, got dtype {expert_index.dtype}")
+    if num_tokens is not None and expert_index.shape[0] != num_tokens:
+        raise ValueError(f"{name} has {expert_index.shape[0]} tokens, the call has T={num_tokens}")
+    if k is not None and expert_index.shape[1] != k:
+        raise ValueError(f"{name} has k={expert_index.shape[1]} choices per token, the layer routes k={k}")
+    check = expert_index if active is None else expert_index[active]
+    if check.numel():
+        low, high = (int(v) for v in torch.aminmax(check))
+        if low < 0 or high >= num_experts:
+            raise ValueError(f"{name} must lie in [0, num_experts={num_experts}), got values in [{low}, {high}]")
+
+
 def make_plan(
     logits: Tensor,
     k: int,
@@ -229,6 +252,7 @@ def make_plan(
     padded: bool = False,
     counts_on_device: bool = False,
     ties: str = "lower",
+    expert_index: Tensor | None = None,
 ) -> RoutingPlan:
     """Build the top-k :class:`RoutingPlan` for router logits.
 
@@ -247,19 +271,30 @@ def make_plan(
     ``padded``: the padded layout (every expert ``capacity`` rows, no host sync; see :func:`plan_from_pairs`).
     ``counts_on_device``: dropless without a host sync, the counts left on the device (:func:`plan_from_pairs`).
     ``ties``: how equal scores are broken, "lower" (the lower expert index) or "topk" (as ``torch.topk``).
+    ``expert_index``: ``[T, k]`` choices given instead of the router's (routing replay,
+    :mod:`flexmoe.routing.replay`): the selection bias, the group limit and the topology gate, which only pick,
+    are skipped; the weights, the losses and the capacity come from these logits as usual. Not with
+    ``random_second`` (its keep decisions would be drawn anew).
 
-    Raises ``ValueError`` for non-finite logits, a k out of range, or a negative capacity.
+    Raises ``ValueError`` for non-finite logits, a k out of range, a negative capacity or bad given choices.
     """
     if capacity is not None and capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    check_logits(logits, k)
+    num_experts = check_logits(logits, k)[1]
 
     scores = router_scores(logits, score_func)
-    expert_index, choice_scores = select_experts(scores, k, selection_bias=selection_bias,
-                                                 num_expert_groups=num_expert_groups,
-                                                 num_limited_groups=num_limited_groups, ties=ties)
-    if topology is not None:
-        expert_index = topology.apply(choice_scores, expert_index)
+    if expert_index is None:
+        expert_index, choice_scores = select_experts(scores, k, selection_bias=selection_bias,
+                                                     num_expert_groups=num_expert_groups,
+                                                     num_limited_groups=num_limited_groups, ties=ties)
+        if topology is not None:
+            expert_index = topology.apply(choice_scores, expert_index)
+    else:
+        if random_second:
+            raise ValueError("given choices (routing replay) cannot be combined with second_expert='random' in "
+                             "training: which 2nd choices run would be drawn anew")
+        check_choices(expert_index, num_experts, num_tokens=logits.shape[0], k=k)
+        expert_index = expert_index.to(device=logits.device, dtype=torch.long)
     probs_topk, weight = routed_weights(scores, expert_index, normalize_weights=normalize_weights,
                                         route_scale=route_scale, dtype=logits.dtype)
     return plan_from_pairs(
@@ -274,6 +309,7 @@ def make_plan(
         padded=padded,
         counts_on_device=counts_on_device,
         z_loss=router_z_loss(logits, scores if score_func == "softmax" else None),
+        scores=scores.detach(),
     )
 
 
@@ -293,6 +329,7 @@ def plan_from_pairs(
     padded: bool = False,
     counts_on_device: bool = False,
     z_loss: Tensor | None = None,
+    scores: Tensor | None = None,
 ) -> RoutingPlan:
     """The plan for chosen pairs: the one place that assigns slots, applies the capacity and lays out rows.
 
@@ -311,7 +348,7 @@ def plan_from_pairs(
     ``host_capacity`` None until read). Only dropless plans with every pair active and one capacity over the
     call (``capacity_factor == 0``, no ``capacity``, no ``active``, no ``num_sequences``: the capacity read
     later is the largest count), else ``ValueError``.
-    z_loss: the plan's z-loss (None: the router z-loss of ``logits``).
+    z_loss: the plan's z-loss (None: the router z-loss of ``logits``); scores: the plan's ``scores`` (``[T, E]``).
     """
     num_tokens, num_experts = logits.shape
     k = expert_index.shape[1]
@@ -340,7 +377,7 @@ def plan_from_pairs(
     if padded:
         cap = _static_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity)
         return _padded_plan(logits, expert_index, probs_topk, weight, masked_index, slot, unit_load, cap,
-                            num_active, aux_loss, kind, z_loss)
+                            num_active, aux_loss, kind, z_loss, scores)
     assert isinstance(num_active, int)  # only a padded plan keeps it on the device
     order = order[:num_active]
     load = unit_load.sum(dim=1) if num_units > 1 else unit_load.view(-1)
@@ -382,6 +419,7 @@ def plan_from_pairs(
         z_loss=router_z_loss(logits) if z_loss is None else z_loss,
         num_skipped=num_tokens * k - num_active,
         kind=kind,
+        scores=scores,
     )
 
 
@@ -398,11 +436,7 @@ def plan_from_choices(expert_index: Tensor, weight: Tensor, num_experts: int, *,
     if expert_index.dim() != 2 or weight.shape != expert_index.shape:
         raise ValueError(f"expert_index and weight must both be [tokens, k], got {tuple(expert_index.shape)} and "
                          f"{tuple(weight.shape)}")
-    check = expert_index if active is None else expert_index[active]
-    if check.numel():
-        low, high = (int(v) for v in torch.aminmax(check))
-        if low < 0 or high >= num_experts:
-            raise ValueError(f"expert_index must lie in [0, num_experts={num_experts}), got values in [{low}, {high}]")
+    check_choices(expert_index, num_experts, active=active)
     num_tokens = expert_index.shape[0]
     # Zero logits only give plan_from_pairs the expert count; no routing reads them, and their z-loss
     # ((log E)^2) would be a made-up number: both losses are zero.
@@ -433,6 +467,7 @@ def _padded_plan(
     aux_loss: Tensor,
     kind: str,
     z_loss: Tensor | None = None,
+    scores: Tensor | None = None,
 ) -> RoutingPlan:
     """The plan with every (expert, sequence) unit padded to ``cap`` rows: ``N = E * B * cap`` rows.
 
@@ -481,4 +516,5 @@ def _padded_plan(
         kind=kind,
         padded=True,
         pair_row=pair_row,
+        scores=scores,
     )
