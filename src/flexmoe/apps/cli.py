@@ -22,9 +22,10 @@ from flexmoe.apps.flags import given_flags
 # name -> (module, one-line help). Only the module of the command being run (or whose --help is shown) is
 # imported, so that `flexmoe --help` and one command's start-up do not pay for every other command's imports.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("flexmoe.apps.bench", "time one MoE layer against the compute floor and reference layers"),
-    "train": ("flexmoe.apps.train", "train the MoE GPT (or its dense twin, or a Hugging Face MoE model) on tiny "
-                                    "Shakespeare or any text file"),
+    "bench": ("flexmoe.apps.bench.cli", "time one MoE layer against the compute floor and reference layers"),
+    "train": ("flexmoe.apps.train_command",
+              "train the MoE GPT (or its dense twin, or a Hugging Face MoE model) on tiny Shakespeare or any text "
+              "file"),
     "train-vision": ("flexmoe.apps.vision",
                      "train a vision MoE (cosine router, as SwinV2-MoE) or its dense twin on 8x8 digits"),
     "generate": ("flexmoe.apps.generate", "sample text from a training run's checkpoint"),
