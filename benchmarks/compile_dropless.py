@@ -6,7 +6,7 @@ Part 1, recompilations: one compiled dropless layer (E=64, k=8, M=32, H=64, floa
 different batches of 16 tokens, forward + backward. With so few tokens per expert, which experts get 0 or 1 rows
 changes from call to call; the line per call gives dynamo's graph count so far and those experts, and the total
 time of the calls (compiling included). Part 2, speed: forward + backward of the compiled layer over the eager
-one at T=4096, M=512 (E=64 H=256 k=8 and E=8 H=1024 k=2), side by side (``flexmoe.apps.bench_compile.
+one at T=4096, M=512 (E=64 H=256 k=8 and E=8 H=1024 k=2), side by side (``flexmoe.apps.bench.compile.
 compiled_vs_eager``), with the first compiled call's time.
 """
 
@@ -20,8 +20,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from flexmoe import MoELayer
-from flexmoe.apps.bench import BenchConfig
-from flexmoe.apps.bench_compile import compiled_vs_eager
+from flexmoe.apps.bench.compile import compiled_vs_eager
+from flexmoe.apps.bench.config import BenchConfig
 
 
 def recompilations(calls: int, backend: str) -> None:

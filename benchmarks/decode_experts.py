@@ -21,7 +21,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from flexmoe.apps.bench import time_side_by_side
+from flexmoe.apps.bench.timing import time_side_by_side
 from flexmoe.experts import (
     active_experts_ffn,
     embedding_bag_ffn,

@@ -10,7 +10,7 @@ config asks for it (``output_router_logits``): the converted model (:func:`flexm
 and compiled, and HF's model with ``experts_implementation="grouped_mm"`` eager and compiled (inductor,
 ``fullgraph=True``, the model's forward; the optimizer runs eagerly). Before timing, every case's loss must be
 HF eager's (float32 rounding). The first compiled step (tracing and code generation) is timed apart; then the
-four cases take turns, step by step (:func:`flexmoe.apps.bench.time_side_by_side`), and the medians are
+four cases take turns, step by step (:func:`flexmoe.apps.bench.timing.time_side_by_side`), and the medians are
 compared: compiled / eager for each model (the target: the converted model's at most 1) and converted / HF.
 One thread, as every timing in docs/performance.md.
 """
@@ -29,7 +29,7 @@ import torch._dynamo
 from torch import Tensor, nn
 
 import flexmoe.hf
-from flexmoe.apps.bench import time_side_by_side
+from flexmoe.apps.bench.timing import time_side_by_side
 from flexmoe.apps.hf_configs import small_config
 
 BATCH, SEQ = 16, 128  # flexmoe train's batch_size and the --hf-arch job's block_size

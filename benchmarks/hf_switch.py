@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from flexmoe.apps.bench import time_side_by_side
+from flexmoe.apps.bench.timing import time_side_by_side
 
 
 def _block() -> nn.Module:

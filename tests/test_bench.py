@@ -14,7 +14,8 @@ import torch
 
 from flexmoe import MoELayer
 from flexmoe.apps.baselines import expert_floor, gshard_einsum_forward
-from flexmoe.apps.bench import paired_ratio, saved_activation_bytes, time_side_by_side
+from flexmoe.apps.bench.distributed import paired_ratio
+from flexmoe.apps.bench.timing import saved_activation_bytes, time_side_by_side
 
 
 @pytest.mark.parametrize("cf", [2.0, 0.5, 0.0])
@@ -94,7 +95,7 @@ def test_distributed_bench_two_ranks() -> None:
     # CPU accounting: every setting and the floor cost some CPU per rank; the idle share is a share.
     rows = [*report["settings"], report["floor_cpu"]]
     assert all(row["cpu_seconds"] > 0 and (row["idle"] is None or 0 <= row["idle"] <= 1) for row in rows), rows
-    from flexmoe.apps.bench import format_distributed
+    from flexmoe.apps.bench.distributed import format_distributed
 
     table = format_distributed(report)
     assert "cpu ms/rank" in table and "floor (per-rank rows)" in table
@@ -119,7 +120,7 @@ def test_stalling_experts_have_their_stall_as_the_floor() -> None:
 
 
 def test_idle_share_weighs_spans_by_their_ticks() -> None:
-    from flexmoe.apps.bench import idle_share
+    from flexmoe.apps.bench.distributed import idle_share
 
     assert idle_share([(10, 100), (30, 100)]) == pytest.approx(0.2)
     assert idle_share([(0, 50), (50, 50)]) == pytest.approx(0.5)  # (0 + 50) / 100, not the mean of 0 and 1
@@ -127,7 +128,7 @@ def test_idle_share_weighs_spans_by_their_ticks() -> None:
 
 
 def test_cpu_account_counts_busy_work_and_node_ticks() -> None:
-    from flexmoe.apps.bench import CpuAccount, node_cpu_jiffies
+    from flexmoe.apps.bench.distributed import CpuAccount, node_cpu_jiffies
 
     def busy() -> None:
         end = time.process_time() + 0.05
@@ -163,7 +164,8 @@ def test_bench_prints_its_header_before_the_timing_ends() -> None:
 
 
 def test_bench_table_follows_the_progress(capsys) -> None:
-    from flexmoe.apps.bench import BenchConfig, bench_single
+    from flexmoe.apps.bench.config import BenchConfig
+    from flexmoe.apps.bench.layer import bench_single
 
     cfg = BenchConfig(tokens=32, model_dim=8, hidden_dim=16, experts=4, steps=2, warmup=1)
     report = bench_single(cfg, peers=False, show=True)
@@ -195,7 +197,7 @@ def test_step_bar_counts_announced_steps(capsys) -> None:
 
 
 def test_suite_reports_each_check_and_survives_a_broken_one(capsys) -> None:
-    from flexmoe.apps.bench_suite import (
+    from flexmoe.apps.bench.suite import (
         Measurement,
         SuiteCheck,
         SuiteSettings,
@@ -221,8 +223,8 @@ def test_suite_reports_each_check_and_survives_a_broken_one(capsys) -> None:
 
 
 def test_suite_units_keep_a_shared_launch_together() -> None:
-    from flexmoe.apps.bench_ep import ep_checks
-    from flexmoe.apps.bench_suite import Measurement, SuiteCheck, process_units
+    from flexmoe.apps.bench.ep import ep_checks
+    from flexmoe.apps.bench.suite import Measurement, SuiteCheck, process_units
 
     def check(shares: bool) -> SuiteCheck:
         return SuiteCheck("g", "c", 1.0, lambda s: Measurement(1.0), shares_previous=shares)
@@ -235,8 +237,8 @@ def test_suite_units_keep_a_shared_launch_together() -> None:
 
 
 def test_isolated_suite_measures_in_a_fresh_process_and_reports_a_dead_one() -> None:
-    from flexmoe.apps.bench_compile import DROPLESS_GRAPH_BREAKS
-    from flexmoe.apps.bench_suite import SuiteSettings, run_suite_isolated
+    from flexmoe.apps.bench.compile import DROPLESS_GRAPH_BREAKS
+    from flexmoe.apps.bench.suite import SuiteSettings, run_suite_isolated
 
     settings = SuiteSettings(show=False)
     (result,) = run_suite_isolated(["compile"], settings, threads=1, only=[3])  # the graph-break count

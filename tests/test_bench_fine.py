@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from flexmoe.apps.baselines import expert_floor, grouped_floor, grouped_floor_kind, padded_bmm_floor
-from flexmoe.apps.bench import BenchConfig, floor_ratio_check, memory_check
-from flexmoe.apps.bench_fine import measure_decode
-from flexmoe.apps.bench_suite import SuiteSettings, suite_checks
+from flexmoe.apps.bench.config import BenchConfig
+from flexmoe.apps.bench.fine import measure_decode
+from flexmoe.apps.bench.layer import floor_ratio_check, memory_check
+from flexmoe.apps.bench.suite import SuiteSettings, suite_checks
 from flexmoe.experts import FeedForwardExperts
 
 

@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("transformers", reason="the HF bench needs transformers (CI installs it via .[test])")
 
-from flexmoe.apps.bench import BenchConfig  # noqa: E402
-from flexmoe.apps.bench_hf import (  # noqa: E402
+from flexmoe.apps.bench.config import BenchConfig  # noqa: E402
+from flexmoe.apps.bench.hf import (  # noqa: E402
     FAMILY_NAMES,
     HFShape,
     bench_decode,
@@ -27,7 +27,7 @@ from flexmoe.apps.bench_hf import (  # noqa: E402
     set_experts_implementation,
     shapes_of,
 )
-from flexmoe.apps.bench_suite import suite_checks  # noqa: E402
+from flexmoe.apps.bench.suite import suite_checks  # noqa: E402
 
 TINY = HFShape("tiny", tokens=48, model_dim=16, experts=8, k=2, hidden_dim=12)
 TINY_GROUPED = HFShape("tiny-deepseek", tokens=48, model_dim=16, experts=8, k=2, hidden_dim=12, groups=4,
@@ -142,7 +142,7 @@ def test_bench_hf_command_json() -> None:
 
 @pytest.mark.slow
 def test_expert_parallel_bench_four_ranks() -> None:
-    from flexmoe.apps.bench_ep import EPBench, run_ep_bench
+    from flexmoe.apps.bench.ep import EPBench, run_ep_bench
 
     bench = EPBench(config=BenchConfig(tokens=16, model_dim=8, hidden_dim=8, experts=8, k=2, capacity_factor=0.0,
                                        steps=1, warmup=0), auto_trials=1, auto_runs=2, degrees=(1, 2), timeout=300)

@@ -642,8 +642,8 @@ def test_inductor_capacity_mode_matches_the_reference(options: dict[str, Any]) -
 
 
 def test_compile_suite_group_counts_the_dropless_graph_breaks() -> None:
-    from flexmoe.apps.bench_compile import DROPLESS_GRAPH_BREAKS as SUITE_TARGET
-    from flexmoe.apps.bench_suite import SuiteSettings, run_suite_checks, suite_checks
+    from flexmoe.apps.bench.compile import DROPLESS_GRAPH_BREAKS as SUITE_TARGET
+    from flexmoe.apps.bench.suite import SuiteSettings, run_suite_checks, suite_checks
 
     checks = suite_checks(["compile"])
     assert [c.group for c in checks] == ["compile"] * 4
@@ -656,8 +656,8 @@ def test_compile_suite_group_counts_the_dropless_graph_breaks() -> None:
 @pytest.mark.slow
 @needs_cxx
 def test_compiled_vs_eager_measures_a_ratio() -> None:
-    from flexmoe.apps.bench import BenchConfig
-    from flexmoe.apps.bench_compile import compiled_vs_eager
+    from flexmoe.apps.bench.compile import compiled_vs_eager
+    from flexmoe.apps.bench.config import BenchConfig
 
     m = compiled_vs_eager(BenchConfig(tokens=64, model_dim=16, hidden_dim=32, experts=4, steps=2, warmup=0))
     assert m.unit == "x eager" and 0 < m.value < float("inf")

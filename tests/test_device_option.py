@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexmoe.apps.bench import BenchConfig, floor_ratio_check
-from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings, format_suite_table, run_suite_checks
+from flexmoe.apps.bench.config import BenchConfig
+from flexmoe.apps.bench.layer import floor_ratio_check
+from flexmoe.apps.bench.suite import Measurement, SuiteCheck, SuiteSettings, format_suite_table, run_suite_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -27,9 +27,9 @@ TINY_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size
 
 TRAIN_RUNNER = (
     "import argparse, sys\n"
-    "from flexmoe.apps import train\n"
-    "p = argparse.ArgumentParser(); train.add_arguments(p)\n"
-    "sys.exit(train.run(p.parse_args(sys.argv[1:])))\n"
+    "from flexmoe.apps import train_command\n"
+    "p = argparse.ArgumentParser(); train_command.add_arguments(p)\n"
+    "sys.exit(train_command.run(p.parse_args(sys.argv[1:])))\n"
 )
 
 # Loads each checkpoint given on the command line at the launched world size and saves every rank's output

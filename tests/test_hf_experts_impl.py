@@ -18,7 +18,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers", reason="flexmoe.hf needs transformers (CI installs it via .[test])")
 
-from flexmoe.apps.bench_hf import HFShape, build_hf_block  # noqa: E402
+from flexmoe.apps.bench.hf import HFShape, build_hf_block  # noqa: E402
 from flexmoe.experts import use_grouped_mm  # noqa: E402
 from flexmoe.hf.experts_impl import flexmoe_experts_forward  # noqa: E402
 from flexmoe.hf.families import stored_experts  # noqa: E402

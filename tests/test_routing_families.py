@@ -357,8 +357,8 @@ def test_bad_family_options_are_rejected(kwargs, error, match) -> None:
 
 
 def test_bench_families_times_both_routings_against_their_floors() -> None:
-    from flexmoe.apps.bench import BenchConfig
-    from flexmoe.apps.bench_families import bench_families, format_families
+    from flexmoe.apps.bench.config import BenchConfig
+    from flexmoe.apps.bench.families import bench_families, format_families
 
     report = bench_families(BenchConfig(tokens=64, model_dim=16, hidden_dim=8, steps=1, warmup=0,
                                         capacity_factor=0.0))

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from flexmoe.apps import cli, generate, reshard, train
+from flexmoe.apps import cli, generate, reshard, train_command
 
 TINY_FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--num-experts", "4",
               "--expert-hidden", "32", "--batch-size", "8", "--warmup", "5", "--lr", "1e-2", "--no-progress"]
@@ -27,9 +27,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # Runs `flexmoe train` through the module's own add_arguments/run, as the CLI does.
 RUNNER = (
     "import argparse, sys\n"
-    "from flexmoe.apps import train\n"
-    "p = argparse.ArgumentParser(); train.add_arguments(p)\n"
-    "sys.exit(train.run(p.parse_args(sys.argv[1:])))\n"
+    "from flexmoe.apps import train_command\n"
+    "p = argparse.ArgumentParser(); train_command.add_arguments(p)\n"
+    "sys.exit(train_command.run(p.parse_args(sys.argv[1:])))\n"
 )
 
 
@@ -45,7 +45,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def test_tiny_run_lowers_loss_and_writes_run_directory(tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
-    assert _run(train, ["--out", str(out), "--steps", "40", "--log-every", "5", "--eval-every", "20",
+    assert _run(train_command, ["--out", str(out), "--steps", "40", "--log-every", "5", "--eval-every", "20",
                         "--ckpt-every", "20", "--eval-batches", "2", *TINY_FLAGS]) == 0
     records = _metrics(out)
     assert [r["step"] for r in records] == list(range(5, 45, 5))
@@ -78,7 +78,7 @@ def test_tiny_run_lowers_loss_and_writes_run_directory(tmp_path: Path, capsys) -
 
 def test_compare_dense_and_target_loss(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
-    assert _run(train, ["--out", str(out), "--steps", "30", "--eval-every", "10", "--eval-batches", "2",
+    assert _run(train_command, ["--out", str(out), "--steps", "30", "--eval-every", "10", "--eval-batches", "2",
                         "--compare-dense", "--target-loss", "4.5", "--stop-at-target", *TINY_FLAGS]) == 0
     payload = json.loads((out / "compare.json").read_text())
     for name in ("moe", "dense"):
@@ -133,9 +133,9 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path: Path) -> None:
 
 def test_launch_argv_round_trips() -> None:
     parser = argparse.ArgumentParser()
-    train.add_arguments(parser)
+    train_command.add_arguments(parser)
     args = parser.parse_args(["--out", "x", "--steps", "7", "--nproc", "2", "--compare-dense", "--k", "1"])
-    argv = train._forward_argv(args)
+    argv = train_command.forward_argv(args)
     assert "--nproc" not in argv
     again = parser.parse_args(argv)
     assert (again.out, again.steps, again.compare_dense, again.k, again.nproc) == ("x", 7, True, 1, 1)
@@ -145,7 +145,7 @@ def test_resume_from_corrupted_checkpoint_fails_clearly(tmp_path: Path, capsys) 
     out = tmp_path / "run"
     argv = ["--out", str(out), "--steps", "4", "--ckpt-every", "2", "--eval-every", "4", "--eval-batches", "1",
             "--no-plots", *TINY_FLAGS]
-    assert _run(train, argv) == 0
+    assert _run(train_command, argv) == 0
     weights = out / "checkpoints" / "step_000004" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-64])
     capsys.readouterr()
@@ -159,13 +159,14 @@ def test_compiled_run_equals_eager_and_its_checkpoint_resumes_eager(tmp_path: Pa
     checkpoint keeps the eager parameter names (nn.Module.compile, in place), so an eager --resume continues
     it; aot_eager keeps the test fast (the same graphs as inductor's, run by eager kernels)."""
     flags = ["--log-every", "1", "--eval-every", "3", "--ckpt-every", "3", "--eval-batches", "2", *TINY_FLAGS]
-    assert _run(train, ["--out", str(tmp_path / "eager"), "--steps", "6", *flags]) == 0
+    assert _run(train_command, ["--out", str(tmp_path / "eager"), "--steps", "6", *flags]) == 0
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert _run(train, ["--out", str(tmp_path / "mixed"), "--steps", "3", "--compile", "aot_eager", *flags]) == 0
+    mixed = ["--out", str(tmp_path / "mixed"), "--steps", "3", "--compile", "aot_eager", *flags]
+    assert _run(train_command, mixed) == 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # it did compile
     assert "under torch.compile (backend aot_eager)" in capsys.readouterr().out
     assert json.loads((tmp_path / "mixed" / "config.json").read_text())["train"]["compile"] == "aot_eager"
-    assert _run(train, ["--out", str(tmp_path / "mixed"), "--resume", "--steps", "6", *flags]) == 0
+    assert _run(train_command, ["--out", str(tmp_path / "mixed"), "--resume", "--steps", "6", *flags]) == 0
     want, got = _metrics(tmp_path / "eager"), _metrics(tmp_path / "mixed")
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
     for a, b in zip(want, got):

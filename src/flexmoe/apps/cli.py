@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import signal
 import sys
@@ -22,9 +23,10 @@ from flexmoe.apps.flags import given_flags
 # name -> (module, one-line help). Only the module of the command being run (or whose --help is shown) is
 # imported, so that `flexmoe --help` and one command's start-up do not pay for every other command's imports.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("flexmoe.apps.bench", "time one MoE layer against the compute floor and reference layers"),
-    "train": ("flexmoe.apps.train", "train the MoE GPT (or its dense twin, or a Hugging Face MoE model) on tiny "
-                                    "Shakespeare or any text file"),
+    "bench": ("flexmoe.apps.bench.cli", "time one MoE layer against the compute floor and reference layers"),
+    "train": ("flexmoe.apps.train_command",
+              "train the MoE GPT (or its dense twin, or a Hugging Face MoE model) on tiny Shakespeare or any text "
+              "file"),
     "train-vision": ("flexmoe.apps.vision",
                      "train a vision MoE (cosine router, as SwinV2-MoE) or its dense twin on 8x8 digits"),
     "generate": ("flexmoe.apps.generate", "sample text from a training run's checkpoint"),
@@ -32,6 +34,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("flexmoe.apps.calibrate", "measure this machine and write the cost model's JSON profile"),
     "validate-model": ("flexmoe.apps.validate", "measure the layer, compare with the cost model, print the error"),
     "simulate": ("flexmoe.apps.simulate", "predict single-layer throughput from 8 to 2,048 GPUs from a profile"),
+}
+
+# What each command imports from the train extra (`pip install 'flexmoe[train]'`: progress bars, plots, the
+# digits data), each with the flag that turns off its use (None: always used). The library itself needs none of
+# it; main checks it before a command runs, so that a machine without the extra gets one line naming it, not a
+# traceback at the end of a run.
+TRAIN_EXTRA_NEEDS: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "bench": (("tqdm", "json"),),
+    "train": (("tqdm", "no_progress"), ("matplotlib", "no_plots")),
+    "train-vision": (("tqdm", "no_progress"), ("matplotlib", "no_plots"), ("sklearn", None)),
+    "calibrate": (("tqdm", "json"),),
+    "validate-model": (("tqdm", "json"),),
+    "simulate": (("matplotlib", "no_plot"),),
 }
 
 
@@ -72,6 +87,20 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return UsageError, CorpusError, CheckpointError
 
 
+def missing_train_extra(args: argparse.Namespace) -> list[str]:
+    """The modules of the train extra that the command of ``args`` needs with its flags (:data:`TRAIN_EXTRA_NEEDS`)
+    and this environment cannot import."""
+    return [name for name, off in TRAIN_EXTRA_NEEDS.get(args.command, ())
+            if not (off is not None and getattr(args, off)) and not _importable(name)]
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a finder that refuses the name; a module loaded without a spec
+        return False
+
+
 def _chosen_command(argv: list[str]) -> str | None:
     """The subcommand named on the command line (the first word that is one), if any."""
     return next((word for word in argv if word in COMMANDS), None)
@@ -103,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Which flags the user set (not left at their defaults): --resume refuses those that differ from the run.
     args.given = given_flags(_subcommand_parser(parser, args.command), argv[argv.index(args.command) + 1:])
+    missing = missing_train_extra(args)
+    if missing:
+        _print_error(f"flexmoe {args.command} needs {' and '.join(missing)}, which this environment lacks: "
+                     f"pip install 'flexmoe[train]'")
+        return USAGE_EXIT_CODE
     from flexmoe.apps.interrupt import Interrupted
 
     try:

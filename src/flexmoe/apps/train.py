@@ -20,7 +20,6 @@ model instead (:mod:`flexmoe.apps.hf_job`).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -63,13 +62,12 @@ from flexmoe.checkpoint import (
     load_global_state_dict,
     save_checkpoint,
 )
-from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.layer import update_expert_biases
 from flexmoe.model_routing import balance_metrics
 from flexmoe.parallel.ddp import wrap_ddp
 from flexmoe.parallel.groups import default_ranks_per_node
 
-__all__ = ["TrainConfig", "add_arguments", "run", "train", "build_model"]
+__all__ = ["TrainConfig", "add_arguments", "gpt_configs", "run_gpt_job", "train", "build_model"]
 
 
 @dataclass
@@ -128,7 +126,6 @@ _MODEL_FLAGS: FlagTable = {  # GPTConfig's
     "--a2a": ("a2a", Choice(("flat", "2dh"))),
     "--cross-node-share": ("cross_node_share", SHARE),
 }
-_ACTIONS: list[argparse.Action] = []
 
 
 def add_run_flags(parser: argparse.ArgumentParser, t: TrainConfig, out: str) -> None:
@@ -198,6 +195,7 @@ def model_flag_values(args: argparse.Namespace, flags: FlagTable) -> dict[str, A
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The MoE GPT job's flags (``flexmoe train`` adds the Hugging Face job's: :mod:`flexmoe.apps.train_command`)."""
     t = TrainConfig()
     m = GPTConfig()
     add_run_flags(parser, t, "runs/default")
@@ -217,55 +215,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="launch N local processes (experts spread over ranks, the rest data-parallel)")
     sharded_job.add_mesh_flags(parser)
     add_model_flags(parser, _MODEL_FLAGS, m)
-    from flexmoe.apps.hf_job import add_hf_flags
-
-    add_hf_flags(parser)
-    _ACTIONS[:] = list(parser._actions)
-
-
-def _forward_argv(args: argparse.Namespace) -> list[str]:
-    """The command-line flags of ``args`` (without --nproc), to hand to the launched processes."""
-    argv: list[str] = []
-    for action in _ACTIONS:
-        if not action.option_strings or action.dest in ("help", "nproc"):
-            continue
-        value = getattr(args, action.dest, None)
-        flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            if value:
-                argv.append(flag)
-        elif value is not None and value != action.default:
-            argv += [flag, str(value)]
-    if "--out" not in argv:
-        argv += ["--out", args.out]
-    return argv
-
-
-def run(args: argparse.Namespace) -> int:
-    # Every check of the user's input happens here, before any process is launched or any file written.
-    from flexmoe.apps import hf_job  # the Hugging Face job (transformers is imported only when it runs)
-
-    hf = hf_job.job_config(args)  # None: the MoE GPT
-    if hf is None:
-        mcfg, tcfg = _configs(args)
-        check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
-        TokenData.from_file(tcfg.data, block_size=mcfg.block_size)  # a missing, empty or too small --data
-        check_world_size(mcfg, int(os.environ.get("WORLD_SIZE", args.nproc)))
-    else:
-        hf_cfg, tcfg = hf
-        check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
-        hf_job.check_inputs(hf_cfg, tcfg, args)
-    sharded_job.check_mesh_flags(args, int(os.environ.get("WORLD_SIZE", args.nproc)))
-    if args.nproc > 1 and not under_torchrun():
-        return relaunch(args.nproc, "train", _forward_argv(args))
-    try:
-        return _run(args, mcfg, tcfg) if hf is None else hf_job.run_job(args, hf_cfg, tcfg)
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            # Free what is left of the model and its DDP wrapper first (reference cycles included), so that
-            # destroying the groups frees them and joins gloo's worker threads before the interpreter exits.
-            gc.collect()
-            dist.destroy_process_group()
 
 
 def check_world_size(mcfg: Any, nproc: int) -> None:
@@ -404,7 +353,7 @@ def saved_run_config(out: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
+def gpt_configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
     """The model and training configuration from the flags (a resumed run: from its config.json)."""
     tcfg, saved = train_config(args)
     if saved is not None:
@@ -469,7 +418,8 @@ def check_resumable(run_dir: Path) -> None:
                      f"continue from: add --overwrite (instead of --resume) to start it again from step 0")
 
 
-def _run(args: argparse.Namespace, mcfg: GPTConfig, tcfg: TrainConfig) -> int:
+def run_gpt_job(args: argparse.Namespace, mcfg: GPTConfig, tcfg: TrainConfig) -> int:
+    """The MoE GPT's run (this rank's part under torchrun): build, train, write the run directory."""
     out = Path(args.out)
     rank, world = _init_distributed()
     if args.resume and not (out / "config.json").is_file() and rank == 0:

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from flexmoe.apps.baselines import expert_floor
-from flexmoe.apps.bench import BenchConfig, _fwd_bwd, _inputs, build_layer, random_rows, time_side_by_side
+from flexmoe.apps.bench.config import BenchConfig, build_layer, fwd_bwd, make_inputs, random_rows
+from flexmoe.apps.bench.timing import time_side_by_side
 
 __all__ = ["bench_families", "format_families", "DEEPSEEK_OPTIONS"]
 
@@ -27,13 +28,13 @@ DEEPSEEK_OPTIONS = dict(score_func="sigmoid", num_expert_groups=8, num_limited_g
                         route_scale=2.5, shared_experts=1)
 
 
-def _floor(layer, counts: list[int], cfg: BenchConfig) -> Callable[[], None]:
+def floor_with_shared(layer, counts: list[int], cfg: BenchConfig) -> Callable[[], None]:
     """The experts' math alone: the routed experts on rows of ``counts`` (+ the shared experts on T tokens)."""
     gen = torch.Generator().manual_seed(cfg.seed + 7)
     rows = random_rows(cfg, sum(counts), gen).requires_grad_()
     grad = random_rows(cfg, sum(counts), gen)
     if layer.shared is None:
-        return _fwd_bwd(lambda: expert_floor(layer.experts, rows, counts), grad, layer)
+        return fwd_bwd(lambda: expert_floor(layer.experts, rows, counts), grad, layer)
     tokens = random_rows(cfg, cfg.tokens, gen).requires_grad_()
     tokens_grad = random_rows(cfg, cfg.tokens, gen)
 
@@ -48,7 +49,7 @@ def _floor(layer, counts: list[int], cfg: BenchConfig) -> Callable[[], None]:
 def bench_families(cfg: BenchConfig) -> dict[str, Any]:
     """Time plain top-k and DeepSeek-style routing, each with its floor, all four cases interleaved."""
     cfg = replace(cfg, experts=64, k=8)  # DeepSeek's shape, whatever --experts / --k say
-    x, grad = _inputs(cfg, cfg.seed + 1)
+    x, grad = make_inputs(cfg, cfg.seed + 1)
     layers = {"topk": build_layer(cfg), "deepseek": build_layer(cfg, **DEEPSEEK_OPTIONS)}
     cases: dict[str, Callable[[], None]] = {}
     plans = {}
@@ -58,8 +59,8 @@ def bench_families(cfg: BenchConfig) -> dict[str, Any]:
         plan = layer.last_plan
         assert plan is not None  # set by the forward above
         plans[name] = plan
-        cases[f"{name} floor"] = _floor(layer, plan.counts, cfg)
-        cases[name] = _fwd_bwd(partial(layer, x), grad, layer)
+        cases[f"{name} floor"] = floor_with_shared(layer, plan.counts, cfg)
+        cases[name] = fwd_bwd(partial(layer, x), grad, layer)
     times = {n: statistics.median(s) for n, s in time_side_by_side(cases, cfg.steps, cfg.warmup,
                                                                device=cfg.device).items()}
     x_floor = {name: times[name] / times[f"{name} floor"] for name in layers}

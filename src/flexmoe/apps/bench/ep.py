@@ -1,6 +1,6 @@
 """The suite's "expert-parallel" group: 4 ranks (gloo on 127.0.0.1) at E=64, k=8, launched by the check itself.
 
-One launch of :func:`flexmoe.apps.bench.bench_distributed` (what ``flexmoe bench --nproc 4`` runs) measures
+One launch of :func:`flexmoe.apps.bench.distributed.bench_distributed` (what ``flexmoe bench --nproc 4`` runs) measures
 both targets of issue 14:
 
 * **best static setting / floor <= 1.15.** Every (r, d, a2a) setting and the floor take turns step by step; the
@@ -15,7 +15,7 @@ both targets of issue 14:
   static settings again (those the sweep timed under 1.5x its best); "best static" is the fastest of those in
   that same run (not the sweep's winner, which noise between the two runs could favour or handicap). Each
   auto's ratio is the median of its per-round ratios to the best static over at least 15 rounds
-  (:data:`flexmoe.apps.bench.AUTO_STEPS`: at 5, two layers running the same setting measured up to 1.10x
+  (:data:`flexmoe.apps.bench.distributed.AUTO_STEPS`: at 5, two layers running the same setting measured up to 1.10x
   apart), and the value is the worst of the three. With 4
   candidates (r=0, and r=1 at d = 1, 2, 4) and ``trials=6``, a candidate is judged by the minimum of 6 passes
   (24 tuning steps per run). The minimum of several passes is far steadier than one pass; 3 were not enough on
@@ -35,8 +35,8 @@ import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from flexmoe.apps.bench import BenchConfig
-from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings
+from flexmoe.apps.bench.config import BenchConfig
+from flexmoe.apps.bench.suite import Measurement, SuiteCheck, SuiteSettings
 
 __all__ = ["EPBench", "EP_BENCH", "EP_BENCH_LARGE", "run_ep_bench", "ep_checks"]
 
@@ -66,7 +66,7 @@ def _rank_main(config: dict[str, Any], degrees: list[int], auto_trials: int, aut
     import torch
     import torch.distributed as dist
 
-    from flexmoe.apps.bench import bench_distributed
+    from flexmoe.apps.bench.distributed import bench_distributed
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo")
@@ -79,8 +79,8 @@ def _rank_main(config: dict[str, Any], degrees: list[int], auto_trials: int, aut
 
 def run_ep_bench(bench: EPBench = EP_BENCH) -> dict[str, Any]:
     """Launch ``bench.world`` ranks, measure, and return rank 0's report (see
-    :func:`flexmoe.apps.bench.bench_distributed`) with ``floor_ratio`` (best static / floor) and ``auto_ratios``
-    (each auto run / best static) added."""
+    :func:`flexmoe.apps.bench.distributed.bench_distributed`) with ``floor_ratio`` (best static / floor) and
+    ``auto_ratios`` (each auto run / best static) added."""
     from flexmoe.launch import spawn_ranks
 
     results = spawn_ranks(bench.world, _rank_main,
@@ -111,7 +111,7 @@ def launch_checks(bench: EPBench) -> list[SuiteCheck]:
                           warmup=min(bench.config.warmup, settings.warmup), seed=settings.seed)
             reports[settings] = run_ep_bench(replace(bench, config=cfg))
             if settings.show:
-                from flexmoe.apps.bench import format_distributed
+                from flexmoe.apps.bench.distributed import format_distributed
                 print(format_distributed(reports[settings]), flush=True)
         return reports[settings]
 

@@ -2,7 +2,7 @@
 
 For each family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS) and shape, the block is built from a
 ``transformers`` config (nothing is downloaded), its weights drawn under a seed, and copies of it are timed
-forward + backward, side by side in one run (:func:`flexmoe.apps.bench.time_side_by_side`):
+forward + backward, side by side in one run (:func:`flexmoe.apps.bench.timing.time_side_by_side`):
 
 * ``hf eager``, ``hf grouped_mm``, ``hf batched_mm``: HF's own experts implementations (``batched_mm`` copies
   one ``[2H, M]`` weight matrix per (token, choice) pair; a shape where those copies would not fit in
@@ -40,9 +40,10 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.apps.baselines import expert_floor
-from flexmoe.apps.bench import BenchConfig, time_side_by_side
-from flexmoe.apps.bench_families import _floor
-from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings
+from flexmoe.apps.bench.config import BenchConfig
+from flexmoe.apps.bench.families import floor_with_shared
+from flexmoe.apps.bench.suite import Measurement, SuiteCheck, SuiteSettings
+from flexmoe.apps.bench.timing import time_side_by_side
 from flexmoe.experts import FeedForwardExperts
 from flexmoe.layer import MoELayer
 
@@ -229,7 +230,8 @@ def bench_hf_block(family: str, shape: HFShape, *, steps: int = 5, warmup: int =
     floor_cfg = BenchConfig(tokens=shape.tokens, model_dim=shape.model_dim, hidden_dim=shape.hidden_dim,
                             experts=shape.experts, k=shape.k, seed=seed, device=device)
 
-    cases: dict[str, Callable[[], None]] = {"floor": _floor(_converted_layer(converted), plan.counts, floor_cfg)}
+    floor = floor_with_shared(_converted_layer(converted), plan.counts, floor_cfg)
+    cases: dict[str, Callable[[], None]] = {"floor": floor}
     for name, module in modules.items():
         cases[name] = partial(_step, module, forward, x, grad)
     if show:

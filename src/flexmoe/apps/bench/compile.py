@@ -2,7 +2,7 @@
 "Compiling the layer").
 
 Each timing check builds one layer, compiles it (inductor, ``fullgraph=True`` in capacity mode), and times the
-eager and the compiled forward + backward side by side, steps interleaved (:func:`flexmoe.apps.bench.
+eager and the compiled forward + backward side by side, steps interleaved (:func:`flexmoe.apps.bench.timing.
 time_side_by_side`); the value is the compiled median over the eager one. The first compiled call (tracing and
 code generation, tens of seconds on CPU) is timed apart and reported in the note. A check times the training
 job's model the same way (``flexmoe train --compile``), and a last one counts the graph breaks of dropless
@@ -21,8 +21,9 @@ import torch
 import torch._dynamo
 from torch import Tensor
 
-from flexmoe.apps.bench import BenchConfig, _fwd_bwd, _inputs, build_layer, time_side_by_side, wait_for
-from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings
+from flexmoe.apps.bench.config import BenchConfig, build_layer, fwd_bwd, make_inputs
+from flexmoe.apps.bench.suite import Measurement, SuiteCheck, SuiteSettings
+from flexmoe.apps.bench.timing import time_side_by_side, wait_for
 
 __all__ = ["compiled_vs_eager", "compiled_model_vs_eager", "dropless_graph_breaks", "compile_checks"]
 
@@ -51,10 +52,10 @@ def compiled_vs_eager(cfg: BenchConfig, show: bool = False) -> Measurement:
     """The compiled layer's forward + backward time over the eager layer's, at ``cfg`` (same layer, same input)."""
     torch._dynamo.reset()  # every layer shares forward's code object: start its recompilation budget afresh
     layer = build_layer(cfg)
-    x, grad = _inputs(cfg, cfg.seed + 1)
+    x, grad = make_inputs(cfg, cfg.seed + 1)
     compiled = torch.compile(layer, fullgraph=cfg.capacity_factor >= 0)  # adaptive capacity (< 0) still breaks
-    eager_step = _fwd_bwd(lambda: layer(x), grad, layer)
-    compiled_step = _fwd_bwd(lambda: compiled(x), grad, layer)
+    eager_step = fwd_bwd(lambda: layer(x), grad, layer)
+    compiled_step = fwd_bwd(lambda: compiled(x), grad, layer)
     eager, comp, first_call = _eager_and_compiled(eager_step, compiled_step, cfg.steps, cfg.warmup,
                                                   cfg.describe() if show else None, cfg.device)
     return Measurement(comp / eager, "x eager", {"config": cfg.describe(), "eager_s": eager, "compiled_s": comp,
@@ -98,7 +99,7 @@ def dropless_graph_breaks(cfg: BenchConfig) -> Measurement:
     """torch._dynamo.explain's graph breaks of one dropless forward at ``cfg`` (shapes do not change them)."""
     torch._dynamo.reset()
     layer = build_layer(replace(cfg, capacity_factor=0.0))
-    x, _ = _inputs(cfg, cfg.seed + 1)
+    x, _ = make_inputs(cfg, cfg.seed + 1)
     explained = torch._dynamo.explain(layer)(x)
     return Measurement(float(explained.graph_break_count), "breaks", {"graphs": explained.graph_count},
                        f"{explained.graph_count} graphs")

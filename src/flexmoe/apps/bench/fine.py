@@ -7,7 +7,7 @@
 * ``decode``: serving one call at a time, no grad, E=64 k=8 H=256 M=512, T = 1, 8, 64 tokens per call: the
   whole layer (router, plan, dispatch, experts, combine, Python) over the floor's latency on the routed rows.
 
-Both floors and flexmoe take turns call by call (:func:`flexmoe.apps.bench.time_side_by_side`).
+Both floors and flexmoe take turns call by call (:func:`flexmoe.apps.bench.timing.time_side_by_side`).
 """
 
 from __future__ import annotations
@@ -21,15 +21,10 @@ from typing import Any
 import torch
 
 from flexmoe.apps.baselines import expert_floor, grouped_floor, grouped_floor_kind
-from flexmoe.apps.bench import (
-    BenchConfig,
-    build_layer,
-    floor_ratio_check,
-    memory_check,
-    random_rows,
-    time_side_by_side,
-)
-from flexmoe.apps.bench_suite import Measurement, SuiteCheck, SuiteSettings
+from flexmoe.apps.bench.config import BenchConfig, build_layer, random_rows
+from flexmoe.apps.bench.layer import floor_ratio_check, memory_check
+from flexmoe.apps.bench.suite import Measurement, SuiteCheck, SuiteSettings
+from flexmoe.apps.bench.timing import time_side_by_side
 from flexmoe.experts import FeedForwardExperts
 
 __all__ = ["fine_grained_checks", "decode_checks", "measure_decode", "DECODE_CONFIG"]

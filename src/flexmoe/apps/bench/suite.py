@@ -88,13 +88,13 @@ class SuiteCheck:
 
 # Group name -> "module:function" returning that group's checks, in the order the suite runs them.
 SUITE_GROUPS: dict[str, str] = {
-    "layer": "flexmoe.apps.bench:layer_checks",
-    "fine-grained": "flexmoe.apps.bench_fine:fine_grained_checks",
-    "decode": "flexmoe.apps.bench_fine:decode_checks",
-    "compile": "flexmoe.apps.bench_compile:compile_checks",
-    "hf": "flexmoe.apps.bench_hf:hf_checks",
-    "decode-hf": "flexmoe.apps.bench_hf:decode_checks",
-    "expert-parallel": "flexmoe.apps.bench_ep:ep_checks",
+    "layer": "flexmoe.apps.bench.layer:layer_checks",
+    "fine-grained": "flexmoe.apps.bench.fine:fine_grained_checks",
+    "decode": "flexmoe.apps.bench.fine:decode_checks",
+    "compile": "flexmoe.apps.bench.compile:compile_checks",
+    "hf": "flexmoe.apps.bench.hf:hf_checks",
+    "decode-hf": "flexmoe.apps.bench.hf:decode_checks",
+    "expert-parallel": "flexmoe.apps.bench.ep:ep_checks",
 }
 
 
@@ -165,7 +165,7 @@ def process_units(checks: Sequence[SuiteCheck]) -> list[list[int]]:
 def run_suite_isolated(groups: Sequence[str] | None, settings: SuiteSettings, threads: int,
                        only: Sequence[int] | None = None, timeout: float = 7200.0) -> list[dict[str, Any]]:
     """:func:`run_suite_checks` over :func:`suite_checks` ``(groups)``, each :func:`process_units` unit in a
-    fresh ``python -m flexmoe.apps.bench_suite`` process of ``threads`` threads (module docstring), which
+    fresh ``python -m flexmoe.apps.bench.suite`` process of ``threads`` threads (module docstring), which
     prints its progress and writes its results as JSON. ``only``: these indices of the checks (tests). A
     process that dies or outlives ``timeout`` seconds fails its checks with the reason."""
     names = list(SUITE_GROUPS) if groups is None else list(groups)
@@ -181,7 +181,7 @@ def run_suite_isolated(groups: Sequence[str] | None, settings: SuiteSettings, th
             request = {"groups": names, "indices": unit, "settings": asdict(settings), "threads": threads,
                        "total": len(checks), "out": str(out)}
             try:
-                proc = subprocess.run([sys.executable, "-m", "flexmoe.apps.bench_suite", json.dumps(request)],
+                proc = subprocess.run([sys.executable, "-m", "flexmoe.apps.bench.suite", json.dumps(request)],
                                       timeout=timeout)
                 reason = f"error: the check's process exited with code {proc.returncode}"
             except subprocess.TimeoutExpired:
