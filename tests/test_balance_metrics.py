@@ -87,12 +87,12 @@ def test_model_hook_gives_flat_keys_per_layer():
 
 @pytest.mark.usefixtures("one_thread")
 def test_training_job_logs_balance_and_plots_it(tmp_path: Path):
-    from flexmoe.apps import train
+    from flexmoe.apps import train_command
     from flexmoe.apps.plots import balance_curves
     from test_train import TINY_FLAGS, _run
 
     out = tmp_path / "run"
-    assert _run(train, ["--out", str(out), "--steps", "4", "--log-every", "2", "--eval-every", "4",
+    assert _run(train_command, ["--out", str(out), "--steps", "4", "--log-every", "2", "--eval-every", "4",
                         "--ckpt-every", "4", "--eval-batches", "1", *TINY_FLAGS]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4]
