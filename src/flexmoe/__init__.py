@@ -22,6 +22,7 @@ from flexmoe.routing import (
     route,
     router_z_loss,
 )
+from flexmoe.upcycle import upcycle
 
 __version__ = "0.1.0"
 
@@ -42,4 +43,5 @@ __all__ = [
     "CosineRouter",
     "load_balancing_loss",
     "router_z_loss",
+    "upcycle",
 ]

@@ -1,0 +1,160 @@
+"""flexmoe.upcycle: a dense model's MLPs become MoE layers whose initial logits are the dense model's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import flexmoe
+from flexmoe.apps.models import GPT, GPTConfig
+from flexmoe.layer import MoELayer
+
+# (k, granularity) with E = 8: every combination of k in {1, 2, 8} and g in {1, 2, 4} where g divides k.
+VALID = [(1, 1), (2, 1), (2, 2), (8, 1), (8, 2), (8, 4)]
+FLOAT32_ROUNDING = dict(rtol=1e-5, atol=1e-6)
+
+
+def _dense_gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(dense=True, n_layer=2, n_embd=32, n_head=2, k=2, expert_hidden=32, block_size=16))
+    with torch.no_grad():  # non-zero biases, so that the split of b2 over the slices is tested too
+        for block in model.blocks:
+            block.mlp.fc.bias.normal_(0.0, 0.5)
+            block.mlp.proj.bias.normal_(0.0, 0.5)
+    return model
+
+
+def _tokens(vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("k,granularity", VALID)
+def test_gpt_upcycled_logits_equal_dense(k: int, granularity: int) -> None:
+    dense = _dense_gpt()
+    idx = _tokens(256)
+    expected, _ = dense(idx)
+    moe = flexmoe.upcycle(copy.deepcopy(dense), num_experts=8, k=k, granularity=granularity)
+    assert isinstance(moe, GPT) and all(isinstance(b.mlp, MoELayer) for b in moe.blocks)
+    assert (moe.cfg.dense, moe.cfg.num_experts, moe.cfg.k, moe.cfg.expert_hidden) == (False, 8, k, 64 // granularity)
+    for mode in (moe.train, moe.eval):  # the training forward too: nothing in it breaks the ties
+        mode()
+        got, _ = moe(idx)
+        torch.testing.assert_close(got, expected, **FLOAT32_ROUNDING)
+    # The config describes the upcycled model: a GPT built from it takes its state dict.
+    GPT(moe.cfg).load_state_dict(moe.state_dict())
+
+
+def _hf_dense(family: str) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return model_cls(config).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("k,granularity", VALID)
+def test_hf_upcycled_logits_equal_dense(family: str, k: int, granularity: int) -> None:
+    from flexmoe.hf import ConvertedMoeBlock
+
+    dense = _hf_dense(family)
+    idx = _tokens(64)
+    expected = dense(idx).logits
+    moe = flexmoe.upcycle(copy.deepcopy(dense), num_experts=8, k=k, granularity=granularity)
+    blocks = [layer.mlp for layer in moe.model.layers]
+    assert all(isinstance(b, ConvertedMoeBlock) for b in blocks)
+    assert blocks[0].family == ("mixtral" if family == "llama" else "qwen3_moe")
+    torch.testing.assert_close(moe(idx).logits, expected, **FLOAT32_ROUNDING)
+
+
+def test_hf_upcycled_unnormalized_softmax_weights() -> None:
+    """Qwen's norm_topk_prob=False: each chosen expert weighs 1/E, so the experts carry sigma = g * E / k."""
+    dense = _hf_dense("qwen3")
+    idx = _tokens(64)
+    moe = flexmoe.upcycle(copy.deepcopy(dense), num_experts=8, k=2, granularity=2, normalize_weights=False)
+    assert moe.model.layers[0].mlp.moe.normalize_weights is False
+    torch.testing.assert_close(moe(idx).logits, dense(idx).logits, **FLOAT32_ROUNDING)
+
+
+def _router_grads(model: GPT) -> list[torch.Tensor | None]:
+    return [layer.router.weight.grad for layer in model.moe_layers]
+
+
+def test_gpt_router_learns_from_the_task_loss() -> None:
+    """g = 2: the chosen experts hold different slices, so the task loss alone moves the zero router."""
+    moe = flexmoe.upcycle(_dense_gpt(), num_experts=8, k=2, granularity=2)
+    idx = _tokens(256)
+    _, loss = moe(idx, idx.roll(-1, dims=1))
+    loss.backward()
+    for grad in _router_grads(moe):
+        assert grad is not None and grad.abs().max() > 1e-6
+
+
+def test_gpt_router_learns_from_the_balance_loss_and_routing_spreads() -> None:
+    """g = 1: the k chosen copies are equal, so the task loss leaves the router still; the balance loss moves it,
+    and after one optimizer step tokens no longer all pick experts 0..k-1."""
+    moe = flexmoe.upcycle(_dense_gpt(), num_experts=8, k=2, granularity=1)
+    idx = _tokens(256)
+    moe(idx)
+    assert all(layer.last_plan.load.tolist() == [32, 32, 0, 0, 0, 0, 0, 0] for layer in moe.moe_layers)
+    moe.aux_loss().backward()
+    grads = _router_grads(moe)
+    assert all(g is not None and g.abs().max() > 1e-6 for g in grads)
+    with torch.no_grad():
+        for layer, grad in zip(moe.moe_layers, grads, strict=True):
+            layer.router.weight -= 1.0 * grad
+    moe(idx)
+    assert any(layer.last_plan.load[2:].sum() > 0 for layer in moe.moe_layers)
+
+
+def test_hf_router_gets_gradient() -> None:
+    moe = flexmoe.upcycle(_hf_dense("llama"), num_experts=4, k=2, granularity=2)
+    idx = _tokens(64)
+    moe(idx, labels=idx).loss.backward()
+    grad = moe.model.layers[0].mlp.moe.router.hf_router.weight.grad
+    assert grad is not None and grad.abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_experts=8, k=1, granularity=2), "k=1 must be a multiple of granularity=2"),
+    (dict(num_experts=6, k=4, granularity=4), "num_experts=6 must be a multiple of granularity=4"),
+    (dict(num_experts=4, k=8, granularity=1), "k must be in"),
+    (dict(num_experts=8, k=3, granularity=3), "must be a multiple of granularity=3|must divide the MLP's hidden"),
+    (dict(num_experts=8, k=2, granularity=1, capacity_factor=1.25), "capacity_factor=1.25 would drop tokens"),
+    (dict(num_experts=8, k=2, granularity=1, router="cosine"), "router='topk'"),
+    (dict(num_experts=8, k=2, granularity=1, num_experts_per_layer=3), "unknown GPTConfig fields"),
+    (dict(num_experts=8, k=2, granularity=1, moe_every=2), "sets \\['moe_every'\\] itself"),
+    (dict(num_experts=0, k=1, granularity=1), "num_experts"),
+])
+def test_bad_gpt_arguments_are_value_errors(kwargs: dict, match: str) -> None:
+    dense = _dense_gpt()
+    before = {k: v.clone() for k, v in dense.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        flexmoe.upcycle(dense, **kwargs)
+    assert all(isinstance(b.mlp, flexmoe.apps.models.moe_model.DenseMLP) for b in dense.blocks)
+    assert all(torch.equal(before[k], v) for k, v in dense.state_dict().items())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(ties="topk"), "ties='lower'"),
+    (dict(gate_noise=0.1), "gate_noise=0.0"),
+    (dict(capacity=4), "capacity=None"),
+    (dict(normalize_weights=False), "normalize_weights=False has no Mixtral block"),
+    (dict(route_scale=2.0), "fixed by the HF block's family"),
+])
+def test_bad_hf_arguments_are_value_errors(kwargs: dict, match: str) -> None:
+    dense = _hf_dense("llama")
+    with pytest.raises(ValueError, match=match):
+        flexmoe.upcycle(dense, num_experts=4, k=2, granularity=1, **kwargs)
+    assert type(dense.model.layers[0].mlp).__name__ == "LlamaMLP"
+
+
+def test_unknown_models_are_refused() -> None:
+    with pytest.raises(ValueError, match="upcycle\\(\\) takes a flexmoe application model"):
+        flexmoe.upcycle(torch.nn.Linear(4, 4), num_experts=4, k=1)
+    with pytest.raises(TypeError, match="granularity must be an int"):
+        flexmoe.upcycle(_dense_gpt(), num_experts=4, k=2, granularity=2.0)
