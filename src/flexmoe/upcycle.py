@@ -186,7 +186,8 @@ def _upcycle_app_model(model: MoEModel, num_experts: int, k: int, granularity: i
         with torch.no_grad():
             for part, value in slice_experts(dense, num_experts, granularity, scale).items():
                 getattr(layer.experts, part).copy_(value)
-            nn.init.zeros_(layer.router.weight)
+            router: Any = layer.router  # the linear top-k router (check_upcycle_routing)
+            router.weight.zero_()
         parent_name, _, child = name.rpartition(".")
         parent: Any = model.get_submodule(parent_name)
         setattr(parent, child, layer)
