@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
+import re
 
 import pytest
 import torch
@@ -158,3 +161,59 @@ def test_unknown_models_are_refused() -> None:
         flexmoe.upcycle(torch.nn.Linear(4, 4), num_experts=4, k=1)
     with pytest.raises(TypeError, match="granularity must be an int"):
         flexmoe.upcycle(_dense_gpt(), num_experts=4, k=2, granularity=2.0)
+
+
+def _train(argv: list[str]) -> int:
+    from flexmoe.apps import train
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    return train.run(parser.parse_args(argv))
+
+
+def _first_train_loss(run_dir) -> float:
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["train_loss"]
+
+
+TINY_DENSE = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--k", "2",
+              "--expert-hidden", "32", "--batch-size", "4", "--no-progress", "--no-plots", "--eval-batches", "1"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_train_upcycle_from_continues_the_dense_run(tmp_path) -> None:
+    """--upcycle-from RUN --compare-dense: the upcycled model and the continued dense model start from the dense
+    run's weights, so their first step's loss (same batch, before any update) agrees to float32 rounding."""
+    dense_run, out = tmp_path / "dense", tmp_path / "up"
+    assert _train(["--dense", "--out", str(dense_run), "--steps", "3", *TINY_DENSE]) == 0
+    assert _train(["--upcycle-from", str(dense_run), "--num-experts", "4", "--k", "2", "--granularity", "2",
+                   "--compare-dense", "--seed", "5", "--out", str(out), "--steps", "2", "--log-every", "1",
+                   "--eval-batches", "1", "--batch-size", "4", "--no-progress", "--no-plots"]) == 0
+    moe_loss, dense_loss = _first_train_loss(out), _first_train_loss(out / "dense")
+    assert abs(moe_loss - dense_loss) < 1e-5
+    # Not the dense run's first step: the weights came from its checkpoint, not from the seed.
+    assert abs(dense_loss - _first_train_loss(dense_run)) > 1e-3
+    model = json.loads((out / "config.json").read_text())["model"]
+    assert (model["dense"], model["moe_every"], model["num_experts"], model["expert_hidden"]) == (False, 1, 4, 32)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_train_upcycle_from_refuses_bad_runs_and_flags(tmp_path, capsys) -> None:
+    from flexmoe.apps import cli
+
+    dense_run = tmp_path / "dense"
+    assert _train(["--dense", "--out", str(dense_run), "--steps", "1", *TINY_DENSE]) == 0
+    moe_run = tmp_path / "moe"
+    moe_run.mkdir()
+    (moe_run / "config.json").write_text(json.dumps({"model": {"dense": False}}))
+    base = ["train", "--out", str(tmp_path / "up"), "--steps", "1"]
+    cases = [
+        (["--upcycle-from", str(moe_run)], "not a dense GPT run"),
+        (["--upcycle-from", str(tmp_path / "none")], "no .*config.json"),
+        (["--upcycle-from", str(dense_run), "--k", "3", "--granularity", "2"], "k=3 must be a multiple"),
+        (["--upcycle-from", str(dense_run), "--n-layer", "3"], "leave out the model flags \\['--n-layer'\\]"),
+        (["--upcycle-from", str(dense_run), "--dense"], "--dense excludes it"),
+        (["--granularity", "2"], "--granularity slices the dense MLPs of --upcycle-from"),
+    ]
+    for flags, match in cases:
+        assert cli.main([*base, *flags]) == 2
+        assert re.search(match, capsys.readouterr().err), flags
