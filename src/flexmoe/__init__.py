@@ -22,6 +22,7 @@ from flexmoe.routing import (
     route,
     router_z_loss,
 )
+from flexmoe.routing.global_balance import reset_global_balance
 from flexmoe.upcycle import upcycle
 
 __version__ = "0.1.0"
@@ -44,4 +45,5 @@ __all__ = [
     "load_balancing_loss",
     "router_z_loss",
     "upcycle",
+    "reset_global_balance",
 ]
