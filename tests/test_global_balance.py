@@ -3,6 +3,9 @@ against a float64 reference written here (one process over every rank's tokens).
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 import torch
 
@@ -92,3 +95,21 @@ def test_two_ranks_equal_one_process_over_every_rank_s_tokens(expert_parallel: b
             assert rank.value["losses"][step] == pytest.approx(want, rel=1e-6), f"rank {rank.rank} step {step}"
             got_grad = torch.tensor(rank.value["grads"][step], dtype=torch.float64)
             torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_training_job_runs_with_the_global_loss(tmp_path) -> None:
+    """`flexmoe train --aux-loss-type global --micro-batches 2` builds its layers with the global loss and logs it
+    (a fresh router's balance loss is near 1 per layer)."""
+    from flexmoe.apps import train
+
+    out = tmp_path / "run"
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    argv = ["--out", str(out), "--steps", "3", "--log-every", "1", "--eval-every", "3", "--eval-batches", "1",
+            "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--num-experts", "4",
+            "--expert-hidden", "32", "--batch-size", "8", "--micro-batches", "2", "--aux-loss-type", "global",
+            "--no-progress", "--no-plots"]
+    assert train.run(parser.parse_args(argv)) == 0
+    assert json.loads((out / "config.json").read_text())["model"]["aux_loss_type"] == "global"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(0.9 < r["balance_loss"] < 2.0 for r in records)  # one MoE layer

@@ -67,6 +67,8 @@ from flexmoe.launch import relaunch, under_torchrun
 from flexmoe.layer import update_expert_biases
 from flexmoe.parallel.ddp import wrap_ddp
 from flexmoe.parallel.groups import default_ranks_per_node
+from flexmoe.routing.global_balance import reset_global_balance
+from flexmoe.routing.losses import AUX_LOSS_TYPES
 
 __all__ = ["TrainConfig", "add_arguments", "run", "train", "build_model"]
 
@@ -129,6 +131,7 @@ _MODEL_FLAGS: FlagTable = {  # GPTConfig's
     **MOE_MODEL_FLAGS,
     "--a2a": ("a2a", Choice(("flat", "2dh"))),
     "--cross-node-share": ("cross_node_share", SHARE),
+    "--aux-loss-type": ("aux_loss_type", Choice(AUX_LOSS_TYPES)),
 }
 _ACTIONS: list[argparse.Action] = []
 
@@ -749,6 +752,7 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
             else:
                 sharded_job.clip_sharded_gradients(model, tcfg.grad_clip)
             update_expert_biases(model)  # balance="bias": once per optimizer step, from all micro-batches' load
+            reset_global_balance(model)  # aux_loss_type="global": the next step counts its own choices
             optimizer.step()
             if state_bytes is None:
                 state_bytes = sharded_job.state_bytes_per_rank(model, optimizer)

@@ -77,6 +77,7 @@ def build_moe_mlp(cfg: Any) -> MoELayer:
     kwargs: dict[str, Any] = dict(
         k=cfg.k, capacity_factor=cfg.capacity_factor, router=cfg.router, activation="gelu",
         a2a=getattr(cfg, "a2a", "flat"), cross_node_share=getattr(cfg, "cross_node_share", None),
+        aux_loss_type=getattr(cfg, "aux_loss_type", "switch"),
     )
     # Expert parallelism: the layer keeps only this rank's experts (see flexmoe.parallel.layout). Without a
     # group, one process holds every expert even under torch.distributed (MoELayer's own default is the world).
