@@ -29,7 +29,7 @@ def reference_step(weight: torch.Tensor, micro_batches: list[torch.Tensor]) -> t
         chosen = probs.topk(K, dim=-1).indices  # no ties in random float64 scores
         counts = counts + torch.bincount(chosen.reshape(-1), minlength=NUM_EXPERTS).double()
         loss = NUM_EXPERTS * ((counts / counts.sum()) * probs.mean(dim=0)).sum()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         total = total + loss / len(micro_batches)
     total.backward()
     assert w.grad is not None

@@ -62,24 +62,43 @@ def _hf_dense(family: str) -> torch.nn.Module:
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("k,granularity", VALID)
 def test_hf_upcycled_logits_equal_dense(family: str, k: int, granularity: int) -> None:
-    from flexmoe.hf import ConvertedMoeBlock
-
     dense = _hf_dense(family)
     idx = _tokens(64)
     expected = dense(idx).logits
     moe = flexmoe.upcycle(copy.deepcopy(dense), num_experts=8, k=k, granularity=granularity)
-    blocks = [layer.mlp for layer in moe.model.layers]
-    assert all(isinstance(b, ConvertedMoeBlock) for b in blocks)
-    assert blocks[0].family == ("mixtral" if family == "llama" else "qwen3_moe")
+    layers = [layer.mlp for layer in moe.model.layers]
+    assert all(isinstance(m, MoELayer) and m.k == k and m.hidden_dim == 64 // granularity for m in layers)
     torch.testing.assert_close(moe(idx).logits, expected, **FLOAT32_ROUNDING)
 
 
-def test_hf_upcycled_unnormalized_softmax_weights() -> None:
-    """Qwen's norm_topk_prob=False: each chosen expert weighs 1/E, so the experts carry sigma = g * E / k."""
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("k,granularity", [(1, 1), (2, 2), (8, 4)])
+def test_hf_upcycled_into_the_twin_family_equals_dense(family: str, k: int, granularity: int) -> None:
+    from flexmoe.hf import ConvertedMoeBlock, upcycle_into_twin
+
+    dense = _hf_dense(family)
+    idx = _tokens(64)
+    expected = dense(idx).logits
+    moe = upcycle_into_twin(copy.deepcopy(dense), num_experts=8, k=k, granularity=granularity)
+    blocks = [layer.mlp for layer in moe.model.layers]
+    assert all(isinstance(b, ConvertedMoeBlock) for b in blocks)
+    assert blocks[0].family == ("mixtral" if family == "llama" else "qwen3_moe")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in moe.state_dict()  # HF's twin's names
+    torch.testing.assert_close(moe(idx).logits, expected, **FLOAT32_ROUNDING)
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["moe-layer", "qwen3-moe"])
+def test_hf_upcycled_unnormalized_softmax_weights(twin: bool) -> None:
+    """Unnormalised weights (Qwen's norm_topk_prob=False): each chosen expert weighs 1/E, so the experts carry
+    sigma = g * E / k."""
+    from flexmoe.hf import upcycle_into_twin
+
     dense = _hf_dense("qwen3")
     idx = _tokens(64)
-    moe = flexmoe.upcycle(copy.deepcopy(dense), num_experts=8, k=2, granularity=2, normalize_weights=False)
-    assert moe.model.layers[0].mlp.moe.normalize_weights is False
+    upcycle_fn = upcycle_into_twin if twin else flexmoe.upcycle
+    moe = upcycle_fn(copy.deepcopy(dense), num_experts=8, k=2, granularity=2, normalize_weights=False)
+    layer = moe.model.layers[0].mlp
+    assert (layer.moe if twin else layer).normalize_weights is False
     torch.testing.assert_close(moe(idx).logits, dense(idx).logits, **FLOAT32_ROUNDING)
 
 
@@ -114,11 +133,16 @@ def test_gpt_router_learns_from_the_balance_loss_and_routing_spreads() -> None:
     assert any(layer.last_plan.load[2:].sum() > 0 for layer in moe.moe_layers)
 
 
-def test_hf_router_gets_gradient() -> None:
-    moe = flexmoe.upcycle(_hf_dense("llama"), num_experts=4, k=2, granularity=2)
+@pytest.mark.parametrize("twin", [False, True], ids=["moe-layer", "mixtral"])
+def test_hf_router_gets_gradient(twin: bool) -> None:
+    from flexmoe.hf import upcycle_into_twin
+
+    upcycle_fn = upcycle_into_twin if twin else flexmoe.upcycle
+    moe = upcycle_fn(_hf_dense("llama"), num_experts=4, k=2, granularity=2)
     idx = _tokens(64)
     moe(idx, labels=idx).loss.backward()
-    grad = moe.model.layers[0].mlp.moe.router.hf_router.weight.grad
+    mlp = moe.model.layers[0].mlp
+    grad = mlp.moe.router.hf_router.weight.grad if twin else mlp.router.weight.grad
     assert grad is not None and grad.abs().max() > 1e-6
 
 
@@ -142,22 +166,40 @@ def test_bad_gpt_arguments_are_value_errors(kwargs: dict, match: str) -> None:
     assert all(torch.equal(before[k], v) for k, v in dense.state_dict().items())
 
 
+@pytest.mark.parametrize("twin", [False, True], ids=["moe-layer", "mixtral"])
 @pytest.mark.parametrize("kwargs,match", [
     (dict(ties="topk"), "ties='lower'"),
     (dict(gate_noise=0.1), "gate_noise=0.0"),
     (dict(capacity=4), "capacity=None"),
-    (dict(normalize_weights=False), "normalize_weights=False has no Mixtral block"),
-    (dict(route_scale=2.0), "fixed by the HF block's family"),
+    (dict(capacity_factor=1.0), "capacity_factor=1.0 would drop tokens"),
+    (dict(granularity=3), "granularity=3 must divide|must be a multiple of granularity=3"),
 ])
-def test_bad_hf_arguments_are_value_errors(kwargs: dict, match: str) -> None:
+def test_bad_hf_arguments_are_value_errors(twin: bool, kwargs: dict, match: str) -> None:
+    from flexmoe.hf import upcycle_into_twin
+
+    dense = _hf_dense("llama")
+    upcycle_fn = upcycle_into_twin if twin else flexmoe.upcycle
+    with pytest.raises(ValueError, match=match):
+        upcycle_fn(dense, **{"num_experts": 4, "k": 2, "granularity": 1, **kwargs})
+    assert all(type(layer.mlp).__name__ == "LlamaMLP" for layer in dense.model.layers)
+
+
+@pytest.mark.parametrize("upcycle_fn,kwargs,match", [
+    ("twin", dict(normalize_weights=False), "normalize_weights=False has no Mixtral block"),
+    ("twin", dict(route_scale=2.0), "fixed by the HF block's family"),
+    ("layer", dict(activation="relu"), "takes \\['activation'\\] from the dense MLP"),
+])
+def test_bad_hf_options_of_each_form(upcycle_fn: str, kwargs: dict, match: str) -> None:
+    from flexmoe.hf import upcycle_into_twin
+
     dense = _hf_dense("llama")
     with pytest.raises(ValueError, match=match):
-        flexmoe.upcycle(dense, num_experts=4, k=2, granularity=1, **kwargs)
+        (upcycle_into_twin if upcycle_fn == "twin" else flexmoe.upcycle)(dense, num_experts=4, k=2, **kwargs)
     assert type(dense.model.layers[0].mlp).__name__ == "LlamaMLP"
 
 
 def test_unknown_models_are_refused() -> None:
-    with pytest.raises(ValueError, match="upcycle\\(\\) takes a flexmoe application model"):
+    with pytest.raises(ValueError, match="has no dense MLP upcycle\\(\\) knows"):
         flexmoe.upcycle(torch.nn.Linear(4, 4), num_experts=4, k=1)
     with pytest.raises(TypeError, match="granularity must be an int"):
         flexmoe.upcycle(_dense_gpt(), num_experts=4, k=2, granularity=2.0)

@@ -28,26 +28,25 @@ The router still learns: its weights are zero, not its gradient. With normalised
 expert j moves with ``w_j (dL/dw_j - sum_i w_i dL/dw_i)``, non-zero as soon as the chosen slices differ (g > 1);
 the balance loss ``E * sum_e f_e P_e`` pushes the k over-used experts' logits down in every case (g = 1 too).
 
-:func:`upcycle` handles the application models (:class:`flexmoe.apps.models.gpt.GPT`, the ViT: their
-``DenseMLP`` blocks become :class:`~flexmoe.MoELayer`) and Hugging Face dense models
-(:mod:`flexmoe.hf.upcycle`: Llama/Mistral MLPs into Mixtral's block, Qwen2/Qwen3 MLPs into Qwen3-MoE's, then
-:func:`flexmoe.hf.convert`).
+:func:`upcycle` replaces gate/up/down MLPs (Hugging Face's Llama, Mistral, Qwen2, Qwen3, ...) by gated
+:class:`~flexmoe.MoELayer` s, and lets a model that knows its own MLPs do it (``upcycle_mlps``: the application
+models, :mod:`flexmoe.apps.models.moe_model`); :func:`flexmoe.hf.upcycle_into_twin` gives a Hugging Face model its
+MoE twin's blocks instead (Mixtral / Qwen3-MoE, converted).
 """
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from flexmoe.layer import MoELayer
+from flexmoe.parallel.layout import shard_expert_state
 from flexmoe.validation import check_int
 
-if TYPE_CHECKING:
-    from flexmoe.apps.models.moe_model import MoEModel
-
-__all__ = ["upcycle", "check_upcycle_shape", "check_upcycle_routing", "expert_scale", "slice_experts"]
+__all__ = ["upcycle", "is_gated_mlp", "upcycled_gated_mlp", "check_upcycle_shape", "check_upcycle_routing",
+           "expert_scale", "slice_experts"]
 
 
 def upcycle(model: nn.Module, *, num_experts: int, k: int, granularity: int = 1, **options: Any) -> nn.Module:
@@ -58,11 +57,13 @@ def upcycle(model: nn.Module, *, num_experts: int, k: int, granularity: int = 1,
     granularity: g, each expert is 1/g of the MLP's hidden units (Megatron's granular upcycling), E/g copies of
     each slice. The router's weights start at zero (the module docstring has the math).
 
-    model: an application model (``flexmoe.apps.models``: the GPT or ViT, dense or with dense blocks): options are
-        fields of its config (``capacity_factor`` default 0, ``aux_loss_coef``, ...), ``model.cfg`` describes
-        the result (every block MoE, ``moe_every=1``); or a Hugging Face model with Llama/Mistral/Qwen2/Qwen3
-        MLPs (:func:`flexmoe.hf.upcycle.upcycle_hf`): options are MoELayer keywords, ``group`` the
-        expert-parallel group, as for :func:`flexmoe.hf.convert`.
+    Which MLPs: a model with a method ``upcycle_mlps(num_experts=, k=, granularity=, **options)`` upcycles its own
+    (the application models' GPT and ViT: options are fields of their config, ``model.cfg`` describes the
+    result); any other model has each gate/up/down MLP (``gate_proj``, ``up_proj``, ``down_proj`` linears and
+    ``act_fn``: Hugging Face's Llama, Mistral, Qwen2, Qwen3, ...) replaced by a gated :class:`~flexmoe.MoELayer`;
+    options are MoELayer keywords (``capacity_factor`` default 0: dropless; ``group`` as for any MoELayer). For a
+    Hugging Face model in its MoE twin's own form (Mixtral / Qwen3-MoE blocks, HF's state-dict names) see
+    :func:`flexmoe.hf.upcycle_into_twin`.
 
     Raises ``ValueError`` for sizes or options under which the output cannot equal the dense model's, and for a
     model with no dense MLP this function knows.
@@ -70,17 +71,72 @@ def upcycle(model: nn.Module, *, num_experts: int, k: int, granularity: int = 1,
     num_experts = check_int("num_experts", num_experts, 1)
     k = check_int("k", k, 1)
     granularity = check_int("granularity", granularity, 1)
-    transformers = sys.modules.get("transformers")  # an HF model exists only if transformers was imported
-    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
-        from flexmoe.hf.upcycle import upcycle_hf
+    own = getattr(model, "upcycle_mlps", None)
+    if callable(own):
+        result: nn.Module = own(num_experts=num_experts, k=k, granularity=granularity, **options)
+        return result
+    mlps = [(name, m) for name, m in model.named_modules() if is_gated_mlp(m)]
+    if not mlps:
+        raise ValueError(f"{type(model).__name__} has no dense MLP upcycle() knows (a gate_proj / up_proj / "
+                         f"down_proj MLP, or a model with upcycle_mlps())")
+    given = sorted(set(options) & _MLP_DECIDES)
+    if given:
+        raise ValueError(f"upcycle() takes {given} from the dense MLP; leave them out")
+    options = {"capacity_factor": 0.0, **options}
+    check_upcycle_routing(options, num_experts, k)
+    # Every layer built before any is swapped in: a refusal leaves the model as it was.
+    layers = [(name, upcycled_gated_mlp(mlp, num_experts, k, granularity, options)) for name, mlp in mlps]
+    for name, layer in layers:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    return model
 
-        return upcycle_hf(model, num_experts=num_experts, k=k, granularity=granularity, **options)
-    from flexmoe.apps.models.moe_model import MoEModel
 
-    if isinstance(model, MoEModel):
-        return _upcycle_app_model(model, num_experts, k, granularity, options)
-    raise ValueError(f"upcycle() takes a flexmoe application model (GPT, ViT) or a Hugging Face model with "
-                     f"Llama/Mistral/Qwen2/Qwen3 MLPs, got {type(model).__name__}")
+def is_gated_mlp(module: nn.Module) -> bool:
+    """Whether ``module`` is a gate/up/down MLP, ``down(act_fn(gate(x)) * up(x))`` (Llama-style)."""
+    return callable(getattr(module, "act_fn", None)) and all(
+        isinstance(getattr(module, proj, None), nn.Linear) for proj in ("gate_proj", "up_proj", "down_proj"))
+
+
+# What the dense MLP decides (the experts' unit and shape); upcycle() refuses them as options.
+_MLP_DECIDES = frozenset({"glu", "bias", "activation", "glu_limit", "shared_experts", "shared_hidden_dim",
+                          "shared_gate", "experts", "device", "dtype"})
+# Activations the experts have by name (the fused paths take these), by Hugging Face's config name.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu": "gelu"}
+
+
+def upcycled_gated_mlp(mlp: Any, num_experts: int, k: int, granularity: int, options: dict[str, Any]) -> MoELayer:
+    """The gated :class:`~flexmoe.MoELayer` (glu, the MLP's activation and biases, its dtype and device) of E
+    slices of gate/up/down MLP ``mlp``, router at zero; under expert parallelism (``options["group"]``) holding
+    this rank's experts only."""
+    hidden = mlp.gate_proj.out_features
+    check_upcycle_shape(num_experts, k, granularity, hidden)
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    with_bias = [p.bias is not None for p in projections]
+    if any(with_bias) != all(with_bias):
+        raise ValueError(f"{type(mlp).__name__}: gate_proj, up_proj and down_proj must all have biases or none")
+    hidden_act = getattr(getattr(mlp, "config", None), "hidden_act", None)
+    activation = _ACTIVATIONS.get(hidden_act, mlp.act_fn) if isinstance(hidden_act, str) else mlp.act_fn
+    weight = mlp.gate_proj.weight
+    layer = MoELayer(weight.shape[1], num_experts, hidden // granularity, k=k, glu=True, bias=all(with_bias),
+                     activation=activation, device=weight.device, dtype=weight.dtype, **options)
+    routing = layer.routing_options
+    scale = expert_scale(num_experts, k, granularity, normalize_weights=routing.normalize_weights,
+                         score_func=routing.score_func, route_scale=routing.route_scale)
+    dense = {"w1": mlp.gate_proj.weight.T, "w3": mlp.up_proj.weight.T, "w2": mlp.down_proj.weight.T}
+    if all(with_bias):
+        dense.update(b1=mlp.gate_proj.bias, b3=mlp.up_proj.bias, b2=mlp.down_proj.bias)
+    experts = slice_experts(dense, num_experts, granularity, scale)
+    if layer.ep_group.distributed:
+        experts = shard_expert_state(experts, layer.layout, layer.ep_group.rank)
+    router: Any = layer.router  # the linear top-k router (check_upcycle_routing)
+    with torch.no_grad():
+        for name, value in experts.items():
+            getattr(layer.experts, name).copy_(value)
+        router.weight.zero_()
+        if router.bias is not None:
+            router.bias.zero_()
+    return layer
 
 
 def check_upcycle_shape(num_experts: int, k: int, granularity: int, hidden_dim: int) -> None:
@@ -150,48 +206,3 @@ def slice_experts(dense: dict[str, Tensor], num_experts: int, granularity: int, 
         parts = tensor.chunk(granularity, dim=along)
         slices[name] = [part * scale for part in parts] if name == "w2" else list(parts)
     return {name: torch.stack([parts[e % granularity] for e in range(num_experts)]) for name, parts in slices.items()}
-
-
-# The app models' config fields upcycle sets itself; the others may be given as options.
-_STRUCTURE = frozenset({"dense", "moe_every", "num_experts", "k", "expert_hidden", "n_embd", "n_head", "n_layer",
-                        "group"})
-
-
-def _upcycle_app_model(model: MoEModel, num_experts: int, k: int, granularity: int,
-                       options: dict[str, Any]) -> nn.Module:
-    """The GPT / ViT case: each ``DenseMLP`` (``fc``, GELU, ``proj``) becomes the MoELayer its config builds."""
-    from flexmoe.apps.models.moe_model import DenseMLP, build_moe_mlp
-
-    cfg: Any = model.cfg
-    given = sorted(set(options) & _STRUCTURE)
-    if given:
-        raise ValueError(f"upcycle() sets {given} itself (num_experts, k and granularity decide the layers)")
-    if cfg.group is not None:
-        raise ValueError("upcycle() builds one process's model: upcycle it without a group, then load its state "
-                         "dict into the expert-parallel model (as flexmoe train --upcycle-from does)")
-    mlps: list[tuple[str, Any]] = [(name, m) for name, m in model.named_modules() if isinstance(m, DenseMLP)]
-    if not mlps:
-        raise ValueError(f"{type(model).__name__} has no dense MLP to upcycle")
-    hidden = cfg.dense_hidden
-    check_upcycle_shape(num_experts, k, granularity, hidden)
-    routing = {"capacity_factor": 0.0, "router": "topk", **options}
-    check_upcycle_routing(routing, num_experts, k)
-    # from_dict refuses a name that is no field of the config (ValueError naming it).
-    new_cfg = type(cfg).from_dict({**cfg.to_dict(), **routing, "dense": False, "moe_every": 1,
-                                   "num_experts": num_experts, "k": k, "expert_hidden": hidden // granularity})
-    scale = expert_scale(num_experts, k, granularity)  # the app models' layers normalise, softmax scores
-    for name, mlp in mlps:
-        layer = build_moe_mlp(new_cfg).to(device=mlp.fc.weight.device, dtype=mlp.fc.weight.dtype)
-        dense = {"w1": mlp.fc.weight.T, "b1": mlp.fc.bias, "w2": mlp.proj.weight.T, "b2": mlp.proj.bias}
-        with torch.no_grad():
-            for part, value in slice_experts(dense, num_experts, granularity, scale).items():
-                getattr(layer.experts, part).copy_(value)
-            router: Any = layer.router  # the linear top-k router (check_upcycle_routing)
-            router.weight.zero_()
-        parent_name, _, child = name.rpartition(".")
-        parent: Any = model.get_submodule(parent_name)
-        setattr(parent, child, layer)
-        if hasattr(parent, "is_moe"):
-            parent.is_moe = True
-    model.cfg = new_cfg
-    return model

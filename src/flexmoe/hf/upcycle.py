@@ -1,5 +1,6 @@
-"""Upcycling Hugging Face dense models: each gate/up/down MLP becomes its MoE twin's sparse block, converted
-(docs/architecture.md, "Upcycling"; the math is :mod:`flexmoe.upcycle`'s).
+"""Upcycling Hugging Face dense models into their MoE twin's form: each gate/up/down MLP becomes the twin family's
+sparse block, converted (docs/architecture.md, "Upcycling"; the math is :mod:`flexmoe.upcycle`'s, whose
+:func:`~flexmoe.upcycle` gives plain :class:`~flexmoe.MoELayer` s instead).
 
 Llama and Mistral MLPs become Mixtral's ``MixtralSparseMoeBlock`` (normalised top-k), Qwen2 and Qwen3 MLPs
 Qwen3-MoE's ``Qwen3MoeSparseMoeBlock`` (normalised unless ``normalize_weights=False``: HF's ``norm_topk_prob``).
@@ -18,22 +19,26 @@ from torch import nn
 
 from flexmoe.hf.convert import convert
 from flexmoe.hf.families import family_of
-from flexmoe.upcycle import check_upcycle_routing, check_upcycle_shape, expert_scale, slice_experts
+from flexmoe.upcycle import check_upcycle_routing, check_upcycle_shape, expert_scale, is_gated_mlp, slice_experts
+from flexmoe.validation import check_int
 
-__all__ = ["upcycle_hf", "TWIN_FAMILIES"]
+__all__ = ["upcycle_into_twin", "TWIN_FAMILIES"]
 
 # The dense model type -> its MoE twin's block kind.
 TWIN_FAMILIES = {"llama": "mixtral", "mistral": "mixtral", "qwen2": "qwen3_moe", "qwen3": "qwen3_moe"}
 
 
-def upcycle_hf(model: nn.Module, *, num_experts: int, k: int, granularity: int = 1, group: object | None = None,
-               **options: Any) -> nn.Module:
+def upcycle_into_twin(model: nn.Module, *, num_experts: int, k: int, granularity: int = 1,
+                      group: object | None = None, **options: Any) -> nn.Module:
     """Replace, in place, every gate/up/down MLP of HF dense ``model`` (``config.model_type`` one of
     :data:`TWIN_FAMILIES`) by its twin's converted sparse block with E experts, k per token, granularity g, whose
     output equals the MLP's at the start; returns ``model``. ``group`` and ``options`` are
     :func:`flexmoe.hf.convert`'s (``capacity_factor`` default 0: dropless); ``normalize_weights`` picks HF's
     ``norm_topk_prob`` for Qwen (Mixtral always normalises). ``ValueError`` for another model type, MLPs with
     biases, and the sizes and options :mod:`flexmoe.upcycle` refuses."""
+    num_experts = check_int("num_experts", num_experts, 1)
+    k = check_int("k", k, 1)
+    granularity = check_int("granularity", granularity, 1)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in TWIN_FAMILIES:
@@ -46,7 +51,7 @@ def upcycle_hf(model: nn.Module, *, num_experts: int, k: int, granularity: int =
     options.setdefault("capacity_factor", 0.0)
     check_upcycle_routing({**options, "ties": options.get("ties", "lower")}, num_experts, k)
     options["ties"] = "lower"  # the stable tie order (convert's default follows torch.topk)
-    mlps: list[tuple[str, Any]] = [(name, m) for name, m in model.named_modules() if _is_gated_mlp(m)]
+    mlps: list[tuple[str, Any]] = [(name, m) for name, m in model.named_modules() if is_gated_mlp(m)]
     if not mlps:
         raise ValueError(f"{type(model).__name__} has no gate/up/down MLP to upcycle")
     scale = expert_scale(num_experts, k, granularity, normalize_weights=normalize)
@@ -66,10 +71,6 @@ def upcycle_hf(model: nn.Module, *, num_experts: int, k: int, granularity: int =
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, block)
     return model
-
-
-def _is_gated_mlp(module: nn.Module) -> bool:
-    return all(isinstance(getattr(module, proj, None), nn.Linear) for proj in ("gate_proj", "up_proj", "down_proj"))
 
 
 def _twin_block(model_type: str, config: Any, mlp: Any, num_experts: int, k: int, expert_hidden: int,
