@@ -259,3 +259,28 @@ def test_train_upcycle_from_refuses_bad_runs_and_flags(tmp_path, capsys) -> None
     for flags, match in cases:
         assert cli.main([*base, *flags]) == 2
         assert re.search(match, capsys.readouterr().err), flags
+
+
+def test_vit_upcycled_logits_equal_dense() -> None:
+    from flexmoe.apps.models.vit import ViT, ViTConfig
+
+    torch.manual_seed(0)
+    dense = ViT(ViTConfig(dense=True, n_layer=2)).eval()
+    images = torch.randn(2, dense.cfg.channels, dense.cfg.image_size, dense.cfg.image_size)
+    expected = dense(images)
+    moe = flexmoe.upcycle(copy.deepcopy(dense), num_experts=4, k=2, granularity=2)
+    assert moe.cfg.router == "topk" and not moe.cfg.dense  # the ViT's cosine router cannot start tied
+    torch.testing.assert_close(moe(images), expected, **FLOAT32_ROUNDING)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k,granularity", [(2, 2), (8, 4)])
+def test_hf_upcycled_under_expert_parallelism_equals_dense(k: int, granularity: int) -> None:
+    """2 gloo ranks, 4 of the 8 experts each: every rank's logits are the dense model's on its own tokens."""
+    from flexmoe.launch import spawn_ranks
+    from upcycle_worker import run_rank
+
+    ranks = spawn_ranks(2, run_rank, [k, granularity], timeout=120, what="upcycling under expert parallelism")
+    for rank in ranks:
+        assert rank.value["local_experts"] == 4
+        assert rank.value["max_diff"] <= 1e-5 * max(1.0, rank.value["scale"]), rank.value
