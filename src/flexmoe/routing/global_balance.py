@@ -49,7 +49,10 @@ def global_balance_loss(probs: Tensor, expert_index: Tensor, *, prior_counts: Te
     """
     num_tokens, num_experts = probs.shape
     prob_sum = probs.sum(dim=0)  # [E], differentiable
-    pairs = torch.bincount(expert_index.reshape(-1), minlength=num_experts).to(torch.float64)
+    chosen = expert_index.reshape(-1)
+    # scatter_add rather than bincount: a static [E] shape, which compiles without a graph break.
+    pairs = torch.zeros(num_experts, dtype=torch.float64, device=probs.device).scatter_add_(
+        0, chosen, torch.ones_like(chosen, dtype=torch.float64))
     stats = torch.cat([pairs, prob_sum.detach().to(torch.float64),
                        torch.tensor([float(num_tokens)], dtype=torch.float64, device=probs.device)])
     world = 1
