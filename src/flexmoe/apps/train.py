@@ -919,7 +919,11 @@ def write_comparison(out: Path, results: dict[str, RunResult]) -> None:
                          "params": s["params"], "active_params": s["active_params"], "target": r.target}
     better = "moe" if results["moe"].final_val_loss < results["dense"].final_val_loss else "dense"
     payload["lower_val_loss"] = better
-    text = "\n".join(table) + f"\n\nlower final validation loss at equal steps and active compute: {better}\n"
+    active = {name: r.summary["active_params"] for name, r in results.items()}
+    # An upcycled model with k full copies per token (--upcycle-from, granularity < k) computes more per token.
+    basis = ("equal steps and active compute" if abs(active["moe"] - active["dense"]) <= 0.05 * active["dense"]
+             else f"equal steps (active parameters per token: moe {active['moe']:,}, dense {active['dense']:,})")
+    text = "\n".join(table) + f"\n\nlower final validation loss at {basis}: {better}\n"
     (out / "compare.md").write_text(text)
     (out / "compare.json").write_text(json.dumps(payload, indent=1))
     print(text, flush=True)
