@@ -255,6 +255,8 @@ def test_train_upcycle_from_refuses_bad_runs_and_flags(tmp_path, capsys) -> None
         (["--upcycle-from", str(dense_run), "--n-layer", "3"], "leave out the model flags \\['--n-layer'\\]"),
         (["--upcycle-from", str(dense_run), "--dense"], "--dense excludes it"),
         (["--granularity", "2"], "--granularity slices the dense MLPs of --upcycle-from"),
+        (["--hf-arch", "mixtral", "--upcycle-from", str(dense_run)], "--upcycle-from is a flag of the MoE GPT"),
+        (["--hf-arch", "mixtral", "--granularity", "2"], "--granularity is a flag of the MoE GPT"),
     ]
     for flags, match in cases:
         assert cli.main([*base, *flags]) == 2

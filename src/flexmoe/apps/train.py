@@ -153,7 +153,8 @@ def add_run_flags(parser: argparse.ArgumentParser, t: TrainConfig, out: str) -> 
       help="start the MoE model from the finished dense run RUN (flexmoe train --dense), its MLPs upcycled into "
            "--num-experts experts, --k per token, of 1/--granularity of the MLP each: every block MoE, the same "
            "function at step 0 (default: off)")
-    a("--granularity", type=COUNT, default=1, help="with --upcycle-from: each expert is 1/G of the dense MLP")
+    a("--granularity", type=COUNT, default=None,
+      help="with --upcycle-from: each expert is 1/G of the dense MLP's hidden units (default: 1)")
     a("--compare-dense", action="store_true",
       help="also train the dense twin (equal active compute) on the same batches; write compare.{png,md,json}")
     a("--no-plots", action="store_true", help="skip the PNG plots")
@@ -324,7 +325,7 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any] 
         stop_at_target=args.stop_at_target, plots=not args.no_plots, progress=not args.no_progress,
         compile=check_compile_backend(args.compile),
         fsdp=args.fsdp, ep=args.ep, activation_checkpointing=args.activation_checkpointing,
-        upcycle_from=args.upcycle_from, granularity=args.granularity,
+        upcycle_from=args.upcycle_from, granularity=1 if args.granularity is None else args.granularity,
     )
     saved = saved_run_config(Path(args.out)) if args.resume else None
     if saved is not None:
@@ -394,7 +395,7 @@ def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
     if saved is not None:
         check_resumed_flags(args, saved_model_flags(saved["model"], _MODEL_FLAGS), Path(args.out))
         mcfg = GPTConfig.from_dict(saved["model"])
-    elif tcfg.granularity != 1 and tcfg.upcycle_from is None:
+    elif args.granularity is not None and tcfg.upcycle_from is None:
         raise UsageError("--granularity slices the dense MLPs of --upcycle-from RUN; give that run too")
     elif tcfg.upcycle_from is not None:
         if args.dense:
