@@ -257,6 +257,7 @@ def test_train_upcycle_from_refuses_bad_runs_and_flags(tmp_path, capsys) -> None
         (["--granularity", "2"], "--granularity slices the dense MLPs of --upcycle-from"),
         (["--hf-arch", "mixtral", "--upcycle-from", str(dense_run)], "--upcycle-from is a flag of the MoE GPT"),
         (["--hf-arch", "mixtral", "--granularity", "2"], "--granularity is a flag of the MoE GPT"),
+        (["--hf-arch", "mixtral", "--aux-loss-type", "global"], "--aux-loss-type is a flag of the MoE GPT"),
     ]
     for flags, match in cases:
         assert cli.main([*base, *flags]) == 2
