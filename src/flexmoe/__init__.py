@@ -25,7 +25,9 @@ from flexmoe.routing import (
     route,
     router_z_loss,
 )
+from flexmoe.routing.global_balance import reset_global_balance
 from flexmoe.routing.replay import RoutingRecord
+from flexmoe.upcycle import upcycle
 
 __version__ = "0.1.0"
 
@@ -50,4 +52,6 @@ __all__ = [
     "replay_routing",
     "RoutingRecord",
     "balance_metrics",
+    "upcycle",
+    "reset_global_balance",
 ]

@@ -32,6 +32,7 @@ from flexmoe.routing.bias_balance import bias_update
 from flexmoe.routing.build import build_plan
 from flexmoe.routing.capacity import HOST_ORDER_MAX_PAIRS, count_per_expert, order_pairs_on_host, sort_pairs_by_expert
 from flexmoe.routing.families import num_sequences_of
+from flexmoe.routing.global_balance import GlobalBalance
 from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan, check_logits, resolve_capacity
 from flexmoe.routing.routers import build_router, route
@@ -208,6 +209,7 @@ class MoELayer(nn.Module):
             self.layout.expert_holders(), self.ep_group.rank, self.ep_group.world_size, parallel.ranks_per_node,
             routing.k, routing.cross_node_share)
 
+        self.global_balance = GlobalBalance(num_experts) if routing.aux_loss_type == "global" else None
         self._ep = ExpertParallel(self.ep_group, self.layout, self._built_experts) if self.ep_group.distributed \
             else None
         check_parallel_options(parallel, self.layout, self._built_experts, self._ep)
@@ -261,6 +263,9 @@ class MoELayer(nn.Module):
                           counts_on_device=self._counts_on_device(routing, tokens), expert_index=given)
         if tap is not None:
             tap.chosen(x, plan.expert_index, in_backward)
+        if self.global_balance is not None and self.training and torch.is_grad_enabled():
+            plan.aux_loss = self.global_balance.loss(logits, plan.expert_index, routing.score_func,
+                                                     accumulate=not in_backward)
         if self._runs_fused(tokens, plan, routing):
             y = self._fused_experts(tokens, plan)  # [T, M]
         elif (sent := self._exchange_tokens(tokens, plan, routing, parallel, pinned)) is not None:

@@ -54,6 +54,7 @@ from flexmoe.apps.flags import (
 from flexmoe.apps.interrupt import Interrupted, StopSignals
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.apps.models.moe_model import MoEModel
+from flexmoe.apps.upcycle_job import upcycle_start
 from flexmoe.checkpoint import (
     expert_param_names,
     expert_placement,
@@ -66,6 +67,8 @@ from flexmoe.layer import update_expert_biases
 from flexmoe.model_routing import balance_metrics
 from flexmoe.parallel.ddp import wrap_ddp
 from flexmoe.parallel.groups import default_ranks_per_node
+from flexmoe.routing.global_balance import reset_global_balance
+from flexmoe.routing.losses import AUX_LOSS_TYPES
 
 __all__ = ["TrainConfig", "add_arguments", "gpt_configs", "run_gpt_job", "train", "build_model"]
 
@@ -99,6 +102,10 @@ class TrainConfig:
     fsdp: bool = False
     ep: int | None = None
     activation_checkpointing: bool = False
+    # --upcycle-from: the dense run this MoE run starts from (flexmoe.apps.upcycle_job), and each expert's share
+    # of the dense MLP (1/granularity of its hidden units).
+    upcycle_from: str | None = None
+    granularity: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -125,6 +132,7 @@ _MODEL_FLAGS: FlagTable = {  # GPTConfig's
     **MOE_MODEL_FLAGS,
     "--a2a": ("a2a", Choice(("flat", "2dh"))),
     "--cross-node-share": ("cross_node_share", SHARE),
+    "--aux-loss-type": ("aux_loss_type", Choice(AUX_LOSS_TYPES)),
 }
 
 
@@ -141,6 +149,12 @@ def add_run_flags(parser: argparse.ArgumentParser, t: TrainConfig, out: str) -> 
     a("--log-every", type=COUNT, default=t.log_every, help="steps between metrics records")
     a("--ckpt-every", type=COUNT, default=t.ckpt_every, help="steps between checkpoints")
     a("--dense", action="store_true", help="train the dense twin instead of the MoE model")
+    a("--upcycle-from", default=None, metavar="RUN",
+      help="start the MoE model from the finished dense run RUN (flexmoe train --dense), its MLPs upcycled into "
+           "--num-experts experts, --k per token, of 1/--granularity of the MLP each: every block MoE, the same "
+           "function at step 0 (default: off)")
+    a("--granularity", type=COUNT, default=None,
+      help="with --upcycle-from: each expert is 1/G of the dense MLP's hidden units (default: 1)")
     a("--compare-dense", action="store_true",
       help="also train the dense twin (equal active compute) on the same batches; write compare.{png,md,json}")
     a("--device", default=t.device,
@@ -242,7 +256,7 @@ RESUME_MAY_CHANGE = ("steps", "log_every", "eval_every", "ckpt_every", "no_plots
 # The training flags (TrainConfig fields) that a resumed run must keep.
 # The mesh flags too: a sharded run's checkpoints are DCP directories, a replicated run's flexmoe's own.
 _KEPT_TRAIN_FLAGS = ("lr", "warmup", "seed", "data", "batch_size", "micro_batches", "eval_batches", "target_loss",
-                     "stop_at_target", "fsdp", "ep", "activation_checkpointing")
+                     "stop_at_target", "fsdp", "ep", "activation_checkpointing", "upcycle_from", "granularity")
 
 
 def given_dests(args: argparse.Namespace) -> frozenset[str]:
@@ -290,6 +304,7 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any] 
         stop_at_target=args.stop_at_target, plots=not args.no_plots, progress=not args.no_progress,
         compile=check_compile_backend(args.compile), device=args.device,
         fsdp=args.fsdp, ep=args.ep, activation_checkpointing=args.activation_checkpointing,
+        upcycle_from=args.upcycle_from, granularity=1 if args.granularity is None else args.granularity,
     )
     saved = saved_run_config(Path(args.out)) if args.resume else None
     if saved is not None:
@@ -359,6 +374,13 @@ def gpt_configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
     if saved is not None:
         check_resumed_flags(args, saved_model_flags(saved["model"], _MODEL_FLAGS), Path(args.out))
         mcfg = GPTConfig.from_dict(saved["model"])
+    elif args.granularity is not None and tcfg.upcycle_from is None:
+        raise UsageError("--granularity slices the dense MLPs of --upcycle-from RUN; give that run too")
+    elif tcfg.upcycle_from is not None:
+        if args.dense:
+            raise UsageError("--upcycle-from makes an MoE model; --dense excludes it (--compare-dense continues "
+                             "the dense run beside it)")
+        mcfg = upcycle_start(tcfg.upcycle_from, tcfg.granularity, model_flag_values(args, _MODEL_FLAGS)).moe_config
     else:
         try:
             mcfg = GPTConfig(**{**model_flag_values(args, _MODEL_FLAGS), "dense": args.dense})
@@ -426,9 +448,13 @@ def run_gpt_job(args: argparse.Namespace, mcfg: GPTConfig, tcfg: TrainConfig) ->
         print(f"--resume: no run in {out} yet, starting a new one", flush=True)
     results = {}
     name = "dense" if mcfg.dense else "moe"
-    results[name] = train(mcfg, tcfg, out, resume=args.resume)
+    # --upcycle-from: both runs start from the dense run's weights (a resumed one then from its checkpoint).
+    start = None if tcfg.upcycle_from is None else upcycle_start(
+        tcfg.upcycle_from, tcfg.granularity, model_flag_values(args, _MODEL_FLAGS))
+    results[name] = train(mcfg, tcfg, out, resume=args.resume, init=None if start is None else start.moe_state)
     if args.compare_dense and not mcfg.dense:
-        results["dense"] = train(mcfg.dense_twin(), tcfg, out / "dense", resume=args.resume)
+        dense_cfg, dense_init = (mcfg.dense_twin(), None) if start is None else (start.dense_config, start.dense_state)
+        results["dense"] = train(dense_cfg, tcfg, out / "dense", resume=args.resume, init=dense_init)
         if rank == 0 and not all(r.already_complete for r in results.values()):
             write_comparison(out, results)
     return 0
@@ -581,8 +607,10 @@ def rewrite_metrics(path: Path, upto_step: int) -> list[dict[str, Any]]:
     return kept
 
 
-def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool = False) -> RunResult:
-    """Train one model into run directory ``out``; returns its final numbers (on every rank)."""
+def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool = False,
+          init: dict[str, Tensor] | None = None) -> RunResult:
+    """Train one model into run directory ``out``; returns its final numbers (on every rank). ``init``: the
+    model's initial weights in global form (an upcycled dense run), instead of the seed's."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1 and not mcfg.dense and not tcfg.fsdp:  # under --fsdp, parallelize spreads the experts
         mcfg = GPTConfig.from_dict(mcfg.to_dict(), group=dist.group.WORLD)
@@ -590,7 +618,10 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
         raise UsageError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
                          f"({world} x {tcfg.micro_batches})")
     data = TokenData.from_file(tcfg.data, block_size=mcfg.block_size)
-    model: nn.Module = build_model(mcfg, tcfg.seed).to(tcfg.device)
+    model: nn.Module = build_model(mcfg, tcfg.seed)
+    if init is not None:
+        load_global_state_dict(model, init, source="--upcycle-from")
+    model.to(tcfg.device)
     mesh = None
     if tcfg.fsdp:
         model, mesh = sharded_job.lay_out(model, tcfg.ep, tcfg.activation_checkpointing)
@@ -705,6 +736,7 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
             else:
                 sharded_job.clip_sharded_gradients(model, tcfg.grad_clip)
             update_expert_biases(model)  # balance="bias": once per optimizer step, from all micro-batches' load
+            reset_global_balance(model)  # aux_loss_type="global": the next step counts its own choices
             optimizer.step()
             if state_bytes is None:
                 state_bytes = sharded_job.state_bytes_per_rank(model, optimizer)
@@ -874,7 +906,11 @@ def write_comparison(out: Path, results: dict[str, RunResult]) -> None:
                          "params": s["params"], "active_params": s["active_params"], "target": r.target}
     better = "moe" if results["moe"].final_val_loss < results["dense"].final_val_loss else "dense"
     payload["lower_val_loss"] = better
-    text = "\n".join(table) + f"\n\nlower final validation loss at equal steps and active compute: {better}\n"
+    active = {name: r.summary["active_params"] for name, r in results.items()}
+    # An upcycled model with k full copies per token (--upcycle-from, granularity < k) computes more per token.
+    basis = ("equal steps and active compute" if abs(active["moe"] - active["dense"]) <= 0.05 * active["dense"]
+             else f"equal steps (active parameters per token: moe {active['moe']:,}, dense {active['dense']:,})")
+    text = "\n".join(table) + f"\n\nlower final validation loss at {basis}: {better}\n"
     (out / "compare.md").write_text(text)
     (out / "compare.json").write_text(json.dumps(payload, indent=1))
     print(text, flush=True)

@@ -5,6 +5,8 @@
   expert-parallel group; their state dict is HF's block's (:mod:`flexmoe.hf.hf_state`), so ``save_pretrained``
   and ``Trainer`` write HF's format as they are; :func:`to_hf` turns them back into HF blocks with the trained
   weights.
+* :func:`upcycle_into_twin` turns a dense Llama / Mistral / Qwen2 / Qwen3 model's MLPs into its MoE twin's
+  converted blocks (Mixtral / Qwen3-MoE) computing the same function at the start.
 * :func:`register` adds ``"flexmoe"`` to transformers' experts implementations: HF's own routing, flexmoe's
   dispatch and expert FFN on HF's parameters, no conversion.
 
@@ -25,5 +27,7 @@ from flexmoe.hf.block import ConvertedMoeBlock
 from flexmoe.hf.convert import convert, to_hf
 from flexmoe.hf.experts_impl import flexmoe_experts_forward, register
 from flexmoe.hf.families import FAMILIES
+from flexmoe.hf.upcycle import upcycle_into_twin
 
-__all__ = ["convert", "to_hf", "register", "flexmoe_experts_forward", "ConvertedMoeBlock", "FAMILIES"]
+__all__ = ["convert", "to_hf", "register", "flexmoe_experts_forward", "ConvertedMoeBlock", "FAMILIES",
+           "upcycle_into_twin"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flexmoe.routing.global_balance import local_balance_loss
+
 __all__ = ["load_balancing_loss", "router_z_loss", "AUX_LOSS_TYPES", "all_choices_balance_loss",
            "sequence_balance_loss", "balance_loss"]
 
@@ -45,7 +47,7 @@ def router_z_loss(logits: Tensor, probs: Tensor | None = None) -> Tensor:
     return (logits[tokens, top] - probs[tokens, top].log()).square().mean()
 
 
-AUX_LOSS_TYPES = ("switch", "all_choices", "sequence")
+AUX_LOSS_TYPES = ("switch", "all_choices", "sequence", "global")
 
 
 def all_choices_balance_loss(probs: Tensor, expert_index: Tensor) -> Tensor:
@@ -95,4 +97,7 @@ def balance_loss(aux_loss_type: str, scores: Tensor, expert_index: Tensor, *, sc
         return all_choices_balance_loss(probs, expert_index)
     if aux_loss_type == "switch":
         return load_balancing_loss(probs, expert_index[:, 0])
+    if aux_loss_type == "global":
+        # This call's tokens alone; a training forward of the layer replaces it by the global-batch loss.
+        return local_balance_loss(probs, expert_index)
     raise ValueError(f"aux_loss_type must be one of {list(AUX_LOSS_TYPES)}, got {aux_loss_type!r}")

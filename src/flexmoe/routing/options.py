@@ -75,7 +75,10 @@ class RoutingOptions:
     capacity_per: "call" (capacity over all tokens of the call) or "sequence" (x ``[B, S, M]``: each sequence
         has its own per-expert capacity, computed from S; Switch Transformer).
     aux_loss_type: "switch" (``E * sum_e f_e P_e`` over the 1st choices), "all_choices" (over all k choices,
-        Hugging Face's Mixtral-family loss) or "sequence" (DeepSeek-V3's sequence-wise loss, x ``[B, S, M]``).
+        Hugging Face's Mixtral-family loss), "sequence" (DeepSeek-V3's sequence-wise loss, x ``[B, S, M]``) or
+        "global" (``E * sum_e f_e P_e`` with f_e the share of all k choices over the whole data-parallel batch and
+        the step's micro-batches so far, :mod:`flexmoe.routing.global_balance`; the training loop calls
+        :func:`flexmoe.reset_global_balance` once per optimizer step).
     ties: how a top-k router breaks equal scores: "lower" (the lower expert index, the same on every device) or
         "topk" (as ``torch.topk``, which Hugging Face's routers call: a converted model's default, since bf16
         logits under autocast tie often).

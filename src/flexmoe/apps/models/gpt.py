@@ -47,6 +47,7 @@ class GPTConfig(MoEModelConfig):
     capacity_factor: float = 1.25
     router: str = "topk"
     aux_loss_coef: float = 0.01
+    aux_loss_type: str = "switch"  # "global": the balance loss of the whole data-parallel batch and step
     z_loss_coef: float = 0.001
     # Expert parallelism over nodes (ranks_per_node comes from torchrun, see MoELayer): the all-to-all
     # algorithm, and the topology-aware gate's share of (token, choice) pairs sent off the node (None: off).

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flexmoe.layer import MoELayer
+from flexmoe.upcycle import check_upcycle_routing, check_upcycle_shape, expert_scale, slice_experts
 
 __all__ = ["MoEModelConfig", "build_moe_mlp", "SelfAttention", "DenseMLP", "Block", "MoEModel"]
 
@@ -77,6 +78,7 @@ def build_moe_mlp(cfg: Any) -> MoELayer:
     kwargs: dict[str, Any] = dict(
         k=cfg.k, capacity_factor=cfg.capacity_factor, router=cfg.router, activation="gelu",
         a2a=getattr(cfg, "a2a", "flat"), cross_node_share=getattr(cfg, "cross_node_share", None),
+        aux_loss_type=getattr(cfg, "aux_loss_type", "switch"),
     )
     # Expert parallelism: the layer keeps only this rank's experts (see flexmoe.parallel.layout). Without a
     # group, one process holds every expert even under torch.distributed (MoELayer's own default is the world).
@@ -141,6 +143,11 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
+# The config fields upcycle_mlps sets itself; the others may be given as options.
+_UPCYCLE_SETS = frozenset({"dense", "moe_every", "num_experts", "k", "expert_hidden", "n_embd", "n_head", "n_layer",
+                           "group"})
+
+
 class MoEModel(nn.Module):
     """Base of a model with MoE layers: their regularisation losses and last-forward statistics."""
 
@@ -181,6 +188,46 @@ class MoEModel(nn.Module):
         """Per MoE layer, the (token, choice) pairs the router sent each expert in the last forward, before the
         capacity limit dropped any (``load``); above :meth:`expert_load` where an expert overflowed."""
         return [m.last_plan.load.tolist() for m in self.moe_layers if m.last_plan is not None]
+
+    def upcycle_mlps(self, *, num_experts: int, k: int, granularity: int = 1, **options: Any) -> MoEModel:
+        """:func:`flexmoe.upcycle` for this model: every block's :class:`DenseMLP` becomes the MoE layer of a config
+        with ``moe_every=1``, ``num_experts``, ``k`` and ``expert_hidden = dense_hidden / granularity`` (options:
+        other config fields, ``capacity_factor`` default 0, dropless), holding the MLP's slices with the router at
+        zero, so the model computes what it did (docs/architecture.md, "Upcycling"); ``self.cfg`` becomes that
+        config. Returns the model. ``ValueError`` as :func:`flexmoe.upcycle` says, and for a structure field or a
+        name that is no config field among the options."""
+        cfg: Any = self.cfg
+        given = sorted(set(options) & _UPCYCLE_SETS)
+        if given:
+            raise ValueError(f"upcycle() sets {given} itself (num_experts, k and granularity decide the layers)")
+        if cfg.group is not None:
+            raise ValueError("upcycle() builds one process's model: upcycle it without a group, then load its "
+                             "state dict into the expert-parallel model (as flexmoe train --upcycle-from does)")
+        mlps: list[tuple[str, Any]] = [(name, m) for name, m in self.named_modules() if isinstance(m, DenseMLP)]
+        if not mlps:
+            raise ValueError(f"{type(self).__name__} has no dense MLP to upcycle")
+        hidden = cfg.dense_hidden
+        check_upcycle_shape(num_experts, k, granularity, hidden)
+        routing = {"capacity_factor": 0.0, "router": "topk", **options}
+        check_upcycle_routing(routing, num_experts, k)
+        # from_dict refuses a name that is no field of the config (ValueError naming it).
+        new_cfg = type(cfg).from_dict({**cfg.to_dict(), **routing, "dense": False, "moe_every": 1,
+                                       "num_experts": num_experts, "k": k, "expert_hidden": hidden // granularity})
+        scale = expert_scale(num_experts, k, granularity)  # these layers normalise softmax scores
+        for name, mlp in mlps:
+            layer = build_moe_mlp(new_cfg).to(device=mlp.fc.weight.device, dtype=mlp.fc.weight.dtype)
+            dense = {"w1": mlp.fc.weight.T, "b1": mlp.fc.bias, "w2": mlp.proj.weight.T, "b2": mlp.proj.bias}
+            router: Any = layer.router
+            with torch.no_grad():
+                for part, value in slice_experts(dense, num_experts, granularity, scale).items():
+                    getattr(layer.experts, part).copy_(value)
+                router.weight.zero_()
+            parent_name, _, child = name.rpartition(".")
+            block: Any = self.get_submodule(parent_name)
+            setattr(block, child, layer)
+            block.is_moe = True
+        self.cfg = new_cfg
+        return self
 
     def num_params(self, *, active: bool = False) -> int:
         """Parameter count; with ``active`` only those one token uses (k of E experts per MoE layer)."""
