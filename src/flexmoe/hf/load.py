@@ -83,6 +83,8 @@ def load(directory: str | Path, mesh: DeviceMesh | None = None, *, dtype: torch.
     if mesh is not None:
         model = parallelize(model, mesh, mp_policy=mp_policy, activation_checkpointing=activation_checkpointing)
     allocate(model, device or (None if mesh is not None else "cpu"))
+    if mesh is None:
+        model.tie_weights()  # to_empty made each meta parameter a new one, a tied one twice
     with reader or SafetensorsReader(directory) as files:
         fill(model, StoredTensors(files, model))
     return model.eval()
@@ -137,20 +139,24 @@ def _fill_block(prefix: str, block: ConvertedMoeBlock, stored: StoredTensors, mi
     router = prefix + family.router + "."
     hf_router = moe.router.hf_router
     assert isinstance(hf_router, nn.Module)  # HFRouterLogits holds HF's router module
+    # DeepSeek-V3's e_score_correction_bias is both HF's router buffer and the layer's expert_bias: read once.
+    same_as_bias = {"e_score_correction_bias": moe.expert_bias} if moe.expert_bias is not None else {}
     for key, target in _persistent_tensors(hf_router).items():
-        name = prefix + "moe.router.hf_router." + key
-        handled.add(name)
+        handled.add(prefix + "moe.router.hf_router." + key)
         if router + key not in stored:
             missing.append(router + key)
-        else:
-            _copy_box(target, stored, router + key)
-    if moe.expert_bias is not None:
-        handled.add(prefix + "moe.expert_bias")
+            continue
+        _copy_box(target, stored, router + key)
+        if key in same_as_bias:
+            handled.add(prefix + "moe.expert_bias")
+            same_as_bias.pop(key).copy_(target)
+    if same_as_bias:  # a selection bias HF's router does not hold: the layer's alone
         bias = router + "e_score_correction_bias"
+        handled.add(prefix + "moe.expert_bias")
         if bias not in stored:
             missing.append(bias)
         else:
-            _copy_box(moe.expert_bias, stored, bias)
+            _copy_box(same_as_bias["e_score_correction_bias"], stored, bias)
     for part in layer_parts(family):
         handled |= _fill_part(prefix, block, part, stored, missing)
     return handled

@@ -40,6 +40,7 @@ class SafetensorsReader:
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
+        self._handles: dict[Path, Any] = {}
         index = self.directory / INDEX_FILE
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -49,7 +50,6 @@ class SafetensorsReader:
         else:
             raise FileNotFoundError(f"{self.directory} holds neither {SINGLE_FILE} nor {INDEX_FILE} (a "
                                     f"save_pretrained directory with safetensors weights)")
-        self._handles: dict[Path, Any] = {}
 
     def keys(self) -> list[str]:
         """Every stored tensor's name."""

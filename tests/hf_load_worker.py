@@ -1,0 +1,87 @@
+"""Ranks of the flexmoe.hf.load cases (tests/test_hf_load.py): build tiny HF MoE checkpoints, load one onto a mesh
+recording every read, and return the logits of a fixed batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flexmoe.hf.stored import Box, SafetensorsReader
+
+VOCAB = 64
+
+
+class RecordingReader(SafetensorsReader):
+    """A reader that keeps every ``(stored key, box)`` it reads."""
+
+    def __init__(self, directory: str | Path) -> None:
+        super().__init__(directory)
+        self.reads: list[tuple[str, Box]] = []
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        self.reads.append((key, box))
+        return super().read(key, box)
+
+
+def hf_config(family: str, tied: bool = False):
+    """A tiny Qwen3-MoE (8 experts, k=2) or DeepSeek-V3 (a dense first layer, then 8 experts in 4 groups, 2
+    groups per token, a shared expert, a selection bias, scaled weights) config."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, bos_token_id=None,
+                  eos_token_id=None, pad_token_id=None)
+    if family == "qwen3_moe":
+        extra = dict(intermediate_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                     norm_topk_prob=True, head_dim=8)
+    else:
+        extra = dict(intermediate_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                     n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
+                     routed_scaling_factor=2.5, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+                     qk_nope_head_dim=4, v_head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    return transformers.AutoConfig.for_model(family, **{**common, **extra})
+
+
+def save_checkpoint(family: str, directory: Path, *, tied: bool = False, max_shard_size: str | None = "20KB") -> None:
+    """A seeded HF model of ``family`` saved to ``directory`` (sharded unless ``max_shard_size`` is None);
+    DeepSeek-V3's selection bias random (HF initialises it to zero)."""
+    import transformers
+
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, tied))
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.copy_(torch.randn(bias.shape, generator=g) * 0.05)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+
+
+def tokens() -> torch.Tensor:
+    """A fixed batch ``[2, 12]``."""
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def logits_of(model) -> list:
+    with torch.no_grad():
+        return model(tokens()).logits.tolist()
+
+
+def load_main(directory: str, ep: int, dp_shard: int) -> dict:
+    """A rank: load ``directory`` onto ep x dp_shard, recording its reads; its logits of the fixed batch."""
+    import torch.distributed as dist
+
+    from flexmoe.hf import load
+    from flexmoe.parallel import make_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        reader = RecordingReader(directory)
+        model = load(directory, make_mesh(ep=ep, dp_shard=dp_shard), reader=reader)
+        return {"logits": logits_of(model), "reads": [[key, [list(r) for r in box]] for key, box in reader.reads]}
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,154 @@
+"""flexmoe.hf.load: a save_pretrained directory loaded by shard (docs/architecture.md, "Loading by shard").
+
+The reference is HF's own ``from_pretrained`` of the same directory. What each rank reads is recorded by a reader
+that wraps the one ``load`` uses, and checked against what the mesh gives each rank to hold, worked out here from
+the mesh's shape: every stored element read by exactly one rank (buffers, replicated, by every rank), and the
+stored tensors of the routed experts by the ranks holding those experts only.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexmoe.launch import spawn_ranks
+from hf_load_worker import RecordingReader, logits_of, save_checkpoint
+
+TOL = 1e-5
+NUM_EXPERTS = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_load")
+    dirs = {}
+    for family in ("qwen3_moe", "deepseek_v3"):
+        dirs[family] = root / family
+        save_checkpoint(family, dirs[family])
+    dirs["qwen3_moe_single_tied"] = root / "single"
+    save_checkpoint("qwen3_moe", dirs["qwen3_moe_single_tied"], tied=True, max_shard_size=None)
+    return dirs
+
+
+def hf_logits(directory: Path) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return torch.tensor(logits_of(model))
+
+
+def stored_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in directory.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    return shapes
+
+
+def read_counts(directory: Path, reads_by_rank: list[list]) -> dict[str, torch.Tensor]:
+    """For every stored tensor, how many times each element was read, over all ranks."""
+    counts = {k: torch.zeros(shape, dtype=torch.int64) for k, shape in stored_shapes(directory).items()}
+    for reads in reads_by_rank:
+        for key, box in reads:
+            counts[key][tuple(slice(a, b) for a, b in box)] += 1
+    return counts
+
+
+def held_experts(rank: int, ep: int, dp_shard: int) -> set[int]:
+    """The experts rank ``rank`` of the mesh (dp_shard, ep), ep innermost, holds: its ep rank's E/ep, of which
+    FSDP gives its dp_shard rank its chunk."""
+    ep_rank, dp_rank = rank % ep, rank // ep
+    per_ep = NUM_EXPERTS // ep
+    per_dp = per_ep // dp_shard
+    first = ep_rank * per_ep + dp_rank * per_dp
+    return set(range(first, first + per_dp))
+
+
+def check_reads(directory: Path, reads_by_rank: list[list], ep: int, dp_shard: int) -> None:
+    world = len(reads_by_rank)
+    counts = read_counts(directory, reads_by_rank)
+    for key, count in counts.items():
+        want = world if key.endswith("e_score_correction_bias") else 1  # buffers: every rank has them whole
+        assert bool((count == want).all()), f"{key}: elements read {sorted(set(count.flatten().tolist()))} " \
+                                            f"times over {world} ranks, want {want}"
+    for rank, reads in enumerate(reads_by_rank):
+        experts = {int(m.group(1)) for key, _ in reads if (m := re.search(r"\.experts\.(\d+)\.", key))}
+        assert experts == held_experts(rank, ep, dp_shard), (rank, experts)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_load_in_one_process_gives_hf_logits_reading_each_element_once(checkpoints, family, one_thread) -> None:
+    from flexmoe.hf import ConvertedMoeBlock, load
+
+    directory = checkpoints[family]
+    assert (directory / "model.safetensors.index.json").is_file()  # sharded
+    reader = RecordingReader(directory)
+    model = load(directory, reader=reader)
+    assert any(isinstance(m, ConvertedMoeBlock) for m in model.modules())
+    got, want = torch.tensor(logits_of(model)), hf_logits(directory)
+    assert (got - want).abs().max().item() < TOL
+    check_reads(directory, [reader.reads], ep=1, dp_shard=1)
+
+
+def test_load_single_file_with_tied_embeddings(checkpoints, one_thread) -> None:
+    from flexmoe.hf import load
+
+    directory = checkpoints["qwen3_moe_single_tied"]
+    assert (directory / "model.safetensors").is_file() and not (directory / "model.safetensors.index.json").exists()
+    reader = RecordingReader(directory)
+    model = load(directory, reader=reader)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    got, want = torch.tensor(logits_of(model)), hf_logits(directory)
+    assert (got - want).abs().max().item() < TOL
+    check_reads(directory, [reader.reads], ep=1, dp_shard=1)
+
+
+def test_load_refuses_what_it_cannot_do(checkpoints, tmp_path) -> None:
+    from flexmoe.hf import load
+
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load(tmp_path)
+    with pytest.raises(ValueError, match="group"):
+        load(checkpoints["qwen3_moe"], group="single")
+    with pytest.raises(TypeError, match="dtype"):
+        load(checkpoints["qwen3_moe"], dtype="float32")
+    with pytest.raises(ValueError, match="unknown options"):
+        load(checkpoints["qwen3_moe"], not_an_option=1)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((checkpoints["qwen3_moe"] / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load(broken)
+
+
+def _load_at(directory: Path, ep: int, dp_shard: int) -> list[dict]:
+    from hf_load_worker import load_main
+
+    world = ep * dp_shard
+    return [r.value for r in spawn_ranks(world, load_main, [str(directory), ep, dp_shard], timeout=300.0,
+                                         what=f"flexmoe.hf.load at ep={ep} x dp_shard={dp_shard}")]
+
+
+def _check_ranks(directory: Path, results: list[dict], ep: int, dp_shard: int) -> None:
+    want = hf_logits(directory)
+    for rank, result in enumerate(results):
+        diff = (torch.tensor(result["logits"]) - want).abs().max().item()
+        assert diff < TOL, f"rank {rank}: logits differ from HF's by {diff}"
+    check_reads(directory, [[(k, tuple(tuple(r) for r in box)) for k, box in res["reads"]] for res in results],
+                ep, dp_shard)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_load_at_ep2_with_fsdp_gives_hf_logits_and_reads_only_what_each_rank_holds(checkpoints, family) -> None:
+    _check_ranks(checkpoints[family], _load_at(checkpoints[family], ep=2, dp_shard=1), ep=2, dp_shard=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_load_at_ep2_x_dp_shard2_gives_hf_logits_and_reads_only_what_each_rank_holds(checkpoints, family) -> None:
+    _check_ranks(checkpoints[family], _load_at(checkpoints[family], ep=2, dp_shard=2), ep=2, dp_shard=2)
