@@ -70,11 +70,24 @@ def logits_of(model) -> list:
         return model(tokens()).logits.tolist()
 
 
-def load_main(directory: str, ep: int, dp_shard: int) -> dict:
-    """A rank: load ``directory`` onto ep x dp_shard, recording its reads; its logits of the fixed batch."""
+def train_step(model, rank: int) -> None:
+    """One SGD step on this rank's batch (so that an export shows trained weights, not the loaded ones)."""
+    model.train()
+    x = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(10 + rank))
+    model(x, labels=x).loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+    model.eval()
+
+
+def load_main(directory: str, ep: int, dp_shard: int, export: str | None = None) -> dict:
+    """A rank: load ``directory`` onto ep x dp_shard, recording its reads; its logits of the fixed batch. Then,
+    with ``export``, one training step and flexmoe.hf.save_pretrained to that directory (and its new logits)."""
     import torch.distributed as dist
 
-    from flexmoe.hf import load
+    from flexmoe.hf import load, save_pretrained
     from flexmoe.parallel import make_mesh
 
     torch.set_num_threads(1)
@@ -82,6 +95,11 @@ def load_main(directory: str, ep: int, dp_shard: int) -> dict:
     try:
         reader = RecordingReader(directory)
         model = load(directory, make_mesh(ep=ep, dp_shard=dp_shard), reader=reader)
-        return {"logits": logits_of(model), "reads": [[key, [list(r) for r in box]] for key, box in reader.reads]}
+        out = {"logits": logits_of(model), "reads": [[key, [list(r) for r in box]] for key, box in reader.reads]}
+        if export is not None:
+            train_step(model, dist.get_rank())
+            save_pretrained(model, export)
+            out["trained_logits"] = logits_of(model)
+        return out
     finally:
         dist.destroy_process_group()

@@ -126,29 +126,46 @@ def test_load_refuses_what_it_cannot_do(checkpoints, tmp_path) -> None:
         load(broken)
 
 
-def _load_at(directory: Path, ep: int, dp_shard: int) -> list[dict]:
+def _load_train_export(directory: Path, export: Path, ep: int, dp_shard: int) -> None:
+    """Every rank of ep x dp_shard loads ``directory`` with HF's logits, reading only what it holds; after a
+    training step, the directory flexmoe.hf.save_pretrained wrote reloads in plain HF with the ranks' logits."""
     from hf_load_worker import load_main
 
-    world = ep * dp_shard
-    return [r.value for r in spawn_ranks(world, load_main, [str(directory), ep, dp_shard], timeout=300.0,
-                                         what=f"flexmoe.hf.load at ep={ep} x dp_shard={dp_shard}")]
-
-
-def _check_ranks(directory: Path, results: list[dict], ep: int, dp_shard: int) -> None:
+    results = [r.value for r in spawn_ranks(ep * dp_shard, load_main, [str(directory), ep, dp_shard, str(export)],
+                                            timeout=300.0, what=f"flexmoe.hf.load at ep={ep} x dp_shard={dp_shard}")]
     want = hf_logits(directory)
     for rank, result in enumerate(results):
         diff = (torch.tensor(result["logits"]) - want).abs().max().item()
         assert diff < TOL, f"rank {rank}: logits differ from HF's by {diff}"
     check_reads(directory, [[(k, tuple(tuple(r) for r in box)) for k, box in res["reads"]] for res in results],
                 ep, dp_shard)
+    exported = hf_logits(export)
+    for rank, result in enumerate(results):
+        diff = (exported - torch.tensor(result["trained_logits"])).abs().max().item()
+        assert diff < TOL, f"rank {rank}: the exported model's logits differ from the trained one's by {diff}"
+    assert (exported - want).abs().max().item() > 1e-3  # the trained weights, not the loaded ones
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_load_at_ep2_with_fsdp_gives_hf_logits_and_reads_only_what_each_rank_holds(checkpoints, family) -> None:
-    _check_ranks(checkpoints[family], _load_at(checkpoints[family], ep=2, dp_shard=1), ep=2, dp_shard=1)
+def test_load_at_ep2_with_fsdp_reads_only_what_each_rank_holds_and_exports(checkpoints, family, tmp_path) -> None:
+    _load_train_export(checkpoints[family], tmp_path / "export", ep=2, dp_shard=1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_load_at_ep2_x_dp_shard2_gives_hf_logits_and_reads_only_what_each_rank_holds(checkpoints, family) -> None:
-    _check_ranks(checkpoints[family], _load_at(checkpoints[family], ep=2, dp_shard=2), ep=2, dp_shard=2)
+def test_load_at_ep2_x_dp_shard2_reads_only_what_each_rank_holds_and_exports(checkpoints, family, tmp_path) -> None:
+    _load_train_export(checkpoints[family], tmp_path / "export", ep=2, dp_shard=2)
+
+
+def test_save_pretrained_of_a_loaded_model_reloads_in_plain_hf(checkpoints, tmp_path, one_thread) -> None:
+    from flexmoe.hf import load, save_pretrained
+    from hf_load_worker import train_step
+
+    model = load(checkpoints["deepseek_v3"])
+    train_step(model, 0)
+    save_pretrained(model, tmp_path / "export")
+    assert (tmp_path / "export" / "model.safetensors.index.json").is_file()
+    got = hf_logits(tmp_path / "export")
+    assert (got - torch.tensor(logits_of(model))).abs().max().item() < TOL
+    assert (got - hf_logits(checkpoints["deepseek_v3"])).abs().max().item() > 1e-3  # trained: not the saved model
+
