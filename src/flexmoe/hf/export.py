@@ -35,7 +35,7 @@ def save_pretrained(model: Any, directory: str | Path) -> Path:
     At most one block's tensors are whole on a rank at a time."""
     from safetensors.torch import save_file
 
-    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+    if not _is_hf_model(model):
         raise TypeError(f"model must be a Hugging Face PreTrainedModel (converted by flexmoe.hf), got "
                         f"{type(model).__name__}")
     directory = Path(directory)
@@ -63,6 +63,10 @@ def save_pretrained(model: Any, directory: str | Path) -> Path:
     if dist.is_initialized():
         dist.barrier()
     return directory
+
+
+def _is_hf_model(model: Any) -> bool:
+    return isinstance(model, nn.Module) and hasattr(model, "config")
 
 
 def _whole(state: dict[str, Any]) -> dict[str, Tensor]:
