@@ -337,12 +337,18 @@ def check_loaded_weights(directory: str, loading: dict[str, Any]) -> None:
                      f"its config.json gives (e.g. {mismatched[0]})")
 
 
-def export_hf(model: HFCausalLM, directory: Path, tokenizer: str | None) -> None:
+def export_hf(model: HFCausalLM, directory: Path, tokenizer: str | None, sharded: bool = False) -> None:
     """Write ``model`` in HF's format to ``directory`` (with the tokenizer it was trained with): a converted model's
     state dict is HF's own. Collective under expert parallelism (``state_dict()`` gathers the experts, so every
-    rank calls ``save_pretrained``), rank 0 writes."""
+    rank calls ``save_pretrained``), rank 0 writes. ``sharded`` (laid on a mesh, ``--fsdp``): gathered one block
+    at a time (:func:`flexmoe.hf.save_pretrained`)."""
+    from flexmoe.hf import save_pretrained
+
     main = not dist.is_initialized() or dist.get_rank() == 0
-    model.hf.save_pretrained(directory, is_main_process=main)
+    if sharded:
+        save_pretrained(model.hf, directory)
+    else:
+        model.hf.save_pretrained(directory, is_main_process=main)
     if main:
         if tokenizer is not None:
             from transformers import AutoTokenizer
@@ -379,5 +385,5 @@ def run_job(args: argparse.Namespace, cfg: HFJobConfig, tcfg: TrainConfig) -> in
     train_model(model, data, tcfg, out, label=cfg.label, model_config=cfg.to_dict(), param_counts=counts,
                 resume=args.resume, mesh=mesh)
     if args.export_hf is not None:
-        export_hf(model, Path(args.export_hf), cfg.tokenizer)
+        export_hf(model, Path(args.export_hf), cfg.tokenizer, sharded=tcfg.fsdp)
     return 0
