@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from flexmoe.hf.load import persistent_tensors
 from flexmoe.hf.stored import INDEX_FILE
+from flexmoe.parallel.dcp import own_tensors
 from flexmoe.parallel.fsdp import default_blocks
 
 __all__ = ["save_pretrained"]
@@ -51,7 +51,7 @@ def save_pretrained(model: Any, directory: str | Path) -> Path:
         tensors = _whole(block.state_dict(prefix=names[id(block)] + "."))
         total += _write(save_file, directory / file, tensors, weight_map, writes)
     inside = tuple(names[id(block)] + "." for block in blocks)
-    rest = {name: t for name, t in persistent_tensors(model).items() if not name.startswith(inside)}
+    rest = {name: t for name, t in own_tensors(model).items() if not name.startswith(inside)}
     total += _write(save_file, directory / files[-1], _whole(rest), weight_map, writes)
     if writes:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

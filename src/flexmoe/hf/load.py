@@ -33,10 +33,11 @@ from flexmoe.hf.block import ConvertedMoeBlock
 from flexmoe.hf.convert import convert
 from flexmoe.hf.hf_state import Part, layer_module, layer_parts
 from flexmoe.hf.stored import Box, SafetensorsReader, StoredTensors, box_shape
+from flexmoe.parallel.dcp import own_tensors
 from flexmoe.parallel.fsdp import parallelize
 from flexmoe.parallel.materialize import allocate
 
-__all__ = ["load", "held_box", "persistent_tensors"]
+__all__ = ["load", "held_box"]
 
 
 def load(directory: str | Path, mesh: DeviceMesh | None = None, *, dtype: torch.dtype = torch.float32,
@@ -98,7 +99,7 @@ def fill(model: nn.Module, stored: StoredTensors) -> None:
     missing: list[str] = []
     for prefix, block in [(n, m) for n, m in model.named_modules() if isinstance(m, ConvertedMoeBlock)]:
         handled |= _fill_block(prefix + ".", block, stored, missing)
-    persistent = persistent_tensors(model)
+    persistent = own_tensors(model)
     for name, target in persistent.items():
         if name in handled:
             continue
@@ -141,7 +142,7 @@ def _fill_block(prefix: str, block: ConvertedMoeBlock, stored: StoredTensors, mi
     assert isinstance(hf_router, nn.Module)  # HFRouterLogits holds HF's router module
     # DeepSeek-V3's e_score_correction_bias is both HF's router buffer and the layer's expert_bias: read once.
     same_as_bias = {"e_score_correction_bias": moe.expert_bias} if moe.expert_bias is not None else {}
-    for key, target in persistent_tensors(hf_router).items():
+    for key, target in own_tensors(hf_router).items():
         handled.add(prefix + "moe.router.hf_router." + key)
         if router + key not in stored:
             missing.append(router + key)
@@ -223,16 +224,6 @@ def _read_traced(stored: StoredTensors, source: str, shape: tuple[int, ...], ids
     values = stored.read(source, (*lead, *read_box))
     picked = values[(slice(None),) * len(lead) + tuple(c - lo for c, lo in zip(coords, low))]
     return picked.reshape(*box_shape(lead), *box_shape(box))
-
-
-def persistent_tensors(module: nn.Module) -> dict[str, Tensor]:
-    """Every parameter (tied ones once) and persistent buffer of ``module``, by name."""
-    tensors: dict[str, Tensor] = dict(module.named_parameters())
-    for prefix, sub in module.named_modules():
-        for key, b in sub.named_buffers(recurse=False):
-            if b is not None and key not in sub._non_persistent_buffers_set:
-                tensors[f"{prefix}.{key}" if prefix else key] = b
-    return tensors
 
 
 def _set_non_persistent_buffers(model: nn.Module) -> None:
