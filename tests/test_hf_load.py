@@ -195,3 +195,26 @@ def test_larger_than_rank_example_loads_by_shard_trains_resumes_and_exports(tmp_
     assert printed[0, 20] < printed[0, 5] - 0.5  # it learns, across the change of mesh
     assert len(list((tmp_path / "runs" / "hf_larger" / "pretrained").glob("*.safetensors"))) > 1  # sharded
     assert "max |logits difference| between plain HF and the trained model" in done.stdout
+
+
+def test_dcp_checkpoint_of_a_converted_model_loads_into_another(checkpoints, tmp_path, one_thread) -> None:
+    """save_sharded / load_sharded name a converted block's tensors as the model does (as its optimizer states),
+    so a checkpoint of a trained converted model loads back; the same logits bit for bit."""
+    from flexmoe.hf import load
+    from flexmoe.parallel import load_sharded, save_sharded
+    from hf_load_worker import tokens
+
+    model = load(checkpoints["deepseek_v3"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    x = tokens()
+    model(x, labels=x).loss.backward()
+    opt.step()
+    model.eval()
+    save_sharded(tmp_path / "ckpt", model, opt)
+    other = load(checkpoints["deepseek_v3"])
+    before = torch.tensor(logits_of(other))
+    load_sharded(tmp_path / "ckpt", other, torch.optim.AdamW(other.parameters()))
+    got = torch.tensor(logits_of(other))
+    assert torch.equal(got, torch.tensor(logits_of(model)))
+    assert not torch.equal(got, before)

@@ -42,7 +42,10 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     mesh: the mesh the model was laid on (:func:`~flexmoe.parallel.parallelize`); None for one process.
     """
     state = _global_state(model, optimizer, mesh)
-    dcp.save(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():
+        # mesh=None in one process is the documented way to save here; DCP warns that it assumes so.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.save(state, checkpoint_id=str(path))
 
 
 def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
