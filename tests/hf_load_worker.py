@@ -25,22 +25,11 @@ class RecordingReader(SafetensorsReader):
 
 
 def hf_config(family: str, tied: bool = False):
-    """A tiny Qwen3-MoE (8 experts, k=2) or DeepSeek-V3 (a dense first layer, then 8 experts in 4 groups, 2
-    groups per token, a shared expert, a selection bias, scaled weights) config."""
-    import transformers
+    """The tiny Qwen3-MoE or DeepSeek-V3 of the FSDP tests; DeepSeek-V3 with a dense first layer."""
+    from fsdp_worker import tiny_hf_config
 
-    common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, bos_token_id=None,
-                  eos_token_id=None, pad_token_id=None)
-    if family == "qwen3_moe":
-        extra = dict(intermediate_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-                     norm_topk_prob=True, head_dim=8)
-    else:
-        extra = dict(intermediate_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
-                     n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
-                     routed_scaling_factor=2.5, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
-                     qk_nope_head_dim=4, v_head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
-    return transformers.AutoConfig.for_model(family, **{**common, **extra})
+    dense_first = {"first_k_dense_replace": 1} if family == "deepseek_v3" else {}
+    return tiny_hf_config(family, VOCAB, tie_word_embeddings=tied, **dense_first)
 
 
 def save_checkpoint(family: str, directory: Path, *, tied: bool = False, max_shard_size: str | None = "20KB") -> None:
