@@ -219,3 +219,21 @@ def test_dcp_checkpoint_of_a_converted_model_loads_into_another(checkpoints, tmp
     got = torch.tensor(logits_of(other))
     assert torch.equal(got, torch.tensor(logits_of(model)))
     assert not torch.equal(got, before)
+
+
+def test_load_in_bfloat16_keeps_hf_float32_router_and_gives_hf_logits(checkpoints, one_thread) -> None:
+    """dtype=bfloat16: the stored float32 tensors are cast, except what HF keeps in float32 (DeepSeek-V3's router
+    weight and selection bias), as from_pretrained(dtype=bfloat16) does; the logits are HF's to bf16 rounding."""
+    import transformers
+
+    from flexmoe.hf import load
+
+    directory = checkpoints["deepseek_v3"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
+    model = load(directory, dtype=torch.bfloat16)
+    router = model.model.layers[1].mlp.moe.router.hf_router
+    assert router.weight.dtype == torch.float32 and router.e_score_correction_bias.dtype == torch.float32
+    assert model.model.layers[1].mlp.moe.experts.w1.dtype == torch.bfloat16
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    got, want = torch.tensor(logits_of(model)), torch.tensor(logits_of(ref))
+    assert (got - want).abs().max().item() < 1e-2 * want.abs().max().item()
