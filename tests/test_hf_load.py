@@ -237,3 +237,44 @@ def test_load_in_bfloat16_keeps_hf_float32_router_and_gives_hf_logits(checkpoint
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     got, want = torch.tensor(logits_of(model)), torch.tensor(logits_of(ref))
     assert (got - want).abs().max().item() < 1e-2 * want.abs().max().item()
+
+
+@pytest.mark.slow
+def test_train_hf_model_fsdp_loads_by_shard_and_equals_the_replicated_run(tmp_path) -> None:
+    """flexmoe train --hf-model DIR --nproc 2 --ep 2 --fsdp reads the checkpoint by shard (flexmoe.hf.load) and logs
+    the losses of the replicated run, which loads it with from_pretrained."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import transformers
+
+    from fsdp_worker import tiny_hf_config
+
+    directory = tmp_path / "pretrained"
+    torch.manual_seed(3)
+    transformers.AutoModelForCausalLM.from_config(tiny_hf_config("qwen3_moe", 256)).save_pretrained(
+        directory, max_shard_size="40KB")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    job = ["--hf-model", str(directory), "--steps", "4", "--nproc", "2", "--batch-size", "4", "--block-size", "32",
+           "--warmup", "2", "--lr", "1e-2", "--log-every", "1", "--eval-every", "4", "--eval-batches", "1",
+           "--ckpt-every", "4", "--no-progress", "--no-plots"]
+    losses = {}
+    for name, extra in (("ddp", []), ("fsdp", ["--ep", "2", "--fsdp"])):
+        done = subprocess.run([sys.executable, "-m", "flexmoe", "train", "--out", str(tmp_path / name), *job, *extra],
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses[name] = [json.loads(line)["train_loss"] for line in lines]
+    assert len(losses["ddp"]) == 4
+    assert losses["fsdp"] == pytest.approx(losses["ddp"], rel=1e-5)
+    # Each rank read about half of the tensor data, the two halves all of it (the files add their headers).
+    read = {int(r): (int(n.replace(",", "")), int(t.replace(",", ""))) for r, n, t in re.findall(
+        r"rank (\d) read ([\d,]+) bytes of the checkpoint's ([\d,]+)", done.stdout + done.stderr)}
+    assert sorted(read) == [0, 1], done.stdout[-2000:]
+    files = read[0][1]
+    tensors = sum(t.numel() * t.element_size() for t in transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32).state_dict().values())
+    assert read[0][0] + read[1][0] == tensors and tensors < files
+    assert all(n < 0.6 * tensors for n, _ in read.values()), read

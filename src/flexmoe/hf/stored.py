@@ -41,6 +41,7 @@ class SafetensorsReader:
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self._handles: dict[Path, Any] = {}
+        self.bytes_read = 0  # of tensor data, over every read
         index = self.directory / INDEX_FILE
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -62,9 +63,13 @@ class SafetensorsReader:
     def read(self, key: str, box: Box) -> Tensor:
         """The rectangle ``box`` of stored tensor ``key`` (its stored dtype, on the CPU)."""
         part = self._open(self.files[key]).get_slice(key)
-        if not box:
-            return part[:]
-        return part[tuple(slice(start, stop) for start, stop in box)]
+        tensor = part[:] if not box else part[tuple(slice(start, stop) for start, stop in box)]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def files_bytes(self) -> int:
+        """The size of the directory's safetensors files (headers included)."""
+        return sum(path.stat().st_size for path in set(self.files.values()))
 
     def close(self) -> None:
         for handle in self._handles.values():
