@@ -77,7 +77,12 @@ def check_reads(directory: Path, reads_by_rank: list[list], ep: int, dp_shard: i
         assert bool((count == want).all()), f"{key}: elements read {sorted(set(count.flatten().tolist()))} " \
                                             f"times over {world} ranks, want {want}"
     for rank, reads in enumerate(reads_by_rank):
-        experts = {int(m.group(1)) for key, _ in reads if (m := re.search(r"\.experts\.(\d+)\.", key))}
+        experts = set()
+        for key, box in reads:
+            if m := re.search(r"\.experts\.(\d+)\.", key):  # one stored tensor per expert
+                experts.add(int(m.group(1)))
+            elif ".experts." in key:  # stored fused, [E, ...]: the rows read
+                experts |= set(range(*box[0]))
         assert experts == held_experts(rank, ep, dp_shard), (rank, experts)
 
 
@@ -278,3 +283,24 @@ def test_train_hf_model_fsdp_loads_by_shard_and_equals_the_replicated_run(tmp_pa
         directory, dtype=torch.float32).state_dict().values())
     assert read[0][0] + read[1][0] == tensors and tensors < files
     assert all(n < 0.6 * tensors for n, _ in read.values()), read
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
+def test_load_every_other_family_gives_hf_logits(arch, tmp_path, one_thread) -> None:
+    """The job's small configs of the other families, sharded: Mixtral's renamed per-expert w1/w2/w3, Qwen2-MoE's
+    gated shared expert, OLMoE, GPT-OSS's fused, transposed and interleaved experts with biases (stored as the model
+    holds them); each stored element read once."""
+    import transformers
+
+    from flexmoe.apps.hf_configs import small_config
+    from flexmoe.hf import load
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(small_config(arch)).save_pretrained(tmp_path, max_shard_size="200KB")
+    reader = RecordingReader(tmp_path)
+    model = load(tmp_path, reader=reader)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    x = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(x).logits - ref(x).logits).abs().max().item() < TOL
+    check_reads(tmp_path, [reader.reads], ep=1, dp_shard=1)

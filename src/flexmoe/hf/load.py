@@ -173,6 +173,9 @@ def _fill_part(prefix: str, block: ConvertedMoeBlock, part: Part, stored: Stored
     path, module = layer_module(moe, part)
     first_expert = moe.layout.experts_of_rank(moe.ep_group.rank).start
     handled = set()
+    # Each layer tensor's wanted elements, grouped by the HF tensor (and experts) they come from: GPT-OSS's w1 and
+    # w3 are interleaved columns of one gate_up_proj, and one read of the box covering both reads each element once.
+    wanted: dict[tuple[str, Box], list[tuple[Tensor, tuple[Tensor, ...]]]] = {}
     for name, (hf_key, shape, ids) in _traced(part, getattr(block.hf_skeleton, part.hf_name)).items():
         handled.add(f"{prefix}moe.{path}.{name}")
         source = f"{prefix}{part.hf_name}.{hf_key}"
@@ -183,14 +186,21 @@ def _fill_part(prefix: str, block: ConvertedMoeBlock, part: Part, stored: Stored
         box = held_box(target)
         if math.prod(box_shape(box)) == 0:
             continue
-        local = _local(target)
+        lead: Box = ()
         if part.routed:  # ids: one expert's; the experts' rows are read as they are
             (e0, e1), *inner = box
-            values = _read_traced(stored, source, shape[1:], ids[0], tuple(inner),
-                                  ((first_expert + e0, first_expert + e1),))
-        else:
-            values = _read_traced(stored, source, shape, ids, box, ())
-        local.copy_(values.reshape(local.shape))
+            lead, box, ids, shape = ((first_expert + e0, first_expert + e1),), tuple(inner), ids[0], shape[1:]
+        region = ids[tuple(slice(start, stop) for start, stop in box)]
+        coords = torch.unravel_index(region.reshape(-1), shape)
+        wanted.setdefault((source, lead), []).append((_local(target), coords))
+    for (source, lead), targets in wanted.items():
+        dims = range(len(targets[0][1]))
+        low = [min(int(c[d].min()) for _, c in targets) for d in dims]
+        high = [max(int(c[d].max()) for _, c in targets) + 1 for d in dims]
+        values = stored.read(source, (*lead, *zip(low, high)))
+        for local, coords in targets:
+            picked = values[(slice(None),) * len(lead) + tuple(c - lo for c, lo in zip(coords, low))]
+            local.copy_(picked.reshape(local.shape))
     return handled
 
 
@@ -211,19 +221,6 @@ def _traced(part: Part, hf_module: nn.Module) -> dict[str, tuple[str, tuple[int,
                          f"cannot be loaded by shard; load with from_pretrained and convert")
     views = part.read(scratch)
     return {name: (names[id(sources[name][0])], tuple(sources[name][0].shape), views[name]) for name in sources}
-
-
-def _read_traced(stored: StoredTensors, source: str, shape: tuple[int, ...], ids: Tensor, box: Box,
-                 lead: Box) -> Tensor:
-    """The elements of ``ids[box]`` (flat indices into a tensor of shape ``shape``: ``source`` after its ``lead``
-    dims) read from ``stored``: the smallest box covering them, then picked out; ``[*lead, *box]``."""
-    wanted = ids[tuple(slice(start, stop) for start, stop in box)]
-    coords = torch.unravel_index(wanted.reshape(-1), shape)
-    low = [int(c.min()) for c in coords]
-    read_box = tuple((lo, int(c.max()) + 1) for lo, c in zip(low, coords))
-    values = stored.read(source, (*lead, *read_box))
-    picked = values[(slice(None),) * len(lead) + tuple(c - lo for c, lo in zip(coords, low))]
-    return picked.reshape(*box_shape(lead), *box_shape(box))
 
 
 def _set_non_persistent_buffers(model: nn.Module) -> None:
