@@ -227,15 +227,12 @@ def scenario_fsdp_big(rank: int, world: int, out: dict) -> None:
     out["failures"] = failures
 
 
-def hf_model(family: str, mesh_ep: int | None = None):
-    """A tiny converted Hugging Face model of ``family`` built from seed 5 (every expert in this process), float32:
-    Qwen3-MoE (8 experts, k=2) or DeepSeek-V3 (8 experts in 4 groups, 2 groups per token, a shared expert, a
-    selection bias, scaled weights)."""
+def tiny_hf_config(family: str, vocab_size: int, **overrides):
+    """A tiny HF config of ``family``: Qwen3-MoE (8 experts, k=2) or DeepSeek-V3 (8 experts in 4 groups, 2 groups
+    per token, a shared expert, a selection bias, scaled weights); ``overrides`` on top."""
     import transformers
 
-    from flexmoe.apps.hf_job import HFJobConfig, build_hf_model
-
-    common = dict(vocab_size=CFG["vocab_size"], hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+    common = dict(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=None,
                   eos_token_id=None, pad_token_id=None)
     if family == "qwen3_moe":
@@ -246,7 +243,15 @@ def hf_model(family: str, mesh_ep: int | None = None):
                      n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=True,
                      routed_scaling_factor=2.5, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
                      qk_nope_head_dim=4, v_head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
-    config = transformers.AutoConfig.for_model(family, **{**common, **extra})
+    return transformers.AutoConfig.for_model(family, **{**common, **extra, **overrides})
+
+
+def hf_model(family: str, mesh_ep: int | None = None):
+    """A tiny converted Hugging Face model of ``family`` (:func:`tiny_hf_config`) built from seed 5 (every expert in
+    this process), float32."""
+    from flexmoe.apps.hf_job import HFJobConfig, build_hf_model
+
+    config = tiny_hf_config(family, CFG["vocab_size"])
     model, _ = build_hf_model(HFJobConfig(hf_config=config.to_dict(), block_size=SEQ, group="single"), seed=5,
                               pretrained=False)
     g = torch.Generator().manual_seed(9)

@@ -318,6 +318,33 @@ def build_hf_model(cfg: HFJobConfig, seed: int, *, pretrained: bool) -> tuple[HF
     return HFCausalLM(hf, cfg), counts
 
 
+def load_hf_model_by_shard(cfg: HFJobConfig, tcfg: TrainConfig) -> tuple[HFCausalLM, tuple[int, int], Any]:
+    """Under ``--fsdp``, the ``--hf-model`` checkpoint loaded onto the mesh ``--ep x dp_shard`` by
+    :func:`flexmoe.hf.load`: each rank reads only its experts and shards. The model, its (parameters, active
+    parameters) (counted on the meta device) and the mesh."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flexmoe.hf import SafetensorsReader, load
+    from flexmoe.parallel import make_mesh
+
+    assert cfg.hf_model is not None, "the weights come from cfg.hf_model"
+    if not dist.is_initialized():
+        raise UsageError("--fsdp needs more than one rank (--nproc N)")
+    with torch.device("meta"):
+        counts = hf_param_counts(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.hf_model)))
+    torch.manual_seed(tcfg.seed)  # as build_hf_model: the job's random state starts from the seed either way
+    mesh = make_mesh(ep=tcfg.ep or dist.get_world_size())
+    reader = SafetensorsReader(cfg.hf_model)
+    try:
+        hf = load(cfg.hf_model, mesh, activation_checkpointing=tcfg.activation_checkpointing, reader=reader,
+                  **cfg.convert_options)
+    except ValueError as exc:
+        raise UsageError(f"--hf-model {cfg.hf_model}: {exc}".splitlines()[0]) from None
+    print(f"[{cfg.label}] rank {dist.get_rank()} read {reader.bytes_read:,} bytes of the checkpoint's "
+          f"{reader.files_bytes():,} (by shard)", flush=True)
+    return HFCausalLM(hf, cfg), counts, mesh
+
+
 def check_loaded_weights(directory: str, loading: dict[str, Any]) -> None:
     """Refuse a ``--hf-model`` checkpoint that does not hold every tensor of its model (``loading``:
     ``from_pretrained``'s ``output_loading_info``): transformers would initialise the missing ones at random, and
@@ -338,12 +365,18 @@ def check_loaded_weights(directory: str, loading: dict[str, Any]) -> None:
                      f"its config.json gives (e.g. {mismatched[0]})")
 
 
-def export_hf(model: HFCausalLM, directory: Path, tokenizer: str | None) -> None:
+def export_hf(model: HFCausalLM, directory: Path, tokenizer: str | None, sharded: bool = False) -> None:
     """Write ``model`` in HF's format to ``directory`` (with the tokenizer it was trained with): a converted model's
     state dict is HF's own. Collective under expert parallelism (``state_dict()`` gathers the experts, so every
-    rank calls ``save_pretrained``), rank 0 writes."""
+    rank calls ``save_pretrained``), rank 0 writes. ``sharded`` (laid on a mesh, ``--fsdp``): gathered one block
+    at a time (:func:`flexmoe.hf.save_pretrained`)."""
+    from flexmoe.hf import save_pretrained
+
     main = not dist.is_initialized() or dist.get_rank() == 0
-    model.hf.save_pretrained(directory, is_main_process=main)
+    if sharded:
+        save_pretrained(model.hf, directory)
+    else:
+        model.hf.save_pretrained(directory, is_main_process=main)
     if main:
         if tokenizer is not None:
             from transformers import AutoTokenizer
@@ -371,15 +404,18 @@ def run_job(args: argparse.Namespace, cfg: HFJobConfig, tcfg: TrainConfig) -> in
     # A resumed run takes its weights from its checkpoint; a new one from --hf-model (or the seed).
     latest = sharded_job.latest_dcp_checkpoint if tcfg.fsdp else latest_checkpoint
     resumes = args.resume and (out / "checkpoints").is_dir() and latest(out) is not None
-    model, counts = build_hf_model(cfg, tcfg.seed, pretrained=cfg.hf_model is not None and not resumes)
-    model.to(tcfg.device)
     mesh = None
-    if tcfg.fsdp:
+    if tcfg.fsdp and cfg.hf_model is not None and not resumes:
+        model, counts, mesh = load_hf_model_by_shard(cfg, tcfg)
+    else:
+        model, counts = build_hf_model(cfg, tcfg.seed, pretrained=cfg.hf_model is not None and not resumes)
+        model.to(tcfg.device)
+    if tcfg.fsdp and mesh is None:
         laid, mesh = sharded_job.lay_out(model, tcfg.ep, tcfg.activation_checkpointing)
         assert isinstance(laid, HFCausalLM)  # parallelize lays the model out in place
         model = laid
     train_model(model, data, tcfg, out, label=cfg.label, model_config=cfg.to_dict(), param_counts=counts,
                 resume=args.resume, mesh=mesh)
     if args.export_hf is not None:
-        export_hf(model, Path(args.export_hf), cfg.tokenizer)
+        export_hf(model, Path(args.export_hf), cfg.tokenizer, sharded=tcfg.fsdp)
     return 0

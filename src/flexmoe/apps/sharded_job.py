@@ -45,7 +45,7 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
 
 def check_mesh_flags(args: argparse.Namespace, world: int) -> None:
     """UsageError for a mesh the job cannot run: --ep not dividing the ranks, --ep or activation checkpointing
-    without --fsdp, --fsdp with what it does not cover yet (--compile, --dense, --export-hf)."""
+    without --fsdp, --fsdp with what it does not cover yet (--compile, --dense)."""
     ep = getattr(args, "ep", None)
     if ep is not None and world % ep:
         raise UsageError(f"--ep {ep} must divide the number of ranks {world}")
@@ -54,9 +54,6 @@ def check_mesh_flags(args: argparse.Namespace, world: int) -> None:
                          f"experts: --ep is the number of ranks)")
     if args.activation_checkpointing and not args.fsdp:
         raise UsageError("--activation-checkpointing needs --fsdp")
-    if args.fsdp and getattr(args, "export_hf", None) is not None:
-        raise UsageError("--export-hf with --fsdp is not supported yet (the export gathers replicated weights); "
-                         "train with --fsdp, then export from a run without it")
     if args.fsdp and args.compile:
         raise UsageError("--fsdp with --compile is not supported yet: train eagerly, or without --fsdp")
     if args.fsdp and getattr(args, "dense", False):

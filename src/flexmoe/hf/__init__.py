@@ -7,6 +7,9 @@
   weights.
 * :func:`upcycle_into_twin` turns a dense Llama / Mistral / Qwen2 / Qwen3 model's MLPs into its MoE twin's
   converted blocks (Mixtral / Qwen3-MoE) computing the same function at the start.
+* :func:`load` builds a ``save_pretrained`` directory's model on the meta device, converts it, lays it on a device
+  mesh and reads on each rank only the tensors (and the boxes of them) that rank holds; :func:`save_pretrained`
+  writes such a model back in HF's format gathering one block at a time.
 * :func:`register` adds ``"flexmoe"`` to transformers' experts implementations: HF's own routing, flexmoe's
   dispatch and expert FFN on HF's parameters, no conversion.
 
@@ -26,8 +29,11 @@ if int(transformers.__version__.split(".")[0]) < 5:
 from flexmoe.hf.block import ConvertedMoeBlock
 from flexmoe.hf.convert import convert, to_hf
 from flexmoe.hf.experts_impl import flexmoe_experts_forward, register
+from flexmoe.hf.export import save_pretrained
 from flexmoe.hf.families import FAMILIES
+from flexmoe.hf.load import load
+from flexmoe.hf.stored import SafetensorsReader
 from flexmoe.hf.upcycle import upcycle_into_twin
 
-__all__ = ["convert", "to_hf", "register", "flexmoe_experts_forward", "ConvertedMoeBlock", "FAMILIES",
-           "upcycle_into_twin"]
+__all__ = ["convert", "to_hf", "load", "save_pretrained", "SafetensorsReader", "register", "flexmoe_experts_forward",
+           "ConvertedMoeBlock", "FAMILIES", "upcycle_into_twin"]

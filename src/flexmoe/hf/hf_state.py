@@ -114,10 +114,18 @@ def write_hf(part: Part, hf_module: nn.Module, moe: MoELayer) -> None:
     """Write the layer's current tensors of ``part`` into HF module ``hf_module`` (real storage) with the part's
     ``write``. The routed experts are gathered from every rank: a collective under expert parallelism."""
     _, module = layer_module(moe, part)
-    values = {name: getattr(module, name).detach() for name in part.sources(hf_module)}
+    values = {name: _unsharded(getattr(module, name).detach()) for name in part.sources(hf_module)}
     if part.routed and moe.ep_group.distributed:
         values = gather_experts(values, moe.layout, moe.ep_group.group)
     part.write(hf_module, values)
+
+
+def _unsharded(tensor: Tensor) -> Tensor:
+    """A layer tensor whole on this rank: an FSDP-sharded one (a DTensor, laid out by ``flexmoe.parallel.
+    parallelize``) gathered over its mesh, a collective; under expert parallelism still this rank's experts."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def layer_requires_grad(part: Part, hf_module: nn.Module) -> dict[str, bool]:

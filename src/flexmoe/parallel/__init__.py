@@ -20,7 +20,7 @@ from flexmoe.parallel.groups import (
     resolve_group,
 )
 from flexmoe.parallel.layout import ExpertLayout, shard_expert_state, unshard_expert_states, valid_r
-from flexmoe.parallel.materialize import materialize, reset_module
+from flexmoe.parallel.materialize import allocate, materialize, reset_module
 from flexmoe.parallel.memory import local_state_bytes
 from flexmoe.parallel.mesh import MESH_DIMS, make_mesh
 from flexmoe.parallel.options import ParallelOptions
@@ -76,6 +76,7 @@ __all__ = [
     "save_sharded",
     "load_sharded",
     "materialize",
+    "allocate",
     "reset_module",
     "pairwise_peers",
     "ShadowContext",

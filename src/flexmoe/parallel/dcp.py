@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from flexmoe.parallel.mesh import full_mesh
@@ -31,7 +32,7 @@ from flexmoe.parallel.mesh import full_mesh
 if TYPE_CHECKING:
     from flexmoe.layer import MoELayer
 
-__all__ = ["save_sharded", "load_sharded"]
+__all__ = ["save_sharded", "load_sharded", "own_tensors"]
 
 
 def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -41,7 +42,10 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     mesh: the mesh the model was laid on (:func:`~flexmoe.parallel.parallelize`); None for one process.
     """
     state = _global_state(model, optimizer, mesh)
-    dcp.save(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():
+        # mesh=None in one process is the documented way to save here; DCP warns that it assumes so.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.save(state, checkpoint_id=str(path))
 
 
 def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -88,7 +92,8 @@ def _global_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     their optimizer states) in global form."""
     experts = _expert_params(model)
     root = full_mesh(mesh) if mesh is not None else None
-    model_state = {name: _as_global(value, experts.get(name), root) for name, value in model.state_dict().items()}
+    model_state = {name: _as_global(value.detach(), experts.get(name), root)
+                   for name, value in own_tensors(model).items()}
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
         # New dicts: the inner ones of get_optimizer_state_dict are the optimizer's own.
@@ -98,6 +103,22 @@ def _global_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                    if isinstance(value, Tensor) and value.dim() > 0 else value for key, value in entries.items()}
             for name, entries in optim_state["state"].items()}}
     return state
+
+
+def own_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter (tied ones once) and persistent buffer of ``model``, by its own name: what
+    ``state_dict()`` holds before any state-dict hook renames it (a converted HF block's gives HF's names and
+    gathers its experts, flexmoe.hf.hf_state), so that model and optimizer states name a tensor alike. FSDP
+    parameters as their sharded DTensors (a unit left gathered after its forward is resharded first)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    tensors: dict[str, Tensor] = dict(model.named_parameters())
+    for prefix, sub in model.named_modules():
+        for key, b in sub.named_buffers(recurse=False):
+            if b is not None and key not in sub._non_persistent_buffers_set:
+                tensors[f"{prefix}.{key}" if prefix else key] = b
+    return tensors
 
 
 def _as_global(value: Any, layer: MoELayer | None, mesh: DeviceMesh | None) -> Any:

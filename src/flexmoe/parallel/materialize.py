@@ -30,7 +30,7 @@ from flexmoe.parallel.layout import HIDDEN_DIM
 if TYPE_CHECKING:
     from flexmoe.layer import MoELayer
 
-__all__ = ["materialize", "reset_module"]
+__all__ = ["materialize", "allocate", "reset_module"]
 
 InitFn = Callable[[str, nn.Module], None]
 
@@ -57,12 +57,7 @@ def materialize(model: nn.Module, *, seed: int, device: torch.device | str | Non
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not callable(init):
         raise TypeError(f"init must be a callable init(name, module), got {type(init).__name__}")
-    # to_empty replaces every meta parameter by a new one: the gradient division of divide_gradients moves along.
-    divisors = {n: getattr(p, GRAD_DIVISOR) for n, p in model.named_parameters() if hasattr(p, GRAD_DIVISOR)}
-    model.to_empty(device=device or _mesh_device(model))
-    params = dict(model.named_parameters())
-    for name, divisor in divisors.items():
-        divide_gradients([params[name]], divisor)
+    allocate(model, device)
     experts = _layer_experts(model)
     for name, module in model.named_modules():
         if id(module) in experts:
@@ -70,6 +65,19 @@ def materialize(model: nn.Module, *, seed: int, device: torch.device | str | Non
         elif next(module.parameters(recurse=False), None) is not None or next(module.buffers(recurse=False), None) \
                 is not None:
             _init_whole(name, module, seed, init)
+    return model
+
+
+def allocate(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
+    """Give ``model``'s meta tensors uninitialised storage on ``device`` (default: the CPU, or the device of the FSDP
+    mesh of a model laid out by :func:`~flexmoe.parallel.parallelize`), each rank only its shards; returns
+    ``model``. Its values are to be written next (:func:`materialize`, or :func:`flexmoe.hf.load`)."""
+    # to_empty replaces every meta parameter by a new one: the gradient division of divide_gradients moves along.
+    divisors = {n: getattr(p, GRAD_DIVISOR) for n, p in model.named_parameters() if hasattr(p, GRAD_DIVISOR)}
+    model.to_empty(device=device or _mesh_device(model))
+    params = dict(model.named_parameters())
+    for name, divisor in divisors.items():
+        divide_gradients([params[name]], divisor)
     return model
 
 
