@@ -11,8 +11,8 @@ the stored tensor that rectangle covers:
   a view of HF's tensors (transposes, halves of ``gate_up_proj``). The view is traced: the part's ``read`` is run
   on a copy of HF's module whose tensors hold their own flat element indices, so the layer tensor holds, at each
   element, the index of the HF element it shows. The indices of the rank's rectangles give the HF box to read
-  (one per HF tensor, covering every layer tensor it backs), and where in it each element lies. Routed experts are traced one expert at a time (the view is the same for
-  each), and read for the rank's experts only.
+  (one per HF tensor, covering every layer tensor it backs), and where in it each element lies. Routed experts
+  are traced one expert at a time (the view is the same for each), and read for the rank's experts only.
 """
 
 from __future__ import annotations
