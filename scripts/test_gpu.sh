@@ -40,10 +40,10 @@ PY
 
 workers=()
 if "$python" -c 'import xdist' 2>/dev/null; then
-    workers=(-n 4)  # the compile cases are CPU-bound (inductor); four processes share the one GPU well
+    workers=(-n 8)  # the compile cases are CPU-bound (inductor); eight processes share the one GPU well
 fi
-# --test-timeout: a hung kernel stops its test's process with a traceback instead of hanging the run.
-timeout 180 "$python" -m pytest -q -m device --device cuda -x --test-timeout 120 ${workers[@]+"${workers[@]}"} \
+# --maxfail 25: one run reports every failure a GPU shows, not the first only. --test-timeout: a hung kernel stops its test's process with a traceback instead of hanging the run.
+timeout 180 "$python" -m pytest -q -m device --device cuda --maxfail 25 --test-timeout 120 ${workers[@]+"${workers[@]}"} \
     -p no:cacheprovider --junitxml="$results/tests.xml" 2>&1 | tee "$results/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
