@@ -56,7 +56,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecision
     MoELayer is replaced by its rebuilt layer).
 
     mp_policy: FSDP2's :class:`MixedPrecisionPolicy` (e.g. bf16 parameters, fp32 reduction), for every unit.
-    reshard_after_forward: free each block's gathered parameters after its forward (gather again in backward).
+    reshard_after_forward: free each block's gathered parameters after its forward (gather again in backward);
+        the last block, whose backward comes first, stays gathered.
     activation_checkpointing: recompute each block's activations in backward instead of keeping them.
     blocks: the FSDP units (default :func:`default_blocks`: the entries of the model's lists of blocks).
 
@@ -89,9 +90,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecision
         divide_gradients(experts, dist.get_world_size())
     else:
         placement, ignored = _placement(mesh, sizes, {id(p) for p in experts}), None
-    for block in units:
+    for i, block in enumerate(units):
+        # The last block's backward runs first, right after the forward: resharding it would only gather it again
+        # at once (torchtitan keeps it gathered too). Every other block is resharded as asked.
+        last = i == len(units) - 1
         fully_shard(block, mesh=dense_mesh, shard_placement_fn=placement, mp_policy=policy,
-                    reshard_after_forward=reshard_after_forward, ignored_params=ignored)
+                    reshard_after_forward=reshard_after_forward and not last, ignored_params=ignored)
     fully_shard(model, mesh=dense_mesh, shard_placement_fn=placement, mp_policy=policy, ignored_params=ignored)
     _divide_gradients_by_world(model, gloo=dist.get_backend(dense_mesh.get_group(dense_mesh.ndim - 1)) == "gloo")
     return model
