@@ -83,6 +83,13 @@ def differ(tag: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: f
     return [f"{tag}: max error {err}"]
 
 
+def gathered_counts(ep: MoELayer, world: int) -> list[list[int]]:
+    """Every rank's rows per expert in the layer's last call, ``[W][E]``."""
+    counts = [torch.zeros(E, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor(ep.last_plan.counts, dtype=torch.long))
+    return [c.tolist() for c in counts]
+
+
 def hot_placement(world: int) -> ReplicaPlacement:
     """Each rank copies the first two of the hot experts, then the others, that it does not own."""
     per_rank = E // world
@@ -118,9 +125,7 @@ def one_call(routing: str, rank: int, world: int, placement: ReplicaPlacement | 
     grads = global_experts(ep, world, grads=True)
     for n, want in expert_grads.items():
         failures += differ(f"expert gradient {n}", grads[n], want, 1e-10, 1e-12)
-    counts = [torch.zeros(E, dtype=torch.long) for _ in range(world)]
-    dist.all_gather(counts, torch.tensor(ep.last_plan.counts, dtype=torch.long))
-    all_counts = [c.tolist() for c in counts]
+    all_counts = gathered_counts(ep, world)
     used = ep.replicas.placement
     return {"failures": failures, "rows": ep.strategy.last_rows, "slots": [list(s) for s in used.replicas],
             "static_rows": replica_rows_per_rank(all_counts, ReplicaPlacement.unreplicated(E, world)),
@@ -148,7 +153,7 @@ def train(routing: str, rank: int, world: int, steps: int = 20, replace_every: i
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(ep.parameters(), lr=1e-2)
     failures: list[str] = []
-    placements, busiest = [], []
+    placements, busiest, static_busiest = [], [], []
     start = [list(s) for s in ep.replicas.placement.replicas]
     for step in range(steps):
         ref_opt.zero_grad()
@@ -171,6 +176,8 @@ def train(routing: str, rank: int, world: int, steps: int = 20, replace_every: i
         ep.update_expert_bias()
         failures += differ(f"step {step} loss", total, ref_loss, 1e-10, 1e-10)
         busiest.append(max(ep.strategy.last_rows))
+        static = ReplicaPlacement.unreplicated(E, world)
+        static_busiest.append(max(replica_rows_per_rank(gathered_counts(ep, world), static)))
         if (step + 1) % replace_every == 0:
             placements.append([list(s) for s in replace_experts(ep)[0].replicas])
     final = global_experts(ep, world, grads=False)
@@ -180,7 +187,7 @@ def train(routing: str, rank: int, world: int, steps: int = 20, replace_every: i
     if ep.expert_bias is not None:
         failures += differ("final expert_bias", ep.expert_bias, ref.expert_bias, 1e-9, 1e-11)
     return {"failures": [f"{routing}: {f}" for f in failures], "placements": placements, "busiest": busiest,
-            "start": start}
+            "static_busiest": static_busiest, "start": start}
 
 
 def calls_main() -> dict:

@@ -29,12 +29,15 @@ def test_split_rows_keeps_local_rows_then_fills_even_quotas():
 
 def test_eplb_replicates_the_heaviest_and_packs_onto_the_lightest_rank():
     # Expert 0 is hot (100 rows): two copies (the cap is one per rank), then expert 4 (ties: lowest id).
-    # Rank loads from owned experts per copy: rank 0: 50, rank 1: 5 + 30 = 35. The copy of expert 0 can only
-    # go to rank 1, the copy of expert 4 only to rank 0.
+    # Rows 100 | 40: the copy of expert 0 goes to rank 1 (50 | 90), expert 4's to rank 0 (55 | 85).
     assert eplb_placement([100, 0, 0, 0, 10, 10, 10, 10], 2, 1).replicas == ((4,), (0,))
-    # Four ranks, one hot expert per rank pair: the lightest ranks take the copies of the heaviest.
+    # Four ranks: expert 0 (rank 0) has 90 rows, expert 6 (rank 3) 30. EPLB wants 3 more copies of expert 0
+    # and one of expert 6. Two copies of 0 go to the idle ranks 1 and 2 (30 rows each); a third on rank 3
+    # (30 + 22.5 > 30) and expert 6's on rank 0 would raise the busiest rank: dropped, and those slots take
+    # the coldest experts. Every rank then computes 30 rows, the mean.
     placement = eplb_placement([90, 0, 0, 0, 0, 0, 30, 0], 4, 1)
-    assert sorted(placement.holders(0)) == [0, 1, 2, 3] and placement.holders(6)[0] == 3
+    assert placement.holders(0) == [0, 1, 2] and placement.holders(6) == [3]
+    assert replica_rows_per_rank([[90, 0, 0, 0, 0, 0, 30, 0]] + [[0] * 8] * 3, placement) == [30] * 4
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -88,16 +91,17 @@ def test_replicated_forward_and_gradients_equal_one_process_4_ranks():
 
 
 def _check_training(world: int) -> None:
-    from replica_worker import HOT, ROUTINGS, train_main
+    from replica_worker import ROUTINGS, train_main
 
     reports = _reports(world, train_main)
     for routing in ROUTINGS:
         run = reports[0][routing]
         placements = run["placements"]
-        # Re-placed every 5 steps from the load window: the same on every rank, and the hot experts copied.
+        # Re-placed every 5 steps from the load window, the same on every rank; from then on the busiest rank
+        # computes fewer rows than the static layout's busiest would (the same calls' counts).
         assert len(placements) == 4 and all(rep[routing]["placements"] == placements for rep in reports)
-        assert placements[0] != run["start"] and set(HOT) <= {e for slots in placements[0] for e in slots}, \
-            (routing, run["start"], placements)
+        assert placements[0] != run["start"], (routing, placements)
+        assert sum(run["busiest"][5:]) < sum(run["static_busiest"][5:]), (routing, run)
 
 
 def test_training_with_replacement_equals_one_process_2_ranks():
@@ -114,3 +118,62 @@ def test_resume_across_a_replacement_is_bit_identical(tmp_path):
     from replica_worker import resume_main
 
     _reports(2, resume_main, [str(tmp_path)])
+
+
+def test_cost_model_prices_the_busiest_rank_of_a_replicated_placement():
+    from flexmoe.tuning.cost_model import LayerConfig, choose_placement, ffn_times, layer_time, price_placements
+    from flexmoe.tuning.profile import load_profile
+
+    profile = load_profile("a100-ndv4")
+    config = LayerConfig(tokens=1000, model_dim=256, hidden_dim=512, experts=4, k=1, capacity_factor=0.0,
+                         ranks=2, token_exchange=False)
+    prices = price_placements(profile, config, [60, 20, 10, 10], redundant=1)
+    # EPLB with rank 0 owning experts 0, 1: expert 0 gets a copy on rank 1; expert 1's copy cannot go to its
+    # own rank, so rank 0's free slot takes expert 2. Rows (2 ranks x 1000 tokens, shares 0.6/0.2/0.1/0.1):
+    # static rank 0 computes 1200 + 400; replicated rank 0 computes 600 (half of expert 0) + 400 + 100.
+    assert prices["replicated"][1] == ((2,), (0,))
+
+    def compute(rows: list[int]) -> float:
+        return sum(sum(ffn_times(profile, n, 256, 512, "float32")) for n in rows)
+
+    shares = (0.6, 0.2, 0.1, 0.1)
+    static = layer_time(profile, LayerConfig(**{**config.__dict__, "expert_shares": shares}))
+    replicated = layer_time(profile, LayerConfig(**{**config.__dict__, "expert_shares": shares,
+                                                    "replicas": ((2,), (0,))}))
+    assert replicated.experts - static.experts == pytest.approx(compute([600, 400, 100]) - compute([1200, 400]))
+    assert replicated.weights_comm > 0 and static.weights_comm == 0
+    # 64 experts on 64 GPUs, k = 8, three experts with 3.2x the mean load: shadowing one costs a broadcast to
+    # 64 ranks and the model shadows none; two replica slots per rank win. An even load: the static layout.
+    wide = LayerConfig(tokens=4096, model_dim=2048, hidden_dim=768, experts=64, k=8, capacity_factor=0.0,
+                       ranks=64, dtype="bfloat16")
+    skewed = [3.2, 3.2, 3.2] + [1.0] * 61
+    assert choose_placement(profile, wide, skewed, 2) == "replicated"
+    assert choose_placement(profile, wide, [1.0] * 64, 2) == "static"
+
+
+def test_simulate_prices_placements_on_a_load_trace(tmp_path, capsys):
+    import json
+
+    from flexmoe.apps.cli import main
+    from flexmoe.apps.simulate_placement import read_load_trace, stretch_load
+
+    # The trace's cumulative curve, stretched: half the load on a third of the experts stays so at 6 experts.
+    assert stretch_load([0.25, 0.5, 0.25], 6) == pytest.approx([0.25, 0.25, 0.125, 0.125, 0.125, 0.125])
+    trace = tmp_path / "metrics.jsonl"
+    trace.write_text("\n".join(json.dumps({"step": s, "expert_load": [[30, 10, 10, 10], [10, 30, 10, 10]]})
+                               for s in (10, 20)) + "\n" + json.dumps({"step": 30, "val_loss": 1.0}) + "\n")
+    assert read_load_trace(trace) == pytest.approx([0.5, 1 / 6, 1 / 6, 1 / 6])  # each layer sorted, averaged
+    # A sharply skewed trace (one expert in 16 takes 40% of the rows) for the table.
+    trace.write_text(json.dumps({"expert_load": [[60] + [6] * 15]}) + "\n")
+    assert main(["simulate", "--load-trace", str(trace), "--gpus", "8,16", "--k", "8"]) == 0
+    table = capsys.readouterr().out
+    lines = [line.split() for line in table.splitlines() if line[:4].strip() in ("64", "128", "256")]
+    assert [(int(c[0]), int(c[1])) for c in lines] == [(64, 8), (64, 16), (128, 8), (128, 16), (256, 8), (256, 16)]
+    for cells in lines:  # the busiest rank's share falls with replicas, toward 1 / EP; the choice is the fastest
+        assert 1 / int(cells[2]) - 1e-9 <= float(cells[-1]) < float(cells[-2])
+        times = dict(zip(("static", "shadowing", "replicated"), map(float, cells[3:6])))
+        assert times[cells[6]] == min(times.values())
+    assert "assumptions:" in table
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    assert main(["simulate", "--load-trace", str(tmp_path / "empty.jsonl")]) != 0
+    assert "no expert_load records" in capsys.readouterr().err

@@ -136,10 +136,12 @@ def eplb_placement(load: Sequence[float], world_size: int, redundant: int) -> Re
 
     load: ``[E]`` rows per expert over the recent window. 1. Each of the ``W * R`` slots in turn goes to the
     expert with the most load per copy (ties: the lower expert id; at most W copies of an expert).
-    2. The extra copies, heaviest load per copy first, each go to the rank with the least load so far (its
-    owned experts' load per copy counted from the start) among those with a free slot and no copy of that
-    expert (ties: the lower rank). A copy that finds no such rank is dropped, and at the end every free slot
-    takes the expert with the most load per copy that its rank does not hold yet."""
+    2. The extra copies, heaviest load per copy first, each go to the rank computing the fewest rows so far
+    (rows split evenly among each expert's holders) among those with a free slot and no copy of that expert
+    (ties: the lower rank), unless that would raise the busiest rank's rows: then the copy is dropped.
+    3. Every slot still free takes the coldest expert its rank does not hold (the fewest rows moved: a slot
+    cannot stay empty). The check in 2 and step 3 are ours: owners are fixed, so a copy EPLB would pack could
+    otherwise land where it makes the busiest rank busier."""
     num_experts = len(load)
     check_redundant_experts(redundant, num_experts, world_size)
     per_rank = num_experts // world_size
@@ -149,20 +151,38 @@ def eplb_placement(load: Sequence[float], world_size: int, redundant: int) -> Re
         if not open_experts:
             break
         copies[max(open_experts, key=lambda e: (load[e] / copies[e], -e))] += 1
-    rank_load = [sum(load[e] / copies[e] for e in range(r * per_rank, (r + 1) * per_rank))
-                 for r in range(world_size)]
+    holders = [[e // per_rank] for e in range(num_experts)]
     slots: list[list[int]] = [[] for _ in range(world_size)]
-    extra = sorted((e for e in range(num_experts) for _ in range(copies[e] - 1)),
-                   key=lambda e: (-load[e] / copies[e], e))
-    for e in extra:
-        fits = [r for r in range(world_size)
-                if len(slots[r]) < redundant and e not in slots[r] and e // per_rank != r]
-        if fits:
-            rank = min(fits, key=lambda r: (rank_load[r], r))
+
+    rows = [0.0] * world_size  # rows per rank, each expert's split evenly among its holders
+    for e in range(num_experts):
+        rows[e // per_rank] += load[e]
+
+    def rows_with(e: int, rank: int) -> list[float]:
+        """``rows`` after one more copy of expert ``e`` on ``rank``."""
+        n = len(holders[e])
+        after = list(rows)
+        for held in holders[e]:
+            after[held] -= load[e] / n - load[e] / (n + 1)
+        after[rank] += load[e] / (n + 1)
+        return after
+
+    extra_copies = sorted((e for e in range(num_experts) for _ in range(copies[e] - 1)),
+                          key=lambda e: (-load[e] / copies[e], e))
+    for e in extra_copies:
+        fits = [r for r in range(world_size) if len(slots[r]) < redundant and r not in holders[e]]
+        if not fits:
+            continue
+        rank = min(fits, key=lambda r: (rows[r], r))
+        after = rows_with(e, rank)
+        if max(after) <= max(rows):
             slots[rank].append(e)
-            rank_load[rank] += load[e] / copies[e]
+            holders[e].append(rank)
+            rows = after
     for rank in range(world_size):
         while len(slots[rank]) < redundant:
-            free = [e for e in range(num_experts) if e not in slots[rank] and e // per_rank != rank]
-            slots[rank].append(max(free, key=lambda e: (load[e] / copies[e], -e)))
+            free = [e for e in range(num_experts) if rank not in holders[e]]
+            e = min(free, key=lambda e: (load[e], e))
+            slots[rank].append(e)
+            holders[e].append(rank)
     return ReplicaPlacement(num_experts, tuple(tuple(s) for s in slots))

@@ -147,13 +147,14 @@ def fetch_replica_weights(experts: FeedForwardExperts, placement: ReplicaPlaceme
     params = [getattr(experts, n) for n in names]
     sent = [e - me * per_rank for dst in range(world) for e in placement.replicas[dst] if placement.owner(e) == me]
     index = torch.tensor(sent, dtype=torch.long, device=params[0].device)
-    flat = torch.cat([p.index_select(0, index).reshape(len(sent), -1) for p in params], dim=1)
+    sizes = [math.prod(p.shape[1:]) for p in params]
+    flat = torch.cat([p.index_select(0, index).reshape(len(sent), n) for p, n in zip(params, sizes)], dim=1)
     splits = [[sum(placement.owner(e) == src for e in placement.replicas[dst]) for dst in range(world)]
               for src in range(world)]
     received = exchange(flat, transport, splits, stats)  # by owner, then in this rank's slot order
     by_owner = sorted(range(placement.redundant), key=lambda j: (placement.owner(placement.replicas[me][j]), j))
     rows = received.index_select(0, _inverse(torch.tensor(by_owner, dtype=torch.long)).to(received.device))
-    pieces = rows.split([math.prod(p.shape[1:]) for p in params], dim=1)
+    pieces = rows.split(sizes, dim=1)
     out: dict[str, Tensor | None] = {n: None for n in _PARAMS}
     for n, p, piece in zip(names, params, pieces):
         out[n] = piece.reshape(placement.redundant, *p.shape[1:])
