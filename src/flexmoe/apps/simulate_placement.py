@@ -13,7 +13,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from flexmoe.parallel.placement import ReplicaPlacement, replica_rows_per_rank
+from flexmoe.parallel.placement import ReplicaPlacement
+from flexmoe.parallel.replicas import busiest_share
 from flexmoe.tuning.cost_model import PLACEMENTS, LayerConfig, price_placements
 from flexmoe.tuning.profile import load_profile
 
@@ -70,11 +71,7 @@ def stretch_load(shares: list[float], experts: int) -> list[float]:
 
 
 def _busiest_share(load: list[float], placement: ReplicaPlacement) -> float:
-    """The busiest rank's share of the rows (what each holder computes depends on the totals only, so the
-    rows are put on rank 0 as their one source)."""
-    rows = [[round(x * 1e6) for x in load]] + [[0] * len(load)] * (placement.world_size - 1)
-    per_rank = replica_rows_per_rank(rows, placement)
-    return max(per_rank) / sum(per_rank)
+    return busiest_share([round(x * 1e6) for x in load], placement)  # shares as integer rows
 
 
 def simulate_placements(profile_name: str, gpus: list[int], shares: list[float],

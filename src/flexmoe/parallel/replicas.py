@@ -29,9 +29,16 @@ from flexmoe.experts import FeedForwardExperts
 from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, exchange, transpose
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting, permute_rows
 from flexmoe.parallel.options import ParallelOptions
-from flexmoe.parallel.placement import ReplicaPlacement, check_redundant_experts, eplb_placement, split_rows
+from flexmoe.parallel.placement import (
+    ReplicaPlacement,
+    check_redundant_experts,
+    eplb_placement,
+    replica_rows_per_rank,
+    split_rows,
+)
 
-__all__ = ["ReplicaState", "ReplicatedExperts", "check_replicas_supported", "replace_experts"]
+__all__ = ["ReplicaState", "ReplicatedExperts", "check_replicas_supported", "replace_experts", "replica_slots",
+           "placement_record"]
 
 _PARAMS = ("w1", "b1", "w2", "b2", "w3", "b3")
 
@@ -221,3 +228,33 @@ def replace_experts(model: nn.Module) -> list[ReplicaPlacement]:
     (nothing moves: the next forward fetches the new replicas' weights)."""
     strategies = [getattr(m, "strategy", None) for m in model.modules()]
     return [s.replace() for s in strategies if isinstance(s, ReplicatedExperts)]
+
+
+def replica_slots(model: nn.Module) -> list[list[list[int]]]:
+    """Per layer with ``redundant_experts`` (model order), the experts each rank's replica slots copy."""
+    strategies = [getattr(m, "strategy", None) for m in model.modules()]
+    return [s.state.slots.tolist() for s in strategies if isinstance(s, ReplicatedExperts)]
+
+
+def busiest_share(load: list[int], placement: ReplicaPlacement) -> float:
+    """The busiest rank's share of ``load``'s rows (``[E]``, all ranks') under ``placement``: each holder's
+    rows depend on the totals only, so they are put on rank 0 as their one source."""
+    rows = [list(load)] + [[0] * len(load)] * (placement.world_size - 1)
+    per_rank = replica_rows_per_rank(rows, placement)
+    return max(per_rank) / max(sum(per_rank), 1)
+
+
+def placement_record(before: list[list[list[int]]], after: list[list[list[int]]],
+                     load: list[list[int]]) -> dict[str, list]:
+    """What a training job logs of its replicated layers at one step: ``load`` ``[layers][E]`` its rows per
+    expert, ``before``/``after`` each layer's slots (:func:`replica_slots`) before and after a re-placement.
+    The busiest rank's share of the rows: without replicas (the static layout), with the placement that ran,
+    and with the new one (the same when nothing was re-placed)."""
+    num_experts = len(load[0])
+    placements = [[ReplicaPlacement(num_experts, tuple(tuple(s) for s in slots)) for slots in layers]
+                  for layers in (before, after)]
+    static = ReplicaPlacement.unreplicated(num_experts, len(before[0]))
+    return {"replicas": after,
+            "busiest_share_static": [busiest_share(layer, static) for layer in load],
+            "busiest_share": [busiest_share(layer, p) for layer, p in zip(load, placements[0])],
+            "busiest_share_replaced": [busiest_share(layer, p) for layer, p in zip(load, placements[1])]}
