@@ -177,3 +177,33 @@ def test_simulate_prices_placements_on_a_load_trace(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text(json.dumps({"step": 1}) + "\n")
     assert main(["simulate", "--load-trace", str(tmp_path / "empty.jsonl")]) != 0
     assert "no expert_load records" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--redundant-experts", "2"], "needs --nproc 2 or more"),
+    (["--replace-every", "5"], "needs --redundant-experts"),
+])
+def test_train_refuses_replicas_it_cannot_run(tmp_path, capsys, flags, message):
+    from flexmoe.apps.cli import main
+
+    code = main(["train", "--out", str(tmp_path / "run"), "--steps", "1", "--no-plots", "--no-progress", *flags])
+    assert code != 0 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_job_logs_the_placement_with_two_ranks(tmp_path):
+    import json
+
+    from flexmoe.apps.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--steps", "10", "--nproc", "2", "--redundant-experts", "2",
+                 "--replace-every", "5", "--log-every", "5", "--eval-every", "1000", "--eval-batches", "1",
+                 "--n-layer", "2", "--n-embd", "64", "--expert-hidden", "64", "--no-plots", "--no-progress"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    placements = [r["placement"] for r in records if "placement" in r]
+    assert len(placements) == 2
+    for p in placements:  # one MoE layer of 2 ranks x 2 slots; shares of the busiest rank between 1/2 and 1
+        assert len(p["replicas"]) == 1 and [len(s) for s in p["replicas"][0]] == [2, 2]
+        for key in ("busiest_share_static", "busiest_share", "busiest_share_replaced"):
+            assert 0.5 <= p[key][0] <= 1.0
