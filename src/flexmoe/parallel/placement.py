@@ -16,7 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ReplicaPlacement", "split_rows", "replica_rows_per_rank", "eplb_placement", "check_redundant_experts"]
+__all__ = ["EMPTY", "ReplicaPlacement", "split_rows", "replica_rows_per_rank", "eplb_placement",
+           "check_redundant_experts"]
+
+
+EMPTY = -1  # a replica slot that copies no expert (it computes no rows and fetches no weights)
 
 
 def check_redundant_experts(redundant: int, num_experts: int, world_size: int) -> None:
@@ -33,7 +37,8 @@ def check_redundant_experts(redundant: int, num_experts: int, world_size: int) -
 
 @dataclass(frozen=True)
 class ReplicaPlacement:
-    """``replicas[rank]``: the global experts that rank's R slots copy (R the same for every rank).
+    """``replicas[rank]``: the global experts that rank's R slots copy (R the same for every rank; :data:`EMPTY`
+    for a slot left empty).
 
     A rank's slots are its owned experts (local order) then its replicas (slot order); an expert's holders
     are its owner first, then the ranks with a replica of it in rank order."""
@@ -50,10 +55,11 @@ class ReplicaPlacement:
         for rank, slots in enumerate(self.replicas):
             if len(slots) != redundant:
                 raise ValueError(f"every rank needs {redundant} replica slots; rank {rank} has {len(slots)}")
-            bad = [e for e in slots if not 0 <= e < self.num_experts or self.owner(e) == rank]
-            if bad or len(set(slots)) != len(slots):
+            copies = [e for e in slots if e != EMPTY]
+            bad = [e for e in copies if not 0 <= e < self.num_experts or self.owner(e) == rank]
+            if bad or len(set(copies)) != len(copies):
                 raise ValueError(f"rank {rank}'s replica slots {list(slots)} must be distinct experts in "
-                                 f"[0, {self.num_experts}) that rank {rank} does not own")
+                                 f"[0, {self.num_experts}) that rank {rank} does not own, or {EMPTY} (empty)")
 
     @property
     def world_size(self) -> int:
@@ -77,7 +83,7 @@ class ReplicaPlacement:
         return list(range(first, first + self.experts_per_rank)) + list(self.replicas[rank])
 
     def holders(self, expert: int) -> list[int]:
-        """The ranks computing ``expert``: its owner, then the ranks with a replica of it (ascending)."""
+        """The ranks computing ``expert`` (>= 0): its owner, then the ranks with a replica of it (ascending)."""
         return [self.owner(expert)] + [r for r, slots in enumerate(self.replicas) if expert in slots]
 
     @classmethod
@@ -139,9 +145,8 @@ def eplb_placement(load: Sequence[float], world_size: int, redundant: int) -> Re
     2. The extra copies, heaviest load per copy first, each go to the rank computing the fewest rows so far
     (rows split evenly among each expert's holders) among those with a free slot and no copy of that expert
     (ties: the lower rank), unless that would raise the busiest rank's rows: then the copy is dropped.
-    3. Every slot still free takes the coldest expert its rank does not hold (the fewest rows moved: a slot
-    cannot stay empty). The check in 2 and step 3 are ours: owners are fixed, so a copy EPLB would pack could
-    otherwise land where it makes the busiest rank busier."""
+    Slots still free stay :data:`EMPTY`. The check in 2 is ours: owners are fixed, so a copy EPLB would pack
+    could otherwise land where it makes the busiest rank busier (and so could any copy filling a slot)."""
     num_experts = len(load)
     check_redundant_experts(redundant, num_experts, world_size)
     per_rank = num_experts // world_size
@@ -179,10 +184,4 @@ def eplb_placement(load: Sequence[float], world_size: int, redundant: int) -> Re
             slots[rank].append(e)
             holders[e].append(rank)
             rows = after
-    for rank in range(world_size):
-        while len(slots[rank]) < redundant:
-            free = [e for e in range(num_experts) if rank not in holders[e]]
-            e = min(free, key=lambda e: (load[e], e))
-            slots[rank].append(e)
-            holders[e].append(rank)
-    return ReplicaPlacement(num_experts, tuple(tuple(s) for s in slots))
+    return ReplicaPlacement(num_experts, tuple(tuple(s + [EMPTY] * (redundant - len(s))) for s in slots))

@@ -30,6 +30,7 @@ from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, exchange
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting, permute_rows
 from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.placement import (
+    EMPTY,
     ReplicaPlacement,
     check_redundant_experts,
     eplb_placement,
@@ -121,11 +122,13 @@ def _route(all_counts: list[list[int]], placement: ReplicaPlacement, me: int) ->
         starts.append(starts[-1] + n)
 
     def rows_to(src: int, dst: int, e: int) -> int:
-        return sends[src][e][holder_index[e][dst]]
+        return 0 if e == EMPTY else sends[src][e][holder_index[e][dst]]
 
     index = []
     for dst in range(world):
         for e in placement.slot_experts(dst):
+            if e == EMPTY:
+                continue
             h = holder_index[e][dst]
             offset = starts[e] + sum(sends[me][e][:h])  # an expert's rows go to its holders in holder order
             index.append(torch.arange(offset, offset + sends[me][e][h]))
@@ -146,8 +149,8 @@ def _route(all_counts: list[list[int]], placement: ReplicaPlacement, me: int) ->
 
 def fetch_replica_weights(experts: FeedForwardExperts, placement: ReplicaPlacement, me: int, transport: Exchange,
                           stats: CommStats | None = None) -> dict[str, Tensor | None]:
-    """The weights of this rank's R replica slots, fetched from their owners: name -> ``[R, ...]`` (None for
-    absent parameters), in slot order. One all-to-all of flat ``[P]`` rows; differentiable, so each copy's
+    """The weights of this rank's non-empty replica slots, fetched from their owners: name -> ``[R', ...]``
+    (None for absent parameters), in slot order. One all-to-all of flat ``[P]`` rows; differentiable, so each copy's
     gradient is summed into its owner's parameters by the backward exchange."""
     world, per_rank = placement.world_size, placement.experts_per_rank
     names = [n for n in _PARAMS if getattr(experts, n, None) is not None]
@@ -159,12 +162,13 @@ def fetch_replica_weights(experts: FeedForwardExperts, placement: ReplicaPlaceme
     splits = [[sum(placement.owner(e) == src for e in placement.replicas[dst]) for dst in range(world)]
               for src in range(world)]
     received = exchange(flat, transport, splits, stats)  # by owner, then in this rank's slot order
-    by_owner = sorted(range(placement.redundant), key=lambda j: (placement.owner(placement.replicas[me][j]), j))
+    copies = [e for e in placement.replicas[me] if e != EMPTY]
+    by_owner = sorted(range(len(copies)), key=lambda j: (placement.owner(copies[j]), j))
     rows = received.index_select(0, _inverse(torch.tensor(by_owner, dtype=torch.long)).to(received.device))
     pieces = rows.split(sizes, dim=1)
     out: dict[str, Tensor | None] = {n: None for n in _PARAMS}
     for n, p, piece in zip(names, params, pieces):
-        out[n] = piece.reshape(placement.redundant, *p.shape[1:])
+        out[n] = piece.reshape(len(copies), *p.shape[1:])
     return out
 
 
@@ -204,8 +208,9 @@ class ReplicatedExperts:
         local = permute_rows(received, route.to_slot_order.to(rows.device), route.from_slot_order.to(rows.device))
         owned = placement.experts_per_rank
         n_owned = sum(route.slot_counts[:owned])
+        copy_counts = [n for n, e in zip(route.slot_counts[owned:], placement.replicas[ep.eg.rank]) if e != EMPTY]
         out = torch.cat([experts(local[:n_owned], route.slot_counts[:owned]).to(rows.dtype),
-                         experts.ffn_with(local[n_owned:], route.slot_counts[owned:], replicas).to(rows.dtype)])
+                         experts.ffn_with(local[n_owned:], copy_counts, replicas).to(rows.dtype)])
         if not out.requires_grad and received.requires_grad:
             out = out + received[:0].sum()  # no rows here: still join the gradient exchange
         out = permute_rows(out, route.from_slot_order.to(rows.device), route.to_slot_order.to(rows.device))

@@ -92,7 +92,8 @@ class LayerConfig:
     token_exchange: at r = 1, d = 1 over whole experts (index dispatch, no padding, no shadowing) each token goes
         once to every rank holding one of its experts, as flexmoe's layer does (docs/architecture.md, "Each
         token once per rank"); False prices one row per (token, expert) pair, as the peers send.
-    replicas: per rank, the experts its replica slots copy (``redundant_experts``, whole experts, rows sent):
+    replicas: per rank, the experts its replica slots copy, -1 for an empty slot (``redundant_experts``, whole
+        experts, rows sent):
         an expert's rows are split evenly among its owner and its copies, and the copies' weights travel each
         step (an all-to-all forward, its gradients back), :mod:`flexmoe.parallel.replicas`.
     """
@@ -500,7 +501,8 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
     if config.replicas and not replicated:
         raise ValueError("replicas need whole experts (experts % ranks == 0) over several ranks at r = 1")
     copies = [1] * e  # holders of each expert: its owner and its replicas
-    for slots in config.replicas if replicated else ():
+    held_copies = [[x for x in slots if x >= 0] for slots in config.replicas] if replicated else []
+    for slots in held_copies:
         for x in slots:
             copies[x] += 1
 
@@ -545,7 +547,7 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
         for rank in range(w):
             fwd = bwd = 0.0
             held = list(range(rank * per_rank, (rank + 1) * per_rank))
-            held += list(config.replicas[rank]) if replicated else []
+            held += held_copies[rank] if replicated else []
             for x in held:
                 if x in shadowed:
                     continue
@@ -578,7 +580,7 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
     elif s == 1:
         per_rank = config.experts_per_rank
         mine = list(range(straggler * per_rank, (straggler + 1) * per_rank))
-        mine += list(config.replicas[straggler]) if replicated else []
+        mine += held_copies[straggler] if replicated else []
         send_rows: float
         recv_rows: float
         if config.padded_a2a and config.capacity_factor != 0 or config.dispatch == "dense":
@@ -620,7 +622,8 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
         # each way, as large as the busiest sender's (the owner of the most copied experts) or receiver's.
         sent = max(sum(copies[x] - 1 for x in range(o * config.experts_per_rank, (o + 1) * config.experts_per_rank))
                    for o in range(w))
-        out.weights_comm = 2 * a2a_time(profile, max(sent, len(config.replicas[0])) * p, w, g, config.a2a) * comm_slow
+        received = max(len(slots) for slots in held_copies)
+        out.weights_comm = 2 * a2a_time(profile, max(sent, received) * p, w, g, config.a2a) * comm_slow
     # broadcast + gradient reduce
     out.shadow_comm = 2 * len(shadowed) * broadcast_time(profile, p, w, g) * comm_slow
 
