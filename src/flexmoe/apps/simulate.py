@@ -243,5 +243,7 @@ def _run_placements(args: argparse.Namespace, gpus: list[int], profile: str) -> 
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(format_placements(rows, profile, str(args.load_trace), args.redundant_experts, args.k))
+        shape = (f"k={args.k}, {args.tokens} tokens per GPU, M={args.model_dim}, H={args.hidden_dim}, {args.dtype}, "
+                 f"dropless")
+        print(format_placements(rows, profile, str(args.load_trace), args.redundant_experts, shape))
     return 0

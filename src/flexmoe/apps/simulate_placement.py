@@ -105,8 +105,9 @@ def simulate_placements(profile_name: str, gpus: list[int], shares: list[float],
     return rows
 
 
-def format_placements(rows: list[dict[str, Any]], profile: str, source: str, redundant: int, k: int) -> str:
-    lines = [f"predicted layer forward + backward (ms) by expert placement, k={k}, redundant_experts={redundant}, "
+def format_placements(rows: list[dict[str, Any]], profile: str, source: str, redundant: int, shape: str) -> str:
+    """The table of :func:`simulate_placements`; ``shape``: the layer's sizes, as the caller states them."""
+    lines = [f"predicted layer forward + backward (ms) by expert placement, {shape}, redundant_experts={redundant}, "
              f"profile {profile}, load from {source}",
              f"{'E':>4s} {'GPUs':>5s} {'EP':>4s} {'static':>9s} {'shadowing':>10s} {'replicated':>11s} "
              f"{'choice':>11s} {'shadowed':>9s} {'busiest static':>15s} {'busiest repl.':>14s}"]
