@@ -189,7 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-trace", type=Path, default=None,
                         help="a run's metrics.jsonl (or JSON with expert_load): instead, price static, shadowed and "
                              "replicated expert placement on that load at E = 64, 128, 256 (flexmoe.apps."
-                             "simulate_placement)")
+                             "simulate_placement) (default: none, the throughput table)")
     parser.add_argument("--redundant-experts", type=COUNT, default=2,
                         help="replica slots per GPU in the --load-trace table")
 
