@@ -209,3 +209,23 @@ def test_train_job_logs_the_placement_with_two_ranks(tmp_path):
         assert len(p["replicas"]) == 1 and [len(s) for s in p["replicas"][0]] == [2, 2]
         for key in ("busiest_share_static", "busiest_share", "busiest_share_replaced"):
             assert 0.5 <= p[key][0] <= 1.0
+
+
+@pytest.mark.slow
+def test_train_job_resumed_across_a_replacement_is_bit_identical(tmp_path):
+    import json
+
+    from flexmoe.apps.cli import main
+
+    out = tmp_path / "run"
+    flags = ["--nproc", "2", "--redundant-experts", "2", "--replace-every", "2", "--log-every", "1",
+             "--ckpt-every", "3", "--eval-every", "1000", "--eval-batches", "1", "--n-layer", "2", "--n-embd", "64",
+             "--expert-hidden", "64", "--no-plots", "--no-progress"]
+    assert main(["train", "--out", str(out), "--steps", "6", *flags]) == 0
+    straight = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # Back to the checkpoint of step 3 (between the re-placements of steps 2 and 4), then on to step 6.
+    (out / "checkpoints" / "latest.json").write_text(json.dumps({"step": 3, "path": "step_000003"}))
+    assert main(["train", "--out", str(out), "--resume", "--steps", "6", "--nproc", "2", "--no-progress"]) == 0
+    resumed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    keys = ("step", "train_loss", "expert_load", "placement")
+    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys} for r in straight]
