@@ -48,16 +48,16 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def hot_bias(logits: torch.Tensor, k: int, share: float) -> float:
-    """The logit bonus for the hot experts that gives them ``share`` of the top-k picks (bisection).
+def hot_bias(logits: torch.Tensor, k: int, share: float, hot: tuple[int, ...] = HOT) -> float:
+    """The logit bonus for the ``hot`` experts that gives them ``share`` of the top-k picks (bisection).
     logits: ``[T, E]`` without the bonus."""
     lo, hi = 0.0, 20.0
     for _ in range(40):
         mid = (lo + hi) / 2
         boosted = logits.clone()
-        boosted[:, list(HOT)] += mid
+        boosted[:, list(hot)] += mid
         picks = boosted.topk(k, dim=-1).indices
-        got = sum((picks == e).sum().item() for e in HOT) / picks.numel()
+        got = sum((picks == e).sum().item() for e in hot) / picks.numel()
         lo, hi = (mid, hi) if got < share else (lo, mid)
     return (lo + hi) / 2
 

@@ -52,7 +52,9 @@ _OPTION_CLASSES: dict[str, _OptionsClass] = {"routing_options": RoutingOptions, 
                                              "parallel_options": ParallelOptions}
 # What one forward call may override: the capacity (routing) and every parallel option but the chooser.
 _CALL_ROUTING = ("capacity", "capacity_factor")
-_CALL_PARALLEL = tuple(f.name for f in dataclasses.fields(ParallelOptions) if f.name != "chooser")
+# redundant_experts is the layer's own: its placement and load window live in the layer.
+_CALL_PARALLEL = tuple(f.name for f in dataclasses.fields(ParallelOptions)
+                       if f.name not in ("chooser", "redundant_experts"))
 
 
 class MoELayer(nn.Module):
@@ -216,6 +218,8 @@ class MoELayer(nn.Module):
         self._shape = LayerShape(model_dim, hidden_dim, num_experts, routing.k, expert.glu)
         self._strategies: dict[tuple[str, str], Any] = {}  # unwrapped strategies by (schedule, parallel)
         self.strategy: ExpertStrategy = self._strategy_for(parallel)
+        # The replica placement and load window (redundant_experts > 0) are buffers: checkpoints carry them.
+        self.replicas = getattr(self.strategy, "state", None)
         self.last_choice: ParallelSetting | None = None
         self.last_shadowed: list[int] = []
         # The last call's plan; after a call served without one, the function that builds it when first read.

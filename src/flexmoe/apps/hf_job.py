@@ -54,7 +54,8 @@ DEEPSEEK_BIAS_UPDATE_RATE = 1e-3  # DeepSeek-V3's bias update speed (its paper's
 _GPT_ONLY_FLAGS = ("--dense", "--compare-dense", "--upcycle-from", "--granularity", "--aux-loss-type",
                    *(f for f in MOE_MODEL_FLAGS if f != "--capacity-factor"))
 # Flags handed to flexmoe.hf.convert: flag -> MoELayer option.
-_CONVERT_FLAGS = {"--capacity-factor": "capacity_factor", "--a2a": "a2a", "--cross-node-share": "cross_node_share"}
+_CONVERT_FLAGS = {"--capacity-factor": "capacity_factor", "--a2a": "a2a", "--cross-node-share": "cross_node_share",
+                  "--redundant-experts": "redundant_experts"}
 
 
 def add_hf_flags(parser: argparse.ArgumentParser) -> None:

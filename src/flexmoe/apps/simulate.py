@@ -186,6 +186,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"PNG path (default: {DEFAULT_PLOT_DIR}/simulate-<profile>.png)")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    parser.add_argument("--load-trace", type=Path, default=None,
+                        help="a run's metrics.jsonl (or JSON with expert_load): instead, price static, shadowed and "
+                             "replicated expert placement on that load at E = 64, 128, 256 (flexmoe.apps."
+                             "simulate_placement) (default: none, the throughput table)")
+    parser.add_argument("--redundant-experts", type=COUNT, default=2,
+                        help="replica slots per GPU in the --load-trace table")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(f"--profile: {exc}") from None
     name = Path(str(args.profile)).stem
+    if args.load_trace is not None:
+        return _run_placements(args, gpus, name)
     plot_path = args.plot or DEFAULT_PLOT_DIR / f"simulate-{name}.png"
     if not args.no_plot:
         if plot_path.is_dir():
@@ -218,4 +226,24 @@ def run(args: argparse.Namespace) -> int:
         path = plot(rows, plot_path, name)
         if not args.json:
             print(f"plot: {path}")
+    return 0
+
+
+def _run_placements(args: argparse.Namespace, gpus: list[int], profile: str) -> int:
+    """``--load-trace``: the placement table (:mod:`flexmoe.apps.simulate_placement`), no plot."""
+    from flexmoe.apps.simulate_placement import format_placements, read_load_trace, simulate_placements
+
+    try:
+        shares = read_load_trace(args.load_trace)
+        rows = simulate_placements(args.profile, gpus, shares, k=args.k, tokens=args.tokens,
+                                   model_dim=args.model_dim, hidden_dim=args.hidden_dim, dtype=args.dtype,
+                                   redundant=args.redundant_experts)
+    except (ValueError, OSError) as exc:
+        raise UsageError(f"--load-trace: {exc}") from None
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        shape = (f"k={args.k}, {args.tokens} tokens per GPU, M={args.model_dim}, H={args.hidden_dim}, {args.dtype}, "
+                 f"dropless")
+        print(format_placements(rows, profile, str(args.load_trace), args.redundant_experts, shape))
     return 0

@@ -67,6 +67,7 @@ from flexmoe.layer import update_expert_biases
 from flexmoe.model_routing import balance_metrics
 from flexmoe.parallel.ddp import wrap_ddp
 from flexmoe.parallel.groups import default_ranks_per_node
+from flexmoe.parallel.replicas import placement_record, replace_experts, replica_slots
 from flexmoe.routing.global_balance import reset_global_balance
 from flexmoe.routing.losses import AUX_LOSS_TYPES
 
@@ -106,6 +107,8 @@ class TrainConfig:
     # of the dense MLP (1/granularity of its hidden units).
     upcycle_from: str | None = None
     granularity: int = 1
+    # With the model's redundant_experts: re-place the replicas from the recent load every N steps (0: never).
+    replace_every: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -133,6 +136,7 @@ _MODEL_FLAGS: FlagTable = {  # GPTConfig's
     "--a2a": ("a2a", Choice(("flat", "2dh"))),
     "--cross-node-share": ("cross_node_share", SHARE),
     "--aux-loss-type": ("aux_loss_type", Choice(AUX_LOSS_TYPES)),
+    "--redundant-experts": ("redundant_experts", NON_NEGATIVE),
 }
 
 
@@ -218,6 +222,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=SEED, default=t.seed, help="seed of the initialisation and data order")
     a("--batch-size", type=COUNT, default=t.batch_size, help="global sequences per step (split over ranks)")
     a("--micro-batches", type=COUNT, default=t.micro_batches, help="gradient accumulation steps per rank")
+    a("--replace-every", type=COUNT, default=None,
+      help="with --redundant-experts: re-place the replica experts from the load since the last re-placement every "
+           "N steps (default: never)")
     a("--eval-every", type=COUNT, default=t.eval_every, help="steps between validation evaluations")
     a("--eval-batches", type=COUNT, default=t.eval_batches, help="validation batches per evaluation")
     a("--target-loss", type=NON_NEGATIVE_REAL, default=None,
@@ -256,7 +263,8 @@ RESUME_MAY_CHANGE = ("steps", "log_every", "eval_every", "ckpt_every", "no_plots
 # The training flags (TrainConfig fields) that a resumed run must keep.
 # The mesh flags too: a sharded run's checkpoints are DCP directories, a replicated run's flexmoe's own.
 _KEPT_TRAIN_FLAGS = ("lr", "warmup", "seed", "data", "batch_size", "micro_batches", "eval_batches", "target_loss",
-                     "stop_at_target", "fsdp", "ep", "activation_checkpointing", "upcycle_from", "granularity")
+                     "stop_at_target", "fsdp", "ep", "activation_checkpointing", "upcycle_from", "granularity",
+                     "replace_every")
 
 
 def given_dests(args: argparse.Namespace) -> frozenset[str]:
@@ -305,7 +313,10 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any] 
         compile=check_compile_backend(args.compile), device=args.device,
         fsdp=args.fsdp, ep=args.ep, activation_checkpointing=args.activation_checkpointing,
         upcycle_from=args.upcycle_from, granularity=1 if args.granularity is None else args.granularity,
+        replace_every=args.replace_every or 0,
     )
+    if tcfg.replace_every and not args.redundant_experts:
+        raise UsageError("--replace-every re-places replica experts: it needs --redundant-experts R (R >= 1)")
     saved = saved_run_config(Path(args.out)) if args.resume else None
     if saved is not None:
         check_resumed_flags(args, saved_train_flags(saved["train"]), Path(args.out))
@@ -485,7 +496,10 @@ def build_model(cfg: GPTConfig, seed: int) -> GPT:
     if cfg.group is None or cfg.dense:
         return reference
     model = GPT(cfg)
-    load_global_state_dict(model, {k: v.detach() for k, v in reference.state_dict().items()}, source="init")
+    state = {k: v.detach() for k, v in reference.state_dict().items()}
+    # The replica placements and load windows (buffers of the layers with replicas) start as the model's own.
+    state.update({k: v for k, v in model.state_dict().items() if ".replicas." in k})
+    load_global_state_dict(model, state, source="init")
     return model
 
 
@@ -617,6 +631,9 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
     if tcfg.batch_size % (world * tcfg.micro_batches):
         raise UsageError(f"--batch-size {tcfg.batch_size} must divide by ranks x micro-batches "
                          f"({world} x {tcfg.micro_batches})")
+    if mcfg.redundant_experts and (mcfg.group is None or tcfg.fsdp):
+        raise UsageError(f"--redundant-experts {mcfg.redundant_experts} copies experts between expert-parallel "
+                         f"ranks: it needs --nproc 2 or more, without --fsdp and --dense")
     data = TokenData.from_file(tcfg.data, block_size=mcfg.block_size)
     model: nn.Module = build_model(mcfg, tcfg.seed)
     if init is not None:
@@ -738,6 +755,9 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
             update_expert_biases(model)  # balance="bias": once per optimizer step, from all micro-batches' load
             reset_global_balance(model)  # aux_loss_type="global": the next step counts its own choices
             optimizer.step()
+            placement_before = replica_slots(model)
+            if tcfg.replace_every and step % tcfg.replace_every == 0:
+                replace_experts(model)  # from the load window since the last one; the same on every rank
             if state_bytes is None:
                 state_bytes = sharded_job.state_bytes_per_rank(model, optimizer)
                 if rank == 0:
@@ -768,6 +788,9 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
                     record["expert_demand"] = demand.long().tolist()
                     # Before the evaluation below routes other tokens through the layers.
                     record["balance"] = {k: _mean_over_ranks(v, world) for k, v in balance_metrics(model).items()}
+                    if placement_before:
+                        record["placement"] = placement_record(placement_before, replica_slots(model),
+                                                               record["expert_load"])
                 if is_eval:
                     val_loss = evaluate(model, data, tcfg, rank, world)
                     last_eval_step = step

@@ -25,6 +25,8 @@ from flexmoe.parallel.memory import local_state_bytes
 from flexmoe.parallel.mesh import MESH_DIMS, make_mesh
 from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.pairwise import pairwise_peers
+from flexmoe.parallel.placement import ReplicaPlacement, eplb_placement
+from flexmoe.parallel.replicas import ReplicatedExperts, replace_experts
 from flexmoe.parallel.shadow import (
     ShadowContext,
     ShadowExperts,
@@ -50,6 +52,10 @@ __all__ = [
     "PairwiseExperts",
     "AutoExperts",
     "ShadowedExperts",
+    "ReplicatedExperts",
+    "ReplicaPlacement",
+    "eplb_placement",
+    "replace_experts",
     "build_strategy",
     "ExpertLayout",
     "valid_r",

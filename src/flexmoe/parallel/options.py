@@ -40,6 +40,9 @@ class ParallelOptions:
         one of its experts and get back one weighted sum per rank (docs/architecture.md, "Each token once per
         rank"); False sends one row per (token, expert) pair, as every other setting does. With
         ``parallel="auto"``, True lets the chooser try both at r = 1, d = 1.
+    redundant_experts: R >= 0 replica slots per rank, each computing a copy of a hot expert
+        (:mod:`flexmoe.parallel.replicas`; docs/architecture.md, "Replicated experts"). The layer's own, not a
+        call's: the placement and its load window live in the layer.
     """
 
     r: int = 1
@@ -51,9 +54,11 @@ class ParallelOptions:
     shadow: Any = False
     chooser: Chooser | None = None
     token_exchange: bool = True
+    redundant_experts: int = 0
 
     def __post_init__(self) -> None:
         check_int("r", self.r, 0)
+        check_int("redundant_experts", self.redundant_experts, 0)
         if not isinstance(self.token_exchange, bool):
             raise TypeError(f"token_exchange must be a bool, got {self.token_exchange!r}")
         if isinstance(self.overlap_degree, bool) or not isinstance(self.overlap_degree, int) \

@@ -14,6 +14,8 @@ every other case returns None.
 * :class:`PairwiseExperts`: FasterMoE's pairwise schedule (:mod:`flexmoe.parallel.pairwise`).
 * :class:`AutoExperts`: ``parallel="auto"``: a :class:`~flexmoe.parallel.auto.Chooser` picks the setting of
   each call; the stage is timed so the chooser learns.
+* :class:`~flexmoe.parallel.replicas.ReplicatedExperts`: ``redundant_experts=R``: R replica slots per rank
+  copying hot experts, each expert's rows split among its holders.
 * :class:`ShadowedExperts` wraps any of the three expert-parallel ones: the hot experts a
   :class:`~flexmoe.parallel.ShadowPolicy` picks are computed locally on broadcast weights, the other rows go
   through the wrapped strategy.
@@ -41,6 +43,7 @@ from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
 from flexmoe.parallel.layout import ExpertLayout
 from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.pairwise import check_pairwise, run_pairwise
+from flexmoe.parallel.replicas import ReplicatedExperts, check_replicas_supported
 from flexmoe.parallel.shadow import ShadowContext, ShadowPolicy, check_shadow_supported, choose_experts, run_shadowed
 from flexmoe.parallel.token_exchange import local_route, route_from_counts
 
@@ -268,6 +271,8 @@ class ShadowedExperts:
 def check_parallel_options(options: ParallelOptions, layout: ExpertLayout, experts: nn.Module,
                            ep: ExpertParallel | None) -> None:
     """The checks that need the layout and the expert module (at construction, on every rank)."""
+    if options.redundant_experts:
+        check_replicas_supported(options, ep, experts)
     if options.schedule == "pairwise":
         check_pairwise(layout, options.r, options.overlap_degree, options.a2a, options.parallel)
     if options.shadow_policy is not None:
@@ -278,14 +283,24 @@ def check_parallel_options(options: ParallelOptions, layout: ExpertLayout, exper
 
 def build_strategy(options: ParallelOptions, ep: ExpertParallel | None, experts: nn.Module, shape: LayerShape,
                    chooser: Chooser | None = None,
-                   reuse: dict[tuple[str, str], _GroupStrategy] | None = None) -> ExpertStrategy:
+                   reuse: dict[tuple[str, str], _GroupStrategy | ReplicatedExperts] | None = None) -> ExpertStrategy:
     """The strategy for ``options``: local without a group, else pairwise / auto / all-to-all, wrapped for
     shadowing when the options name a policy. ``reuse`` keeps the unwrapped strategies by (schedule, parallel)
     so that a call switching back finds its state (the auto chooser's timings) again."""
     if ep is None:
         return LocalExperts(experts)
+    if options.redundant_experts:
+        # One per layer and R: it holds the placement and load window, which a call's other options keep.
+        key = ("replicas", str(options.redundant_experts))
+        replicated = None if reuse is None else reuse.get(key)
+        if not isinstance(replicated, ReplicatedExperts):
+            replicated = ReplicatedExperts(ep, options.redundant_experts)
+            if reuse is not None:
+                reuse[key] = replicated
+        return replicated
     key = (options.schedule, options.parallel)
-    inner = None if reuse is None else reuse.get(key)
+    kept = None if reuse is None else reuse.get(key)
+    inner = kept if isinstance(kept, _GroupStrategy) else None
     if inner is None:
         if options.schedule == "pairwise":
             inner = PairwiseExperts(ep)

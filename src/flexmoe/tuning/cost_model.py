@@ -38,6 +38,9 @@ __all__ = [
     "memory_time",
     "first_touch_time",
     "p2p_time",
+    "PLACEMENTS",
+    "price_placements",
+    "choose_placement",
     "a2a_flat_time",
     "a2a_2dh_time",
     "a2a_time",
@@ -89,6 +92,10 @@ class LayerConfig:
     token_exchange: at r = 1, d = 1 over whole experts (index dispatch, no padding, no shadowing) each token goes
         once to every rank holding one of its experts, as flexmoe's layer does (docs/architecture.md, "Each
         token once per rank"); False prices one row per (token, expert) pair, as the peers send.
+    replicas: per rank, the experts its replica slots copy, -1 for an empty slot (``redundant_experts``, whole
+        experts, rows sent):
+        an expert's rows are split evenly among its owner and its copies, and the copies' weights travel each
+        step (an all-to-all forward, its gradients back), :mod:`flexmoe.parallel.replicas`.
     """
 
     tokens: int
@@ -110,6 +117,7 @@ class LayerConfig:
     glu: bool = False
     padded_a2a: bool = False
     token_exchange: bool = True
+    replicas: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("tokens", "model_dim", "hidden_dim", "experts", "k", "ranks", "overlap_degree"):
@@ -390,7 +398,7 @@ def sends_tokens(config: LayerConfig) -> bool:
     more than one rank, whole experts, r = 1, d = 1, index dispatch without padding, nothing shadowed."""
     return (config.token_exchange and config.ranks > 1 and config.shards == 1 and config.resolved_r() == 1
             and config.overlap_degree == 1 and config.dispatch == "index" and not config.padded_a2a
-            and not config.shadowed)
+            and not config.shadowed and not config.replicas)
 
 
 def _ranks_per_node(profile: Profile, config: LayerConfig) -> int:
@@ -489,6 +497,14 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
         if not 0 <= x < e:
             raise ValueError(f"shadowed expert {x} out of range [0, {e})")
     out = Breakdown()
+    replicated = bool(config.replicas) and s == 1 and w > 1 and r == 1
+    if config.replicas and not replicated:
+        raise ValueError("replicas need whole experts (experts % ranks == 0) over several ranks at r = 1")
+    copies = [1] * e  # holders of each expert: its owner and its replicas
+    held_copies = [[x for x in slots if x >= 0] for slots in config.replicas] if replicated else []
+    for slots in held_copies:
+        for x in slots:
+            copies[x] += 1
 
     # Rows this rank sends out through the all-to-all (and gathers/scatters locally).
     local_rows: float
@@ -530,14 +546,16 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
         worst = (-1.0, 0.0, 0.0, 0)
         for rank in range(w):
             fwd = bwd = 0.0
-            for x in range(rank * per_rank, (rank + 1) * per_rank):
+            held = list(range(rank * per_rank, (rank + 1) * per_rank))
+            held += held_copies[rank] if replicated else []
+            for x in held:
                 if x in shadowed:
                     continue
-                f, bk = ffn(rows_global[x], h)
+                f, bk = ffn(rows_global[x] / copies[x], h)
                 fwd, bwd = fwd + f, bwd + bk
             if fwd + bwd > worst[0]:
                 worst = (fwd + bwd, fwd, bwd, rank)
-            if config.expert_shares is None and rank >= 1 and not shadowed:
+            if config.expert_shares is None and rank >= 1 and not shadowed and not replicated:
                 break  # with the built-in skew, ranks 1.. are identical: rank 1 stands for all of them
         _, c_fwd, c_bwd, straggler = worst
         c_fwd += shadow_local[0]
@@ -561,7 +579,8 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
         send = recv = 0.0
     elif s == 1:
         per_rank = config.experts_per_rank
-        mine = range(straggler * per_rank, (straggler + 1) * per_rank)
+        mine = list(range(straggler * per_rank, (straggler + 1) * per_rank))
+        mine += held_copies[straggler] if replicated else []
         send_rows: float
         recv_rows: float
         if config.padded_a2a and config.capacity_factor != 0 or config.dispatch == "dense":
@@ -571,7 +590,7 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
             send_rows, recv_rows = t * sum(reach), w * t * reach[straggler]
         else:
             send_rows = sum(t * k * shares[x] for x in range(e) if x not in shadowed)
-            recv_rows = sum(rows_global[x] for x in mine if x not in shadowed)
+            recv_rows = sum(rows_global[x] / copies[x] for x in mine if x not in shadowed)
         send, recv = send_rows * m * b, recv_rows * m * b
     else:
         # Each row goes to the r ranks of one group (replicated), and r partial results come back.
@@ -598,6 +617,13 @@ def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
         out.weights_comm = 2 * allgather_time(profile, e * p, w, g) * comm_slow
     elif s > 1 and r < s:
         out.weights_comm = 2 * allgather_time(profile, p / r, s // r, g) * comm_slow
+    if replicated:
+        # The copies' weights from their owners (forward) and their gradients back (backward): one all-to-all
+        # each way, as large as the busiest sender's (the owner of the most copied experts) or receiver's.
+        sent = max(sum(copies[x] - 1 for x in range(o * config.experts_per_rank, (o + 1) * config.experts_per_rank))
+                   for o in range(w))
+        received = max(len(slots) for slots in held_copies)
+        out.weights_comm = 2 * a2a_time(profile, max(sent, received) * p, w, g, config.a2a) * comm_slow
     # broadcast + gradient reduce
     out.shadow_comm = 2 * len(shadowed) * broadcast_time(profile, p, w, g) * comm_slow
 
@@ -689,3 +715,38 @@ def choose_shadowed(profile: Profile, config: LayerConfig, tokens_per_expert: Se
         best = trial
         chosen.append(x)
     return sorted(chosen)
+
+
+PLACEMENTS = ("static", "shadowing", "replicated")
+
+
+def price_placements(profile: Profile, config: LayerConfig, load: Sequence[float], redundant: int
+                     ) -> dict[str, tuple[float, Any]]:
+    """The predicted layer seconds of each way to place experts under ``load`` (``[E]`` rows per expert, e.g.
+    the recent window), whole experts at r = 1, rows sent (shadowing and replicas send rows):
+
+    * ``static``: the layout alone;
+    * ``shadowing``: FasterMoE's hot experts broadcast each step (:func:`choose_shadowed`);
+    * ``replicated``: ``redundant`` slots per rank placed by
+      :func:`~flexmoe.parallel.placement.eplb_placement`. Re-placing moves no weights or optimizer state
+      (the copies are fetched from their owners every step, priced in ``weights_comm``), so a move costs
+      nothing beyond that.
+
+    Returns name -> (seconds, what was chosen: the shadowed experts or the placement's replicas)."""
+    from flexmoe.parallel.placement import eplb_placement  # parallel never imports tuning: no cycle
+
+    if len(load) != config.experts:
+        raise ValueError(f"load needs {config.experts} entries (one per expert), got {len(load)}")
+    base = replace(config, expert_shares=tuple(float(x) for x in load), shadowed=(), replicas=(),
+                   token_exchange=False, r=1, overlap_degree=1)
+    shadowed = choose_shadowed(profile, base, load)
+    placement = eplb_placement(load, config.ranks, redundant)
+    return {"static": (predict(profile, base), ()),
+            "shadowing": (predict(profile, replace(base, shadowed=tuple(shadowed))), tuple(shadowed)),
+            "replicated": (predict(profile, replace(base, replicas=placement.replicas)), placement.replicas)}
+
+
+def choose_placement(profile: Profile, config: LayerConfig, load: Sequence[float], redundant: int) -> str:
+    """The fastest of :data:`PLACEMENTS` by :func:`price_placements` (ties: the simpler, in that order)."""
+    prices = price_placements(profile, config, load, redundant)
+    return min(PLACEMENTS, key=lambda name: (prices[name][0], PLACEMENTS.index(name)))

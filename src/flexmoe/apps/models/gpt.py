@@ -53,6 +53,8 @@ class GPTConfig(MoEModelConfig):
     # algorithm, and the topology-aware gate's share of (token, choice) pairs sent off the node (None: off).
     a2a: str = "flat"
     cross_node_share: float | None = None
+    # Replica slots per rank for hot experts (flexmoe.parallel.replicas), under expert parallelism.
+    redundant_experts: int = 0
     group: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:

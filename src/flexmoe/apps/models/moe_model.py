@@ -74,7 +74,8 @@ class MoEModelConfig:
 def build_moe_mlp(cfg: Any) -> MoELayer:
     """The MoE MLP of width ``cfg.n_embd``: ``cfg.num_experts`` GELU experts of hidden ``cfg.expert_hidden``,
     ``cfg.k`` per token, routed by ``cfg.router`` with ``cfg.capacity_factor``; the all-to-all ``cfg.a2a`` and
-    the topology gate's ``cfg.cross_node_share`` where the config has them (the GPT's does)."""
+    the topology gate's ``cfg.cross_node_share`` and ``cfg.redundant_experts`` where the config has them (the
+    GPT's does)."""
     kwargs: dict[str, Any] = dict(
         k=cfg.k, capacity_factor=cfg.capacity_factor, router=cfg.router, activation="gelu",
         a2a=getattr(cfg, "a2a", "flat"), cross_node_share=getattr(cfg, "cross_node_share", None),
@@ -85,6 +86,10 @@ def build_moe_mlp(cfg: Any) -> MoELayer:
     kwargs["group"] = cfg.group if cfg.group is not None else "single"
     if kwargs["group"] == "single":
         kwargs["ranks_per_node"] = 1  # one process holding every expert is one node, whatever torchrun says
+    if getattr(cfg, "redundant_experts", 0) and kwargs["group"] != "single":
+        # Replicas copy experts between ranks. The one-process model of the same config (the job's reference
+        # and parameter count) holds every expert; the job refuses --redundant-experts in one process.
+        kwargs["redundant_experts"] = cfg.redundant_experts
     return MoELayer(cfg.n_embd, cfg.num_experts, cfg.expert_hidden, **kwargs)
 
 
