@@ -12,3 +12,11 @@ def run_flexmoe(*argv: str, timeout: float = 120, check: bool = False,
     non-zero exit; ``env``: the child's whole environment (None: this process's)."""
     return subprocess.run([sys.executable, "-m", "flexmoe", *argv], capture_output=True, text=True,
                           timeout=timeout, check=check, env=env)
+
+
+def check_usage_error(*argv: str, says: str) -> subprocess.CompletedProcess:
+    """Run ``flexmoe ARGV`` and assert that it stops with a usage error (exit code 2) whose stderr contains
+    ``says``; returns the finished process for further checks."""
+    out = run_flexmoe(*argv)
+    assert out.returncode == 2 and says in out.stderr, out.stderr[-3000:]
+    return out

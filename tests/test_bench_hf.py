@@ -26,7 +26,7 @@ from flexmoe.apps.bench.hf import (  # noqa: E402
     shapes_of,
 )
 from flexmoe.apps.bench.suite import suite_checks  # noqa: E402
-from flexmoe_cli import run_flexmoe  # noqa: E402
+from flexmoe_cli import check_usage_error, run_flexmoe  # noqa: E402
 
 TINY = HFShape("tiny", tokens=48, model_dim=16, experts=8, k=2, hidden_dim=12)
 TINY_GROUPED = HFShape("tiny-deepseek", tokens=48, model_dim=16, experts=8, k=2, hidden_dim=12, groups=4,
@@ -122,8 +122,7 @@ def test_suite_groups_list_every_family_and_shape() -> None:
 
 
 def test_bench_hf_rejects_unknown_family() -> None:
-    out = run_flexmoe("bench", "--hf", "switch")
-    assert out.returncode == 2 and "--hf must be one of" in out.stderr
+    check_usage_error("bench", "--hf", "switch", says="--hf must be one of")
 
 
 @pytest.mark.slow
