@@ -147,28 +147,15 @@ def _check_without_autograd(path, dtype: torch.dtype, counts: list[int], *, glu:
     torch.testing.assert_close(got.to("cpu", torch.float64), expected, **TOLERANCES[dtype])
 
 
+# The decoding paths: joined_unit_ffn runs each expert's matmuls into its rows of one buffer and the unit once over
+# all rows; embedding_bag_ffn runs no matmul, each row's products as weighted sums of its expert's weight rows.
+@pytest.mark.parametrize("path", [joined_unit_ffn, looped_expert_ffn, embedding_bag_ffn], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", list(COUNTS))
 @FFN_VARIANTS
-def test_joined_unit_path_without_autograd_matches_the_reference(dtype: torch.dtype, case: str, glu: bool,
-                                                                 bias: bool, glu_limit: float | None,
-                                                                 device: torch.device) -> None:
-    """The decoding path: each expert's matmuls into its rows of one buffer, the unit once over all rows."""
-    _check_without_autograd(joined_unit_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit,
-                            device=device)
-    _check_without_autograd(looped_expert_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit,
-                            device=device)
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("case", list(COUNTS))
-@FFN_VARIANTS
-def test_embedding_bag_path_without_autograd_matches_the_reference(dtype: torch.dtype, case: str, glu: bool,
-                                                                   bias: bool, glu_limit: float | None,
-                                                                   device: torch.device) -> None:
-    """The decoding path with no matmul: each row's products as weighted sums of its expert's weight rows."""
-    _check_without_autograd(embedding_bag_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit,
-                            device=device)
+def test_path_without_autograd_matches_the_reference(path, dtype: torch.dtype, case: str, glu: bool, bias: bool,
+                                                     glu_limit: float | None, device: torch.device) -> None:
+    _check_without_autograd(path, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit, device=device)
 
 
 def test_embedding_bag_path_with_model_dim_unlike_hidden_and_many_experts() -> None:
