@@ -36,9 +36,6 @@ class GPTConfig(MoEModelConfig):
     a2a: str = "flat"
     cross_node_share: float | None = None
 
-    def __post_init__(self) -> None:
-        self._check_shape()
-
 
 class GPT(MoEModel):
     """Byte/char-level GPT. ``forward(idx [B, L]) -> logits [B, L, V]`` (and the LM loss with targets)."""

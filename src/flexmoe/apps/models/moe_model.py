@@ -46,8 +46,11 @@ class MoEModelConfig:
     z_loss_coef: float = 0.001
     group: Any = field(default=None, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        self._check_shape()
+
     def _check_shape(self) -> None:
-        """The checks every such model needs (its own ones follow in its ``__post_init__``)."""
+        """The checks every such model needs (a subclass's own ones go in its ``__post_init__``)."""
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head}")
         if self.moe_every < 1:

@@ -44,7 +44,7 @@ class ViTConfig(MoEModelConfig):
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size != 0:
             raise ValueError(f"image_size={self.image_size} must divide by patch_size={self.patch_size}")
-        self._check_shape()
+        super().__post_init__()
         if self.pool not in ("mean", "cls"):
             raise ValueError(f"pool must be 'mean' or 'cls', got {self.pool!r}")
 
