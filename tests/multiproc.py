@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from flexmoe.launch import RankResult, spawn_ranks
@@ -86,3 +87,12 @@ def failures_of(reports: list[dict], ranks: tuple[int, ...] | None = None) -> li
     """Every failure line of the reports (of ``ranks`` only, if given), prefixed with its rank."""
     return [f"rank {rep['rank']}: {f}" for rep in reports if ranks is None or rep["rank"] in ranks
             for f in rep.get("failures", [])]
+
+
+def check_ranks_pass(world: int, main: Callable[..., dict], args: list, what: str, timeout: float = 240.0) -> None:
+    """Run ``main(*args)`` on ``world`` gloo ranks (each returns ``{"rank": r, "failures": [...]}``); fail with
+    every rank's failure lines unless all ranks report none and each reported its own rank."""
+    reports = [r.value for r in spawn_ranks(world, main, args, timeout=timeout, check=True, what=what)]
+    failures = failures_of(reports)
+    assert not failures, "\n".join(failures)
+    assert [rep["rank"] for rep in reports] == list(range(world))

@@ -306,11 +306,16 @@ def reference_for_layer(
     return result, x64, params
 
 
+def randn64(generator: torch.Generator, *shape: int, scale: float = 0.7) -> Tensor:
+    """``[*shape]`` float64 normal values times ``scale``, drawn from ``generator``."""
+    return torch.randn(*shape, generator=generator, dtype=torch.float64) * scale
+
+
 def random_expert_params(generator: torch.Generator, num_experts: int, model_dim: int, hidden: int, *,
                          glu: bool, bias: bool, scale: float = 0.7) -> dict[str, Tensor | None]:
     """Random float64 expert weights ``w1, w3 [E, M, H]``, ``w2 [E, H, M]`` and biases (None where absent)."""
     def r(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=generator, dtype=torch.float64) * scale
+        return randn64(generator, *shape, scale=scale)
 
     return {"w1": r(num_experts, model_dim, hidden), "b1": r(num_experts, hidden) if bias else None,
             "w2": r(num_experts, hidden, model_dim), "b2": r(num_experts, model_dim) if bias else None,
@@ -344,3 +349,12 @@ def ref_layout_rows(unit_rows: list[int], capacity: int, num_experts: int) -> tu
             real[start + i] = u // units_per_expert
         start += capacity if capacity else n
     return start, real
+
+
+def ref_layout_split(unit_rows: list[int], capacity: int, num_experts: int,
+                     ) -> tuple[int, dict[int, int], list[int], list[int]]:
+    """:func:`ref_layout_rows` with its rows split: ``(N, {real row: its expert}, real rows, padding rows)``,
+    both lists ascending."""
+    num_rows, expert_of = ref_layout_rows(unit_rows, capacity, num_experts)
+    real = sorted(expert_of)
+    return num_rows, expert_of, real, sorted(set(range(num_rows)) - set(real))

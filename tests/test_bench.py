@@ -16,6 +16,7 @@ from flexmoe import MoELayer
 from flexmoe.apps.baselines import expert_floor, gshard_einsum_forward
 from flexmoe.apps.bench.distributed import paired_ratio
 from flexmoe.apps.bench.timing import saved_activation_bytes, time_side_by_side
+from flexmoe_cli import check_usage_error, run_flexmoe
 
 
 @pytest.mark.parametrize("cf", [2.0, 0.5, 0.0])
@@ -58,10 +59,9 @@ def test_time_side_by_side_takes_turns() -> None:
 
 
 def test_bench_command_json() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "flexmoe", "bench", "--tokens", "64", "--model-dim", "16", "--hidden-dim", "32",
-         "--steps", "2", "--warmup", "0", "--capacity-factor", "0", "--memory", "--no-peers", "--json"],
-        capture_output=True, text=True, timeout=120, check=True)
+    out = run_flexmoe(
+        "bench", "--tokens", "64", "--model-dim", "16", "--hidden-dim", "32", "--steps", "2", "--warmup", "0",
+        "--capacity-factor", "0", "--memory", "--no-peers", "--json", check=True)
     report = json.loads(out.stdout)
     cases = {row["case"]: row for row in report["rows"]}
     assert set(cases) == {"floor", "grouped floor", "flexmoe", "gshard-einsum"}
@@ -74,17 +74,14 @@ def test_bench_command_json() -> None:
 
 
 def test_bench_rejects_bad_flags() -> None:
-    out = subprocess.run([sys.executable, "-m", "flexmoe", "bench", "--tokens", "0"], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 2 and "argument --tokens: must be an integer >= 1, got 0" in out.stderr
+    check_usage_error("bench", "--tokens", "0", says="argument --tokens: must be an integer >= 1, got 0")
 
 
 @pytest.mark.slow
 def test_distributed_bench_two_ranks() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "flexmoe", "bench", "--nproc", "2", "--tokens", "128", "--model-dim", "32",
-         "--hidden-dim", "64", "--experts", "4", "--steps", "2", "--warmup", "1", "--profile", "a100-ndv4", "--json"],
-        capture_output=True, text=True, timeout=300, check=True)
+    out = run_flexmoe(
+        "bench", "--nproc", "2", "--tokens", "128", "--model-dim", "32", "--hidden-dim", "64", "--experts", "4",
+        "--steps", "2", "--warmup", "1", "--profile", "a100-ndv4", "--json", timeout=300, check=True)
     report = json.loads(out.stdout[out.stdout.index("{"):])
     assert report["world_size"] == 2
     names = [row["setting"] for row in report["settings"]]
@@ -106,11 +103,10 @@ def test_stalling_experts_have_their_stall_as_the_floor() -> None:
     """--sleep-ms: the floor is the experts' stall alone (no exchange), so every setting has its x floor; the stall
     is sleep_ms per pass, forward and backward, scaled by the rows a rank computes over the even share."""
     sleep_ms, tokens, k = 40, 128, 2
-    out = subprocess.run(
-        [sys.executable, "-m", "flexmoe", "bench", "--nproc", "2", "--tokens", str(tokens), "--model-dim", "32",
-         "--hidden-dim", "64", "--num-experts", "4", "--k", str(k), "--capacity-factor", "0", "--steps", "3",
-         "--warmup", "1", "--degrees", "1,2", "--sleep-ms", str(sleep_ms), "--auto-trials", "1", "--json"],
-        capture_output=True, text=True, timeout=300, check=True)
+    out = run_flexmoe(
+        "bench", "--nproc", "2", "--tokens", str(tokens), "--model-dim", "32", "--hidden-dim", "64",
+        "--num-experts", "4", "--k", str(k), "--capacity-factor", "0", "--steps", "3", "--warmup", "1",
+        "--degrees", "1,2", "--sleep-ms", str(sleep_ms), "--auto-trials", "1", "--json", timeout=300, check=True)
     report = json.loads(out.stdout[out.stdout.index("{"):])
     # Dropless: the two ranks compute all 2 x tokens x k rows between them, and the slowest rank's share is at
     # least half, so its stall is at least 2 passes x sleep_ms (and the rows of one rank at most all of them).
@@ -249,9 +245,7 @@ def test_isolated_suite_measures_in_a_fresh_process_and_reports_a_dead_one() -> 
 
 
 def test_bench_suite_groups_flag_rejects_unknown_group() -> None:
-    proc = subprocess.run([sys.executable, "-m", "flexmoe", "bench", "--suite-groups", "nope"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "unknown suite group" in proc.stderr
+    check_usage_error("bench", "--suite-groups", "nope", says="unknown suite group")
 
 
 def test_paired_ratio_is_the_median_of_the_per_round_ratios() -> None:

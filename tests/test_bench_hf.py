@@ -7,8 +7,6 @@ whose output differs from HF eager's (it compares every case before timing).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,6 +26,7 @@ from flexmoe.apps.bench.hf import (  # noqa: E402
     shapes_of,
 )
 from flexmoe.apps.bench.suite import suite_checks  # noqa: E402
+from flexmoe_cli import check_usage_error, run_flexmoe  # noqa: E402
 
 TINY = HFShape("tiny", tokens=48, model_dim=16, experts=8, k=2, hidden_dim=12)
 TINY_GROUPED = HFShape("tiny-deepseek", tokens=48, model_dim=16, experts=8, k=2, hidden_dim=12, groups=4,
@@ -123,17 +122,14 @@ def test_suite_groups_list_every_family_and_shape() -> None:
 
 
 def test_bench_hf_rejects_unknown_family() -> None:
-    out = subprocess.run([sys.executable, "-m", "flexmoe", "bench", "--hf", "switch"], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 2 and "--hf must be one of" in out.stderr
+    check_usage_error("bench", "--hf", "switch", says="--hf must be one of")
 
 
 @pytest.mark.slow
 def test_bench_hf_command_json() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "flexmoe", "bench", "--hf", "olmoe", "--tokens", "32", "--model-dim", "16",
-         "--steps", "1", "--warmup", "0", "--threads", "1", "--json"],
-        capture_output=True, text=True, timeout=600, check=True)
+    out = run_flexmoe(
+        "bench", "--hf", "olmoe", "--tokens", "32", "--model-dim", "16", "--steps", "1", "--warmup", "0",
+        "--threads", "1", "--json", timeout=600, check=True)
     report = json.loads(out.stdout)
     assert [(b["family"], b["shape"]["name"]) for b in report["blocks"]] == [("olmoe", "fine"), ("olmoe", "coarse")]
     assert [b["shape"]["tokens"] for b in report["blocks"]] == [32, 32]

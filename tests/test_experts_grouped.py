@@ -104,6 +104,10 @@ def _check_path(path, dtype: torch.dtype, counts: list[int], *, glu: bool = Fals
         torch.testing.assert_close(g, e, **tol, msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
+# The expert FFN variants every path is checked in: plain with and without biases, gated, gated and clamped.
+FFN_VARIANTS = pytest.mark.parametrize("glu,bias,glu_limit", [(False, True, None), (False, False, None),
+                                                              (True, True, None), (True, False, 7.0)])
+
 COUNTS = {
     "mixed with empty experts": [3, 0, 5, 1, 0, 2],
     "all rows on one expert": [0, 0, 9, 0],
@@ -113,8 +117,7 @@ COUNTS = {
 
 @requires_grouped_mm
 @pytest.mark.parametrize("case", list(COUNTS))
-@pytest.mark.parametrize("glu,bias,glu_limit", [(False, True, None), (False, False, None), (True, True, None),
-                                                (True, False, 7.0)])
+@FFN_VARIANTS
 def test_grouped_path_matches_the_reference(case: str, glu: bool, bias: bool, glu_limit: float | None,
                                             device: torch.device) -> None:
     """float32 on the CPU (its grouped GEMM's dtype there); bf16 on CUDA, the dtype of CUDA's grouped GEMM."""
@@ -144,30 +147,15 @@ def _check_without_autograd(path, dtype: torch.dtype, counts: list[int], *, glu:
     torch.testing.assert_close(got.to("cpu", torch.float64), expected, **TOLERANCES[dtype])
 
 
+# The decoding paths: joined_unit_ffn runs each expert's matmuls into its rows of one buffer and the unit once over
+# all rows; embedding_bag_ffn runs no matmul, each row's products as weighted sums of its expert's weight rows.
+@pytest.mark.parametrize("path", [joined_unit_ffn, looped_expert_ffn, embedding_bag_ffn], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", list(COUNTS))
-@pytest.mark.parametrize("glu,bias,glu_limit", [(False, True, None), (False, False, None), (True, True, None),
-                                                (True, False, 7.0)])
-def test_joined_unit_path_without_autograd_matches_the_reference(dtype: torch.dtype, case: str, glu: bool,
-                                                                 bias: bool, glu_limit: float | None,
-                                                                 device: torch.device) -> None:
-    """The decoding path: each expert's matmuls into its rows of one buffer, the unit once over all rows."""
-    _check_without_autograd(joined_unit_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit,
-                            device=device)
-    _check_without_autograd(looped_expert_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit,
-                            device=device)
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("case", list(COUNTS))
-@pytest.mark.parametrize("glu,bias,glu_limit", [(False, True, None), (False, False, None), (True, True, None),
-                                                (True, False, 7.0)])
-def test_embedding_bag_path_without_autograd_matches_the_reference(dtype: torch.dtype, case: str, glu: bool,
-                                                                   bias: bool, glu_limit: float | None,
-                                                                   device: torch.device) -> None:
-    """The decoding path with no matmul: each row's products as weighted sums of its expert's weight rows."""
-    _check_without_autograd(embedding_bag_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit,
-                            device=device)
+@FFN_VARIANTS
+def test_path_without_autograd_matches_the_reference(path, dtype: torch.dtype, case: str, glu: bool, bias: bool,
+                                                     glu_limit: float | None, device: torch.device) -> None:
+    _check_without_autograd(path, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit, device=device)
 
 
 def test_embedding_bag_path_with_model_dim_unlike_hidden_and_many_experts() -> None:
@@ -313,8 +301,7 @@ def test_use_grouped_mm_without_grad_keeps_the_loop_for_few_active_experts() -> 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", list(COUNTS))
-@pytest.mark.parametrize("glu,bias,glu_limit", [(False, True, None), (False, False, None), (True, True, None),
-                                                (True, False, 7.0)])
+@FFN_VARIANTS
 def test_segmented_path_matches_the_reference(dtype: torch.dtype, case: str, glu: bool, bias: bool,
                                               glu_limit: float | None, device: torch.device) -> None:
     _check_path(segmented_expert_ffn, dtype, COUNTS[case], glu=glu, bias=bias, glu_limit=glu_limit, device=device)

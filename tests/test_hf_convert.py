@@ -382,14 +382,11 @@ def test_a_capacity_drops_tokens_as_documented():
 
 @pytest.mark.slow
 def test_two_ranks_keep_their_own_experts_and_to_hf_gathers_them():
-    from flexmoe.launch import spawn_ranks
     from hf_ep_worker import rank_main
+    from multiproc import check_ranks_pass
 
-    ranks = spawn_ranks(2, rank_main, [["mixtral", "deepseek_v3", "gpt_oss"]], timeout=240, check=True,
-                        what="flexmoe.hf with 2 expert-parallel ranks")
-    failures = [f for r in ranks for f in r.value["failures"]]
-    assert not failures, "\n".join(failures)
-    assert [r.value["rank"] for r in ranks] == [0, 1]
+    check_ranks_pass(2, rank_main, [["mixtral", "deepseek_v3", "gpt_oss"]],
+                     what="flexmoe.hf with 2 expert-parallel ranks")
 
 
 def qwen3_next_block() -> nn.Module:
@@ -574,13 +571,10 @@ def test_switch_generates_hf_tokens():
 
 @pytest.mark.slow
 def test_switch_over_two_ranks_keeps_its_own_experts_and_to_hf_gathers_them():
-    from flexmoe.launch import spawn_ranks
     from hf_ep_worker import switch_rank_main
+    from multiproc import check_ranks_pass
 
-    ranks = spawn_ranks(2, switch_rank_main, [], timeout=240, check=True, what="Switch over 2 expert-parallel ranks")
-    failures = [f for r in ranks for f in r.value["failures"]]
-    assert not failures, "\n".join(failures)
-    assert [r.value["rank"] for r in ranks] == [0, 1]
+    check_ranks_pass(2, switch_rank_main, [], what="Switch over 2 expert-parallel ranks")
 
 
 def test_switch_expert_dropout_is_refused_in_training():

@@ -17,7 +17,9 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -295,6 +297,17 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 STEPS = 3
 
 
+def _record_and_step(model: Any, optimizer: torch.optim.Optimizer, report: dict,
+                     keep: Callable[[torch.Tensor], Any]) -> None:
+    """After a step's backward: append every gradient and the selection biases after their update to ``report``
+    (each as ``keep(tensor)``), then the optimizer's step."""
+    report["grads"].append({n: keep(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+    update_expert_biases(model)
+    report["biases"].append([keep(m.expert_bias) for m in model.moe_layers if m.expert_bias is not None])
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def ep_rank(family: str) -> dict:
     """One of 2 ranks: the converted model over the world (each rank its experts), wrap_ddp, this rank's half of
     every batch; per step the loss, the gradients (experts: this rank's) and the selection biases."""
@@ -316,11 +329,7 @@ def ep_rank(family: str) -> dict:
         total = loss + model.regularization_loss()
         total.backward()
         report["losses"].append(float(total.detach()))
-        report["grads"].append({n: p.grad.tolist() for n, p in model.named_parameters() if p.grad is not None})
-        update_expert_biases(model)
-        report["biases"].append([m.expert_bias.tolist() for m in model.moe_layers if m.expert_bias is not None])
-        optimizer.step()
-        optimizer.zero_grad()
+        _record_and_step(model, optimizer, report, keep=torch.Tensor.tolist)  # plain lists cross the process
     # DDP holds the process group: free it first, so that destroying the group joins gloo's threads. Freed only
     # at the return, after the destroy, its last reference took the group down in a destructor that hung
     # (docs/architecture.md, "Clean exits").
@@ -344,11 +353,7 @@ def _one_process(family: str) -> dict:
             halves.append(loss + model.regularization_loss())
         ((halves[0] + halves[1]) / 2).backward()
         report["losses"].append([float(h.detach()) for h in halves])
-        report["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        update_expert_biases(model)
-        report["biases"].append([m.expert_bias.clone() for m in model.moe_layers if m.expert_bias is not None])
-        optimizer.step()
-        optimizer.zero_grad()
+        _record_and_step(model, optimizer, report, keep=torch.Tensor.clone)
     return report
 
 

@@ -61,3 +61,19 @@ def test_generate_and_config_round_trip() -> None:
     model = GPT(cfg).eval()
     out = model.generate(torch.zeros(1, 1, dtype=torch.long), 20, generator=torch.Generator().manual_seed(0))
     assert out.shape == (1, 21)
+
+
+def test_saved_config_fields_and_defaults_stay_those_of_saved_runs() -> None:
+    """config.json's "model" entry of a default run, written out by hand: the shared MoEModelConfig fields keep
+    each model's own defaults, and the runtime group is not saved."""
+    from flexmoe.apps.models.vit import ViTConfig
+
+    moe = dict(n_layer=4, n_head=4, dense=False, moe_every=2, num_experts=8, k=2, capacity_factor=1.25,
+               aux_loss_coef=0.01, z_loss_coef=0.001)
+    assert GPTConfig().to_dict() == dict(
+        moe, vocab_size=256, block_size=128, n_embd=128, dropout=0.0, expert_hidden=256, router="topk",
+        aux_loss_type="switch", a2a="flat", cross_node_share=None)
+    assert ViTConfig().to_dict() == dict(
+        moe, image_size=8, patch_size=2, channels=1, num_classes=10, n_embd=64, dropout=0.1, pool="mean",
+        expert_hidden=128, router="cosine")
+    assert GPTConfig(group="single") == GPTConfig() and "group" not in repr(GPTConfig())

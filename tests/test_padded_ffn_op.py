@@ -6,13 +6,15 @@ output or the gradients, every named activation and the gated units; and the pac
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from torch import Tensor
 
 from devices import on_cpu64
 from flexmoe.padded_ffn_op import PACKED, padded_op_available, padded_segments, padding_ranges
-from reference import assert_expert_grads, random_expert_params, ref_activation, ref_layout_rows
+from reference import assert_expert_grads, randn64, random_expert_params, ref_activation, ref_layout_split
 
 pytestmark = pytest.mark.skipif(not padded_op_available(), reason="this torch has no torch.library.custom_op")
 
@@ -83,16 +85,11 @@ def test_op_computes_real_rows_only_and_matches_the_reference(case: str, dtype: 
     activation, glu, bias, glu_limit = (options["activation"], options["glu"], options["bias"],
                                         options["glu_limit"])
     gen = torch.Generator().manual_seed(0)
-
-    def r(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.7
-
+    r = partial(randn64, gen)
     p64 = random_expert_params(gen, NUM_EXPERTS, MODEL_DIM, HIDDEN, glu=glu, bias=bias)
     unit_rows, capacity = LAYOUTS[layout]
-    num_rows, expert_of = ref_layout_rows(unit_rows, capacity, NUM_EXPERTS)
+    num_rows, expert_of, real, padding = ref_layout_split(unit_rows, capacity, NUM_EXPERTS)
     rows64, grad64 = r(num_rows, MODEL_DIM), r(num_rows, MODEL_DIM)
-    real = sorted(expert_of)
-    padding = sorted(set(range(num_rows)) - set(real))
     assert bool(padding) == (layout == "padded")
     rows64[padding] = float("nan")  # never read: neither the output nor any gradient may see it
 

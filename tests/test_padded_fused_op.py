@@ -6,6 +6,8 @@ plan. And the rule that picks it."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from torch import Tensor
@@ -15,7 +17,7 @@ from flexmoe import MoELayer
 from flexmoe.padded_ffn_op import PACKED, padded_op_available
 from flexmoe.padded_fused_op import padded_chunks, use_padded_fused
 from flexmoe.routing.build import build_plan
-from reference import assert_expert_grads, random_expert_params, ref_activation, ref_layout_rows
+from reference import assert_expert_grads, randn64, random_expert_params, ref_activation, ref_layout_split
 
 pytestmark = pytest.mark.skipif(not padded_op_available(), reason="this torch has no torch.library.custom_op")
 
@@ -47,15 +49,10 @@ def test_op_matches_the_reference_and_never_reads_padding(case: str, dtype: torc
                                                           device: torch.device) -> None:
     activation, glu, bias = CASES[case]["activation"], CASES[case]["glu"], CASES[case]["bias"]
     gen = torch.Generator().manual_seed(0)
-
-    def r(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.7
-
+    r = partial(randn64, gen)
     p64 = random_expert_params(gen, NUM_EXPERTS, MODEL_DIM, HIDDEN, glu=glu, bias=bias)
     unit_rows, capacity = LAYOUTS[layout]
-    num_rows, expert_of = ref_layout_rows(unit_rows, capacity, NUM_EXPERTS)
-    real = sorted(expert_of)
-    padding = sorted(set(range(num_rows)) - set(real))
+    num_rows, expert_of, real, padding = ref_layout_split(unit_rows, capacity, NUM_EXPERTS)
     assert bool(padding) == (layout == "padded")
     row_token = torch.randint(0, NUM_TOKENS - 1, (num_rows,), generator=gen)  # the last token gets no row
     row_weight64 = r(num_rows)

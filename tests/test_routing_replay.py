@@ -324,10 +324,7 @@ def test_exported_from_flexmoe():
 
 @pytest.mark.slow
 def test_two_expert_parallel_ranks_replay_as_one_process():
-    from flexmoe.launch import spawn_ranks
+    from multiproc import check_ranks_pass
     from replay_worker import rank_main
 
-    ranks = spawn_ranks(2, rank_main, [], timeout=240, check=True, what="routing replay over 2 expert-parallel ranks")
-    failures = [f for r in ranks for f in r.value["failures"]]
-    assert not failures, "\n".join(failures)
-    assert [r.value["rank"] for r in ranks] == [0, 1]
+    check_ranks_pass(2, rank_main, [], what="routing replay over 2 expert-parallel ranks")

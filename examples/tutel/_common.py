@@ -137,6 +137,18 @@ def train_step(model, layer, optimizer, x, target, args, params, world) -> torch
     return loss
 
 
+def start_run(model: torch.nn.Module, args: argparse.Namespace, world: int, device, dist_print,
+              ) -> tuple[torch.optim.Optimizer, torch.Tensor, torch.Tensor, list[torch.nn.Parameter]]:
+    """What every helloworld does before its steps: SGD at lr 1e-5 over ``model``, the sampled batch ``x``,
+    ``target`` and the ``[Benchmark]`` line; returns them with the parameters whose gradients are averaged over
+    ranks (none with ``--allreduce_degree -1``)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
+    x, target = sample_batch(args, device)
+    print_benchmark(dist_print, args, world, device)
+    params = [] if getattr(args, "allreduce_degree", None) == -1 else shared_params(model)
+    return optimizer, x, target, params
+
+
 def print_step(dist_print, args: argparse.Namespace, step: int, loss: torch.Tensor, seconds: float,
                num_global_experts: int, suffix: str = "") -> None:
     """Tutel's ``STEP-i`` line: the loss, the time and the expert GEMMs' rate."""
@@ -154,10 +166,7 @@ def print_summary(dist_print, last_times: list[float]) -> None:
 def train(model, layer, args: argparse.Namespace, world: int, device, dist_print, step_note=lambda: "") -> None:
     """helloworld's run: SGD on the sampled batch for ``--num_steps`` steps (``--allreduce_degree -1``: no
     gradient averaging), a ``STEP-i`` line each (``step_note()`` appended) and the ``[Summary]`` line."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
-    x, target = sample_batch(args, device)
-    print_benchmark(dist_print, args, world, device)
-    params = [] if args.allreduce_degree == -1 else shared_params(model)
+    optimizer, x, target, params = start_run(model, args, world, device, dist_print)
     num_global_experts = global_experts(args)
     last_times: list[float] = []
     for step in range(args.num_steps):

@@ -32,11 +32,7 @@ class ExampleModel(torch.nn.Module):
 
 model = ExampleModel().to(device)
 dist_print(model)
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
-x, target = common.sample_batch(args, device)
-common.print_benchmark(dist_print, args, world, device)
-
-shared_params = common.shared_params(model)
+optimizer, x, target, shared_params = common.start_run(model, args, world, device, dist_print)
 num_global_experts = common.global_experts(args)
 for step in range(args.num_steps):
     t_start = common.system.record_time()

@@ -61,11 +61,7 @@ class FullyCustomExampleModel(torch.nn.Module):
 
 model = FullyCustomExampleModel().to(device)
 dist_print(model)
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
-x, target = common.sample_batch(args, device)
-common.print_benchmark(dist_print, args, world, device)
-
-shared_params = common.shared_params(model)
+optimizer, x, target, shared_params = common.start_run(model, args, world, device, dist_print)
 for step in range(args.num_steps):
     t_start = common.system.record_time()
     loss = common.train_step(model, model._moe_layer, optimizer, x, target, args, shared_params, world)

@@ -34,9 +34,7 @@ if env.is_distributed:
         model, device_ids=[device.index] if device.type == "cuda" else None)
 dist_print(model)
 
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
-x, target = common.sample_batch(args, device)
-common.print_benchmark(dist_print, args, world, device)
+optimizer, x, target, _ = common.start_run(model, args, world, device, dist_print)  # DDP averages gradients
 
 num_global_experts = common.global_experts(args)
 last_times = []

@@ -530,6 +530,23 @@ def lr_at(step: int, tcfg: TrainConfig) -> float:
     return tcfg.min_lr + 0.5 * (tcfg.lr - tcfg.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def set_lr(optimizer: torch.optim.Optimizer, step: int, tcfg: TrainConfig) -> float:
+    """Give every parameter group the scheduled learning rate of 1-based training step ``step``; returns it."""
+    lr = lr_at(step - 1, tcfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def step_bar(tcfg: TrainConfig, start: int, label: str, show: bool = True) -> Any:
+    """A tqdm bar over the run's steps, already at ``start``; None without ``tcfg.progress`` or ``show``."""
+    if not (show and tcfg.progress):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=tcfg.steps, initial=start, desc=label, unit="step", dynamic_ncols=True)
+
+
 def clip_gradients(model: MoEModel, max_norm: float, world: int) -> float:
     """Scale all gradients so that their global L2 norm is at most ``max_norm``; returns the norm.
 
@@ -713,11 +730,7 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
     rows = _rank_rows(tcfg.batch_size, rank, world)
     micro = tcfg.batch_size // world // tcfg.micro_batches
 
-    bar = None
-    if rank == 0 and tcfg.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=tcfg.steps, initial=start, desc=label, unit="step", dynamic_ncols=True)
+    bar = step_bar(tcfg, start, label, show=rank == 0)
     log_file = open(metrics_path, "a") if rank == 0 else None
     t0 = time.perf_counter() - elapsed
     t_last, step_last = time.perf_counter(), start
@@ -729,9 +742,7 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
     try:
         stop_signals.install()  # Ctrl-C / SIGTERM from here on: save at the end of the step, then leave
         for step in range(start + 1, tcfg.steps + 1):
-            lr = lr_at(step - 1, tcfg)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
+            lr = set_lr(optimizer, step, tcfg)
             x, y = data.batch("train", tcfg.batch_size, block_size, seed=tcfg.seed, step=step, rows=rows)
             x, y = x.to(device), y.to(device)
             loss_sum = bal_sum = drop_sum = 0.0

@@ -49,13 +49,14 @@ from flexmoe.apps.train import (
     compile_model,
     finished_run,
     given_dests,
-    lr_at,
     model_flag_values,
     remove_run_files,
     resumed_train_config,
     rewrite_metrics,
     saved_model_flags,
     saved_train_flags,
+    set_lr,
+    step_bar,
     write_plots,
 )
 from flexmoe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -230,11 +231,7 @@ def train_vision(mcfg: ViTConfig, tcfg: TrainConfig, out: str | Path, *, resume:
         {"model": mcfg.to_dict(), "train": asdict(tcfg), "world_size": 1, "data": tcfg.data}, indent=1))
     rewrite_metrics(metrics_path, start)
 
-    bar = None
-    if tcfg.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=tcfg.steps, initial=start, desc=label, unit="step", dynamic_ncols=True)
+    bar = step_bar(tcfg, start, label)
     t0 = time.perf_counter() - elapsed
     val_loss = accuracy = train_loss = float("nan")
     last_eval_step = -1
@@ -244,9 +241,7 @@ def train_vision(mcfg: ViTConfig, tcfg: TrainConfig, out: str | Path, *, resume:
         try:
             stop_signals.install()  # Ctrl-C / SIGTERM from here on: save at the end of the step, then leave
             for step in range(start + 1, tcfg.steps + 1):
-                lr = lr_at(step - 1, tcfg)
-                for g in optimizer.param_groups:
-                    g["lr"] = lr
+                lr = set_lr(optimizer, step, tcfg)
                 x, y = train_set.batch(tcfg.batch_size, seed=tcfg.seed, step=step)
                 _, loss = model(x, y)
                 (loss + model.regularization_loss()).backward()

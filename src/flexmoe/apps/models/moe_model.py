@@ -7,7 +7,7 @@ its MoE layers are found among its submodules, in order.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -20,22 +20,37 @@ from flexmoe.upcycle import check_upcycle_routing, check_upcycle_shape, expert_s
 __all__ = ["MoEModelConfig", "build_moe_mlp", "SelfAttention", "DenseMLP", "Block", "MoEModel"]
 
 
+@dataclass
 class MoEModelConfig:
-    """What the models' configuration dataclasses share: the MoE layout over blocks, the dense twin, and the
-    JSON round trip. A subclass is a dataclass with ``n_embd``, ``n_head``, ``dense``, ``moe_every``, ``k``,
-    ``num_experts``, ``expert_hidden`` and a runtime ``group`` field (not saved)."""
+    """What the models' configuration dataclasses share: the transformer's size, the MoE layout over blocks,
+    the dense twin, and the JSON round trip. A subclass is a dataclass adding its own fields (and overriding
+    a default here by declaring the field again).
 
-    # Declared for the type checker; the subclass dataclass defines them (a plain base adds no fields).
-    n_embd: int
-    n_head: int
-    dense: bool
-    moe_every: int
-    k: int
-    num_experts: int
-    expert_hidden: int
+    ``group`` is the expert-parallel process group handed to every :class:`MoELayer` (None: one process holds
+    all experts). It is a runtime setting, not part of the saved configuration.
+    """
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    # Mixture of experts. dense=True builds the twin: every MLP dense with hidden k * expert_hidden.
+    dense: bool = False
+    moe_every: int = 2
+    num_experts: int = 8
+    expert_hidden: int = 256
+    k: int = 2
+    capacity_factor: float = 1.25
+    router: str = "topk"
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    group: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._check_shape()
 
     def _check_shape(self) -> None:
-        """The checks every such model needs (its own ones follow in its ``__post_init__``)."""
+        """The checks every such model needs (a subclass's own ones go in its ``__post_init__``)."""
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} must divide by n_head={self.n_head}")
         if self.moe_every < 1:
@@ -54,14 +69,14 @@ class MoEModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (without the runtime ``group``)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
         out.pop("group", None)
         return out
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], **overrides: Any) -> Any:
         """Build from :meth:`to_dict` output; unknown keys are an error (a config from another version)."""
-        unknown = sorted(set(values) - {f.name for f in fields(cls)})  # type: ignore[arg-type]
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unknown {cls.__name__} fields {unknown}")
         return cls(**{**values, **overrides})
