@@ -72,7 +72,7 @@ def test_saved_config_fields_and_defaults_stay_those_of_saved_runs() -> None:
                aux_loss_coef=0.01, z_loss_coef=0.001)
     assert GPTConfig().to_dict() == dict(
         moe, vocab_size=256, block_size=128, n_embd=128, dropout=0.0, expert_hidden=256, router="topk",
-        aux_loss_type="switch", a2a="flat", cross_node_share=None)
+        aux_loss_type="switch", a2a="flat", cross_node_share=None, redundant_experts=0)
     assert ViTConfig().to_dict() == dict(
         moe, image_size=8, patch_size=2, channels=1, num_classes=10, n_embd=64, dropout=0.1, pool="mean",
         expert_hidden=128, router="cosine")
