@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from flexmoe.apps.bench import time_side_by_side
+from flexmoe.expert_weights import ExpertWeights
 from flexmoe.experts import (
     active_experts_ffn,
     embedding_bag_ffn,
@@ -72,21 +73,21 @@ def main() -> None:
     print(f"no autograd, M={MODEL_DIM}, float32, {torch.get_num_threads()} threads; us per call, and x the "
           f"better loop")
     for shape, (experts, k, hidden, glu) in SHAPES.items():
-        w1, b1, w2, b2, w3, b3, activation = _weights(experts, hidden, glu, gen)
+        weights = ExpertWeights(*_weights(experts, hidden, glu, gen))
         for tokens in (int(t) for t in args.tokens.split(",")):
             counts = _counts(tokens, experts, k, gen)
             rows = torch.randn(sum(counts), MODEL_DIM, generator=gen)
             paths: dict[str, Callable[..., torch.Tensor]] = {
                 "embedding_bag": embedding_bag_ffn, "joined loop": joined_unit_ffn, "loop": active_experts_ffn}
-            if grouped_mm_supported(rows, w1, w2, w3):
+            if grouped_mm_supported(rows, weights):
                 paths["grouped_mm"] = grouped_expert_ffn
             with torch.no_grad():
-                want = active_experts_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, None)
+                want = active_experts_ffn(rows, counts, weights)
                 for name, path in paths.items():
-                    got = path(rows, counts, w1, b1, w2, b2, w3, b3, activation, None)
+                    got = path(rows, counts, weights)
                     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
 
-                call = (rows, counts, w1, b1, w2, b2, w3, b3, activation, None)
+                call = (rows, counts, weights)
                 times = time_side_by_side({n: partial(_repeat, p, call, args.calls) for n, p in paths.items()},
                                           args.steps, 2)
             us = {n: statistics.median(v) / args.calls * 1e6 for n, v in times.items()}

@@ -9,6 +9,7 @@ import torch
 import flexmoe.layer as layer_module
 from flexmoe import MoELayer
 from flexmoe.dispatch import sum_choices_by_token
+from flexmoe.expert_weights import ExpertWeights
 from flexmoe.experts import looped_expert_ffn
 from flexmoe.routing.capacity import HOST_ORDER_MAX_PAIRS, order_pairs_on_host
 from flexmoe.routing.plan import all_finite
@@ -237,7 +238,7 @@ def test_no_grad_expert_loop_matches_a_dense_loop(glu: bool) -> None:
         (torch.nn.functional.gelu(x @ w1[e] + b1[e]) * ((x @ w3[e] + b3[e]) if glu else 1.0)) @ w2[e] + b2[e]
         for x, e in zip(rows, experts_of_rows)])
     with torch.no_grad():
-        got = looped_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, torch.nn.functional.gelu)
+        got = looped_expert_ffn(rows, counts, ExpertWeights(w1, b1, w2, b2, w3, b3, torch.nn.functional.gelu))
     assert_close(got, want, TOL64, "expert rows")
 
 

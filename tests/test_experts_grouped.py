@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flexmoe.expert_weights import ExpertWeights
 from flexmoe.experts import (
     EMBEDDING_BAG_MAX_ROWS_PER_EXPERT,
     JOINED_UNIT_MAX_ELEMENTS,
@@ -60,11 +61,14 @@ def _reference(rows: torch.Tensor, counts: list[int], weights: dict, glu: bool, 
     return torch.stack(out) if out else rows.new_zeros(0, model_dim)
 
 
+def _ew(w1, b1, w2, b2, w3, b3, activation=F.gelu, glu_limit: float | None = None) -> ExpertWeights:
+    return ExpertWeights(w1, b1, w2, b2, w3, b3, activation, glu_limit)
+
+
 def _run(path, rows: torch.Tensor, counts: list[int], weights: dict, glu: bool, glu_limit: float | None,
          ) -> torch.Tensor:
     act = F.silu if glu else F.gelu
-    return path(rows, counts, weights["w1"], weights["b1"], weights["w2"], weights["b2"], weights["w3"],
-                weights["b3"], act, glu_limit=glu_limit)
+    return path(rows, counts, _ew(*(weights[n] for n in ("w1", "b1", "w2", "b2", "w3", "b3")), act, glu_limit))
 
 
 def _check_path(path, dtype: torch.dtype, counts: list[int], *, glu: bool = False, bias: bool = True,
@@ -160,29 +164,29 @@ def test_embedding_bag_path_with_model_dim_unlike_hidden_and_many_experts() -> N
     _check_without_autograd(embedding_bag_ffn, torch.float32, counts, glu=True, bias=True, glu_limit=None,
                             model_dim=24, hidden=40)
     with torch.no_grad(), pytest.raises(ValueError, match="counts must sum"):
-        embedding_bag_ffn(torch.zeros(5, 24), counts, torch.zeros(256, 24, 40), None, torch.zeros(256, 40, 24),
-                          None, None, None, F.gelu)
+        embedding_bag_ffn(torch.zeros(5, 24), counts, _ew(torch.zeros(256, 24, 40), None, torch.zeros(256, 40, 24),
+                                                          None, None, None))
 
 
 def test_use_embedding_bag_rule_and_expert_ffn_through_it(monkeypatch: pytest.MonkeyPatch) -> None:
     w1, w2 = torch.zeros(64, 16, 32), torch.zeros(64, 32, 16)
+    one_bare = _ew(w1, None, w2, None, None, None)
     decode = [1] * 8 + [0] * 56  # one token, k=8
     limit = EMBEDDING_BAG_MAX_ROWS_PER_EXPERT
     with torch.no_grad():
-        assert use_embedding_bag(torch.zeros(8, 16), decode, w1, None, w2, None, None, None)
-        assert use_embedding_bag(torch.zeros(8 * limit, 16), [limit] * 8 + [0] * 56, w1, None, w2, None, None,
-                                 None)
-        assert not use_embedding_bag(torch.zeros(8 * limit + 1, 16), [limit + 1] + [limit] * 7 + [0] * 56, w1,
-                                     None, w2, None, None, None)
-        assert not use_embedding_bag(torch.zeros(0, 16), [0] * 64, w1, None, w2, None, None, None)
+        assert use_embedding_bag(torch.zeros(8, 16), decode, one_bare)
+        assert use_embedding_bag(torch.zeros(8 * limit, 16), [limit] * 8 + [0] * 56, one_bare)
+        assert not use_embedding_bag(torch.zeros(8 * limit + 1, 16), [limit + 1] + [limit] * 7 + [0] * 56,
+                                     one_bare)
+        assert not use_embedding_bag(torch.zeros(0, 16), [0] * 64, one_bare)
         # Two rows (E=8, k=2, one token): too few bags for the threads, the loop runs.
-        assert not use_embedding_bag(torch.zeros(2, 16), [1, 1] + [0] * 62, w1, None, w2, None, None, None)
-        assert not use_embedding_bag(torch.zeros(8, 16, dtype=torch.float64), decode, w1.double(), None,
-                                     w2.double(), None, None, None)
+        assert not use_embedding_bag(torch.zeros(2, 16), [1, 1] + [0] * 62, one_bare)
+        assert not use_embedding_bag(torch.zeros(8, 16, dtype=torch.float64), decode,
+                                     _ew(w1.double(), None, w2.double(), None, None, None))
         transposed = torch.zeros(64, 32, 16).transpose(1, 2)  # [64, 16, 32], not contiguous: no flat view
-        assert not use_embedding_bag(torch.zeros(8, 16), decode, transposed, None, w2, None, None, None)
+        assert not use_embedding_bag(torch.zeros(8, 16), decode, _ew(transposed, None, w2, None, None, None))
     # With autograd (training) the matmuls run.
-    assert not use_embedding_bag(torch.zeros(8, 16, requires_grad=True), decode, w1, None, w2, None, None, None)
+    assert not use_embedding_bag(torch.zeros(8, 16, requires_grad=True), decode, one_bare)
 
     import flexmoe.experts as experts_module
     calls = []
@@ -233,22 +237,26 @@ def test_grouped_and_looped_agree_on_hidden_shards_and_transposed_weights() -> N
     w2_full = torch.randn(3, 12, 8, generator=gen)
     b1_full, b2 = torch.randn(3, 12, generator=gen), torch.randn(3, 8, generator=gen)
     w1, w2, b1 = w1_full[:, :, 4:8], w2_full[:, 4:8], b1_full[:, 4:8]  # one hidden shard of three
-    args = (rows, counts, w1, b1, w2, b2, None, None, F.gelu)
+    args = (rows, counts, _ew(w1, b1, w2, b2, None, None))
     torch.testing.assert_close(grouped_expert_ffn(*args), looped_expert_ffn(*args), atol=1e-5, rtol=1e-5)
 
 
 def test_use_grouped_mm_rule() -> None:
     w1, w2 = torch.zeros(4, 3, 2), torch.zeros(4, 2, 3)
     rows = torch.zeros(8, 3)
-    assert not use_grouped_mm(rows, [2, 2, 2, 2], w1, w2, None)  # strides of 12 / 8 bytes: the kernel refuses
+    one_bare = _ew(w1, None, w2, None, None, None)
+    assert not use_grouped_mm(rows, [2, 2, 2, 2], one_bare)  # strides of 12 / 8 bytes: the kernel refuses
     w1, w2, rows = torch.zeros(4, 4, 128), torch.zeros(4, 128, 4), torch.zeros(8, 4)
-    assert use_grouped_mm(rows, [2, 2, 2, 2], w1, w2, None) == HAS_GROUPED_MM
-    assert not use_grouped_mm(rows, [2, 2, 2, 2], w1[..., :64], w2[:, :64], None)  # H=64: measured no faster
+    one_bare = _ew(w1, None, w2, None, None, None)
+    assert use_grouped_mm(rows, [2, 2, 2, 2], one_bare) == HAS_GROUPED_MM
+    # H=64: measured no faster.
+    assert not use_grouped_mm(rows, [2, 2, 2, 2], _ew(w1[..., :64], None, w2[:, :64], None, None, None))
     _check_path(expert_ffn, torch.float32, [1, 2], model_dim=6, hidden=5)  # unaligned: the loop, same numbers
-    assert not use_grouped_mm(rows.double(), [2, 2, 2, 2], w1.double(), w2.double(), None)  # no float64 kernel
-    assert not use_grouped_mm(rows, [2, 2, 2, 2], w1.double(), w2, None)  # mixed dtypes: the loop
+    # No float64 kernel; mixed dtypes: the loop.
+    assert not use_grouped_mm(rows.double(), [2, 2, 2, 2], _ew(w1.double(), None, w2.double(), None, None, None))
+    assert not use_grouped_mm(rows, [2, 2, 2, 2], _ew(w1.double(), None, w2, None, None, None))
     big = torch.zeros(4 * 4096, 4)  # large experts: the loop measured as fast
-    assert not use_grouped_mm(big, [4096] * 4, w1, w2, None)
+    assert not use_grouped_mm(big, [4096] * 4, one_bare)
 
 
 def test_gated_unit_is_shared_by_both_paths() -> None:
@@ -277,18 +285,19 @@ def test_expert_ffn_without_grad_matches_the_reference(dtype: torch.dtype, glu: 
     torch.testing.assert_close(one_expert.double(), _reference(rows64[:3], [0] * 10 + [3] + [0] * 53, weights64,
                                                                glu, None), **tol)
     with torch.no_grad(), pytest.raises(ValueError, match="counts must sum"):
-        looped_expert_ffn(rows64[:2], [3], *[weights64[n] for n in ("w1", "b1", "w2", "b2", "w3", "b3")], F.gelu)
+        looped_expert_ffn(rows64[:2], [3], _ew(*[weights64[n] for n in ("w1", "b1", "w2", "b2", "w3", "b3")]))
 
 
 def test_use_grouped_mm_without_grad_keeps_the_loop_for_few_active_experts() -> None:
     w1, w2 = torch.zeros(64, 4, 128), torch.zeros(64, 128, 4)
+    one_bare = _ew(w1, None, w2, None, None, None)
     few = [1] * 8 + [0] * 56  # one token, k=8: 8 of 64 experts have rows
     many = [1] * 48 + [0] * 16
     with torch.no_grad():
-        assert not use_grouped_mm(torch.zeros(8, 4), few, w1, w2, None)
-        assert use_grouped_mm(torch.zeros(48, 4), many, w1, w2, None) == HAS_GROUPED_MM
+        assert not use_grouped_mm(torch.zeros(8, 4), few, one_bare)
+        assert use_grouped_mm(torch.zeros(48, 4), many, one_bare) == HAS_GROUPED_MM
     # With autograd (training) the loop is kept whatever the experts: it measured faster forward + backward.
-    assert not use_grouped_mm(torch.zeros(48, 4, requires_grad=True), many, w1, w2, None)
+    assert not use_grouped_mm(torch.zeros(48, 4, requires_grad=True), many, one_bare)
 
 
 # ---- the loop with the hand-written backward (flexmoe.segment_ffn) -------------------------------------------
@@ -340,7 +349,7 @@ def test_segmented_path_takes_views_and_any_activation() -> None:
     expected = _row_by_row(rows, counts, w1, b1, w2, b2, act)
     expected_grads = torch.autograd.grad(expected, leaves, grad)
     w1, b1, w2 = views()
-    got = segmented_expert_ffn(rows, counts, w1, b1, w2, b2, None, None, act)
+    got = segmented_expert_ffn(rows, counts, _ew(w1, b1, w2, b2, None, None, act))
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
     for g, e in zip(torch.autograd.grad(got, leaves, grad), expected_grads):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
@@ -397,16 +406,17 @@ def test_use_segmented_rule_and_expert_ffn_through_it() -> None:
     rows = torch.zeros(128 * 256, 4, requires_grad=True)
     small = (torch.zeros(128, 4, 128, requires_grad=True), None, torch.zeros(128, 128, 4), None, None, None)
     large = (torch.zeros(64, 4, 256, requires_grad=True), None, torch.zeros(64, 256, 4), None, None, None)
-    assert use_segmented(rows, [256] * 128, *small)
-    assert not use_segmented(rows, [512] * 64, *large)  # E=64 H=256: measured no faster
+    assert use_segmented(rows, [256] * 128, _ew(*small))
+    assert not use_segmented(rows, [512] * 64, _ew(*large))  # E=64 H=256: measured no faster
     with torch.no_grad():
-        assert not use_segmented(rows, [256] * 128, *small)  # inference: the loop over active experts
-    assert not use_segmented(rows.double(), [256] * 128, *(t.double() if t is not None else None for t in small))
+        assert not use_segmented(rows, [256] * 128, _ew(*small))  # inference: the loop over active experts
+    assert not use_segmented(rows.double(), [256] * 128,
+                             _ew(*(t.double() if t is not None else None for t in small)))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not use_segmented(rows, [256] * 128, *small)
+        assert not use_segmented(rows, [256] * 128, _ew(*small))
     counts = [3, 0, 5, 1]
-    assert use_segmented(torch.zeros(9, 8, requires_grad=True), counts, torch.zeros(4, 8, 12), None,
-                         torch.zeros(4, 12, 8, requires_grad=True), None, None, None)
+    assert use_segmented(torch.zeros(9, 8, requires_grad=True), counts,
+                         _ew(torch.zeros(4, 8, 12), None, torch.zeros(4, 12, 8, requires_grad=True), None, None, None))
     _check_path(expert_ffn, torch.float32, counts, glu=True)  # through the segmented path, as the rule says
 
 

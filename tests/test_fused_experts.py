@@ -11,8 +11,9 @@ from torch import Tensor
 import flexmoe.fused_experts as fused_module
 import flexmoe.layer as layer_module
 from flexmoe import MoELayer
+from flexmoe.expert_weights import ExpertWeights
 from flexmoe.experts import resolve_activation
-from flexmoe.fused_experts import CHUNK_ROWS, HiddenUnit, expert_chunks, fused_experts, use_fused
+from flexmoe.fused_experts import CHUNK_ROWS, expert_chunks, fused_experts, use_fused
 from reference import ref_activation, reference_for_layer
 from test_decoding import count_calls
 from test_layer import assert_close
@@ -98,8 +99,8 @@ def test_fused_experts_match_a_dense_loop(activation: str, glu: bool, bias: bool
     else:
         fn, ref_act = resolve_activation(activation), ref_activation(activation)
     leaves = [x, row_weight, *p.values()]
-    y = fused_experts(x, row_token, row_weight, counts, p["w1"], p.get("b1"), p["w2"], p.get("b2"), p.get("w3"),
-                      p.get("b3"), HiddenUnit(fn, glu_limit), chunk_rows=chunk_rows)
+    weights = ExpertWeights(p["w1"], p.get("b1"), p["w2"], p.get("b2"), p.get("w3"), p.get("b3"), fn, glu_limit)
+    y = fused_experts(x, row_token, row_weight, counts, weights, chunk_rows=chunk_rows)
     got = torch.autograd.grad(y, leaves, grad_y)
     want_y = dense_reference(x, row_token, row_expert, row_weight, p, ref_act, glu_limit)
     want = torch.autograd.grad(want_y, leaves, grad_y)
@@ -116,8 +117,8 @@ def test_experts_without_rows_get_zero_gradients_and_tokens_without_rows_zero_ou
     counts = [0, 2, 2, 0]
     x = torch.randn(T, M, dtype=torch.float64, requires_grad=True)
     w = torch.rand(4, dtype=torch.float64, requires_grad=True)
-    y = fused_experts(x, row_token, w, counts, p["w1"], p["b1"], p["w2"], p["b2"], None, None,
-                      HiddenUnit(resolve_activation("gelu")))
+    y = fused_experts(x, row_token, w, counts,
+                      ExpertWeights(p["w1"], p["b1"], p["w2"], p["b2"], None, None, resolve_activation("gelu")))
     assert y[[1, 3, 5]].abs().max() == 0
     y.square().sum().backward()
     for name in ("w1", "b1", "w2", "b2"):
@@ -141,29 +142,34 @@ def test_counts_must_cover_the_rows() -> None:
     p = make_params(2, 3, 4, glu=False, bias=False, seed=0)
     with pytest.raises(ValueError, match="counts must sum"):
         fused_experts(torch.zeros(2, 3, dtype=torch.float64), torch.tensor([0, 1]), torch.ones(2, dtype=torch.float64),
-                      [1, 2], p["w1"], None, p["w2"], None, None, None, HiddenUnit(torch.tanh))
+                      [1, 2], ExpertWeights(p["w1"], None, p["w2"], None, None, None, torch.tanh))
+
+
+def _bare(w1: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+    return ExpertWeights(w1, None, w2, None, None, None, torch.nn.functional.gelu)
 
 
 def test_use_fused_rule() -> None:
     rows_per_expert = [512] * 64
     x = torch.zeros(4096, 512, requires_grad=True)
     w1, w2 = torch.zeros(64, 512, 256), torch.zeros(64, 256, 512)
-    assert use_fused(x, rows_per_expert, w1, w2)  # E=64 H=256, training: measured faster
-    assert not use_fused(x, [1024] * 8, torch.zeros(8, 512, 1024), torch.zeros(8, 1024, 512))  # E=8 H=1024: slower
+    assert use_fused(x, rows_per_expert, _bare(w1, w2))  # E=64 H=256, training: measured faster
+    # E=8 H=1024: slower.
+    assert not use_fused(x, [1024] * 8, _bare(torch.zeros(8, 512, 1024), torch.zeros(8, 1024, 512)))
     # Blocks of 2^23 elements and more: fused whatever the experts' size (E=8 H=1024 k=2 at T=16384, a tie; E=64
     # H=256 k=8 at T=8192, 0.755 of the three stages), and not one row less.
     big = torch.zeros(16384, 512, requires_grad=True)
-    assert use_fused(big, [4096] * 8, torch.zeros(8, 512, 1024), torch.zeros(8, 1024, 512))
-    assert use_fused(big, [1024] * 64, w1, w2)
-    assert not use_fused(big, [2048] * 7 + [2047], torch.zeros(8, 512, 1024), torch.zeros(8, 1024, 512))
+    assert use_fused(big, [4096] * 8, _bare(torch.zeros(8, 512, 1024), torch.zeros(8, 1024, 512)))
+    assert use_fused(big, [1024] * 64, _bare(w1, w2))
+    assert not use_fused(big, [2048] * 7 + [2047], _bare(torch.zeros(8, 512, 1024), torch.zeros(8, 1024, 512)))
     small = torch.zeros(2048, 128, requires_grad=True)  # the training job's GPT layer: a 2 MiB [N, M] block
-    assert not use_fused(small, [512] * 8, torch.zeros(8, 128, 256), torch.zeros(8, 256, 128))
+    assert not use_fused(small, [512] * 8, _bare(torch.zeros(8, 128, 256), torch.zeros(8, 256, 128)))
     with torch.no_grad():
-        assert not use_fused(x, rows_per_expert, w1, w2)  # no autograd: not measured
-    assert not use_fused(x.double(), rows_per_expert, w1.double(), w2.double())  # float32 only
-    assert not use_fused(x, rows_per_expert, w1, w2.double())  # mixed dtypes
+        assert not use_fused(x, rows_per_expert, _bare(w1, w2))  # no autograd: not measured
+    assert not use_fused(x.double(), rows_per_expert, _bare(w1.double(), w2.double()))  # float32 only
+    assert not use_fused(x, rows_per_expert, _bare(w1, w2.double()))  # mixed dtypes
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not use_fused(x, rows_per_expert, w1, w2)
+        assert not use_fused(x, rows_per_expert, _bare(w1, w2))
 
 
 def test_expert_parallel_receiver_rule() -> None:

@@ -19,6 +19,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers", reason="flexmoe.hf needs transformers (CI installs it via .[test])")
 
 from flexmoe.apps.bench_hf import HFShape, build_hf_block  # noqa: E402
+from flexmoe.expert_weights import ExpertWeights  # noqa: E402
 from flexmoe.experts import use_grouped_mm  # noqa: E402
 from flexmoe.hf.experts_impl import flexmoe_experts_forward  # noqa: E402
 from flexmoe.hf.families import stored_experts  # noqa: E402
@@ -92,7 +93,8 @@ def test_inference_gives_hf_eager_output(family: str, tokens: int, one_thread: N
         stored = stored_experts(experts)
         up = stored.in_out(stored.up).narrow(-1, 0, SHAPE.hidden_dim)
         rows = x.new_empty(tokens * SHAPE.k, SHAPE.model_dim)
-        assert use_grouped_mm(rows, counts, up, stored.in_out(stored.down), None) == (tokens > 1)
+        bare = ExpertWeights(up, None, stored.in_out(stored.down), None, None, None, torch.nn.functional.silu)
+        assert use_grouped_mm(rows, counts, bare) == (tokens > 1)
         want = _run(experts, "eager", x, index, weight)
         got = _run(experts, "flexmoe", x, index, weight)
     _assert_close(got, want, "output")

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch, sum_choices_by_token, sum_rows_by_token
 from flexmoe.experts import ExpertOptions, ExpertsCall, FeedForwardExperts
-from flexmoe.fused_experts import HiddenUnit, fused_experts, use_fused
+from flexmoe.fused_experts import fused_experts, use_fused
 from flexmoe.grouped_linear_op import grouped_experts_ffn, uses_device_offsets
 from flexmoe.padded_ffn_op import layout_op_runs, padded_experts_forward, padded_op_available
 from flexmoe.padded_fused_op import padded_fused_experts, use_padded_fused
@@ -279,8 +279,8 @@ class MoELayer(nn.Module):
         if not isinstance(experts, FeedForwardExperts) or self.ep_group.distributed or routing.score_at != "combine":
             return False
         if plan.padded or torch.compiler.is_compiling():
-            return not self._grouped_on_device(plan, tokens) and use_padded_fused(experts, tokens, plan)
-        return use_fused(tokens, plan.counts, experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3)
+            return not self._grouped_on_device(plan, tokens) and use_padded_fused(tokens, plan, experts.weights())
+        return use_fused(tokens, plan.counts, experts.weights())
 
     def _fused_experts(self, tokens: Tensor, plan: RoutingPlan) -> Tensor:
         """tokens: ``[T, M]`` -> ``[T, M]``, the weighted sum of each token's experts (:func:`fused_experts`)."""
@@ -288,9 +288,8 @@ class MoELayer(nn.Module):
         assert isinstance(e, FeedForwardExperts)  # checked by _runs_fused
         self.last_choice, self.last_shadowed = self.strategy.last_choice, []
         if plan.padded or torch.compiler.is_compiling():
-            return padded_fused_experts(e, tokens, plan)
-        return fused_experts(tokens, plan.row_token, plan.row_weight.to(tokens.dtype), plan.counts, e.w1, e.b1,
-                             e.w2, e.b2, e.w3, e.b3, HiddenUnit(e.activation, e.glu_limit))
+            return padded_fused_experts(tokens, plan, e.weights())
+        return fused_experts(tokens, plan.row_token, plan.row_weight.to(tokens.dtype), plan.counts, e.weights())
 
     def _exchange_tokens(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions,
                          parallel: ParallelOptions, pinned: frozenset[str]) -> Tensor | None:
@@ -442,7 +441,7 @@ class MoELayer(nn.Module):
             return True
         experts = self._built_experts
         return (torch.compiler.is_compiling() and isinstance(experts, FeedForwardExperts)
-                and not self.ep_group.distributed and layout_op_runs(experts, rows))
+                and not self.ep_group.distributed and layout_op_runs(experts.weights(), rows))
 
     def _counts_on_device(self, routing: RoutingOptions, tokens: Tensor) -> bool:
         """Whether this call's plan keeps its counts on the device: under ``torch.compile``, dropless top-k routing
@@ -506,12 +505,13 @@ class MoELayer(nn.Module):
 
         def run(expert_rows: Tensor) -> Tensor:
             if layout_plan is not None and isinstance(experts, FeedForwardExperts):
-                if layout_plan.host_counts is None and (not layout_op_runs(experts, expert_rows)
+                weights = experts.weights()
+                if layout_plan.host_counts is None and (not layout_op_runs(weights, expert_rows)
                                                         or self._grouped_on_device(layout_plan, expert_rows)):
                     # Counts on the device, and a unit the op cannot take by name (a callable, autocast) or a
                     # device where torch's grouped GEMM reads them there (the op would read them on the host).
-                    return grouped_experts_ffn(experts, expert_rows, layout_plan.tokens_per_expert)
-                return padded_experts_forward(experts, expert_rows, layout_plan)
+                    return grouped_experts_ffn(expert_rows, layout_plan.tokens_per_expert, weights)
+                return padded_experts_forward(expert_rows, layout_plan, weights)
             return strategy.run(expert_rows, counts, options, pinned)
 
         out = self._in_expert_dtype(run, rows)

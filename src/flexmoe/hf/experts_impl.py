@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.dispatch import combine, dispatch, sum_choices_by_token
+from flexmoe.expert_weights import ExpertWeights
 from flexmoe.experts import (
     gated_unit,
     grouped_expert_ffn,
@@ -97,9 +98,10 @@ def stored_experts_ffn(rows: Tensor, counts: list[int], stored: StoredExperts,
     up, down = stored.in_out(stored.up), stored.in_out(stored.down)  # [E, M, out], [E, H, M]
     if not needs_grad(rows, stored.up, stored.up_bias, stored.down, stored.down_bias):
         # The rule's hidden size is H (a narrow view: the same strides as the fused matrix it stands for).
-        hidden = up.narrow(-1, 0, stored.hidden_dim)
-        ffn = grouped_expert_ffn if use_grouped_mm(rows, counts, hidden, down, None) else looped_expert_ffn
-        return ffn(rows, counts, up, stored.up_bias, down, stored.down_bias, None, None, unit)
+        weights = ExpertWeights(up, stored.up_bias, down, stored.down_bias, None, None, unit)
+        rule_weights = weights.with_tensors(w1=up.narrow(-1, 0, stored.hidden_dim))
+        ffn = grouped_expert_ffn if use_grouped_mm(rows, counts, rule_weights) else looped_expert_ffn
+        return ffn(rows, counts, weights)
     num_experts = len(counts)
 
     def each(t: Tensor | None) -> list[Tensor | None]:
@@ -117,7 +119,7 @@ def stored_experts_ffn(rows: Tensor, counts: list[int], stored: StoredExperts,
                                              each(stored.down_bias)):
         if x.shape[0]:
             outputs.append(linear(unit(linear(x, w_up, b_up)), w_down, b_down))
-    return joined_outputs(outputs, rows, down)
+    return joined_outputs(outputs, rows, rows.shape[-1])
 
 
 def _gated(projected: Tensor, *, stored: StoredExperts, activation: Callable[[Tensor], Tensor],

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from flexmoe.dispatch import sum_rows_by_token
 from flexmoe.experts import FeedForwardExperts, differentiated_weights, expert_ffn
-from flexmoe.fused_experts import HiddenUnit, fused_experts, fused_size_rule, fused_supported, fused_work_rule
+from flexmoe.fused_experts import fused_experts, fused_size_rule, fused_supported, fused_work_rule
 from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, exchange, transpose
 from flexmoe.parallel.groups import ExpertGroup
 
@@ -150,11 +150,11 @@ def receiver_fuses(received: Tensor, counts: list[int], experts: FeedForwardExpe
     0.77 of the row exchange's time fused and 0.87 with the plain experts. Over 4 ranks of 4096 tokens each (2048
     rows x 256 per local expert, a 64 MiB block that the plain experts map afresh and page-fault on every call:
     8x the floor's page faults, 5x its system time), 1.19 x the floor fused against 1.52 plain."""
-    e = experts
-    if not counts or not fused_supported(received, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3):
+    weights = experts.weights()
+    if not counts or not fused_supported(received, weights):
         return False
     num_rows = sum(counts)
-    return fused_size_rule(num_rows, received.shape[-1]) or fused_work_rule(num_rows, e.w1.shape[-1], len(counts))
+    return fused_size_rule(num_rows, received.shape[-1]) or fused_work_rule(num_rows, weights.hidden, len(counts))
 
 
 def _weighted_experts(received: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
@@ -163,9 +163,8 @@ def _weighted_experts(received: Tensor, row_token: Tensor, row_weight: Tensor, c
     each -> ``[u, M]``: each received token's weighted sum over its experts here, fused where
     :func:`receiver_fuses` (no ``[n, M]`` rows are written, and the weight gradients go straight into one
     buffer), else the plain experts and a scatter-add."""
-    e = experts
-    weights = (e.w1, e.b1, e.w2, e.b2, e.w3, e.b3)
+    weights = experts.weights()
     if receiver_fuses(received, counts, experts):
-        return fused_experts(received, row_token, row_weight, counts, *weights, HiddenUnit(e.activation, e.glu_limit))
-    rows = expert_ffn(received.index_select(0, row_token), counts, *weights, e.activation, e.glu_limit)
+        return fused_experts(received, row_token, row_weight, counts, weights)
+    rows = expert_ffn(received.index_select(0, row_token), counts, weights)
     return sum_rows_by_token(rows, row_token, row_weight.to(rows.dtype), received.shape[0])
