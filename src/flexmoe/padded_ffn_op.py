@@ -21,7 +21,7 @@ device tensor with ``capacity = PACKED`` (0), the units back to back. The graph 
 count that is 0 or 1 (which dynamo would specialize on, one recompilation per pattern) changes nothing.
 
 Needs ``torch.library.custom_op`` (torch >= 2.4): :func:`padded_op_available` says whether it is there; the
-layer otherwise keeps :func:`flexmoe.experts.padded_expert_ffn`.
+layer otherwise keeps :func:`flexmoe.row_kernels.padded_expert_ffn`.
 """
 
 from collections.abc import Callable
@@ -33,14 +33,9 @@ import torch
 from torch import Tensor
 
 from flexmoe.expert_weights import ExpertWeights, hidden_unit
-from flexmoe.experts import (
-    activation_derivative,
-    activation_into,
-    activation_name,
-    padded_expert_ffn,
-    resolve_activation,
-)
+from flexmoe.experts import activation_derivative, activation_into, activation_name, resolve_activation
 from flexmoe.routing.plan import RoutingPlan
+from flexmoe.row_kernels import padded_expert_ffn
 from flexmoe.segment_ffn import Segment, expert_grad_buffer, linear_into, weight_grad_into
 
 __all__ = ["PACKED", "padded_op_available", "layout_op_runs", "padded_unit_rows", "plan_layout", "padded_segments",
@@ -312,7 +307,7 @@ def padded_experts_forward(rows: Tensor, plan: RoutingPlan, weights: ExpertWeigh
     """rows: ``[N, M]`` laid out by ``plan`` (:func:`plan_layout`: padded, or packed where
     :func:`layout_op_runs`) -> ``[N, M]``, the built-in experts' FFN on the real rows (padding rows: zeros, never
     combined) by the custom op where it runs. A padded plan anywhere else takes the batched matmuls over every
-    row, padding included (:func:`flexmoe.experts.padded_expert_ffn`)."""
+    row, padding included (:func:`flexmoe.row_kernels.padded_expert_ffn`)."""
     activation = activation_name(weights.activation)
     if not layout_op_runs(weights, rows) or (plan.padded and plan.capacity < 1):
         if not plan.padded:
