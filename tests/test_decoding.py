@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flexmoe.decoding as decoding_module
 import flexmoe.layer as layer_module
 from flexmoe import MoELayer
 from flexmoe.dispatch import sum_choices_by_token
@@ -19,9 +20,11 @@ from test_layer import M, T, assert_close, assert_plan_matches, make_input, make
 TOL64 = 1e-10
 
 
-def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
-    """Counts the calls of ``module.<name>`` for the rest of the test (one entry per call)."""
-    calls: list[int] = []
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str, calls: list[int] | None = None,
+                ) -> list[int]:
+    """Counts the calls of ``module.<name>`` for the rest of the test (one entry per call; into ``calls`` when
+    given, to count the same function reached through several modules)."""
+    calls = [] if calls is None else calls
     real = getattr(module, name)
 
     def counted(*args, **kwargs):
@@ -33,8 +36,10 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> l
 
 
 def count_plan_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the layer's calls of build_plan (one entry per call)."""
-    return count_calls(monkeypatch, layer_module, "build_plan")
+    """Counts the layer's calls of build_plan (one entry per call): the full path's, and the one a call served
+    without a plan defers (flexmoe.decoding)."""
+    calls = count_calls(monkeypatch, layer_module, "build_plan")
+    return count_calls(monkeypatch, decoding_module, "build_plan", calls)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import Tensor
 
+import flexmoe.expert_stage as expert_stage
 import flexmoe.fused_experts as fused_module
-import flexmoe.layer as layer_module
 from flexmoe import MoELayer
 from flexmoe.expert_weights import ExpertWeights
 from flexmoe.experts import resolve_activation
@@ -194,7 +194,7 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the layer's calls of fused_experts, and lets the small layers of these tests take it (the rule
     sends only blocks of 32 MiB and more there: too slow to test many cases at that size)."""
     monkeypatch.setattr(fused_module, "_FUSED_MIN_ROW_ELEMENTS", 0)
-    return count_calls(monkeypatch, layer_module, "fused_experts")
+    return count_calls(monkeypatch, expert_stage, "fused_experts")
 
 
 @pytest.mark.parametrize("options", [{"k": 2, "capacity_factor": 0.0}, {"k": 3, "capacity_factor": 1.0},
@@ -245,7 +245,7 @@ def test_layer_under_activation_checkpointing(monkeypatch: pytest.MonkeyPatch) -
 def test_a_fine_grained_training_call_takes_it_by_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """T=2048 M=512 E=64 k=8: a 32 MiB [N, M] block, 256 rows x 64 hidden per expert; against the same layer in
     float64, which takes the three stages."""
-    calls = count_calls(monkeypatch, layer_module, "fused_experts")
+    calls = count_calls(monkeypatch, expert_stage, "fused_experts")
     torch.manual_seed(2)
     moe = MoELayer(512, 64, 64, k=8, capacity_factor=0.0)
     x = torch.randn(2048, 512, requires_grad=True)
