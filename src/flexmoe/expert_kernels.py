@@ -32,7 +32,8 @@ from flexmoe.row_kernels import (
     segmented_expert_ffn,
 )
 
-__all__ = ["KernelCase", "ExpertKernel", "KERNELS", "RULE_KERNEL", "kernel_named", "supported_kernels"]
+__all__ = ["KernelCase", "ExpertKernel", "KERNELS", "RULE_KERNEL", "ROUTES", "kernel_named", "supported_kernels",
+           "power_of_two", "route_bucket"]
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,10 @@ class KernelCase:
         rows and the active experts by powers of two (a call of 300 rows is timed once for 257 to 512)."""
         return (f"{self.device_type}/{str(self.dtype).removeprefix('torch.')}/"
                 f"{'train' if self.needs_grad else 'infer'}/E{self.experts}/M{self.model_dim}/H{self.hidden}/"
-                f"{'glu' if self.glu else 'ffn'}/N{_power_of_two(self.rows)}/A{_power_of_two(self.active)}")
+                f"{'glu' if self.glu else 'ffn'}/N{power_of_two(self.rows)}/A{power_of_two(self.active)}")
 
 
-def _power_of_two(n: int) -> int:
+def power_of_two(n: int) -> int:
     """The smallest power of two >= n (0 for 0)."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
@@ -194,10 +195,23 @@ KERNELS: dict[str, ExpertKernel] = {k.name: k for k in (LoopKernel(), SegmentedK
 RULE_KERNEL = "loop"
 
 
+# The expert stage's routes a chooser may also time (flexmoe.expert_stage): dispatch, experts and combine fused
+# expert by expert, or one after another over rows. "fused" may be forced like a kernel.
+ROUTES = ("fused", "rows")
+
+
+def route_bucket(tokens: Tensor, num_rows: int, weights: ExpertWeights) -> str:
+    """The chooser's key for a route of the expert stage (:data:`ROUTES`): tokens ``[T, M]``, ``num_rows`` pairs
+    computed; the device, dtype and experts' shape exactly, T and N by powers of two."""
+    dtype = str(tokens.dtype).removeprefix("torch.")
+    return (f"route/{tokens.device.type}/{dtype}/E{weights.num_experts}/M{weights.model_dim}/H{weights.hidden}/"
+            f"{'glu' if weights.glu else 'ffn'}/T{power_of_two(tokens.shape[0])}/N{power_of_two(num_rows)}")
+
+
 def kernel_named(name: str) -> ExpertKernel:
     """The kernel called ``name``; ValueError naming the known ones otherwise."""
     if name not in KERNELS:
-        raise ValueError(f"expert_kernel must be 'auto' or one of {sorted(KERNELS)}, got {name!r}")
+        raise ValueError(f"expert_kernel must be 'auto' or one of {sorted(KERNELS) + ['fused']}, got {name!r}")
     return KERNELS[name]
 
 

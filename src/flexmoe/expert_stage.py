@@ -23,9 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.dispatch import combine, dispatch
+from flexmoe.expert_kernels import route_bucket
 from flexmoe.experts import FeedForwardExperts
-from flexmoe.fused_experts import fused_experts, use_fused
+from flexmoe.fused_experts import fused_experts, fused_supported
 from flexmoe.grouped_linear_op import grouped_experts_ffn, uses_device_offsets
+from flexmoe.kernel_chooser import timed_run
 from flexmoe.padded_ffn_op import layout_op_runs, padded_experts_forward, padded_op_available
 from flexmoe.padded_fused_op import padded_fused_experts, use_padded_fused
 from flexmoe.parallel.options import ParallelOptions
@@ -43,11 +45,17 @@ def run_expert_stage(layer: MoELayer, tokens: Tensor, plan: RoutingPlan, routing
                      parallel: ParallelOptions, pinned: frozenset[str]) -> Tensor:
     """tokens: ``[T, M]`` -> ``[T, M]``, each token's weighted sum over its experts (or, ``score_at="dispatch"``,
     the plain sum of its experts' outputs on weighted rows), by the route this call takes (module docstring)."""
-    if runs_fused(layer, tokens, plan, routing):
+    if runs_fused(layer, tokens, plan, routing, parallel, pinned):
         return run_fused(layer, tokens, plan)
     sent = exchange_tokens(layer, tokens, plan, routing, parallel, pinned)
     if sent is not None:
         return sent
+    return rows_route(layer, tokens, plan, routing, parallel, pinned)
+
+
+def rows_route(layer: MoELayer, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions,
+               parallel: ParallelOptions, pinned: frozenset[str]) -> Tensor:
+    """The three stages one after another: dispatch ``[N, M]``, the experts, combine -> ``[T, M]``."""
     expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
     # Counts left on the device (compiling, dropless) are read there by the experts' custom ops only.
     counts = [] if plan.host_counts is None else plan.counts
@@ -56,17 +64,26 @@ def run_expert_stage(layer: MoELayer, tokens: Tensor, plan: RoutingPlan, routing
     return combine(expert_output, plan, weighted=routing.score_at == "combine")
 
 
-def runs_fused(layer: MoELayer, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions) -> bool:
+def runs_fused(layer: MoELayer, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions,
+               parallel: ParallelOptions, pinned: frozenset[str]) -> bool:
     """Whether dispatch, the experts and combine run fused, expert by expert (:mod:`flexmoe.fused_experts`):
-    the built-in experts, all in this process, weights applied at combine, and where
-    :func:`~flexmoe.fused_experts.use_fused` says it is faster (training with many small experts); compiling,
-    by the custom op of :mod:`flexmoe.padded_fused_op` (over a padded plan, or any other packed)."""
+    the built-in experts, all in this process, weights applied at combine, training
+    (:func:`~flexmoe.fused_experts.fused_supported`), and the experts' kernel chooser measured it faster than the
+    three stages for this call's bucket (:meth:`~flexmoe.kernel_chooser.KernelChooser.choose_route`). Compiling,
+    by the custom op of :mod:`flexmoe.padded_fused_op` (over a padded plan, or any other packed) where
+    :func:`~flexmoe.padded_fused_op.use_padded_fused` holds."""
     experts = layer._built_experts
     if not isinstance(experts, FeedForwardExperts) or layer.ep_group.distributed or routing.score_at != "combine":
         return False
     if plan.padded or torch.compiler.is_compiling():
         return not grouped_on_device(layer, plan, tokens) and use_padded_fused(tokens, plan, experts.weights())
-    return use_fused(tokens, plan.counts, experts.weights())
+    weights = experts.weights()
+    if not plan.counts or not fused_supported(tokens, weights):
+        return False
+    bucket = route_bucket(tokens, plan.row_token.shape[0], weights)
+    routes = {"fused": timed_run(lambda t: run_fused(layer, t, plan), tokens, weights),
+              "rows": timed_run(lambda t: rows_route(layer, t, plan, routing, parallel, pinned), tokens, weights)}
+    return experts.kernels.choose_route(bucket, routes, rule="rows") == "fused"
 
 
 def run_fused(layer: MoELayer, tokens: Tensor, plan: RoutingPlan) -> Tensor:

@@ -37,7 +37,7 @@ from flexmoe.experts import activation_derivative, activation_into
 from flexmoe.segment_ffn import add_bias_grad, add_weight_grad, addmm_into, expert_grad_buffer, record_unit
 
 __all__ = ["HiddenUnit", "CHUNK_ROWS", "expert_chunks", "fused_experts", "fused_forward", "fused_backward",
-           "fused_size_rule", "fused_supported", "fused_work_rule", "use_fused"]
+           "fused_size_rule", "fused_supported"]
 
 @dataclass(frozen=True)
 class HiddenUnit:
@@ -272,33 +272,17 @@ def fused_experts(tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts:
                                expert_chunks(counts, chunk_rows), weights)
 
 
-# Training, forward + backward, T=4096 M=512 k=8 fp32, dropless, on a quiet 2-core AVX2 CPU, side by side with the
-# three-stage path and the loop floor (docs/architecture.md, "Fused experts"): the layer over the floor 1.06 at
-# E=64 H=256 (three stages 1.18-1.29), 1.01 at E=128 H=128 (1.22), 1.00 at E=256 H=64 (1.25). It lost where the
-# three stages' [N, M] blocks are small enough for the allocator to reuse (below 32 MiB, glibc's largest mmap
-# threshold): the training job's GPT layer (T=2048 M=128 E=8 H=256 k=2, a 2 MiB block) 1.41-1.58 against
-# 1.27-1.40; and E=8 H=1024 k=2 at T=4096 (1024 rows x 1024 per expert, a 16 MiB block) 1.44 against 1.28. Above
-# the threshold the three stages' blocks are mapped afresh and page-faulted on every call, whatever the experts'
-# size: fused / three stages 0.755 at E=64 H=256 k=8 T=8192 (1024 rows x 256 per expert), 1.003 at E=8 H=1024 k=2
-# T=16384 (4096 rows x 1024), so the block's size alone decides.
+# The compiled padded path has no first call to time (flexmoe.padded_fused_op): it takes the fused op for blocks of
+# rows x model_dim of at least this many elements, where eager's fused experts measured faster on a 2-core CPU
+# (T=4096 M=512 k=8 fp32: over the loop floor 1.06 at E=64 H=256, three stages 1.18-1.29; above 32 MiB the three
+# stages' blocks are mapped afresh and page-faulted on every call). Eager calls choose by measurement
+# (flexmoe.expert_stage.runs_fused).
 _FUSED_MIN_ROW_ELEMENTS = 1 << 23  # rows x model_dim: 32 MiB in float32
-_FUSED_MAX_WORK_PER_EXPERT = 512 * 256  # rows per expert x hidden size, on average
-_FUSED_DTYPES = (torch.float32,)
-
-
-def use_fused(tokens: Tensor, counts: Sequence[int], weights: ExpertWeights) -> bool:
-    """Whether a call runs :func:`fused_experts` (the measured rule above): :func:`fused_supported` and at least
-    ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]`` block (:func:`fused_size_rule`)."""
-    if not counts or not fused_supported(tokens, weights):
-        return False
-    return fused_size_rule(sum(counts), tokens.shape[-1])
 
 
 def fused_supported(tokens: Tensor, weights: ExpertWeights) -> bool:
-    """Where :func:`fused_experts` was measured faster at all: autograd records (training), float32 on the CPU,
-    not traced by ``torch.compile``, no autocast, the tokens and every weight in one dtype and device."""
-    if tokens.dtype not in _FUSED_DTYPES or tokens.device.type != "cpu":
-        return False
+    """Where :func:`fused_experts` may run in place of the three stages: autograd records (its gain is the
+    backward), not traced by ``torch.compile``, no autocast, the tokens and every weight in one dtype and device."""
     if not weights.needs_grad(tokens) or torch.compiler.is_compiling():
         return False
     if torch.is_autocast_enabled(tokens.device.type):
@@ -306,14 +290,6 @@ def fused_supported(tokens: Tensor, weights: ExpertWeights) -> bool:
     return weights.all_like(tokens)
 
 
-def fused_work_rule(num_rows: int, hidden: int, num_experts: int) -> bool:
-    """At most ``_FUSED_MAX_WORK_PER_EXPERT`` rows x hidden per expert, on average: small experts, where the fused
-    experts also won below the size rule's block (the expert-parallel receiver,
-    :mod:`flexmoe.parallel.token_exchange`; at E=8 H=1024 k=2 T=4096 the three stages won)."""
-    return num_rows * hidden <= _FUSED_MAX_WORK_PER_EXPERT * num_experts
-
-
 def fused_size_rule(num_rows: int, model_dim: int) -> bool:
-    """At least ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]`` block: a block the three stages would have
-    mapped afresh, and page-faulted, on every call (the measurements above)."""
+    """At least ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]`` block (the compiled path's rule, above)."""
     return num_rows * model_dim >= _FUSED_MIN_ROW_ELEMENTS

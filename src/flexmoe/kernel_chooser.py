@@ -33,11 +33,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmoe.expert_kernels import KERNELS, RULE_KERNEL, ExpertKernel, KernelCase, kernel_named, supported_kernels
+from flexmoe.expert_kernels import (
+    KERNELS,
+    ROUTES,
+    RULE_KERNEL,
+    ExpertKernel,
+    KernelCase,
+    kernel_named,
+    supported_kernels,
+)
 from flexmoe.expert_weights import ExpertWeights
 
-__all__ = ["KernelChooser", "Timer", "time_kernel", "default_cache_path", "machine_fingerprint",
-           "DEFAULT_CACHE_DIR"]
+__all__ = ["KernelChooser", "Timer", "time_kernel", "timed_call", "timed_run", "default_cache_path",
+           "machine_fingerprint", "DEFAULT_CACHE_DIR"]
 
 Timer = Callable[[str, Callable[[], object]], float]  # (kernel name, run it once) -> seconds per run
 DEFAULT_CACHE_DIR = "~/.cache/flexmoe"
@@ -95,7 +103,7 @@ class KernelChooser:
                  timer: Timer | None = time_kernel) -> None:
         if not isinstance(kernel, str):
             raise TypeError(f"expert_kernel must be a str, got {type(kernel).__name__}")
-        if kernel != "auto":
+        if kernel not in ("auto", "fused"):
             kernel_named(kernel)  # a ValueError naming the known kernels
         self.kernel = kernel
         self.cache_path = None if cache_path is None else Path(cache_path).expanduser()
@@ -135,7 +143,7 @@ class KernelChooser:
     def kernel_for(self, case: KernelCase, rows: Tensor | None = None, counts: list[int] | None = None,
                    weights: ExpertWeights | None = None) -> ExpertKernel:
         """The kernel for ``case``; with rows, counts and weights given, an unmeasured bucket may be timed on them."""
-        if self.kernel != "auto":
+        if self.kernel in KERNELS:
             return self._forced(case)
         if case.compiling:
             return KERNELS[RULE_KERNEL]  # a traced graph must not depend on what this process measured
@@ -150,6 +158,21 @@ class KernelChooser:
                 name = RULE_KERNEL
         self.decisions[bucket] = name
         return KERNELS[name]
+
+    def choose_route(self, bucket: str, routes: dict[str, Callable[[], object]], rule: str) -> str:
+        """Which of the expert stage's ``routes`` (name: one timed run, :func:`timed_run`) a call of ``bucket``
+        takes: a forced one, else the measured one (memory, cache file, or timed now), else ``rule``."""
+        if self.kernel in routes:
+            return self.kernel
+        if self.kernel != "auto":
+            return rule  # a forced row kernel runs inside the rows route
+        name = self.decisions.get(bucket) or self._cached(bucket)
+        if name in routes:
+            return name
+        if not self._may_time():
+            return rule
+        assert self.timer is not None
+        return self._decide(bucket, {n: self.timer(n, run) for n, run in routes.items()})
 
     def _forced(self, case: KernelCase) -> ExpertKernel:
         kernel = KERNELS[self.kernel]
@@ -225,7 +248,8 @@ class KernelChooser:
         if content is None or content.get("versions") != _versions():
             return {}
         choices = content.get("choices", {})
-        self.decisions = {**{b: n for b, n in choices.items() if n in KERNELS}, **self.decisions}
+        known = set(KERNELS) | set(ROUTES)
+        self.decisions = {**{b: n for b, n in choices.items() if n in known}, **self.decisions}
         return self.decisions
 
     def _store(self, bucket: str, name: str, times: dict[str, float]) -> None:
@@ -251,15 +275,20 @@ def _load(path: Path) -> dict[str, Any] | None:
 
 
 def timed_call(kernel: ExpertKernel, rows: Tensor, counts: list[int], weights: ExpertWeights) -> Callable[[], object]:
-    """One run of ``kernel`` as the call will run it: forward, and when autograd records, the backward to the rows
+    """One run of ``kernel`` on these rows as the call will run it (:func:`timed_run`)."""
+    return timed_run(lambda x: kernel.run(x, counts, weights), rows, weights)
+
+
+def timed_run(run: Callable[[Tensor], Tensor], x: Tensor, weights: ExpertWeights) -> Callable[[], object]:
+    """One ``run(x)`` as the call will run it: forward, and when autograd records, the backward to ``x`` (a copy)
     and every weight that wants a gradient (``torch.autograd.grad``: nothing is accumulated into ``.grad``)."""
-    if not weights.needs_grad(rows):
-        return lambda: kernel.run(rows, counts, weights)
-    x = rows.detach().requires_grad_(rows.requires_grad)
-    inputs = [t for t in (x, *weights.present()) if t.requires_grad]
+    if not weights.needs_grad(x):
+        return lambda: run(x)
+    copy = x.detach().requires_grad_(x.requires_grad)
+    inputs = [t for t in (copy, *weights.present()) if t.requires_grad]
 
     def forward_backward() -> object:
-        out = kernel.run(x, counts, weights)
+        out = run(copy)
         return torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
 
     return forward_backward
