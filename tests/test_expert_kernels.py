@@ -297,19 +297,19 @@ def test_a_kernel_that_fails_at_run_time_falls_back_to_the_loop(monkeypatch: pyt
 
 def test_a_layer_times_its_first_call_and_a_new_layer_reads_the_cache(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    timer = FakeTimer({"loop": 2.0, "segmented": 1.0, "grouped_mm": 3.0})
+    timer = FakeTimer({"loop": 2.0, "segmented": 1.0, "grouped_mm": 3.0, "rows": 1.0, "fused": 2.0})
     monkeypatch.setattr(KernelChooser, "default_timer", timer)
     torch.manual_seed(0)
     layer = MoELayer(M, E, H, k=2, kernel_cache=str(tmp_path))
     layer(torch.randn(8, M)).sum().backward()
-    assert layer.experts.kernels.decisions and set(layer.experts.kernels.decisions.values()) == {"segmented"}
+    assert set(layer.experts.kernels.decisions.values()) == {"segmented", "rows"}
     assert len(list(tmp_path.glob("kernels-*.json"))) == 1
     calls = len(timer.calls)
     fresh = MoELayer(M, E, H, k=2, kernel_cache=str(tmp_path))
     fresh.load_state_dict(layer.state_dict())
     fresh(torch.randn(8, M)).sum().backward()
     assert len(timer.calls) == calls  # the new layer took the file's choice
-    assert set(fresh.experts.kernels.decisions.values()) == {"segmented"}
+    assert set(fresh.experts.kernels.decisions.values()) == {"segmented", "rows"}
 
 
 def test_timing_a_training_call_leaves_the_parameters_gradients_alone() -> None:
@@ -330,3 +330,17 @@ def test_two_ranks_agree_on_the_choice_though_their_timers_disagree() -> None:
     assert set(values[0]["calibrated"].values()) == {"loop"}  # summed: loop 6 s, segmented 7 s
     assert values[0]["shared"] == values[1]["shared"] == {"cpu/float32/train/E4/M8/H16/ffn/N16/A4": "segmented"}
     assert not values[1]["shared_times_calls"] and not values[0]["layer_times_calls"]
+
+
+def test_calibrate_kernels_writes_the_cache_a_layer_then_reads(tmp_path: Path) -> None:
+    """``flexmoe calibrate --kernels``: each shape timed for real (tiny here), the choices written to the cache
+    file, where a chooser without a timer finds them."""
+    from flexmoe.apps.calibrate import calibrate_kernels
+    from flexmoe.kernel_chooser import default_cache_path
+
+    chosen = calibrate_kernels(str(tmp_path), shapes=((8, 4, 16, 2, True), (2, 4, 16, 2, False)), model_dim=8)
+    assert len(chosen) == 2 and set(chosen.values()) <= set(KERNELS)
+    assert json.loads(default_cache_path(tmp_path).read_text())["choices"] == chosen
+    reader = KernelChooser(cache_path=default_cache_path(tmp_path), timer=None)
+    for bucket, kernel in chosen.items():
+        assert reader._cached(bucket) == kernel

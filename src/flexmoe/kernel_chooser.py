@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import platform
 import socket
@@ -50,17 +49,41 @@ __all__ = ["KernelChooser", "Timer", "time_kernel", "timed_call", "timed_run", "
 Timer = Callable[[str, Callable[[], object]], float]  # (kernel name, run it once) -> seconds per run
 DEFAULT_CACHE_DIR = "~/.cache/flexmoe"
 _TIMED_RUNS = 2  # after one warm-up run; the fastest counts (the least disturbed by other processes)
+# A first run this long is the measurement: beside it a warm-up's extra cost is small, and more runs would make a
+# cold cache's first call of a large layer cost seconds per candidate.
+_ONE_RUN_SECONDS = 0.05
+# Row kernels are timed on the rows of the first experts only, about this many rows: their relative speed per
+# expert is what is measured (the routes, whose gain depends on the whole block's size, are timed whole).
+_SAMPLE_ROWS = 8192
 
 
 def time_kernel(name: str, run: Callable[[], object]) -> float:
-    """Seconds of one ``run()``: the fastest of ``_TIMED_RUNS`` after a warm-up (``name`` is for fake timers)."""
+    """Seconds of one ``run()``: a first run that takes ``_ONE_RUN_SECONDS`` or more, else the fastest of
+    ``_TIMED_RUNS`` after it (``name`` is for fake timers)."""
+    start = time.perf_counter()
     run()
-    best = math.inf
+    best = time.perf_counter() - start
+    if best >= _ONE_RUN_SECONDS:
+        return best
     for _ in range(_TIMED_RUNS):
         start = time.perf_counter()
         run()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def sampled_call(rows: Tensor, counts: list[int], weights: ExpertWeights,
+                 ) -> tuple[Tensor, list[int], ExpertWeights]:
+    """The call on its first experts only, as many as hold ``_SAMPLE_ROWS`` rows (all of them when fewer):
+    rows ``[n, M]``, their counts and weights ``[e, ...]`` (views)."""
+    total, experts = 0, 0
+    while experts < len(counts) and total < _SAMPLE_ROWS:
+        total, experts = total + counts[experts], experts + 1
+    if experts == len(counts):
+        return rows, counts, weights
+    cut = {n: (t[:experts] if t is not None else None) for n, t in zip(("w1", "b1", "w2", "b2", "w3", "b3"),
+                                                                     weights.tensors())}
+    return rows[:total], counts[:experts], weights.with_tensors(**cut)
 
 
 def machine_fingerprint() -> str:
@@ -111,7 +134,7 @@ class KernelChooser:
         self.times_calls = True  # False on an expert-parallel rank: its peers would time other cases
         self.decisions: dict[str, str] = {}
         self.timings: dict[str, dict[str, float]] = {}
-        self._cache_read = False
+        self._cache: dict[str, str] | None = None  # the cache file's choices, once read
         self._warned: set[str] = set()
 
     @classmethod
@@ -168,11 +191,12 @@ class KernelChooser:
             return rule  # a forced row kernel runs inside the rows route
         name = self.decisions.get(bucket) or self._cached(bucket)
         if name in routes:
+            self.decisions[bucket] = name
             return name
         if not self._may_time():
             return rule
         assert self.timer is not None
-        return self._decide(bucket, {n: self.timer(n, run) for n, run in routes.items()})
+        return self._decide(bucket, {n: self.timer(n, run) for n, run in routes.items()}, rule)
 
     def _forced(self, case: KernelCase) -> ExpertKernel:
         kernel = KERNELS[self.kernel]
@@ -192,12 +216,13 @@ class KernelChooser:
     def _measure(self, bucket: str, candidates: list[ExpertKernel], rows: Tensor, counts: list[int],
                  weights: ExpertWeights) -> str:
         assert self.timer is not None
-        times = {k.name: self.timer(k.name, timed_call(k, rows, counts, weights)) for k in candidates}
+        sample = sampled_call(rows, counts, weights)
+        times = {k.name: self.timer(k.name, timed_call(k, *sample)) for k in candidates}
         return self._decide(bucket, times)
 
-    def _decide(self, bucket: str, times: dict[str, float]) -> str:
-        """The fastest of ``times`` for ``bucket``, kept in memory and in the cache file."""
-        name = min(times, key=lambda n: (times[n], n != RULE_KERNEL))
+    def _decide(self, bucket: str, times: dict[str, float], rule: str = RULE_KERNEL) -> str:
+        """The fastest of ``times`` for ``bucket`` (a tie: ``rule``), kept in memory and in the cache file."""
+        name = min(times, key=lambda n: (times[n], n != rule))
         self.decisions[bucket], self.timings[bucket] = name, dict(times)
         self._store(bucket, name, times)
         return name
@@ -213,7 +238,7 @@ class KernelChooser:
         table = [{**self._read_cache(), **self.decisions}]
         dist.broadcast_object_list(table, src=dist.get_global_rank(group, 0), group=group)
         self.decisions = dict(table[0])
-        self._cache_read = True
+        self._cache = {}  # rank 0's file is in the table; this rank's own is not read
         self.times_calls = False
 
     def calibrate(self, calls: list[tuple[Tensor, list[int], ExpertWeights]], group: Any = None) -> dict[str, str]:
@@ -240,17 +265,14 @@ class KernelChooser:
         return self._read_cache().get(bucket)
 
     def _read_cache(self) -> dict[str, str]:
-        """The cache file's choices when it was written by this torch and flexmoe, else nothing."""
-        if self._cache_read or self.cache_path is None:
-            return {}
-        self._cache_read = True
-        content = _load(self.cache_path)
-        if content is None or content.get("versions") != _versions():
-            return {}
-        choices = content.get("choices", {})
-        known = set(KERNELS) | set(ROUTES)
-        self.decisions = {**{b: n for b, n in choices.items() if n in known}, **self.decisions}
-        return self.decisions
+        """The cache file's choices when it was written by this torch and flexmoe, else nothing (read once)."""
+        if self._cache is None:
+            content = None if self.cache_path is None else _load(self.cache_path)
+            valid = content is not None and content.get("versions") == _versions()
+            known = set(KERNELS) | set(ROUTES)
+            choices = content.get("choices", {}) if valid and content is not None else {}
+            self._cache = {b: n for b, n in choices.items() if n in known}
+        return self._cache
 
     def _store(self, bucket: str, name: str, times: dict[str, float]) -> None:
         if self.cache_path is None:
