@@ -15,6 +15,7 @@ from flexmoe.experts import resolve_activation
 from flexmoe.fused_experts import CHUNK_ROWS, expert_chunks, fused_experts, fused_supported
 from reference import ref_activation, reference_for_layer
 from test_decoding import count_calls
+from test_expert_kernels import FakeTimer
 from test_layer import assert_close
 
 TOL64 = 1e-10
@@ -154,15 +155,6 @@ def test_fused_runs_in_training_with_one_dtype_and_device() -> None:
     assert not fused_supported(x.float(), weights)  # mixed dtypes
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not fused_supported(x, weights)
-
-
-class FakeTimer:
-    def __init__(self, seconds: dict[str, float]) -> None:
-        self.seconds, self.calls = seconds, []
-
-    def __call__(self, name: str, run: object) -> float:
-        self.calls.append(name)
-        return self.seconds.get(name, 5.0)
 
 
 @pytest.mark.parametrize("faster", ["fused", "rows"])
