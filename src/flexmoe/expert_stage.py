@@ -69,7 +69,8 @@ def runs_fused(layer: MoELayer, tokens: Tensor, plan: RoutingPlan, routing: Rout
     """Whether dispatch, the experts and combine run fused, expert by expert (:mod:`flexmoe.fused_experts`):
     the built-in experts, all in this process, weights applied at combine, training
     (:func:`~flexmoe.fused_experts.fused_supported`), and the experts' kernel chooser measured it faster than the
-    three stages for this call's bucket (:meth:`~flexmoe.kernel_chooser.KernelChooser.choose_route`). Compiling,
+    three stages for this call's bucket (:meth:`~flexmoe.kernel_chooser.KernelChooser.choose_route`, forward
+    timings). Compiling,
     by the custom op of :mod:`flexmoe.padded_fused_op` (over a padded plan, or any other packed) where
     :func:`~flexmoe.padded_fused_op.use_padded_fused` holds."""
     experts = layer._built_experts
@@ -81,8 +82,11 @@ def runs_fused(layer: MoELayer, tokens: Tensor, plan: RoutingPlan, routing: Rout
     if not plan.counts or not fused_supported(tokens, weights):
         return False
     bucket = route_bucket(tokens, plan.row_token.shape[0], weights)
-    routes = {"fused": timed_run(lambda t: run_fused(layer, t, plan), tokens, weights),
-              "rows": timed_run(lambda t: rows_route(layer, t, plan, routing, parallel, pinned), tokens, weights)}
+    # The routes are timed forward only (autograd recording): a whole step each would make a cold cache's first
+    # call of a large layer cost three steps; the forward pays the same [N, M] blocks the backward does.
+    routes = {"fused": timed_run(lambda t: run_fused(layer, t, plan), tokens, weights, backward=False),
+              "rows": timed_run(lambda t: rows_route(layer, t, plan, routing, parallel, pinned), tokens, weights,
+                                backward=False)}
     return experts.kernels.choose_route(bucket, routes, rule="rows") == "fused"
 
 

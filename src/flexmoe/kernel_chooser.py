@@ -301,10 +301,12 @@ def timed_call(kernel: ExpertKernel, rows: Tensor, counts: list[int], weights: E
     return timed_run(lambda x: kernel.run(x, counts, weights), rows, weights)
 
 
-def timed_run(run: Callable[[Tensor], Tensor], x: Tensor, weights: ExpertWeights) -> Callable[[], object]:
-    """One ``run(x)`` as the call will run it: forward, and when autograd records, the backward to ``x`` (a copy)
-    and every weight that wants a gradient (``torch.autograd.grad``: nothing is accumulated into ``.grad``)."""
-    if not weights.needs_grad(x):
+def timed_run(run: Callable[[Tensor], Tensor], x: Tensor, weights: ExpertWeights,
+              backward: bool = True) -> Callable[[], object]:
+    """One ``run(x)`` as the call will run it: forward, and when autograd records and ``backward``, the backward to
+    ``x`` (a copy) and every weight that wants a gradient (``torch.autograd.grad``: nothing is accumulated into
+    ``.grad``)."""
+    if not backward or not weights.needs_grad(x):
         return lambda: run(x)
     copy = x.detach().requires_grad_(x.requires_grad)
     inputs = [t for t in (copy, *weights.present()) if t.requires_grad]

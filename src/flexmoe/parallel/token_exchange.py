@@ -158,8 +158,10 @@ def receiver_fuses(received: Tensor, row_token: Tensor, row_weight: Tensor, coun
         return False
     bucket = "receiver/" + route_bucket(received, sum(counts), weights)
     token, weight = row_token, row_weight.detach()
-    routes = {"fused": timed_run(lambda x: fused_experts(x, token, weight, counts, weights), received, weights),
-              "rows": timed_run(lambda x: _plain_experts(x, token, weight, counts, experts), received, weights)}
+    routes = {"fused": timed_run(lambda x: fused_experts(x, token, weight, counts, weights), received, weights,
+                                 backward=False),
+              "rows": timed_run(lambda x: _plain_experts(x, token, weight, counts, experts), received, weights,
+                                backward=False)}
     return experts.kernels.choose_route(bucket, routes, rule="rows") == "fused"
 
 
