@@ -172,9 +172,11 @@ def test_expert_parallel_receiver_fuses_where_measured_faster(faster: str) -> No
     row_token, counts = torch.tensor([0, 2, 6, 1, 3, 5, 2]), [3, 0, 4]
     row_weight = torch.rand(7, dtype=torch.float64)
     assert receiver_fuses(received, row_token, row_weight, counts, experts) == (faster == "fused")
-    assert sorted(timer.calls) == ["fused", "rows"]
+    # The plain experts' kernel is decided first, then the two routes are timed, once per bucket.
+    assert timer.calls[-2:] == ["fused", "rows"] and {"loop", "segmented"} <= set(timer.calls[:-2])
+    timed = len(timer.calls)
     assert receiver_fuses(received, row_token, row_weight, counts, experts) == (faster == "fused")
-    assert len(timer.calls) == 2  # measured once per bucket (the fake timer runs neither route)
+    assert len(timer.calls) == timed
     with torch.no_grad():
         assert not receiver_fuses(received, row_token, row_weight, counts, experts)  # no autograd: plain experts
     got = _weighted_experts(received, row_token, row_weight, counts, experts)

@@ -182,6 +182,15 @@ class KernelChooser:
         self.decisions[bucket] = name
         return KERNELS[name]
 
+    def prepare(self, rows: Tensor, counts: list[int], weights: ExpertWeights) -> None:
+        """Decide (time, where it may) the kernel of a call before a route that contains it is timed, so that the
+        route's timing holds the kernel's run, not its timing."""
+        self.kernel_for(KernelCase.of(rows, counts, weights), rows, counts, weights)
+
+    def known(self, bucket: str) -> str | None:
+        """The decision for ``bucket`` in memory or in the cache file, else None."""
+        return self.decisions.get(bucket) or self._cached(bucket)
+
     def choose_route(self, bucket: str, routes: dict[str, Callable[[], object]], rule: str) -> str:
         """Which of the expert stage's ``routes`` (name: one timed run, :func:`timed_run`) a call of ``bucket``
         takes: a forced one, else the measured one (memory, cache file, or timed now), else ``rule``."""
