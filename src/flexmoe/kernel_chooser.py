@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import socket
@@ -43,32 +44,38 @@ from flexmoe.expert_kernels import (
 )
 from flexmoe.expert_weights import ExpertWeights
 
-__all__ = ["KernelChooser", "Timer", "time_kernel", "timed_call", "timed_run", "default_cache_path",
+__all__ = ["KernelChooser", "Timer", "time_kernel", "time_in_rounds", "timed_call", "timed_run", "default_cache_path",
            "machine_fingerprint", "DEFAULT_CACHE_DIR"]
 
 Timer = Callable[[str, Callable[[], object]], float]  # (kernel name, run it once) -> seconds per run
 DEFAULT_CACHE_DIR = "~/.cache/flexmoe"
-_TIMED_RUNS = 2  # after one warm-up run; the fastest counts (the least disturbed by other processes)
-# A first run this long is the measurement: beside it a warm-up's extra cost is small, and more runs would make a
-# cold cache's first call of a large layer cost seconds per candidate.
-_ONE_RUN_SECONDS = 0.05
+# Candidates are timed in rounds, each round running every candidate once in turn (so that a burst of other work
+# on the machine slows all of them alike), the fastest round of each counting; after a warm-up round, this many
+# rounds while a round costs less than _CHEAP_ROUND_SECONDS, else the warm-up round alone is the measurement (a
+# large layer's first call must not cost several steps).
+_ROUNDS = 3
+_CHEAP_ROUND_SECONDS = 0.2
 # Row kernels are timed on the rows of the first experts only, about this many rows: their relative speed per
 # expert is what is measured (the routes, whose gain depends on the whole block's size, are timed whole).
 _SAMPLE_ROWS = 8192
 
 
 def time_kernel(name: str, run: Callable[[], object]) -> float:
-    """Seconds of one ``run()``: a first run that takes ``_ONE_RUN_SECONDS`` or more, else the fastest of
-    ``_TIMED_RUNS`` after it (``name`` is for fake timers)."""
+    """Seconds of one ``run()`` (``name`` is for fake timers)."""
     start = time.perf_counter()
     run()
-    best = time.perf_counter() - start
-    if best >= _ONE_RUN_SECONDS:
+    return time.perf_counter() - start
+
+
+def time_in_rounds(timer: Timer, runs: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Each candidate's fastest time over interleaved rounds (above); ``runs``: name -> one run."""
+    best = {name: timer(name, run) for name, run in runs.items()}  # the warm-up round
+    if sum(best.values()) >= _CHEAP_ROUND_SECONDS:
         return best
-    for _ in range(_TIMED_RUNS):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
+    best = {name: math.inf for name in runs}
+    for _ in range(_ROUNDS):
+        for name, run in runs.items():
+            best[name] = min(best[name], timer(name, run))
     return best
 
 
@@ -205,7 +212,7 @@ class KernelChooser:
         if not self._may_time():
             return rule
         assert self.timer is not None
-        return self._decide(bucket, {n: self.timer(n, run) for n, run in routes.items()}, rule)
+        return self._decide(bucket, time_in_rounds(self.timer, routes), rule)
 
     def _forced(self, case: KernelCase) -> ExpertKernel:
         kernel = KERNELS[self.kernel]
@@ -226,7 +233,7 @@ class KernelChooser:
                  weights: ExpertWeights) -> str:
         assert self.timer is not None
         sample = sampled_call(rows, counts, weights)
-        times = {k.name: self.timer(k.name, timed_call(k, *sample)) for k in candidates}
+        times = time_in_rounds(self.timer, {k.name: timed_call(k, *sample) for k in candidates})
         return self._decide(bucket, times)
 
     def _decide(self, bucket: str, times: dict[str, float], rule: str = RULE_KERNEL) -> str:
@@ -259,8 +266,8 @@ class KernelChooser:
         for rows, counts, weights in calls:
             case = KernelCase.of(rows, counts, weights)
             candidates = [k.name for k in supported_kernels(case)]
-            times = torch.tensor([timer(name, timed_call(KERNELS[name], rows, counts, weights))
-                                  for name in candidates], dtype=torch.float64)
+            measured = time_in_rounds(timer, {n: timed_call(KERNELS[n], rows, counts, weights) for n in candidates})
+            times = torch.tensor([measured[n] for n in candidates], dtype=torch.float64)
             if group is not None:
                 import torch.distributed as dist
 
