@@ -3,12 +3,11 @@
     .venv/bin/python benchmarks/decode_experts.py [--tokens 1,2,4,8,16,32,64] [--steps 15]
 
 For each number of tokens T per call it routes T tokens to k experts each (random distinct experts per token)
-and times the same rows through ``embedding_bag_ffn`` (weighted sums of weight rows), ``joined_unit_ffn`` (each
-expert's matmuls, the unit once over all rows), ``active_experts_ffn`` (the plain per-expert loop, the bench's
-floor) and ``grouped_expert_ffn`` (``torch._grouped_mm``, where it runs), round-robin, and prints each path's
-median time per call and its ratio to the better of the two loops, with the rows per active expert that
-``use_embedding_bag`` decides on. Two shapes: the fine-grained E=64 k=8 H=256 (gelu with biases, and GLU) and
-the coarse E=8 k=2 H=1024 (gelu), M=512, float32. The results are checked against the loop before timing.
+and times the same rows through every kernel of :mod:`flexmoe.expert_kernels` that runs the case ("loop", the
+bench's floor; "joined_unit"; "embedding_bag"; "grouped_mm" where it runs), round-robin, and prints each
+kernel's median time per call and its ratio to the better of the two loops, with the rows per active expert.
+Two shapes: the fine-grained E=64 k=8 H=256 (gelu with biases, and GLU) and the coarse E=8 k=2 H=1024 (gelu),
+M=512, float32. The results are checked against the loop before timing.
 """
 
 from __future__ import annotations
@@ -22,13 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from flexmoe.apps.bench.timing import time_side_by_side
-from flexmoe.experts import (
-    active_experts_ffn,
-    embedding_bag_ffn,
-    grouped_expert_ffn,
-    grouped_mm_supported,
-    joined_unit_ffn,
-)
+from flexmoe.expert_kernels import KERNELS, KernelCase, supported_kernels
+from flexmoe.expert_weights import ExpertWeights
 
 SHAPES = {  # name: (experts, k, hidden, glu)
     "E=64 k=8 H=256 gelu": (64, 8, 256, False),
@@ -72,25 +66,23 @@ def main() -> None:
     print(f"no autograd, M={MODEL_DIM}, float32, {torch.get_num_threads()} threads; us per call, and x the "
           f"better loop")
     for shape, (experts, k, hidden, glu) in SHAPES.items():
-        w1, b1, w2, b2, w3, b3, activation = _weights(experts, hidden, glu, gen)
+        weights = ExpertWeights(*_weights(experts, hidden, glu, gen))
         for tokens in (int(t) for t in args.tokens.split(",")):
             counts = _counts(tokens, experts, k, gen)
             rows = torch.randn(sum(counts), MODEL_DIM, generator=gen)
-            paths: dict[str, Callable[..., torch.Tensor]] = {
-                "embedding_bag": embedding_bag_ffn, "joined loop": joined_unit_ffn, "loop": active_experts_ffn}
-            if grouped_mm_supported(rows, w1, w2, w3):
-                paths["grouped_mm"] = grouped_expert_ffn
             with torch.no_grad():
-                want = active_experts_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, None)
+                case = KernelCase.of(rows, counts, weights)
+                paths: dict[str, Callable[..., torch.Tensor]] = {k.name: k.run for k in supported_kernels(case)}
+                want = KERNELS["loop"].run(rows, counts, weights)
                 for name, path in paths.items():
-                    got = path(rows, counts, w1, b1, w2, b2, w3, b3, activation, None)
+                    got = path(rows, counts, weights)
                     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
 
-                call = (rows, counts, w1, b1, w2, b2, w3, b3, activation, None)
+                call = (rows, counts, weights)
                 times = time_side_by_side({n: partial(_repeat, p, call, args.calls) for n, p in paths.items()},
                                           args.steps, 2)
             us = {n: statistics.median(v) / args.calls * 1e6 for n, v in times.items()}
-            best_loop = min(us["joined loop"], us["loop"])
+            best_loop = min(us["joined_unit"], us["loop"])
             active = sum(1 for n in counts if n)
             cells = "  ".join(f"{n} {t:7.0f} {t / best_loop:5.2f}x" for n, t in us.items())
             print(f"{shape:20s} T={tokens:<3d} {sum(counts) / active:4.1f} rows/expert  {cells}", flush=True)

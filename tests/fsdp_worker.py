@@ -366,6 +366,9 @@ def dcp_save_main(directory: str, ep: int, dp_shard: int) -> dict:
     from flexmoe.parallel import save_sharded
 
     torch.set_num_threads(1)
+    from multiproc import kernels_by_rule
+
+    kernels_by_rule()
     dist.init_process_group("gloo")
     try:
         mesh = make_mesh(ep=ep, dp_shard=dp_shard)
@@ -384,6 +387,9 @@ def dcp_load_main(directory: str, ep: int) -> dict:
     from flexmoe.parallel import load_sharded
 
     torch.set_num_threads(1)
+    from multiproc import kernels_by_rule
+
+    kernels_by_rule()
     dist.init_process_group("gloo")
     try:
         mesh = make_mesh(ep=ep)

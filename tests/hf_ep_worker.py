@@ -19,6 +19,9 @@ def _in_world(check: Callable[[int, int], list[str]]) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    from multiproc import kernels_by_rule
+
+    kernels_by_rule()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:

@@ -41,12 +41,23 @@ class Scenario:
         return f"{self.name}-w{self.world}"
 
 
+def kernels_by_rule() -> None:
+    """In a spawned rank, what tests/conftest.py does in the test process: the experts' kernels by the rule (the
+    loop), nothing timed, no cache file read or written."""
+    from flexmoe.kernel_chooser import KernelChooser
+
+    KernelChooser.default_timer = None
+    KernelChooser.default_cache_dir = None
+
+
 def rank_main(name: str, collective_timeout: float, teardown: bool, device_type: str = "cpu") -> dict:
     """One rank of a scenario (run by spawn_ranks, rendezvous in the environment); its report."""
     import os
 
     import torch
     import torch.distributed as dist
+
+    kernels_by_rule()
 
     from scenario_worker import SCENARIOS
 

@@ -591,13 +591,13 @@ def test_dropless_on_a_gpu_like_device_compiles_to_grouped_mm_with_device_offset
     gradients equal the eager layer's."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
+    import flexmoe.expert_stage as expert_stage
     import flexmoe.grouped_linear_op as grouped_linear_op
-    import flexmoe.layer as layer_module
 
     def like_a_gpu(device_type: str, dtype: torch.dtype, w_shape: Any) -> bool:
         return dtype == torch.bfloat16 and w_shape[-2] % 8 == 0 and w_shape[-1] % 8 == 0
 
-    monkeypatch.setattr(layer_module, "uses_device_offsets", like_a_gpu)
+    monkeypatch.setattr(expert_stage, "uses_device_offsets", like_a_gpu)
     monkeypatch.setattr(grouped_linear_op, "uses_device_offsets", like_a_gpu)
     torch.manual_seed(0)
     moe = MoELayer(16, 6, 24, k=2, capacity_factor=0.0, glu=True, activation="silu", dtype=torch.bfloat16)

@@ -6,21 +6,25 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flexmoe.decoding as decoding_module
 import flexmoe.layer as layer_module
 from flexmoe import MoELayer
 from flexmoe.dispatch import sum_choices_by_token
-from flexmoe.experts import looped_expert_ffn
+from flexmoe.expert_weights import ExpertWeights
 from flexmoe.routing.capacity import HOST_ORDER_MAX_PAIRS, order_pairs_on_host
 from flexmoe.routing.plan import all_finite
+from flexmoe.row_kernels import looped_expert_ffn
 from reference import reference_for_layer
 from test_layer import M, T, assert_close, assert_plan_matches, make_input, make_layer
 
 TOL64 = 1e-10
 
 
-def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
-    """Counts the calls of ``module.<name>`` for the rest of the test (one entry per call)."""
-    calls: list[int] = []
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str, calls: list[int] | None = None,
+                ) -> list[int]:
+    """Counts the calls of ``module.<name>`` for the rest of the test (one entry per call; into ``calls`` when
+    given, to count the same function reached through several modules)."""
+    calls = [] if calls is None else calls
     real = getattr(module, name)
 
     def counted(*args, **kwargs):
@@ -32,8 +36,10 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> l
 
 
 def count_plan_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the layer's calls of build_plan (one entry per call)."""
-    return count_calls(monkeypatch, layer_module, "build_plan")
+    """Counts the layer's calls of build_plan (one entry per call): the full path's, and the one a call served
+    without a plan defers (flexmoe.decoding)."""
+    calls = count_calls(monkeypatch, layer_module, "build_plan")
+    return count_calls(monkeypatch, decoding_module, "build_plan", calls)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -237,7 +243,7 @@ def test_no_grad_expert_loop_matches_a_dense_loop(glu: bool) -> None:
         (torch.nn.functional.gelu(x @ w1[e] + b1[e]) * ((x @ w3[e] + b3[e]) if glu else 1.0)) @ w2[e] + b2[e]
         for x, e in zip(rows, experts_of_rows)])
     with torch.no_grad():
-        got = looped_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, torch.nn.functional.gelu)
+        got = looped_expert_ffn(rows, counts, ExpertWeights(w1, b1, w2, b2, w3, b3, torch.nn.functional.gelu))
     assert_close(got, want, TOL64, "expert rows")
 
 

@@ -8,19 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flexmoe.experts import (
-    EMBEDDING_BAG_MAX_ROWS_PER_EXPERT,
-    JOINED_UNIT_MAX_ELEMENTS,
+from flexmoe.expert_weights import ExpertWeights, gated_unit
+from flexmoe.experts import expert_ffn
+from flexmoe.row_kernels import (
+    active_experts_ffn,
     embedding_bag_ffn,
-    expert_ffn,
-    gated_unit,
     grouped_expert_ffn,
     joined_unit_ffn,
     looped_expert_ffn,
     segmented_expert_ffn,
-    use_embedding_bag,
-    use_grouped_mm,
-    use_segmented,
 )
 from reference import ref_ffn_expert
 
@@ -60,11 +56,14 @@ def _reference(rows: torch.Tensor, counts: list[int], weights: dict, glu: bool, 
     return torch.stack(out) if out else rows.new_zeros(0, model_dim)
 
 
+def _ew(w1, b1, w2, b2, w3, b3, activation=F.gelu, glu_limit: float | None = None) -> ExpertWeights:
+    return ExpertWeights(w1, b1, w2, b2, w3, b3, activation, glu_limit)
+
+
 def _run(path, rows: torch.Tensor, counts: list[int], weights: dict, glu: bool, glu_limit: float | None,
          ) -> torch.Tensor:
     act = F.silu if glu else F.gelu
-    return path(rows, counts, weights["w1"], weights["b1"], weights["w2"], weights["b2"], weights["w3"],
-                weights["b3"], act, glu_limit=glu_limit)
+    return path(rows, counts, _ew(*(weights[n] for n in ("w1", "b1", "w2", "b2", "w3", "b3")), act, glu_limit))
 
 
 # Tolerances of a path in each dtype against the float64 reference (outputs of order 1). bf16: 8-bit significand
@@ -149,7 +148,8 @@ def _check_without_autograd(path, dtype: torch.dtype, counts: list[int], *, glu:
 
 # The decoding paths: joined_unit_ffn runs each expert's matmuls into its rows of one buffer and the unit once over
 # all rows; embedding_bag_ffn runs no matmul, each row's products as weighted sums of its expert's weight rows.
-@pytest.mark.parametrize("path", [joined_unit_ffn, looped_expert_ffn, embedding_bag_ffn], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("path", [joined_unit_ffn, active_experts_ffn, looped_expert_ffn, embedding_bag_ffn],
+                         ids=lambda f: f.__name__)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", list(COUNTS))
 @FFN_VARIANTS
@@ -165,49 +165,8 @@ def test_embedding_bag_path_with_model_dim_unlike_hidden_and_many_experts() -> N
     _check_without_autograd(embedding_bag_ffn, torch.float32, counts, glu=True, bias=True, glu_limit=None,
                             model_dim=24, hidden=40)
     with torch.no_grad(), pytest.raises(ValueError, match="counts must sum"):
-        embedding_bag_ffn(torch.zeros(5, 24), counts, torch.zeros(256, 24, 40), None, torch.zeros(256, 40, 24),
-                          None, None, None, F.gelu)
-
-
-def test_use_embedding_bag_rule_and_expert_ffn_through_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    w1, w2 = torch.zeros(64, 16, 32), torch.zeros(64, 32, 16)
-    decode = [1] * 8 + [0] * 56  # one token, k=8
-    limit = EMBEDDING_BAG_MAX_ROWS_PER_EXPERT
-    with torch.no_grad():
-        assert use_embedding_bag(torch.zeros(8, 16), decode, w1, None, w2, None, None, None)
-        assert use_embedding_bag(torch.zeros(8 * limit, 16), [limit] * 8 + [0] * 56, w1, None, w2, None, None,
-                                 None)
-        assert not use_embedding_bag(torch.zeros(8 * limit + 1, 16), [limit + 1] + [limit] * 7 + [0] * 56, w1,
-                                     None, w2, None, None, None)
-        assert not use_embedding_bag(torch.zeros(0, 16), [0] * 64, w1, None, w2, None, None, None)
-        # Two rows (E=8, k=2, one token): too few bags for the threads, the loop runs.
-        assert not use_embedding_bag(torch.zeros(2, 16), [1, 1] + [0] * 62, w1, None, w2, None, None, None)
-        assert not use_embedding_bag(torch.zeros(8, 16, dtype=torch.float64), decode, w1.double(), None,
-                                     w2.double(), None, None, None)
-        transposed = torch.zeros(64, 32, 16).transpose(1, 2)  # [64, 16, 32], not contiguous: no flat view
-        assert not use_embedding_bag(torch.zeros(8, 16), decode, transposed, None, w2, None, None, None)
-    # With autograd (training) the matmuls run.
-    assert not use_embedding_bag(torch.zeros(8, 16, requires_grad=True), decode, w1, None, w2, None, None, None)
-
-    import flexmoe.experts as experts_module
-    calls = []
-    real = experts_module.embedding_bag_ffn
-    monkeypatch.setattr(experts_module, "embedding_bag_ffn", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    weights64 = _weights(64, 16, 32, glu=True, bias=True)
-    rows64 = torch.randn(8, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    weights = {n: (w.detach().float() if w is not None else None) for n, w in weights64.items()}
-    with torch.no_grad():
-        got = _run(expert_ffn, rows64.float(), decode, weights, True, None)
-    assert calls == [1]
-    torch.testing.assert_close(got.double(), _reference(rows64, decode, weights64, True, None), atol=2e-5,
-                               rtol=2e-5)
-
-
-def test_looped_path_without_autograd_above_the_joined_size_matches_the_reference() -> None:
-    counts = [300, 0, 400]  # 700 rows x 256 hidden: the per-expert loop
-    assert sum(counts) * 256 > JOINED_UNIT_MAX_ELEMENTS
-    _check_without_autograd(looped_expert_ffn, torch.float32, counts, glu=False, bias=True, glu_limit=None,
-                            model_dim=16, hidden=256)
+        embedding_bag_ffn(torch.zeros(5, 24), counts, _ew(torch.zeros(256, 24, 40), None, torch.zeros(256, 40, 24),
+                                                          None, None, None))
 
 
 @requires_grouped_mm
@@ -238,22 +197,8 @@ def test_grouped_and_looped_agree_on_hidden_shards_and_transposed_weights() -> N
     w2_full = torch.randn(3, 12, 8, generator=gen)
     b1_full, b2 = torch.randn(3, 12, generator=gen), torch.randn(3, 8, generator=gen)
     w1, w2, b1 = w1_full[:, :, 4:8], w2_full[:, 4:8], b1_full[:, 4:8]  # one hidden shard of three
-    args = (rows, counts, w1, b1, w2, b2, None, None, F.gelu)
+    args = (rows, counts, _ew(w1, b1, w2, b2, None, None))
     torch.testing.assert_close(grouped_expert_ffn(*args), looped_expert_ffn(*args), atol=1e-5, rtol=1e-5)
-
-
-def test_use_grouped_mm_rule() -> None:
-    w1, w2 = torch.zeros(4, 3, 2), torch.zeros(4, 2, 3)
-    rows = torch.zeros(8, 3)
-    assert not use_grouped_mm(rows, [2, 2, 2, 2], w1, w2, None)  # strides of 12 / 8 bytes: the kernel refuses
-    w1, w2, rows = torch.zeros(4, 4, 128), torch.zeros(4, 128, 4), torch.zeros(8, 4)
-    assert use_grouped_mm(rows, [2, 2, 2, 2], w1, w2, None) == HAS_GROUPED_MM
-    assert not use_grouped_mm(rows, [2, 2, 2, 2], w1[..., :64], w2[:, :64], None)  # H=64: measured no faster
-    _check_path(expert_ffn, torch.float32, [1, 2], model_dim=6, hidden=5)  # unaligned: the loop, same numbers
-    assert not use_grouped_mm(rows.double(), [2, 2, 2, 2], w1.double(), w2.double(), None)  # no float64 kernel
-    assert not use_grouped_mm(rows, [2, 2, 2, 2], w1.double(), w2, None)  # mixed dtypes: the loop
-    big = torch.zeros(4 * 4096, 4)  # large experts: the loop measured as fast
-    assert not use_grouped_mm(big, [4096] * 4, w1, w2, None)
 
 
 def test_gated_unit_is_shared_by_both_paths() -> None:
@@ -276,24 +221,13 @@ def test_expert_ffn_without_grad_matches_the_reference(dtype: torch.dtype, glu: 
     weights = {n: (w.detach().to(dtype) if w is not None else None) for n, w in weights64.items()}
     with torch.no_grad():
         got = _run(expert_ffn, rows64.to(dtype), counts, weights, glu, None)
-        one_expert = _run(looped_expert_ffn, rows64[:3].to(dtype), [0] * 10 + [3] + [0] * 53, weights, glu, None)
+        one_expert = _run(active_experts_ffn, rows64[:3].to(dtype), [0] * 10 + [3] + [0] * 53, weights, glu, None)
     tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 2e-5, "rtol": 2e-5}
     torch.testing.assert_close(got.double(), expected, **tol)
     torch.testing.assert_close(one_expert.double(), _reference(rows64[:3], [0] * 10 + [3] + [0] * 53, weights64,
                                                                glu, None), **tol)
     with torch.no_grad(), pytest.raises(ValueError, match="counts must sum"):
-        looped_expert_ffn(rows64[:2], [3], *[weights64[n] for n in ("w1", "b1", "w2", "b2", "w3", "b3")], F.gelu)
-
-
-def test_use_grouped_mm_without_grad_keeps_the_loop_for_few_active_experts() -> None:
-    w1, w2 = torch.zeros(64, 4, 128), torch.zeros(64, 128, 4)
-    few = [1] * 8 + [0] * 56  # one token, k=8: 8 of 64 experts have rows
-    many = [1] * 48 + [0] * 16
-    with torch.no_grad():
-        assert not use_grouped_mm(torch.zeros(8, 4), few, w1, w2, None)
-        assert use_grouped_mm(torch.zeros(48, 4), many, w1, w2, None) == HAS_GROUPED_MM
-    # With autograd (training) the loop is kept whatever the experts: it measured faster forward + backward.
-    assert not use_grouped_mm(torch.zeros(48, 4, requires_grad=True), many, w1, w2, None)
+        active_experts_ffn(rows64[:2], [3], _ew(*[weights64[n] for n in ("w1", "b1", "w2", "b2", "w3", "b3")]))
 
 
 # ---- the loop with the hand-written backward (flexmoe.segment_ffn) -------------------------------------------
@@ -344,7 +278,7 @@ def test_segmented_path_takes_views_and_any_activation() -> None:
     expected = _row_by_row(rows, counts, w1, b1, w2, b2, act)
     expected_grads = torch.autograd.grad(expected, leaves, grad)
     w1, b1, w2 = views()
-    got = segmented_expert_ffn(rows, counts, w1, b1, w2, b2, None, None, act)
+    got = segmented_expert_ffn(rows, counts, _ew(w1, b1, w2, b2, None, None, act))
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
     for g, e in zip(torch.autograd.grad(got, leaves, grad), expected_grads):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
@@ -394,48 +328,3 @@ def test_segmented_path_under_activation_checkpointing(use_reentrant: bool) -> N
         torch.testing.assert_close(leaf.grad, e, rtol=1e-10, atol=1e-12)
 
 
-def test_use_segmented_rule_and_expert_ffn_through_it() -> None:
-    """Training with little work per expert (E=128 H=128, E=256 H=64 measured faster) takes the hand-written
-    backward; large experts, inference, float64 and autocast keep the autograd loop. expert_ffn gives the
-    reference's numbers either way."""
-    rows = torch.zeros(128 * 256, 4, requires_grad=True)
-    small = (torch.zeros(128, 4, 128, requires_grad=True), None, torch.zeros(128, 128, 4), None, None, None)
-    large = (torch.zeros(64, 4, 256, requires_grad=True), None, torch.zeros(64, 256, 4), None, None, None)
-    assert use_segmented(rows, [256] * 128, *small)
-    assert not use_segmented(rows, [512] * 64, *large)  # E=64 H=256: measured no faster
-    with torch.no_grad():
-        assert not use_segmented(rows, [256] * 128, *small)  # inference: the loop over active experts
-    assert not use_segmented(rows.double(), [256] * 128, *(t.double() if t is not None else None for t in small))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not use_segmented(rows, [256] * 128, *small)
-    counts = [3, 0, 5, 1]
-    assert use_segmented(torch.zeros(9, 8, requires_grad=True), counts, torch.zeros(4, 8, 12), None,
-                         torch.zeros(4, 12, 8, requires_grad=True), None, None, None)
-    _check_path(expert_ffn, torch.float32, counts, glu=True)  # through the segmented path, as the rule says
-
-
-def test_no_grad_path_choice_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without autograd: a row or two take the plain loop, a few per expert the bags (float32) or the joined
-    loop (other dtypes), many the plain loop again; each against the float64 reference."""
-    import flexmoe.experts as experts_module
-
-    taken: list[str] = []
-    for name in ("embedding_bag_ffn", "joined_unit_ffn", "active_experts_ffn"):
-        real = getattr(experts_module, name)
-        monkeypatch.setattr(experts_module, name,
-                            lambda *a, _real=real, _name=name, **kw: taken.append(_name) or _real(*a, **kw))
-    weights64 = _weights(64, 16, 32, glu=False, bias=True)
-    gen = torch.Generator().manual_seed(4)
-    cases = [([1, 1] + [0] * 62, torch.float32, "active_experts_ffn"),  # one token, k=2
-             ([1] * 8 + [0] * 56, torch.float32, "embedding_bag_ffn"),  # one token, k=8
-             ([1] * 8 + [0] * 56, torch.float64, "joined_unit_ffn"),
-             ([2500, 0, 2000] + [0] * 61, torch.float32, "active_experts_ffn")]  # 4500 rows x 32: above the joined size
-    for counts, dtype, path in cases:
-        taken.clear()
-        rows64 = torch.randn(sum(counts), 16, generator=gen, dtype=torch.float64)
-        weights = {n: (w.detach().to(dtype) if w is not None else None) for n, w in weights64.items()}
-        with torch.no_grad():
-            got = _run(expert_ffn, rows64.to(dtype), counts, weights, False, None)
-        assert taken == [path], (counts[:4], dtype, taken)
-        tol = {"atol": 1e-12, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 2e-5, "rtol": 2e-5}
-        torch.testing.assert_close(got.double(), _reference(rows64, counts, weights64, False, None), **tol)

@@ -8,13 +8,14 @@ import pytest
 import torch
 from torch import Tensor
 
-import flexmoe.fused_experts as fused_module
-import flexmoe.layer as layer_module
+import flexmoe.expert_stage as expert_stage
 from flexmoe import MoELayer
+from flexmoe.expert_weights import ExpertWeights
 from flexmoe.experts import resolve_activation
-from flexmoe.fused_experts import CHUNK_ROWS, HiddenUnit, expert_chunks, fused_experts, use_fused
+from flexmoe.fused_experts import CHUNK_ROWS, expert_chunks, fused_experts, fused_supported
 from reference import ref_activation, reference_for_layer
 from test_decoding import count_calls
+from test_expert_kernels import FakeTimer
 from test_layer import assert_close
 
 TOL64 = 1e-10
@@ -101,8 +102,8 @@ def test_fused_experts_match_a_dense_loop(activation: str, glu: bool, bias: bool
     leaves = [x, row_weight, *p.values()]
     on_device = [t.detach().to(device).requires_grad_() for t in leaves]
     d = dict(zip(p, on_device[2:]))
-    y = fused_experts(on_device[0], row_token.to(device), on_device[1], counts, d["w1"], d.get("b1"), d["w2"],
-                      d.get("b2"), d.get("w3"), d.get("b3"), HiddenUnit(fn, glu_limit), chunk_rows=chunk_rows)
+    weights = ExpertWeights(d["w1"], d.get("b1"), d["w2"], d.get("b2"), d.get("w3"), d.get("b3"), fn, glu_limit)
+    y = fused_experts(on_device[0], row_token.to(device), on_device[1], counts, weights, chunk_rows=chunk_rows)
     got = torch.autograd.grad(y, on_device, grad_y.to(device))
     want_y = dense_reference(x, row_token, row_expert, row_weight, p, ref_act, glu_limit)
     want = torch.autograd.grad(want_y, leaves, grad_y)
@@ -119,8 +120,8 @@ def test_experts_without_rows_get_zero_gradients_and_tokens_without_rows_zero_ou
     counts = [0, 2, 2, 0]
     x = torch.randn(T, M, dtype=torch.float64, requires_grad=True)
     w = torch.rand(4, dtype=torch.float64, requires_grad=True)
-    y = fused_experts(x, row_token, w, counts, p["w1"], p["b1"], p["w2"], p["b2"], None, None,
-                      HiddenUnit(resolve_activation("gelu")))
+    y = fused_experts(x, row_token, w, counts,
+                      ExpertWeights(p["w1"], p["b1"], p["w2"], p["b2"], None, None, resolve_activation("gelu")))
     assert y[[1, 3, 5]].abs().max() == 0
     y.square().sum().backward()
     for name in ("w1", "b1", "w2", "b2"):
@@ -144,54 +145,54 @@ def test_counts_must_cover_the_rows() -> None:
     p = make_params(2, 3, 4, glu=False, bias=False, seed=0)
     with pytest.raises(ValueError, match="counts must sum"):
         fused_experts(torch.zeros(2, 3, dtype=torch.float64), torch.tensor([0, 1]), torch.ones(2, dtype=torch.float64),
-                      [1, 2], p["w1"], None, p["w2"], None, None, None, HiddenUnit(torch.tanh))
+                      [1, 2], ExpertWeights(p["w1"], None, p["w2"], None, None, None, torch.tanh))
 
 
-def test_use_fused_rule() -> None:
-    rows_per_expert = [512] * 64
-    x = torch.zeros(4096, 512, requires_grad=True)
-    w1, w2 = torch.zeros(64, 512, 256), torch.zeros(64, 256, 512)
-    assert use_fused(x, rows_per_expert, w1, w2)  # E=64 H=256, training: measured faster
-    assert not use_fused(x, [1024] * 8, torch.zeros(8, 512, 1024), torch.zeros(8, 1024, 512))  # E=8 H=1024: slower
-    # Blocks of 2^23 elements and more: fused whatever the experts' size (E=8 H=1024 k=2 at T=16384, a tie; E=64
-    # H=256 k=8 at T=8192, 0.755 of the three stages), and not one row less.
-    big = torch.zeros(16384, 512, requires_grad=True)
-    assert use_fused(big, [4096] * 8, torch.zeros(8, 512, 1024), torch.zeros(8, 1024, 512))
-    assert use_fused(big, [1024] * 64, w1, w2)
-    assert not use_fused(big, [2048] * 7 + [2047], torch.zeros(8, 512, 1024), torch.zeros(8, 1024, 512))
-    small = torch.zeros(2048, 128, requires_grad=True)  # the training job's GPT layer: a 2 MiB [N, M] block
-    assert not use_fused(small, [512] * 8, torch.zeros(8, 128, 256), torch.zeros(8, 256, 128))
+def test_fused_runs_in_training_with_one_dtype_and_device() -> None:
+    p = make_params(4, 8, 16, glu=False, bias=True, seed=0)
+    weights = ExpertWeights(p["w1"], p["b1"], p["w2"], p["b2"], None, None, torch.nn.functional.gelu)
+    x = torch.zeros(10, 8, dtype=torch.float64, requires_grad=True)
+    assert fused_supported(x, weights)  # any dtype: which route is faster is measured, not assumed
     with torch.no_grad():
-        assert not use_fused(x, rows_per_expert, w1, w2)  # no autograd: not measured
-    assert not use_fused(x.double(), rows_per_expert, w1.double(), w2.double())  # float32 only
-    assert not use_fused(x, rows_per_expert, w1, w2.double())  # mixed dtypes
+        assert not fused_supported(x, weights)  # no autograd: its gain is the backward
+    assert not fused_supported(x.float(), weights)  # mixed dtypes
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not use_fused(x, rows_per_expert, w1, w2)
+        assert not fused_supported(x, weights)
 
 
-def test_expert_parallel_receiver_rule() -> None:
-    """The receiving rank of the token exchange fuses small experts at any size, and any experts once the rows'
-    block is mapped afresh (2^23 elements); float32 training only."""
+@pytest.mark.parametrize("faster", ["fused", "rows"])
+def test_expert_parallel_receiver_fuses_where_measured_faster(faster: str) -> None:
+    """The receiving rank of the token exchange takes the fused experts where its chooser holds them faster, and
+    the same numbers either way (against a float64 dense loop)."""
     from flexmoe.experts import FeedForwardExperts
-    from flexmoe.parallel.token_exchange import receiver_fuses
+    from flexmoe.kernel_chooser import KernelChooser
+    from flexmoe.parallel.token_exchange import _weighted_experts, receiver_fuses
 
-    fine, coarse = FeedForwardExperts(16, 512, 256), FeedForwardExperts(2, 512, 1024)
-    received = torch.zeros(1000, 512, requires_grad=True)
-    assert receiver_fuses(received, [256] * 16, fine)  # 4 ranks x 512 tokens at E=64: small experts
-    assert not receiver_fuses(received, [2048] * 2, coarse)  # few large experts, a small block
-    assert receiver_fuses(received, [8192] * 2, coarse)  # the same experts, a 2^23-element block
-    assert receiver_fuses(received, [2048] * 16, fine)  # 4 ranks x 4096 tokens at E=64
-    assert not receiver_fuses(received, [], fine)  # nothing received
+    torch.manual_seed(0)
+    timer = FakeTimer({"fused": 1.0, "rows": 2.0} if faster == "fused" else {"fused": 2.0, "rows": 1.0})
+    experts = FeedForwardExperts(3, 6, 5, kernels=KernelChooser(timer=timer), dtype=torch.float64)
+    received = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    row_token, counts = torch.tensor([0, 2, 6, 1, 3, 5, 2]), [3, 0, 4]
+    row_weight = torch.rand(7, dtype=torch.float64)
+    assert receiver_fuses(received, row_token, row_weight, counts, experts) == (faster == "fused")
+    # The plain experts' kernel is decided first, then the two routes are timed, once per bucket.
+    assert timer.calls[-2:] == ["fused", "rows"] and {"loop", "segmented"} <= set(timer.calls[:-2])
+    timed = len(timer.calls)
+    assert receiver_fuses(received, row_token, row_weight, counts, experts) == (faster == "fused")
+    assert len(timer.calls) == timed
     with torch.no_grad():
-        assert not receiver_fuses(received, [256] * 16, fine)  # no autograd: plain experts
-    assert not receiver_fuses(received.double(), [256] * 16, fine)  # float32 only
+        assert not receiver_fuses(received, row_token, row_weight, counts, experts)  # no autograd: plain experts
+    got = _weighted_experts(received, row_token, row_weight, counts, experts)
+    params = {n: t.detach() for n, t in experts.named_parameters()}
+    row_expert = torch.tensor([0, 0, 0, 2, 2, 2, 2])
+    want = dense_reference(received.detach(), row_token, row_expert, row_weight, params, ref_activation("gelu"),
+                           None)
+    assert_close(got, want, TOL64, "output")
 
 
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the layer's calls of fused_experts, and lets the small layers of these tests take it (the rule
-    sends only blocks of 32 MiB and more there: too slow to test many cases at that size)."""
-    monkeypatch.setattr(fused_module, "_FUSED_MIN_ROW_ELEMENTS", 0)
-    return count_calls(monkeypatch, layer_module, "fused_experts")
+    """Counts the layer's calls of fused_experts (the layers of these tests force it: expert_kernel="fused")."""
+    return count_calls(monkeypatch, expert_stage, "fused_experts")
 
 
 @pytest.mark.parametrize("options", [{"k": 2, "capacity_factor": 0.0}, {"k": 3, "capacity_factor": 1.0},
@@ -200,7 +201,7 @@ def test_float32_layer_trains_through_the_fused_path_like_the_reference(monkeypa
                                                                         options: dict) -> None:
     M, E, H, T = 16, 12, 8, 40
     torch.manual_seed(0)
-    moe = MoELayer(M, E, H, dtype=torch.float32, **options)
+    moe = MoELayer(M, E, H, dtype=torch.float32, expert_kernel="fused", **options)
     x = torch.randn(T, M, requires_grad=True)
     calls = fused_calls(monkeypatch)
     y = moe(x)
@@ -222,7 +223,7 @@ def test_float32_layer_trains_through_the_fused_path_like_the_reference(monkeypa
 
 def test_layer_under_activation_checkpointing(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(1)
-    moe = MoELayer(16, 8, 8, k=2, capacity_factor=0.0)
+    moe = MoELayer(16, 8, 8, k=2, capacity_factor=0.0, expert_kernel="fused")
     x = torch.randn(30, 16, requires_grad=True)
     calls = fused_calls(monkeypatch)
     y = torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)
@@ -234,26 +235,29 @@ def test_layer_under_activation_checkpointing(monkeypatch: pytest.MonkeyPatch) -
     moe64 = MoELayer(16, 8, 8, k=2, capacity_factor=0.0, dtype=torch.float64)
     moe64.load_state_dict(moe.state_dict())
     x64 = x.detach().double().requires_grad_()
-    moe64(x64).square().sum().backward()  # float64: the three-stage path
+    moe64(x64).square().sum().backward()  # the rule's route: the three stages
     for got, want in zip(grads, [x64.grad] + [p.grad for p in moe64.parameters()]):
         assert_close(got, want, 1e-5, "gradient")
 
 
-def test_a_fine_grained_training_call_takes_it_by_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """T=2048 M=512 E=64 k=8: a 32 MiB [N, M] block, 256 rows x 64 hidden per expert; against the same layer in
-    float64, which takes the three stages."""
-    calls = count_calls(monkeypatch, layer_module, "fused_experts")
+def test_a_training_call_takes_it_where_its_chooser_measured_it_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call times both routes (forward + backward); that call and the next take the faster, fused;
+    against the same layer in float64 on the rule's route, the three stages."""
+    from flexmoe.kernel_chooser import KernelChooser
+
+    timer = FakeTimer({"fused": 1.0, "rows": 2.0})
+    monkeypatch.setattr(KernelChooser, "default_timer", timer)
+    calls = count_calls(monkeypatch, expert_stage, "fused_experts")
     torch.manual_seed(2)
-    moe = MoELayer(512, 64, 64, k=8, capacity_factor=0.0)
-    x = torch.randn(2048, 512, requires_grad=True)
-    grad_y = torch.randn(2048, 512)
+    moe = MoELayer(32, 16, 8, k=4, capacity_factor=0.0)
+    x = torch.randn(64, 32, requires_grad=True)
+    grad_y = torch.randn(64, 32)
     (moe(x) * grad_y).sum().backward()
-    assert calls == [1]
-    moe64 = MoELayer(512, 64, 64, k=8, capacity_factor=0.0, dtype=torch.float64)
+    assert calls == [1] and timer.calls.count("fused") == timer.calls.count("rows") == 1
+    monkeypatch.setattr(KernelChooser, "default_timer", None)
+    moe64 = MoELayer(32, 16, 8, k=4, capacity_factor=0.0, dtype=torch.float64)
     moe64.load_state_dict(moe.state_dict())
     x64 = x.detach().double().requires_grad_()
     (moe64(x64) * grad_y.double()).sum().backward()
     assert calls == [1]
     assert_close(x.grad, x64.grad, 1e-5, "grad x")
-    for (name, p), p64 in zip(moe.named_parameters(), moe64.parameters()):
-        assert_close(p.grad, p64.grad, 1e-5, f"grad {name}")

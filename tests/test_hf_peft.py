@@ -18,9 +18,8 @@ from torch import nn
 transformers = pytest.importorskip("transformers", reason="flexmoe.hf needs transformers (CI installs .[test])")
 peft = pytest.importorskip("peft", reason="the LoRA tests need peft (CI installs .[test])")
 
-import flexmoe.fused_experts as fused_module  # noqa: E402
+import flexmoe.expert_stage as expert_stage  # noqa: E402
 import flexmoe.hf as fh  # noqa: E402
-import flexmoe.layer as layer_module  # noqa: E402
 from flexmoe import MoELayer  # noqa: E402
 from reference import RefResult, ref_ffn_expert, ref_linear_logits, reference_moe  # noqa: E402
 from test_decoding import count_calls  # noqa: E402
@@ -312,10 +311,11 @@ def test_lora_applies_on_every_path_of_a_bare_layer(monkeypatch):
     and a no-grad evaluation call (decoding's path without a plan); LoRA's gradients against the reference's."""
     model, moe, x = bare_lora_layer()
     want, factors = bare_reference(model, moe, x)
-    fused_calls = count_calls(monkeypatch, layer_module, "fused_experts")
+    fused_calls = count_calls(monkeypatch, expert_stage, "fused_experts")
     for case in ("default", "other strategy", "fused"):
         if case == "fused":
-            monkeypatch.setattr(fused_module, "_FUSED_MIN_ROW_ELEMENTS", 0)  # the fused experts at any size
+            # The fused experts forced, as expert_kernel="fused" does (the chooser times nothing in tests).
+            monkeypatch.setattr(moe._built_experts.kernels, "kernel", "fused")
         model.zero_grad()
         y = model(x, overlap_degree=2) if case == "other strategy" else model(x)
         assert len(fused_calls) == (1 if case == "fused" else 0), case

@@ -112,15 +112,15 @@ def test_rule_takes_fine_grained_float32_training_only() -> None:
     fine = MoELayer(512, 64, 256, k=8, capacity_factor=1.25)
     x = torch.randn(4096, 512)
     plan = _padded_plan(fine, x)
-    assert use_padded_fused(fine.experts, x.requires_grad_(), plan)  # the bench's E=64 shape: measured faster
+    assert use_padded_fused(x.requires_grad_(), plan, fine.experts.weights())  # the bench's E=64 shape: measured faster
     with torch.no_grad():
-        assert not use_padded_fused(fine.experts, x, plan)  # no autograd: not measured
+        assert not use_padded_fused(x, plan, fine.experts.weights())  # no autograd: not measured
     coarse = MoELayer(512, 8, 1024, k=2, capacity_factor=1.25)
-    assert not use_padded_fused(coarse.experts, x, _padded_plan(coarse, x))  # E=8 H=1024: few large experts
+    assert not use_padded_fused(x, _padded_plan(coarse, x), coarse.experts.weights())  # E=8 H=1024: few large experts
     small = MoELayer(128, 64, 256, k=8, capacity_factor=1.25)
     y = torch.randn(512, 128, requires_grad=True)
-    assert not use_padded_fused(small.experts, y, _padded_plan(small, y))  # a small block
+    assert not use_padded_fused(y, _padded_plan(small, y), small.experts.weights())  # a small block
     clamped = MoELayer(512, 64, 256, k=8, capacity_factor=1.25, glu=True, activation="silu", glu_limit=7.0)
-    assert not use_padded_fused(clamped.experts, x, _padded_plan(clamped, x))  # GPT-OSS's clamp: three stages
+    assert not use_padded_fused(x, _padded_plan(clamped, x), clamped.experts.weights())  # GPT-OSS's clamp: three stages
     custom = MoELayer(512, 64, 256, k=8, capacity_factor=1.25, activation=torch.tanh)
-    assert not use_padded_fused(custom.experts, x, _padded_plan(custom, x))  # not a named activation
+    assert not use_padded_fused(x, _padded_plan(custom, x), custom.experts.weights())  # not a named activation

@@ -6,7 +6,8 @@ passed to ``MoELayer(experts=...)``.
 
 Under ``torch.compile`` in capacity mode the layer pads every expert to the same number of rows
 (docs/architecture.md, "Compiling the layer"): the built-in experts then compute only the real rows through a
-custom op (:mod:`flexmoe.padded_ffn_op`), or where it cannot run :func:`padded_expert_ffn` on the
+custom op (:mod:`flexmoe.padded_ffn_op`), or where it cannot run
+:func:`~flexmoe.row_kernels.padded_expert_ffn` on the
 ``[E, R, M]`` view (batched matmuls); a custom expert module gets its usual call with ``counts = [R] * E``.
 """
 
@@ -22,15 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flexmoe.segment_ffn import addmm_into, segment_expert_ffn
+from flexmoe.expert_kernels import KERNELS, RULE_KERNEL
+from flexmoe.expert_weights import ExpertWeights
+from flexmoe.kernel_chooser import KernelChooser
+from flexmoe.row_kernels import padded_expert_ffn
 from flexmoe.validation import check_int, describe_value
 
 __all__ = ["ExpertOptions", "FeedForwardExperts", "ExpertsCall", "differentiated_weights", "expert_ffn",
-           "padded_expert_ffn", "grouped_expert_ffn", "looped_expert_ffn", "segmented_expert_ffn", "use_segmented",
-           "use_grouped_mm", "grouped_mm_supported", "gated_unit", "hidden_unit", "check_glu_limit",
-           "resolve_activation", "activation_name", "activation_derivative", "activation_into", "all_like",
-           "needs_grad", "joined_outputs", "joined_unit_ffn", "active_experts_ffn", "JOINED_UNIT_MAX_ELEMENTS",
-           "embedding_bag_ffn", "use_embedding_bag", "EMBEDDING_BAG_MAX_ROWS_PER_EXPERT"]
+           "check_glu_limit", "resolve_activation", "activation_name", "activation_derivative", "activation_into"]
+
+_WEIGHT_NAMES = ("w1", "b1", "w2", "b2", "w3", "b3")
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -97,6 +99,11 @@ class ExpertOptions:
         ``[1, M]`` gate (Qwen2-MoE); needs ``shared_experts >= 1``.
     glu_limit: GPT-OSS's gated unit for ``glu=True`` experts (routed and shared),
         ``activation(min(gate, L)) * (clamp(up, -L, L) + 1)`` with ``L = glu_limit`` (None: ``activation(gate) * up``).
+    expert_kernel: how the experts compute their rows: "auto" (timed per case on this machine, cached:
+        :class:`~flexmoe.kernel_chooser.KernelChooser`) or a kernel of :data:`flexmoe.expert_kernels.KERNELS`
+        ("loop", "segmented", "grouped_mm", "embedding_bag", "joined_unit"), which runs wherever it can.
+    kernel_cache: the directory of the measured choices' file, ``kernels-<machine>.json`` (None:
+        ``~/.cache/flexmoe``).
     """
 
     activation: str | Callable[[Tensor], Tensor] = "gelu"
@@ -106,6 +113,8 @@ class ExpertOptions:
     shared_hidden_dim: int | None = None
     shared_gate: bool = False
     glu_limit: float | None = None
+    expert_kernel: str = "auto"
+    kernel_cache: str | None = None
 
     def __post_init__(self) -> None:
         resolve_activation(self.activation)
@@ -119,6 +128,9 @@ class ExpertOptions:
         if self.shared_gate and not self.shared_experts:
             raise ValueError("shared_gate gates the shared experts' output: it needs shared_experts >= 1")
         object.__setattr__(self, "glu_limit", check_glu_limit(self.glu_limit, self.glu))
+        KernelChooser(self.expert_kernel, timer=None)  # the expert_kernel's TypeError / ValueError
+        if self.kernel_cache is not None and not isinstance(self.kernel_cache, str):
+            raise TypeError(f"kernel_cache must be a directory (str) or None, got {type(self.kernel_cache).__name__}")
 
     def describe(self) -> dict[str, Any]:
         """Every field as a value that compares equal across processes (callables by name)."""
@@ -128,7 +140,8 @@ class ExpertOptions:
               dtype: torch.dtype | None = None) -> FeedForwardExperts:
         """``num_experts`` experts of these options (the layer's local experts, or its shared experts)."""
         return FeedForwardExperts(num_experts, model_dim, hidden_dim, activation=self.activation, glu=self.glu,
-                                  bias=self.bias, glu_limit=self.glu_limit, device=device, dtype=dtype)
+                                  bias=self.bias, glu_limit=self.glu_limit, device=device, dtype=dtype,
+                                  kernels=KernelChooser.for_options(self.expert_kernel, self.kernel_cache))
 
 
 class ExpertsCall:
@@ -154,8 +167,7 @@ def differentiated_weights(experts: nn.Module) -> list[Tensor]:
     An expert-parallel path that differentiates the experts by hand, or ties a rank without rows into the
     backward exchange, takes these: the parameters alone would miss an adapter's (frozen base, trainable LoRA)."""
     if isinstance(experts, FeedForwardExperts):
-        read = [experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3]
-        return [t for t in read if t is not None and t.requires_grad]
+        return [t for t in experts.weights().present() if t.requires_grad]
     return [p for p in experts.parameters() if p.requires_grad]
 
 
@@ -180,8 +192,11 @@ class FeedForwardExperts(nn.Module):
         glu_limit: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        kernels: KernelChooser | None = None,
     ) -> None:
         super().__init__()
+        # Which kernel computes each call (measured per case on this machine); see flexmoe.kernel_chooser.
+        self.kernels = kernels if kernels is not None else KernelChooser.for_options("auto", None)
         self.num_experts = num_experts
         self.model_dim = model_dim
         self.hidden_dim = hidden_dim
@@ -221,23 +236,24 @@ class FeedForwardExperts(nn.Module):
             return counts.run()
         if len(counts) != self.num_experts:
             raise ValueError(f"counts must have {self.num_experts} entries (one per expert), got {len(counts)}")
-        return expert_ffn(x, counts, self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,
-                          glu_limit=self.glu_limit)
+        return expert_ffn(x, counts, self.weights(), self.kernels)
+
+    def weights(self) -> ExpertWeights:
+        """The experts' weights and unit as they read now (inside an adapter's call: the adapted ones)."""
+        return ExpertWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation, self.glu_limit)
 
     def forward_padded(self, x: Tensor) -> Tensor:
         """x: ``[E, R, M]``, R rows per expert (some of them padding) -> ``[E, R, M]``: :func:`padded_expert_ffn`."""
-        return padded_expert_ffn(x, self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,
-                                 glu_limit=self.glu_limit)
+        return padded_expert_ffn(x, self.weights())
 
     def ffn_with(self, x: Tensor, counts: list[int], weights: Mapping[str, Tensor | None]) -> Tensor:
         """These experts' activation and gated unit on other weights (gathered, broadcast or a hidden shard):
         ``weights`` maps ``w1, b1, w2, b2, w3, b3`` to ``[E', ...]`` tensors or None; x: ``[N, M]`` sorted by
         expert, counts: ``[E']`` -> ``[N, M]``."""
-        w1, w2 = weights["w1"], weights["w2"]
-        if w1 is None or w2 is None:
+        if weights.get("w1") is None or weights.get("w2") is None:
             raise ValueError("weights must hold w1 and w2 (b1, b2, w3, b3 may be None)")
-        return expert_ffn(x, counts, w1, weights["b1"], w2, weights["b2"], weights["w3"], weights["b3"],
-                          self.activation, glu_limit=self.glu_limit)
+        return expert_ffn(x, counts, self.weights().with_tensors(**{n: weights.get(n) for n in _WEIGHT_NAMES}),
+                          self.kernels)
 
     def extra_repr(self) -> str:
         return (
@@ -245,461 +261,6 @@ class FeedForwardExperts(nn.Module):
             f"glu={self.glu}, bias={self.b1 is not None}"
             + (f", glu_limit={self.glu_limit}" if self.glu_limit is not None else "")
         )
-
-
-def expert_ffn(
-    rows: Tensor,
-    counts: list[int],
-    w1: Tensor,
-    b1: Tensor | None,
-    w2: Tensor,
-    b2: Tensor | None,
-    w3: Tensor | None,
-    b3: Tensor | None,
-    activation: Callable[[Tensor], Tensor],
-    glu_limit: float | None = None,
-) -> Tensor:
-    """The experts' FFN on explicit weights: each expert's rows through its own two (or, GLU, three) matmuls.
-
-    rows: ``[N, M]`` sorted by expert, counts: ``[E]``; w1, w3: ``[E, M, H]``, w2: ``[E, H, M]``, biases
-    ``[E, H]`` / ``[E, M]`` or None -> ``[N, M]``. H may be a hidden shard (expert parallelism), the result then
-    a partial sum. ``glu_limit``: GPT-OSS's clamped gated unit (:func:`gated_unit`).
-
-    Four ways compute the same numbers (up to float rounding): weighted sums of weight rows
-    (:func:`embedding_bag_ffn`) where :func:`use_embedding_bag` says so (decoding), one grouped GEMM per
-    matrix over all experts (:func:`grouped_expert_ffn`) where :func:`use_grouped_mm` says it is faster, the
-    per-expert loop with a hand-written backward (:func:`segmented_expert_ffn`) where :func:`use_segmented`
-    says so, else one ``addmm`` pair per expert through autograd (:func:`looped_expert_ffn`).
-    """
-    if use_embedding_bag(rows, counts, w1, b1, w2, b2, w3, b3):
-        return embedding_bag_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
-    if use_grouped_mm(rows, counts, w1, w2, w3):
-        return grouped_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
-    if use_segmented(rows, counts, w1, b1, w2, b2, w3, b3):
-        return segmented_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
-    return looped_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
-
-
-# Training, forward + backward, T=4096 M=512 k=8 fp32 on a 2-core AVX2 CPU, side by side (docs/architecture.md,
-# "Expert compute"): the hand-written backward beat the autograd loop only where each expert has little work,
-# rows per expert times hidden size at most this (E=128 H=128: 256 rows x 128, segmented/loop 0.90-0.95; E=256
-# H=64: 0.84-0.89); above it the loop was as fast or faster (E=64 H=256, 512 rows x 256: 1.02-1.06; E=8 H=1024,
-# k=2: 1.05-1.10).
-_SEGMENTED_MAX_WORK_PER_EXPERT = 256 * 128
-_SEGMENTED_DTYPES = (torch.float32,)
-
-
-def use_segmented(rows: Tensor, counts: list[int], w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
-                  w3: Tensor | None, b3: Tensor | None) -> bool:
-    """Whether :func:`expert_ffn` runs :func:`segmented_expert_ffn` (the measured rule above): autograd records
-    (training), float32 on the CPU (the only case measured), not traced by ``torch.compile`` (traced code keeps
-    the loop), no autocast, and at most ``_SEGMENTED_MAX_WORK_PER_EXPERT`` rows x hidden per expert on
-    average."""
-    if not counts or rows.dtype not in _SEGMENTED_DTYPES or rows.device.type != "cpu":
-        return False
-    if not needs_grad(rows, w1, b1, w2, b2, w3, b3) or torch.compiler.is_compiling():
-        return False
-    if torch.is_autocast_enabled(rows.device.type):
-        return False
-    if not all_like(rows, w1, b1, w2, b2, w3, b3):
-        return False
-    return rows.shape[0] * w1.shape[-1] <= _SEGMENTED_MAX_WORK_PER_EXPERT * len(counts)
-
-
-# Where torch's grouped GEMM beats the per-expert loop, measured side by side on a quiet 2-core AVX2 CPU with
-# torch 2.13 (docs/architecture.md, "Expert compute"): inference only (see use_grouped_mm), float32 only (it has
-# no float64 kernel; bf16 / fp16 and GPUs are not measured, so they keep the loop), and at most this many rows
-# per expert on average (the largest measured).
-_GROUPED_MM_DTYPES = (torch.float32,)
-_GROUPED_MM_MAX_ROWS_PER_EXPERT = 512
-# At H=64 (E=256) the grouped GEMM measured no faster than the loop (0.97-1.03x, and worse in one loaded run):
-# the loop is kept below this hidden size.
-_GROUPED_MM_MIN_HIDDEN = 128
-# Without autograd the loop runs only the experts that have rows: at E=64, k=8 it beat the grouped GEMM with
-# 8 active experts (one token per call, 0.7x its time) and lost with ~48 (8 tokens): the loop is kept while at
-# most 1/4 of the experts have rows.
-_DECODE_LOOP_MAX_ACTIVE_SHARE = 4
-
-
-def use_grouped_mm(rows: Tensor, counts: list[int], w1: Tensor, w2: Tensor, w3: Tensor | None) -> bool:
-    """Whether :func:`expert_ffn` runs :func:`grouped_expert_ffn` for these rows and weights (the measured rule
-    above): :func:`grouped_mm_supported`, float32, not traced by ``torch.compile``, a hidden size of at least
-    ``_GROUPED_MM_MIN_HIDDEN``, no autograd (inference), more than a quarter of the experts have rows and they
-    average at most ``_GROUPED_MM_MAX_ROWS_PER_EXPERT`` rows."""
-    if not counts or rows.dtype not in _GROUPED_MM_DTYPES or not grouped_mm_supported(rows, w1, w2, w3):
-        return False
-    if torch.compiler.is_compiling():
-        # torch 2.13's compiler (its meta kernel) takes _grouped_mm in bf16 only: traced code keeps the loop.
-        return False
-    if w1.shape[-1] < _GROUPED_MM_MIN_HIDDEN:
-        return False
-    if needs_grad(rows, w1, w2, w3):
-        # Forward + backward on a quiet machine, the loop won at every shape measured (grouped/loop 1.14 at
-        # E=8 H=1024, 1.23 at E=64 H=256, 1.17 at E=128 H=128, 1.05 at E=256 H=64; T=4096 M=512 fp32):
-        # the grouped kernel's backward is the slow half on this CPU. Training keeps the loop.
-        return False
-    # Inference: the grouped kernel still visits every empty group, the loop only the experts with rows.
-    active = sum(1 for n in counts if n)
-    if active * _DECODE_LOOP_MAX_ACTIVE_SHARE <= len(counts):
-        return False
-    return rows.shape[0] <= _GROUPED_MM_MAX_ROWS_PER_EXPERT * len(counts)
-
-
-def grouped_mm_supported(rows: Tensor, w1: Tensor, w2: Tensor, w3: Tensor | None) -> bool:
-    """Whether :func:`grouped_expert_ffn` can run on these tensors: torch has ``_grouped_mm``, the CPU (the
-    only device measured), one dtype its kernel takes (float32, bf16, fp16; not float64), and strides in
-    multiples of 16 bytes, also those of the hidden activations it makes itself (``[N, H]``, contiguous)."""
-    if not hasattr(torch, "_grouped_mm") or rows.device.type != "cpu":
-        return False
-    weights = (w1, w2) if w3 is None else (w1, w2, w3)
-    if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    if not all_like(rows, *weights):
-        return False
-    hidden = w1.shape[-1]
-    return all(_strides_aligned(t) for t in (rows, *weights)) and (hidden * rows.element_size()) % 16 == 0
-
-
-def all_like(rows: Tensor, *tensors: Tensor | None) -> bool:
-    """Every tensor given (None: absent) has the rows' dtype and device."""
-    return all(t.dtype == rows.dtype and t.device == rows.device for t in tensors if t is not None)
-
-
-def _strides_aligned(t: Tensor) -> bool:
-    """Every stride of a dimension longer than 1, other than a unit stride, is a multiple of 16 bytes."""
-    return all(stride == 1 or (stride * t.element_size()) % 16 == 0
-               for size, stride in zip(t.shape, t.stride()) if size > 1)
-
-
-# Without autograd, on the CPU, float32 calls averaging at most this many rows per expert that has rows run
-# embedding_bag_ffn. Side by side (torch 2.13, M=512, benchmarks/decode_experts.py), of the better loop's time:
-# on a 2-core AVX2 EPYC 0.36-0.84x from 1 to 4.3 rows per expert at E=64 H=256 k=8 (gelu and GLU), 0.46-0.73x
-# from 1.3 to 4 rows at E=8 H=1024 k=2; at 8 rows 0.63-0.67x (E=64) and 0.97x (E=8), at 16 rows 1.32x. On a
-# 2-core AVX-512 EPYC at 8 rows 0.38-0.63x (E=64) and 0.77x (E=8), at 12 rows 0.50-0.58x and 0.82x, at 16 rows
-# 0.58-0.78x and 0.99-1.02x. It reads an expert's weights once per row instead of once per expert
-# (docs/architecture.md, "Decoding"). GPUs and other dtypes are not measured and keep the matmuls.
-EMBEDDING_BAG_MAX_ROWS_PER_EXPERT = 8
-# With fewer rows than this there are too few bags to spread over the threads: at E=8 k=2, one token (2 rows)
-# the bags took 1.12-1.17x the loop's time (benchmarks/decode_experts.py), at 4 rows 0.70-0.73x.
-_EMBEDDING_BAG_MIN_ROWS = 4
-# The index tensors hold rows x max(M, H) entries: above this many the matmuls run instead (memory, not time).
-_EMBEDDING_BAG_MAX_INDICES = 1 << 22
-
-
-def use_embedding_bag(rows: Tensor, counts: list[int], w1: Tensor, b1: Tensor | None, w2: Tensor,
-                      b2: Tensor | None, w3: Tensor | None, b3: Tensor | None) -> bool:
-    """Whether :func:`expert_ffn` runs :func:`embedding_bag_ffn` (the measured rule above): no autograd, not
-    traced by ``torch.compile``, float32 on the CPU for rows and every weight, contiguous weight matrices, at
-    least ``_EMBEDDING_BAG_MIN_ROWS`` rows, and at most ``EMBEDDING_BAG_MAX_ROWS_PER_EXPERT`` rows per expert
-    that has rows on average."""
-    if rows.shape[0] < _EMBEDDING_BAG_MIN_ROWS or rows.dtype != torch.float32 or rows.device.type != "cpu":
-        return False
-    if needs_grad(rows, w1, b1, w2, b2, w3, b3) or torch.compiler.is_compiling():
-        return False
-    if not all_like(rows, w1, b1, w2, b2, w3, b3):
-        return False
-    if not all(w.is_contiguous() for w in (w1, w2, w3) if w is not None):
-        return False
-    if rows.shape[0] * max(w1.shape[1], w1.shape[2]) > _EMBEDDING_BAG_MAX_INDICES:
-        return False
-    active = sum(1 for n in counts if n)
-    return rows.shape[0] <= EMBEDDING_BAG_MAX_ROWS_PER_EXPERT * active
-
-
-def embedding_bag_ffn(
-    rows: Tensor,
-    counts: list[int],
-    w1: Tensor,
-    b1: Tensor | None,
-    w2: Tensor,
-    b2: Tensor | None,
-    w3: Tensor | None,
-    b3: Tensor | None,
-    activation: Callable[[Tensor], Tensor],
-    glu_limit: float | None = None,
-) -> Tensor:
-    """:func:`expert_ffn` (shapes as there) with every row's products taken as weighted sums of its expert's
-    weight rows, no matmul: ``x @ w[e] = sum_i x[i] * w[e][i, :]`` is ``F.embedding_bag`` over ``w`` viewed
-    as ``[E * in, out]``, one bag per row (indices ``e * in + i``, ``per_sample_weights`` the row). One call per
-    weight matrix covers all rows of all experts. No autograd; needs contiguous ``w1``, ``w2``, ``w3``.
-
-    Decoding routes a row or a few to each expert: per expert the matmuls then cost far more than the bytes
-    they read (measured, see ``EMBEDDING_BAG_MAX_ROWS_PER_EXPERT``), where the bags stream each row's weights
-    once, spread over the threads."""
-    num_experts = len(counts)
-    if sum(counts) != rows.shape[0]:
-        raise ValueError(f"counts must sum to the number of rows {rows.shape[0]}, got {sum(counts)}")
-    row_expert = torch.repeat_interleave(torch.arange(num_experts, device=rows.device),
-                                         torch.tensor(counts, device=rows.device), output_size=rows.shape[0])
-    # embedding_bag takes int32 indices: half the memory, while the flattened weight has fewer than 2^31 rows.
-    index_dtype = torch.int32 if num_experts * max(w1.shape[1], w1.shape[2]) < 2**31 else torch.int64
-    bags: dict[int, Tensor] = {}
-
-    def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-        fan_in, fan_out = w.shape[1], w.shape[2]
-        if fan_in not in bags:  # [N, in]: row r's bag is its expert's in rows of the flattened weight
-            bags[fan_in] = ((row_expert * fan_in).unsqueeze(1)
-                            + torch.arange(fan_in, device=rows.device)).to(index_dtype)
-        out = F.embedding_bag(bags[fan_in], w.view(num_experts * fan_in, fan_out), per_sample_weights=x,
-                              mode="sum")
-        return out if b is None else out.add_(b.index_select(0, row_expert))
-
-    return _ffn(rows, linear, w1, b1, w2, b2, w3, b3, activation, glu_limit)
-
-
-def grouped_expert_ffn(
-    rows: Tensor,
-    counts: list[int],
-    w1: Tensor,
-    b1: Tensor | None,
-    w2: Tensor,
-    b2: Tensor | None,
-    w3: Tensor | None,
-    b3: Tensor | None,
-    activation: Callable[[Tensor], Tensor],
-    glu_limit: float | None = None,
-) -> Tensor:
-    """:func:`expert_ffn` as one ``torch._grouped_mm`` per weight matrix over all experts at once (shapes as
-    there). Each expert's rows are one group (``offs``: where each group ends); the biases are gathered per
-    row. Needs a dtype the device's grouped GEMM supports (float32 on the CPU)."""
-    num_rows = rows.shape[0]
-    if num_rows == 0:
-        return rows.new_zeros(0, w2.shape[-1])
-    sizes = torch.tensor(counts, device=rows.device)
-    ends = sizes.cumsum(0).to(torch.int32)
-    row_expert = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), sizes,
-                                         output_size=num_rows) if any(b is not None for b in (b1, b2, b3)) else None
-
-    def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-        out = torch._grouped_mm(x, w, offs=ends)
-        if b is None:
-            return out
-        assert row_expert is not None  # made above whenever the experts have biases
-        return out + b.index_select(0, row_expert)
-
-    return _ffn(rows, linear, w1, b1, w2, b2, w3, b3, activation, glu_limit)
-
-
-def segmented_expert_ffn(
-    rows: Tensor,
-    counts: list[int],
-    w1: Tensor,
-    b1: Tensor | None,
-    w2: Tensor,
-    b2: Tensor | None,
-    w3: Tensor | None,
-    b3: Tensor | None,
-    activation: Callable[[Tensor], Tensor],
-    glu_limit: float | None = None,
-) -> Tensor:
-    """:func:`expert_ffn` as the per-expert loop with a hand-written backward, one autograd node for all experts
-    (:func:`flexmoe.segment_ffn.segment_expert_ffn`; shapes as there). The same matmuls as
-    :func:`looped_expert_ffn`, written into full-size buffers; the elementwise unit runs once over all rows."""
-    def unit(pre1: Tensor, pre3: Tensor | None) -> Tensor:
-        return hidden_unit(pre1, pre3, activation, glu_limit)
-
-    return segment_expert_ffn(rows, counts, w1, b1, w2, b2, w3, b3, unit)
-
-
-def looped_expert_ffn(
-    rows: Tensor,
-    counts: list[int],
-    w1: Tensor,
-    b1: Tensor | None,
-    w2: Tensor,
-    b2: Tensor | None,
-    w3: Tensor | None,
-    b3: Tensor | None,
-    activation: Callable[[Tensor], Tensor],
-    glu_limit: float | None = None,
-) -> Tensor:
-    """:func:`expert_ffn` as one ``addmm`` pair per expert over ``w.unbind(0)`` (shapes as there); any dtype and
-    device. Indexing ``w[e]`` in the loop instead would write each slice's gradient into a full-size zero
-    tensor; without autograd it costs nothing, so then only the experts that have rows are visited (decoding
-    touches a few of many)."""
-    num_experts = len(counts)
-    if not needs_grad(rows, w1, b1, w2, b2, w3, b3):
-        return _no_grad_experts_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
-
-    def per_expert(p: Tensor | None) -> list[Tensor | None]:
-        return list(p.unbind(0)) if p is not None else [None] * num_experts
-
-    outputs = []
-    for x, a1, c1, a2, c2, a3, c3 in zip(rows.split(counts), per_expert(w1), per_expert(b1), per_expert(w2),
-                                         per_expert(b2), per_expert(w3), per_expert(b3)):
-        if x.shape[0] == 0:
-            continue
-        outputs.append(_ffn(x, _linear, a1, c1, a2, c2, a3, c3, activation, glu_limit))
-    return joined_outputs(outputs, rows, w2)
-
-
-def _no_grad_experts_ffn(
-    rows: Tensor,
-    counts: list[int],
-    w1: Tensor,
-    b1: Tensor | None,
-    w2: Tensor,
-    b2: Tensor | None,
-    w3: Tensor | None,
-    b3: Tensor | None,
-    activation: Callable[[Tensor], Tensor],
-    glu_limit: float | None,
-) -> Tensor:
-    """:func:`looped_expert_ffn` without autograd: the experts that have rows only. Few rows (decoding: a row or
-    two per expert, at least ``_JOINED_UNIT_MIN_ROWS`` in all) take :func:`joined_unit_ffn`, the unit once over
-    every row; more, or fewer, take :func:`active_experts_ffn`, each expert's unit on its own rows."""
-    if sum(counts) != rows.shape[0]:
-        raise ValueError(f"counts must sum to the number of rows {rows.shape[0]}, got {sum(counts)}")
-    if rows.shape[0] >= _JOINED_UNIT_MIN_ROWS and rows.shape[0] * w1.shape[-1] <= JOINED_UNIT_MAX_ELEMENTS:
-        return joined_unit_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
-    return active_experts_ffn(rows, counts, w1, b1, w2, b2, w3, b3, activation, glu_limit)
-
-
-def active_experts_ffn(
-    rows: Tensor,
-    counts: list[int],
-    w1: Tensor,
-    b1: Tensor | None,
-    w2: Tensor,
-    b2: Tensor | None,
-    w3: Tensor | None,
-    b3: Tensor | None,
-    activation: Callable[[Tensor], Tensor],
-    glu_limit: float | None,
-) -> Tensor:
-    """:func:`expert_ffn` (shapes as there) as the plain loop over the experts that have rows, each expert's
-    matmuls and unit on its own rows (the bench's floor without autograd)."""
-    outputs = []
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        x = rows[start : start + n]
-        start += n
-        outputs.append(_ffn(x, _linear, w1[e], _at(b1, e), w2[e], _at(b2, e), _at(w3, e), _at(b3, e), activation,
-                            glu_limit))
-    return joined_outputs(outputs, rows, w2)
-
-
-# Without autograd, calls of at most this many rows x hidden elements run the unit once over all rows
-# (:func:`joined_unit_ffn`): 512 rows of H=256 (decoding 64 tokens at k=8), a 512 KiB float32 buffer.
-JOINED_UNIT_MAX_ELEMENTS = 1 << 17
-# Below this many rows (one token at k <= 3) the plain loop measured faster, side by side: the loop over the
-# joined loop 0.64 at 1 row, 0.80-0.94 at 2 (E=64 H=256 gelu / GLU, E=8 H=1024 gelu; benchmarks/decode_experts.py
-# shows E=8 k=2 at T=1), 0.96-1.03 at 3.
-_JOINED_UNIT_MIN_ROWS = 4
-
-
-def joined_unit_ffn(
-    rows: Tensor,
-    counts: list[int],
-    w1: Tensor,
-    b1: Tensor | None,
-    w2: Tensor,
-    b2: Tensor | None,
-    w3: Tensor | None,
-    b3: Tensor | None,
-    activation: Callable[[Tensor], Tensor],
-    glu_limit: float | None,
-) -> Tensor:
-    """:func:`expert_ffn` (shapes as there) with each expert's matmuls written into its rows of one buffer and
-    the elementwise unit applied once over every row, between the two loops; no autograd (``out=``).
-
-    Decoding routes a row or two to each of k experts: a unit call per expert then costs more than its matmuls
-    (each elementwise call dispatches, and may wake the thread pool, for a few hundred elements)."""
-    hidden = w1.shape[-1]
-    experts = [e for e, n in enumerate(counts) if n]
-    sizes = [counts[e] for e in experts]
-    # One split per buffer gives every expert's rows as views in a single call: slicing each buffer per expert
-    # costs a dispatch per slice, and mm into a fresh slice measured ~3 us more than into a split view.
-    xs = rows.split(sizes)
-    pre1 = rows.new_empty(rows.shape[0], hidden)
-    pre3 = rows.new_empty(rows.shape[0], hidden) if w3 is not None else None
-    for e, x, p1 in zip(experts, xs, pre1.split(sizes)):
-        addmm_into(p1, x, w1[e], _at(b1, e))
-    if pre3 is not None and w3 is not None:
-        for e, x, p3 in zip(experts, xs, pre3.split(sizes)):
-            addmm_into(p3, x, w3[e], _at(b3, e))
-    h = hidden_unit(pre1, pre3, activation, glu_limit)
-    out = rows.new_empty(rows.shape[0], w2.shape[-1])
-    for e, hx, o in zip(experts, h.split(sizes), out.split(sizes)):
-        addmm_into(o, hx, w2[e], _at(b2, e))
-    return out
-
-
-def _at(p: Tensor | None, e: int) -> Tensor | None:
-    return p[e] if p is not None else None
-
-
-def joined_outputs(outputs: list[Tensor], rows: Tensor, w2: Tensor) -> Tensor:
-    """The experts' outputs, in order, as ``[N, M]`` (zeros ``[N, M]`` when no expert had rows)."""
-    if not outputs:
-        return rows.new_zeros(rows.shape[0], w2.shape[-1])
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-
-
-def needs_grad(*tensors: Tensor | None) -> bool:
-    """Whether autograd records an operation on these tensors."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def padded_expert_ffn(
-    rows: Tensor,
-    w1: Tensor,
-    b1: Tensor | None,
-    w2: Tensor,
-    b2: Tensor | None,
-    w3: Tensor | None,
-    b3: Tensor | None,
-    activation: Callable[[Tensor], Tensor],
-    glu_limit: float | None = None,
-) -> Tensor:
-    """The experts' FFN when every expert has the same number of rows: batched matmuls, no loop over experts.
-
-    rows: ``[E, R, M]`` (expert e's R rows, padding included); weights as in :func:`expert_ffn` -> ``[E, R, M]``.
-    Row for row the same function as :func:`expert_ffn`; padding rows cost their FLOPs like any other row.
-    """
-    def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:  # [E, R, in] @ [E, in, out] (+ [E, out])
-        return torch.baddbmm(b.unsqueeze(1), x, w) if b is not None else torch.bmm(x, w)
-
-    return _ffn(rows, linear, w1, b1, w2, b2, w3, b3, activation, glu_limit)
-
-
-def _ffn(
-    x: Tensor,
-    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor],
-    w1: Tensor,
-    b1: Tensor | None,
-    w2: Tensor,
-    b2: Tensor | None,
-    w3: Tensor | None,
-    b3: Tensor | None,
-    activation: Callable[[Tensor], Tensor],
-    glu_limit: float | None,
-) -> Tensor:
-    """The expert FFN once, whatever ``linear(x, w, b)`` does (one expert's addmm, a grouped GEMM over all
-    experts, a batched matmul over padded ones): ``linear(act(x w1 + b1), w2, b2)``, or with ``w3`` the gated
-    unit (:func:`gated_unit`) of the ``w1`` and ``w3`` projections."""
-    h = hidden_unit(linear(x, w1, b1), linear(x, w3, b3) if w3 is not None else None, activation, glu_limit)
-    return linear(h, w2, b2)
-
-
-def hidden_unit(pre1: Tensor, pre3: Tensor | None, activation: Callable[[Tensor], Tensor],
-                glu_limit: float | None) -> Tensor:
-    """The experts' hidden activations ``[n, H]`` from the pre-activations ``[n, H]`` of ``w1`` and (gated
-    experts) ``w3``: ``activation(pre1)``, or the gated unit (:func:`gated_unit`). Elementwise."""
-    return gated_unit(pre1, pre3, activation, glu_limit) if pre3 is not None else activation(pre1)
-
-
-def gated_unit(gate: Tensor, up: Tensor, activation: Callable[[Tensor], Tensor], limit: float | None) -> Tensor:
-    """The GLU's hidden activations ``[n, H]`` from its two projections ``[n, H]``.
-
-    ``activation(gate) * up`` without a limit; with ``limit = L`` GPT-OSS's clamped form
-    ``activation(min(gate, L)) * (clamp(up, -L, L) + 1)`` (clamped values pass no gradient).
-    """
-    if limit is None:
-        return activation(gate) * up
-    return activation(gate.clamp(max=limit)) * (up.clamp(-limit, limit) + 1)
 
 
 def check_glu_limit(glu_limit: object, glu: bool) -> float | None:
@@ -715,6 +276,11 @@ def check_glu_limit(glu_limit: object, glu: bool) -> float | None:
     return float(glu_limit)
 
 
-def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    """x: ``[n, in]``, w: ``[in, out]``, b: ``[out]`` -> ``[n, out]``."""
-    return torch.addmm(b, x, w) if b is not None else x @ w
+def expert_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights, kernels: KernelChooser | None = None,
+               ) -> Tensor:
+    """The experts' FFN on explicit weights: rows ``[N, M]`` sorted by expert, ``counts[e]`` rows each
+    (``sum(counts) == N``), weights ``[E, ...]`` -> ``[N, M]``; H may be a hidden shard (expert parallelism), the
+    result then a partial sum. By the kernel ``kernels`` chooses for this call (None: the rule, the loop)."""
+    if kernels is None:
+        return KERNELS[RULE_KERNEL].run(rows, counts, weights)
+    return kernels.run(rows, counts, weights)

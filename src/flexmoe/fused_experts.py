@@ -32,11 +32,12 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from flexmoe.experts import activation_derivative, activation_into, all_like, hidden_unit, needs_grad
+from flexmoe.expert_weights import ExpertWeights, hidden_unit
+from flexmoe.experts import activation_derivative, activation_into
 from flexmoe.segment_ffn import add_bias_grad, add_weight_grad, addmm_into, expert_grad_buffer, record_unit
 
 __all__ = ["HiddenUnit", "CHUNK_ROWS", "expert_chunks", "fused_experts", "fused_forward", "fused_backward",
-           "fused_size_rule", "fused_supported", "fused_work_rule", "use_fused"]
+           "fused_size_rule", "fused_supported"]
 
 @dataclass(frozen=True)
 class HiddenUnit:
@@ -45,6 +46,11 @@ class HiddenUnit:
 
     activation: Callable[[Tensor], Tensor]
     glu_limit: float | None = None
+
+    @classmethod
+    def of(cls, weights: ExpertWeights) -> HiddenUnit:
+        """The unit of these experts' weights."""
+        return cls(weights.activation, weights.glu_limit)
 
     def __call__(self, pre1: Tensor, pre3: Tensor | None) -> Tensor:
         """pre1, pre3: ``[n, H]`` (pre3 None without gating) -> h ``[n, H]``."""
@@ -110,18 +116,18 @@ def _per_expert(p: Tensor | None, num_experts: int) -> Sequence[Tensor | None]:
 KeptBuffers = Callable[[int, int], tuple[Tensor, Tensor | None, Tensor]]
 
 
-def fused_forward(tokens: Tensor, row_token: Tensor, row_weight: Tensor, weights: Sequence[Tensor | None],
-                  chunks: list[Chunk], unit: HiddenUnit, kept_buffers: KeptBuffers | None = None,
-                  ) -> tuple[Tensor, list[Tensor]]:
+def fused_forward(tokens: Tensor, row_token: Tensor, row_weight: Tensor, weights: ExpertWeights,
+                  chunks: list[Chunk], kept_buffers: KeptBuffers | None = None) -> tuple[Tensor, list[Tensor]]:
     """The forward of :func:`fused_experts`: ``y [T, M]`` and what the backward needs, per chunk ``pre1,
     (pre3,) h`` (``[n, H]`` each).
 
-    weights: ``(w1, b1, w2, b2, w3, b3)``; chunks: rows ``start .. start + n`` of ``row_token`` / ``row_weight``
+    weights: ``[E, ...]`` with their unit; chunks: rows ``start .. start + n`` of ``row_token`` / ``row_weight``
     (:func:`expert_chunks`, or one per unit of a padded plan). ``kept_buffers(start, n)`` gives the places to
     keep a chunk's ``pre1, pre3, h`` in (views of full-size outputs, for the compiled op); by default each chunk
     gets its own pieces."""
-    w1, b1, w2, b2, w3, b3 = weights
+    w1, b1, w2, b2, w3, b3 = weights.tensors()
     assert w1 is not None and w2 is not None
+    unit = HiddenUnit.of(weights)
     num_experts, hidden, model_dim = w1.shape[0], w1.shape[-1], w2.shape[-1]
     y = tokens.new_zeros(tokens.shape[0], model_dim)
     kept: list[Tensor] = []
@@ -147,15 +153,15 @@ def fused_forward(tokens: Tensor, row_token: Tensor, row_weight: Tensor, weights
     return y, kept
 
 
-def fused_backward(grad_y: Tensor, tokens: Tensor, row_token: Tensor, row_weight: Tensor,
-                   weights: Sequence[Tensor | None], chunks: list[Chunk], unit: HiddenUnit, kept: Sequence[Tensor],
-                   needs: Sequence[bool]) -> list[Tensor | None]:
+def fused_backward(grad_y: Tensor, tokens: Tensor, row_token: Tensor, row_weight: Tensor, weights: ExpertWeights,
+                   chunks: list[Chunk], kept: Sequence[Tensor], needs: Sequence[bool]) -> list[Tensor | None]:
     """The gradients of :func:`fused_forward`: ``[tokens, row_weight, w1, b1, w2, b2, w3, b3]``, each None where
     ``needs`` (eight flags) is False; a flag must be False for a bias or ``w3`` that does not exist.
     ``row_weight``'s gradient is written for the chunks' rows only (a padded plan's empty rows: left as they are;
     the caller zeroes them)."""
-    w1, _, w2, b2, w3, _ = weights
+    w1, _, w2, b2, w3, _ = weights.tensors()
     assert w1 is not None and w2 is not None
+    unit = HiddenUnit.of(weights)
     need_x, need_weight, need_w1, need_b1, need_w2, need_b2, need_w3, need_b3 = needs
     grad_y = grad_y.contiguous()
     num_experts, hidden, model_dim = w1.shape[0], w1.shape[-1], w2.shape[-1]
@@ -232,10 +238,11 @@ class _FusedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tokens: Tensor, row_weight: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor,
                 b2: Tensor | None, w3: Tensor | None, b3: Tensor | None, row_token: Tensor, chunks: list[Chunk],
-                unit: HiddenUnit) -> Tensor:
-        y, kept = fused_forward(tokens, row_token, row_weight, (w1, b1, w2, b2, w3, b3), chunks, unit)
+                weights: ExpertWeights) -> Tensor:
+        # The tensors come in loose as well, so that autograd sees each as an input (and returns its gradient).
+        y, kept = fused_forward(tokens, row_token, row_weight, weights, chunks)
         ctx.save_for_backward(tokens, row_weight, w1, b2, w2, w3, row_token, *kept)
-        ctx.chunks, ctx.unit = chunks, unit
+        ctx.chunks, ctx.unit = chunks, HiddenUnit.of(weights)
         ctx.present = (True, True, True, b1 is not None, True, b2 is not None, w3 is not None, b3 is not None)
         return y
 
@@ -244,72 +251,45 @@ class _FusedExperts(torch.autograd.Function):
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:
         tokens, row_weight, w1, b2, w2, w3, row_token, *kept = ctx.saved_tensors
         needs = [bool(want and present) for want, present in zip(ctx.needs_input_grad[:8], ctx.present)]
-        grads = fused_backward(grad_y, tokens, row_token, row_weight, (w1, None, w2, b2, w3, None), ctx.chunks,
-                               ctx.unit, kept, needs)
+        weights = ExpertWeights(w1, None, w2, b2, w3, None, ctx.unit.activation, ctx.unit.glu_limit)
+        grads = fused_backward(grad_y, tokens, row_token, row_weight, weights, ctx.chunks, kept, needs)
         return (*grads, None, None, None)
 
 
-def fused_experts(tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: Sequence[int], w1: Tensor,
-                  b1: Tensor | None, w2: Tensor, b2: Tensor | None, w3: Tensor | None, b3: Tensor | None,
-                  unit: HiddenUnit, *, chunk_rows: int = CHUNK_ROWS) -> Tensor:
+def fused_experts(tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: Sequence[int],
+                  weights: ExpertWeights, *, chunk_rows: int = CHUNK_ROWS) -> Tensor:
     """``y[t] = sum over the rows r of token t of row_weight[r] * expert_e(r)(tokens[t])``: dispatch, the experts'
     FFN and a weighted combine in one pass per expert (module docstring).
 
     tokens: ``[T, M]``; row_token: ``[N]`` the token of each row, rows sorted by expert, ``counts[e]`` rows each;
-    row_weight: ``[N]`` in tokens' dtype; w1, w3: ``[E, M, H]``, w2: ``[E, H, M]``, biases ``[E, H]`` / ``[E, M]``
-    or None; unit: the experts' hidden unit; chunk_rows: the experts are taken in chunks of at least this many
-    rows (:func:`expert_chunks`) -> ``[T, M]``. Differentiable once
-    in tokens, row_weight and every weight.
+    row_weight: ``[N]`` in tokens' dtype; weights: ``[E, ...]`` with their unit; chunk_rows: the experts are
+    taken in chunks of at least this many rows (:func:`expert_chunks`) -> ``[T, M]``. Differentiable once in
+    tokens, row_weight and every weight.
     """
     if sum(counts) != row_token.shape[0]:
         raise ValueError(f"counts must sum to the number of rows {row_token.shape[0]}, got {sum(counts)}")
-    return _FusedExperts.apply(tokens.contiguous(), row_weight, w1, b1, w2, b2, w3, b3, row_token,
-                               expert_chunks(counts, chunk_rows), unit)
+    return _FusedExperts.apply(tokens.contiguous(), row_weight, *weights.tensors(), row_token,
+                               expert_chunks(counts, chunk_rows), weights)
 
 
-# Training, forward + backward, T=4096 M=512 k=8 fp32, dropless, on a quiet 2-core AVX2 CPU, side by side with the
-# three-stage path and the loop floor (docs/architecture.md, "Fused experts"): the layer over the floor 1.06 at
-# E=64 H=256 (three stages 1.18-1.29), 1.01 at E=128 H=128 (1.22), 1.00 at E=256 H=64 (1.25). It lost where the
-# three stages' [N, M] blocks are small enough for the allocator to reuse (below 32 MiB, glibc's largest mmap
-# threshold): the training job's GPT layer (T=2048 M=128 E=8 H=256 k=2, a 2 MiB block) 1.41-1.58 against
-# 1.27-1.40; and E=8 H=1024 k=2 at T=4096 (1024 rows x 1024 per expert, a 16 MiB block) 1.44 against 1.28. Above
-# the threshold the three stages' blocks are mapped afresh and page-faulted on every call, whatever the experts'
-# size: fused / three stages 0.755 at E=64 H=256 k=8 T=8192 (1024 rows x 256 per expert), 1.003 at E=8 H=1024 k=2
-# T=16384 (4096 rows x 1024), so the block's size alone decides.
+# The compiled padded path has no first call to time (flexmoe.padded_fused_op): it takes the fused op for blocks of
+# rows x model_dim of at least this many elements, where eager's fused experts measured faster on a 2-core CPU
+# (T=4096 M=512 k=8 fp32: over the loop floor 1.06 at E=64 H=256, three stages 1.18-1.29; above 32 MiB the three
+# stages' blocks are mapped afresh and page-faulted on every call). Eager calls choose by measurement
+# (flexmoe.expert_stage.runs_fused).
 _FUSED_MIN_ROW_ELEMENTS = 1 << 23  # rows x model_dim: 32 MiB in float32
-_FUSED_MAX_WORK_PER_EXPERT = 512 * 256  # rows per expert x hidden size, on average
-_FUSED_DTYPES = (torch.float32,)
 
 
-def use_fused(tokens: Tensor, counts: Sequence[int], w1: Tensor, *weights: Tensor | None) -> bool:
-    """Whether a call runs :func:`fused_experts` (the measured rule above): :func:`fused_supported` and at least
-    ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]`` block (:func:`fused_size_rule`)."""
-    if not counts or not fused_supported(tokens, w1, *weights):
-        return False
-    return fused_size_rule(sum(counts), tokens.shape[-1])
-
-
-def fused_supported(tokens: Tensor, *weights: Tensor | None) -> bool:
-    """Where :func:`fused_experts` was measured faster at all: autograd records (training), float32 on the CPU,
-    not traced by ``torch.compile``, no autocast, the tokens and every weight in one dtype and device."""
-    if tokens.dtype not in _FUSED_DTYPES or tokens.device.type != "cpu":
-        return False
-    present = [t for t in weights if t is not None]
-    if not needs_grad(tokens, *present) or torch.compiler.is_compiling():
+def fused_supported(tokens: Tensor, weights: ExpertWeights) -> bool:
+    """Where :func:`fused_experts` may run in place of the three stages: autograd records (its gain is the
+    backward), not traced by ``torch.compile``, no autocast, the tokens and every weight in one dtype and device."""
+    if not weights.needs_grad(tokens) or torch.compiler.is_compiling():
         return False
     if torch.is_autocast_enabled(tokens.device.type):
         return False
-    return all_like(tokens, *present)
-
-
-def fused_work_rule(num_rows: int, hidden: int, num_experts: int) -> bool:
-    """At most ``_FUSED_MAX_WORK_PER_EXPERT`` rows x hidden per expert, on average: small experts, where the fused
-    experts also won below the size rule's block (the expert-parallel receiver,
-    :mod:`flexmoe.parallel.token_exchange`; at E=8 H=1024 k=2 T=4096 the three stages won)."""
-    return num_rows * hidden <= _FUSED_MAX_WORK_PER_EXPERT * num_experts
+    return weights.all_like(tokens)
 
 
 def fused_size_rule(num_rows: int, model_dim: int) -> bool:
-    """At least ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]`` block: a block the three stages would have
-    mapped afresh, and page-faulted, on every call (the measurements above)."""
+    """At least ``_FUSED_MIN_ROW_ELEMENTS`` in the rows' ``[N, M]`` block (the compiled path's rule, above)."""
     return num_rows * model_dim >= _FUSED_MIN_ROW_ELEMENTS

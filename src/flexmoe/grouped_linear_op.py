@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmoe.experts import FeedForwardExperts, hidden_unit
+from flexmoe.expert_weights import ExpertWeights
 from flexmoe.padded_ffn_op import register_op_pair
 from flexmoe.segment_ffn import contiguous_segments, expert_grad_buffer, linear_into, weight_grad_into
 
@@ -136,10 +136,10 @@ def grouped_linear(rows: Tensor, tokens_per_expert: Tensor, w: Tensor, b: Tensor
     return out
 
 
-def grouped_experts_ffn(experts: FeedForwardExperts, rows: Tensor, tokens_per_expert: Tensor) -> Tensor:
-    """rows: ``[N, M]`` sorted by expert, ``tokens_per_expert`` ``[E]`` on the device -> ``[N, M]``: the built-in
-    experts' FFN with any activation, the matmuls by :func:`grouped_linear`, the unit traced in between."""
-    pre1 = grouped_linear(rows, tokens_per_expert, experts.w1, experts.b1)  # [N, H]
-    pre3 = None if experts.w3 is None else grouped_linear(rows, tokens_per_expert, experts.w3, experts.b3)
-    h = hidden_unit(pre1, pre3, experts.activation, experts.glu_limit)
-    return grouped_linear(h, tokens_per_expert, experts.w2, experts.b2)
+def grouped_experts_ffn(rows: Tensor, tokens_per_expert: Tensor, weights: ExpertWeights) -> Tensor:
+    """rows: ``[N, M]`` sorted by expert, ``tokens_per_expert`` ``[E]`` on the device, weights ``[E, ...]`` ->
+    ``[N, M]``: the experts' FFN with any activation, the matmuls by :func:`grouped_linear`, the unit traced in
+    between."""
+    pre1 = grouped_linear(rows, tokens_per_expert, weights.w1, weights.b1)  # [N, H]
+    pre3 = None if weights.w3 is None else grouped_linear(rows, tokens_per_expert, weights.w3, weights.b3)
+    return grouped_linear(weights.unit(pre1, pre3), tokens_per_expert, weights.w2, weights.b2)

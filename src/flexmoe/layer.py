@@ -1,9 +1,7 @@
 """MoELayer: router -> RoutingPlan -> dispatch -> experts -> combine (docs/architecture.md, "The data path").
 
-The layer's options live in three frozen dataclasses, each validated once when it is made:
-:class:`~flexmoe.routing.RoutingOptions`, :class:`~flexmoe.experts.ExpertOptions` and
-:class:`~flexmoe.parallel.ParallelOptions`. The keyword constructor routes every keyword to the dataclass with
-a field of that name, so a new option is one field (and its docstring line) in one of them.
+The layer's options live in three frozen dataclasses (:mod:`flexmoe.layer_options`); the expert stage's routes
+are in :mod:`flexmoe.expert_stage`, decoding without a plan in :mod:`flexmoe.decoding`.
 """
 
 from __future__ import annotations
@@ -16,12 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch, sum_choices_by_token, sum_rows_by_token
+from flexmoe.autograd_state import in_backward
+from flexmoe.decoding import forward_without_plan, router_input, serves_without_plan
+from flexmoe.expert_stage import counts_on_device, padded_layout, run_expert_stage, shared_output
 from flexmoe.experts import ExpertOptions, ExpertsCall, FeedForwardExperts
-from flexmoe.fused_experts import HiddenUnit, fused_experts, use_fused
-from flexmoe.grouped_linear_op import grouped_experts_ffn, uses_device_offsets
-from flexmoe.padded_ffn_op import layout_op_runs, padded_experts_forward, padded_op_available
-from flexmoe.padded_fused_op import padded_fused_experts, use_padded_fused
+from flexmoe.layer_options import call_options, describe_layer, expose_options, options_from_keywords
 from flexmoe.parallel.auto import MeasuringChooser
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
 from flexmoe.parallel.groups import check_config_agreement, default_ranks_per_node, resolve_group
@@ -30,13 +27,12 @@ from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.strategy import ExpertStrategy, LayerShape, build_strategy, check_parallel_options
 from flexmoe.routing.bias_balance import bias_update
 from flexmoe.routing.build import build_plan
-from flexmoe.routing.capacity import HOST_ORDER_MAX_PAIRS, count_per_expert, order_pairs_on_host, sort_pairs_by_expert
 from flexmoe.routing.families import num_sequences_of
 from flexmoe.routing.global_balance import GlobalBalance
 from flexmoe.routing.options import RoutingOptions
-from flexmoe.routing.plan import RoutingPlan, check_logits, resolve_capacity
+from flexmoe.routing.plan import RoutingPlan
 from flexmoe.routing.routers import build_router, route
-from flexmoe.routing.scores import check_group_options, routed_weights, router_scores, select_experts
+from flexmoe.routing.scores import check_group_options
 from flexmoe.routing.topology import topology_gate
 from flexmoe.shared import SharedExpertGate
 from flexmoe.tuning.policies import resolve_shadow
@@ -46,15 +42,6 @@ if TYPE_CHECKING:
     from flexmoe.routing.replay import RoutingTap
 
 __all__ = ["MoELayer", "update_expert_biases"]
-
-_OptionsClass = type[RoutingOptions] | type[ExpertOptions] | type[ParallelOptions]
-_OPTION_CLASSES: dict[str, _OptionsClass] = {"routing_options": RoutingOptions, "expert_options": ExpertOptions,
-                                             "parallel_options": ParallelOptions}
-# What one forward call may override: the capacity (routing) and every parallel option but the chooser.
-_CALL_ROUTING = ("capacity", "capacity_factor")
-# redundant_experts is the layer's own: its placement and load window live in the layer.
-_CALL_PARALLEL = tuple(f.name for f in dataclasses.fields(ParallelOptions)
-                       if f.name not in ("chooser", "redundant_experts"))
 
 
 class MoELayer(nn.Module):
@@ -155,7 +142,7 @@ class MoELayer(nn.Module):
         super().__init__()
         given = {"routing_options": routing_options, "expert_options": expert_options,
                  "parallel_options": parallel_options}
-        chosen = _options_from_keywords(given, options)  # every option validated here, once
+        chosen = options_from_keywords(given, options)  # every option validated here, once
         routing, expert, parallel = chosen["routing_options"], chosen["expert_options"], chosen["parallel_options"]
         self.model_dim = check_int("model_dim", model_dim, 1)
         self.num_experts = check_int("num_experts", num_experts, 1)
@@ -176,7 +163,8 @@ class MoELayer(nn.Module):
         )
         self.routing_options, self.expert_options, self.parallel_options = routing, expert, parallel
         # Before anything is built, so that ranks built with different options all fail here, naming them.
-        check_config_agreement(self.ep_group, self._describe_options(experts, dtype))
+        check_config_agreement(self.ep_group, describe_layer(
+            model_dim, num_experts, hidden_dim, describe_value(experts), dtype, (routing, expert, parallel)))
 
         self.layout = ExpertLayout(num_experts, self.ep_group.world_size, hidden_dim)
         if experts is not None and self.layout.shards_per_expert > 1:
@@ -198,6 +186,11 @@ class MoELayer(nn.Module):
         self.shared = expert.build(expert.shared_experts, model_dim, shared_hidden_dim, device=device, dtype=dtype) \
             if expert.shared_experts else None
         self.shared_gate = SharedExpertGate(model_dim, device=device, dtype=dtype) if expert.shared_gate else None
+        if self.ep_group.distributed:  # every rank runs the kernels rank 0 measured (flexmoe.kernel_chooser)
+            for built in (self._built_experts, self.shared):
+                if isinstance(built, FeedForwardExperts):
+                    self.ep_group.call("expert kernel table broadcast",
+                                       partial(built.kernels.share, self.ep_group.group))
         # Buffers, not parameters: moved with the layer, changed by the load rule, never by the optimizer.
         # expert_bias is saved with the model; pending_load (this step's load so far) is not.
         uses_bias = routing.balance == "bias"
@@ -245,170 +238,48 @@ class MoELayer(nn.Module):
             return adapter(x, ExpertsCall(partial(self._forward, x, call_options)))
         return self._forward(x, call_options)
 
-    def _forward(self, x: Tensor, call_options: dict[str, Any]) -> Tensor:
+    def _forward(self, x: Tensor, given: dict[str, Any]) -> Tensor:
         """:meth:`forward` on the experts as they read now (adapted, inside an adapter's call)."""
-        routing, parallel, pinned = self._call_options(call_options)
+        routing, parallel, pinned = call_options(self.routing_options, self.parallel_options, given)
         tokens = x.reshape(-1, self.model_dim)  # [T, M]
         num_sequences = num_sequences_of(x, self.model_dim, routing.capacity_per, routing.aux_loss_type)
-        tap, in_backward = self.routing_tap, _in_backward()
-        given = None if tap is None else tap.given(x, self.num_experts, routing.k, in_backward)  # [T, k] replayed
-        if self._serves_without_plan(routing, tokens):
-            served = self._forward_without_plan(tokens, routing, parallel, pinned, num_sequences, given)
+        tap, backward_now = self.routing_tap, in_backward()
+        replayed = None if tap is None else tap.given(x, self.num_experts, routing.k, backward_now)  # [T, k]
+        if serves_without_plan(self, routing, tokens):  # decoding: no plan is built unless it is read
+            served = forward_without_plan(self, tokens, routing, parallel, pinned, num_sequences, replayed)
             if served is not None:
+                y, self._deferred_plan, chosen = served
+                self._last_plan = None
                 if tap is not None:
-                    tap.chosen(x, served[1], in_backward)
-                return served[0].to(x.dtype).reshape(x.shape)
+                    tap.chosen(x, chosen, backward_now)
+                return y.to(x.dtype).reshape(x.shape)
 
-        logits = route(self.router, _router_input(tokens, num_sequences), dtype=routing.router_dtype,
+        # 1. the router's logits, 2. the plan, 3.-5. dispatch, the experts and combine (expert_stage).
+        logits = route(self.router, router_input(tokens, num_sequences), dtype=routing.router_dtype,
                        training=self.training, jitter=routing.jitter, gate_noise=routing.gate_noise,
                        input_dropout=routing.router_input_dropout)  # [T, E]
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
-                          topology=self.topology, num_sequences=num_sequences, padded=self._padded_layout(routing),
-                          counts_on_device=self._counts_on_device(routing, tokens), expert_index=given)
+                          topology=self.topology, num_sequences=num_sequences, padded=padded_layout(self, routing),
+                          counts_on_device=counts_on_device(self, routing, tokens), expert_index=replayed)
         if tap is not None:
-            tap.chosen(x, plan.expert_index, in_backward)
+            tap.chosen(x, plan.expert_index, backward_now)
         if self.global_balance is not None and self.training and torch.is_grad_enabled():
             plan.aux_loss = self.global_balance.loss(logits, plan.expert_index, routing.score_func,
-                                                     accumulate=not in_backward)
-        if self._runs_fused(tokens, plan, routing):
-            y = self._fused_experts(tokens, plan)  # [T, M]
-        elif (sent := self._exchange_tokens(tokens, plan, routing, parallel, pinned)) is not None:
-            y = sent  # [T, M]
-        else:
-            expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
-            # Counts left on the device (compiling, dropless) are read there by the experts' custom ops only.
-            counts = [] if plan.host_counts is None else plan.counts
-            expert_output = self._run_experts(expert_input, counts, parallel, pinned,
-                                              plan if self._by_layout(plan, expert_input) else None)  # [N, M]
-            y = combine(expert_output, plan, weighted=routing.score_at == "combine")  # [T, M]
+                                                     accumulate=not backward_now)
+        y = run_expert_stage(self, tokens, plan, routing, parallel, pinned)  # [T, M]
         if self.shared is not None:
-            y = y + self._shared_output(tokens).to(y.dtype)
+            y = y + shared_output(self, tokens).to(y.dtype)
 
-        if self.pending_load is not None and self.training and not in_backward:
+        if self.pending_load is not None and self.training and not backward_now:
             # Counted once per forward; a recomputation under activation checkpointing runs inside backward.
             self.pending_load += plan.load.detach()
         self._last_plan, self._deferred_plan = plan, None
         return y.to(x.dtype).reshape(x.shape)
 
-    def _runs_fused(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions) -> bool:
-        """Whether dispatch, the experts and combine run fused, expert by expert (:mod:`flexmoe.fused_experts`):
-        the built-in experts, all in this process, weights applied at combine, and where
-        :func:`~flexmoe.fused_experts.use_fused` says it is faster (training with many small experts); compiling,
-        by the custom op of :mod:`flexmoe.padded_fused_op` (over a padded plan, or any other packed)."""
-        experts = self._built_experts
-        if not isinstance(experts, FeedForwardExperts) or self.ep_group.distributed or routing.score_at != "combine":
-            return False
-        if plan.padded or torch.compiler.is_compiling():
-            return not self._grouped_on_device(plan, tokens) and use_padded_fused(experts, tokens, plan)
-        return use_fused(tokens, plan.counts, experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3)
-
-    def _fused_experts(self, tokens: Tensor, plan: RoutingPlan) -> Tensor:
-        """tokens: ``[T, M]`` -> ``[T, M]``, the weighted sum of each token's experts (:func:`fused_experts`)."""
-        e = self._built_experts
-        assert isinstance(e, FeedForwardExperts)  # checked by _runs_fused
-        self.last_choice, self.last_shadowed = self.strategy.last_choice, []
-        if plan.padded or torch.compiler.is_compiling():
-            return padded_fused_experts(e, tokens, plan)
-        return fused_experts(tokens, plan.row_token, plan.row_weight.to(tokens.dtype), plan.counts, e.w1, e.b1,
-                             e.w2, e.b2, e.w3, e.b3, HiddenUnit(e.activation, e.glu_limit))
-
-    def _exchange_tokens(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions,
-                         parallel: ParallelOptions, pinned: frozenset[str]) -> Tensor | None:
-        """tokens: ``[T, M]`` -> ``[T, M]`` when this call's strategy sends each token once per rank instead of
-        one row per (token, expert) pair (:mod:`flexmoe.parallel.token_exchange`; expert parallelism at r = 1,
-        d = 1, weights applied at combine); None: the call dispatches rows."""
-        if self._ep is None or plan.padded or routing.score_at != "combine":
-            return None
-        strategy = self._strategy_of(parallel)
-
-        def rows_path(tokens_in: Tensor, run_rows: Callable[[Tensor], Tensor]) -> Tensor:
-            out = self._in_expert_dtype(run_rows, dispatch(tokens_in, plan))  # [N, M] by expert
-            return combine(out, plan)
-
-        y = strategy.run_tokens(tokens, plan.row_token, plan.row_weight, plan.counts, parallel, pinned, rows_path)
-        if y is not None:
-            self.last_choice, self.last_shadowed = strategy.last_choice, list(strategy.last_shadowed)
-        return y
-
-    def _strategy_of(self, options: ParallelOptions) -> ExpertStrategy:
+    def strategy_of(self, options: ParallelOptions) -> ExpertStrategy:
         """The strategy of a call with ``options``: the layer's own unless the call changed them."""
         same = options is self.parallel_options or options == self.parallel_options
         return self.strategy if same else self._strategy_for(options)
-
-    def _serves_without_plan(self, routing: RoutingOptions, tokens: Tensor) -> bool:
-        """Whether this call may take :meth:`_forward_without_plan`: no autograd, evaluation mode, eager, one
-        process, top-k routing in token order with one capacity over the call, and few enough pairs for combine's
-        scatter-add (decoding and small evaluation batches)."""
-        if torch.is_grad_enabled() or self.training or torch.compiler.is_compiling():
-            return False
-        if self.ep_group.distributed:
-            # It falls back to the full path when one of this rank's experts overflows: a decision of this rank
-            # alone, which under expert parallelism would run other exchanges than its peers'.
-            return False
-        if routing.selection != "topk" or self.topology is not None or routing.batch_prioritized:
-            return False
-        return routing.capacity_per == "call" and 0 < tokens.shape[0] * routing.k * self.model_dim <= \
-            SCATTER_MAX_ELEMENTS
-
-    def _forward_without_plan(self, tokens: Tensor, routing: RoutingOptions, parallel: ParallelOptions,
-                              pinned: frozenset[str], num_sequences: int | None,
-                              given: Tensor | None) -> tuple[Tensor, Tensor] | None:
-        """tokens: ``[T, M]`` -> (``[T, M]``, the choices ``[T, k]``), or None when an expert is over its capacity
-        (the full path then drops the pairs), computing only what the output needs (docs/architecture.md,
-        "Decoding"). given: ``[T, k]`` choices to take instead of the router's (routing replay).
-
-        The same routing functions as :func:`~flexmoe.routing.plan.make_plan` pick the experts and weights, and
-        the rows are in the plan's order (by expert, then slot), so the experts compute exactly the full path's
-        rows. What only the plan holds (slots, losses) is left to :func:`build_plan`, run on this call's logits
-        when ``last_plan``, ``aux_loss`` or ``z_loss`` is first read. Decoding's calls are a few tokens, where the
-        number of small ops, not the FLOPs, is the cost outside the experts.
-        """
-        k = routing.k
-        # [T, E]; evaluation: no exploration
-        logits = route(self.router, _router_input(tokens, num_sequences), dtype=routing.router_dtype)
-        num_tokens, num_experts = check_logits(logits, k)
-        scores = router_scores(logits, routing.score_func)
-        expert_index = given if given is not None else select_experts(
-            scores, k, selection_bias=self.expert_bias, num_expert_groups=routing.num_expert_groups,
-            num_limited_groups=routing.num_limited_groups, ties=routing.ties)[0]  # [T, k]
-        few_pairs = num_tokens * k <= HOST_ORDER_MAX_PAIRS
-        if few_pairs:
-            order = order_pairs_on_host(expert_index.tolist(), num_experts)
-            counts = order.counts
-        else:
-            counts = count_per_expert(expert_index, num_experts).tolist()
-        max_load = max(counts)
-        if max_load > resolve_capacity(num_tokens, num_experts, k, routing.capacity_factor, routing.capacity,
-                                       max_load):
-            return None
-        _, weight = routed_weights(scores, expert_index, normalize_weights=routing.normalize_weights,
-                                   route_scale=routing.route_scale, dtype=logits.dtype)  # [T, k]
-        weight = weight.to(tokens.dtype)
-        scaled = routing.score_at == "dispatch"
-        if few_pairs:
-            row_token, pair_row, by_expert = order.index_tensors(tokens.device, with_row_pair=scaled)
-        else:
-            _, by_expert = sort_pairs_by_expert(expert_index)  # [T*k] choice-major pairs in row order
-            row_token = by_expert % num_tokens
-        rows = tokens.index_select(0, row_token)  # [N, M] sorted by expert
-        if scaled:
-            rows = rows * weight.t().reshape(-1).index_select(0, by_expert).unsqueeze(-1)
-        out = self._run_experts(rows, counts, parallel, pinned)
-        combine_weight = None if scaled else weight.to(out.dtype)
-        if few_pairs:
-            y = sum_choices_by_token(out, pair_row, combine_weight, num_tokens)
-        else:
-            row_weight = None if combine_weight is None else \
-                combine_weight.t().reshape(-1).index_select(0, by_expert)
-            y = sum_rows_by_token(out, row_token, row_weight, num_tokens)
-        if self.shared is not None:
-            y = y + self._shared_output(tokens).to(y.dtype)
-        # The bias as it was for this call (a later update must not change what this call's plan says).
-        bias = None if self.expert_bias is None else self.expert_bias.clone()
-        self._last_plan = None
-        self._deferred_plan = partial(build_plan, logits, routing, selection_bias=bias, num_sequences=num_sequences,
-                                      expert_index=given)
-        return y, expert_index
 
     @property
     def expert_adapter(self) -> nn.Module | None:
@@ -454,42 +325,6 @@ class MoELayer(nn.Module):
         plan = self.last_plan
         return None if plan is None else plan.z_loss
 
-    def _by_layout(self, plan: RoutingPlan, rows: Tensor) -> bool:
-        """Whether the built-in experts compute ``rows`` (``[N, M]``, dispatched by ``plan``) by the custom op of
-        :mod:`flexmoe.padded_ffn_op`, which reads the counts on the device: always for a padded plan, and while
-        compiling for any other in one process (dropless, adaptive capacity, expert choice, BASE), whose counts
-        then never reach the graph. Traced as Python ints instead, every count that is 0 or 1 is a value dynamo
-        specializes on: with many experts nearly every call recompiled, until dynamo's limit sent the rest of
-        the forward back to eager (docs/architecture.md, "Compiling the layer")."""
-        if plan.padded or plan.host_counts is None:  # host_counts None: the counts are on the device only
-            return True
-        experts = self._built_experts
-        return (torch.compiler.is_compiling() and isinstance(experts, FeedForwardExperts)
-                and not self.ep_group.distributed and layout_op_runs(experts, rows))
-
-    def _counts_on_device(self, routing: RoutingOptions, tokens: Tensor) -> bool:
-        """Whether this call's plan keeps its counts on the device: under ``torch.compile``, dropless top-k routing
-        in one process with every pair kept (no random 2nd expert in training) and one capacity over the call
-        (``capacity_per="call"``: a per-sequence one is the largest count of a sequence), the built-in experts
-        run by the custom op that reads the counts on the device (:meth:`_by_layout`; the matmuls alone,
-        :mod:`flexmoe.grouped_linear_op`, for a callable activation or under autocast). Every shape is then known
-        before routing (``N = T * k``) and no routed value reaches the host: the call compiles into one graph
-        (docs/architecture.md, "Compiling the layer")."""
-        return (torch.compiler.is_compiling() and routing.selection == "topk" and self.topology is None
-                and not self.ep_group.distributed and routing.capacity is None
-                and routing.static_capacity_factor == 0 and routing.capacity_per == "call"
-                and not (routing.second_expert == "random" and self.training)
-                and isinstance(self.experts, FeedForwardExperts) and padded_op_available())
-
-    def _padded_layout(self, routing: RoutingOptions) -> bool:
-        """Whether this call pads every expert's rows to the capacity: under ``torch.compile``, in capacity mode,
-        for top-k routing in one process (docs/architecture.md, "Compiling the layer"). Every shape is then static
-        and no routed value reaches the host, so the call compiles into one graph. Eager calls never pad: they
-        compute only the rows that hold tokens."""
-        return (torch.compiler.is_compiling() and routing.selection == "topk" and self.topology is None
-                and not self.ep_group.distributed
-                and (routing.capacity is not None or routing.capacity_factor > 0))
-
     def _check_input(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -497,81 +332,6 @@ class MoELayer(nn.Module):
             raise TypeError(f"x must be float64, float32, bfloat16 or float16, got {x.dtype}")
         if x.dim() < 1 or x.shape[-1] != self.model_dim:
             raise ValueError(f"x must have shape [..., model_dim={self.model_dim}], got {tuple(x.shape)}")
-
-    def _call_options(self, call_options: dict[str, Any]) -> tuple[RoutingOptions, ParallelOptions, frozenset[str]]:
-        """This call's routing and parallel options: the layer's, with the call's non-None keywords replaced."""
-        given = {name: value for name, value in call_options.items() if value is not None}
-        unknown = sorted(set(given) - set(_CALL_ROUTING) - set(_CALL_PARALLEL))
-        if unknown:
-            raise TypeError(f"MoELayer.forward() got unexpected keyword argument(s) {unknown}; a call may override "
-                            f"{list(_CALL_ROUTING) + list(_CALL_PARALLEL)}")
-        routing, parallel = self.routing_options, self.parallel_options
-        routing_given = {n: v for n, v in given.items() if n in _CALL_ROUTING}
-        if routing_given:
-            routing = dataclasses.replace(routing, **routing_given)
-        parallel_given = {n: v for n, v in given.items() if n in _CALL_PARALLEL}
-        if parallel_given:
-            if "shadow" in parallel_given:
-                parallel_given["shadow"] = resolve_shadow(parallel_given["shadow"]) or False
-            parallel = dataclasses.replace(parallel, **parallel_given)
-        return routing, parallel, frozenset(parallel_given)
-
-    def _run_experts(self, rows: Tensor, counts: list[int], options: ParallelOptions,
-                     pinned: frozenset[str], layout_plan: RoutingPlan | None = None) -> Tensor:
-        """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype, by this call's strategy.
-
-        layout_plan: the rows are this plan's, computed by the built-in experts' custom op
-        (:func:`flexmoe.padded_ffn_op.padded_experts_forward`, :meth:`_by_layout`): only the real rows; a plan
-        with its counts on the device whose unit the op cannot take, by the grouped matmuls of
-        :func:`flexmoe.grouped_linear_op.grouped_experts_ffn`."""
-        strategy = self._strategy_of(options)
-        experts = self._built_experts
-
-        def run(expert_rows: Tensor) -> Tensor:
-            if layout_plan is not None and isinstance(experts, FeedForwardExperts):
-                if layout_plan.host_counts is None and (not layout_op_runs(experts, expert_rows)
-                                                        or self._grouped_on_device(layout_plan, expert_rows)):
-                    # Counts on the device, and a unit the op cannot take by name (a callable, autocast) or a
-                    # device where torch's grouped GEMM reads them there (the op would read them on the host).
-                    return grouped_experts_ffn(experts, expert_rows, layout_plan.tokens_per_expert)
-                return padded_experts_forward(experts, expert_rows, layout_plan)
-            return strategy.run(expert_rows, counts, options, pinned)
-
-        out = self._in_expert_dtype(run, rows)
-        self.last_choice, self.last_shadowed = strategy.last_choice, list(strategy.last_shadowed)
-        return out
-
-    def _grouped_on_device(self, plan: RoutingPlan, rows: Tensor) -> bool:
-        """Whether a plan with its counts on the device runs the experts' matmuls by ``torch._grouped_mm`` with
-        device offsets (:func:`flexmoe.grouped_linear_op.uses_device_offsets`: off the CPU, bf16), so that no count
-        reaches the host: not by the custom ops, which read them there (docs/architecture.md, "Compiling the
-        layer")."""
-        experts = self._built_experts
-        if plan.host_counts is not None or not isinstance(experts, FeedForwardExperts):
-            return False
-        device_type = rows.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else experts.w1.dtype
-        return all(uses_device_offsets(device_type, dtype, w.shape) for w in (experts.w1, experts.w2))
-
-    def _in_expert_dtype(self, run: Callable[[Tensor], Tensor], rows: Tensor) -> Tensor:
-        """``run(rows)`` in the experts' dtype, returned in rows' dtype: a float32 layer fed bf16 activations (or
-        the reverse) computes in its parameters' dtype (under autocast, as autocast says)."""
-        expert_dtype = _parameter_dtype(self._built_experts)
-        if expert_dtype is None or torch.is_autocast_enabled(rows.device.type) or expert_dtype == rows.dtype:
-            return run(rows)
-        return run(rows.to(expert_dtype)).to(rows.dtype)
-
-    def _shared_output(self, tokens: Tensor) -> Tensor:
-        """tokens: ``[T, M]`` -> ``[T, M]``, the sum of the shared experts' outputs (every token through each)."""
-        shared = self.shared
-        assert shared is not None  # forward calls this only for a layer with shared experts
-        n, num_tokens = self.expert_options.shared_experts, tokens.shape[0]
-        rows = tokens.repeat(n, 1) if n > 1 else tokens  # [n*T, M]: all tokens for shared expert 0, then 1, ...
-        dtype = _parameter_dtype(shared)
-        if not torch.is_autocast_enabled(tokens.device.type) and dtype is not None and dtype != rows.dtype:
-            rows = rows.to(dtype)  # as for the routed experts: compute in the parameters' dtype
-        out = shared(rows, [num_tokens] * n).view(n, num_tokens, self.model_dim).sum(0)
-        return out if self.shared_gate is None else self.shared_gate(tokens, out)
 
     # ---- once per optimizer step ------------------------------------------------------------------------
 
@@ -600,15 +360,6 @@ class MoELayer(nn.Module):
         return build_strategy(options, self._ep, self._built_experts, self._shape, options.chooser,
                               self._strategies)
 
-    def _describe_options(self, experts: nn.Module | None, dtype: torch.dtype | None) -> dict[str, object]:
-        """The options as comparable values for the cross-rank agreement, one entry per field."""
-        described: dict[str, object] = {"model_dim": self.model_dim, "num_experts": self.num_experts,
-                                        "hidden_dim": self.hidden_dim, "experts": describe_value(experts),
-                                        "dtype": str(dtype)}
-        for options in (self.routing_options, self.expert_options, self.parallel_options):
-            described.update(options.describe())
-        return described
-
     @property
     def auto_decisions(self) -> list:
         """What ``parallel="auto"`` chose per capacity bucket, with every candidate's measured time."""
@@ -631,26 +382,7 @@ class MoELayer(nn.Module):
         )
 
 
-def _expose_options(cls: type) -> None:
-    """Every option readable as a layer attribute (``moe.k``, ``moe.r``, ...), read-only: the options are
-    frozen. ``router`` and ``shared_gate`` are modules of the layer; their options are
-    ``moe.routing_options.router`` and ``moe.expert_options.shared_gate``."""
-    for holder, options_cls in _OPTION_CLASSES.items():
-        for f in dataclasses.fields(options_cls):
-            if f.name in ("router", "shared_gate") or hasattr(cls, f.name):
-                continue
-            setattr(cls, f.name, _option_property(holder, f.name))
-
-
-def _option_property(holder: str, name: str) -> property:
-    """A read-only attribute reading ``self.<holder>.<name>``."""
-    def read(self: MoELayer) -> Any:
-        return getattr(getattr(self, holder), name)
-
-    return property(read, doc=f"The layer's ``{name}`` (``{holder}.{name}``).")
-
-
-_expose_options(MoELayer)
+expose_options(MoELayer)
 
 
 def update_expert_biases(model: nn.Module) -> int:
@@ -663,46 +395,4 @@ def update_expert_biases(model: nn.Module) -> int:
     return len(layers)
 
 
-def _options_from_keywords(given: dict[str, Any], keywords: dict[str, Any]) -> dict[str, Any]:
-    """The three options objects: the given ones (or the defaults) with each keyword replaced in the dataclass
-    that has a field of its name."""
-    by_class: dict[str, dict[str, Any]] = {holder: {} for holder in _OPTION_CLASSES}
-    for name, value in keywords.items():
-        holder = next((h for h, c in _OPTION_CLASSES.items() if name in _field_names(c)), None)
-        if holder is None:
-            raise TypeError(f"MoELayer() got an unexpected keyword argument {name!r}")
-        by_class[holder][name] = value
-    chosen = {}
-    for holder, options_cls in _OPTION_CLASSES.items():
-        base = given[holder]
-        if base is not None and not isinstance(base, options_cls):
-            raise TypeError(f"{holder} must be a {options_cls.__name__}, got {type(base).__name__}")
-        chosen[holder] = options_cls(**by_class[holder]) if base is None else dataclasses.replace(
-            base, **by_class[holder])
-    return chosen
 
-
-def _field_names(options_cls: _OptionsClass) -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(options_cls))
-
-
-def _router_input(tokens: Tensor, num_sequences: int | None) -> Tensor:
-    """What the router sees: the tokens ``[T, M]``, or ``[B, S, M]`` when the routing is per sequence (a router
-    module that reads the sequences, as Switch's in ``transformers``, gets them; the linear gate is the same)."""
-    return tokens if num_sequences is None else tokens.view(num_sequences, -1, tokens.shape[-1])
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. an activation-checkpointing recomputation).
-
-    Never while compiling: a compiled graph's backward recomputes tensors, it does not re-run the forward's code.
-    """
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1
-
-
-def _parameter_dtype(module: nn.Module) -> torch.dtype | None:
-    for p in module.parameters():
-        return p.dtype
-    return None

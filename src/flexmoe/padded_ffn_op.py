@@ -21,7 +21,7 @@ device tensor with ``capacity = PACKED`` (0), the units back to back. The graph 
 count that is 0 or 1 (which dynamo would specialize on, one recompilation per pattern) changes nothing.
 
 Needs ``torch.library.custom_op`` (torch >= 2.4): :func:`padded_op_available` says whether it is there; the
-layer otherwise keeps :meth:`flexmoe.experts.FeedForwardExperts.forward_padded`.
+layer otherwise keeps :func:`flexmoe.row_kernels.padded_expert_ffn`.
 """
 
 from collections.abc import Callable
@@ -32,15 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmoe.experts import (
-    FeedForwardExperts,
-    activation_derivative,
-    activation_into,
-    activation_name,
-    hidden_unit,
-    resolve_activation,
-)
+from flexmoe.expert_weights import ExpertWeights, hidden_unit
+from flexmoe.experts import activation_derivative, activation_into, activation_name, resolve_activation
 from flexmoe.routing.plan import RoutingPlan
+from flexmoe.row_kernels import padded_expert_ffn
 from flexmoe.segment_ffn import Segment, expert_grad_buffer, linear_into, weight_grad_into
 
 __all__ = ["PACKED", "padded_op_available", "layout_op_runs", "padded_unit_rows", "plan_layout", "padded_segments",
@@ -301,26 +296,25 @@ register_op_pair(_OP, _forward_impl, _forward_fake, _BACKWARD_OP, _backward_impl
                  _setup_context)
 
 
-def layout_op_runs(experts: FeedForwardExperts, rows: Tensor) -> bool:
-    """Whether the op can compute ``experts`` on ``rows``: this torch has the API, the activation is one of the
-    named ones (the op receives names, not callables), no autocast."""
-    return (padded_op_available() and activation_name(experts.activation) is not None
+def layout_op_runs(weights: ExpertWeights, rows: Tensor) -> bool:
+    """Whether the op can compute experts of these weights on ``rows``: this torch has the API, the activation is
+    one of the named ones (the op receives names, not callables), no autocast."""
+    return (padded_op_available() and activation_name(weights.activation) is not None
             and not torch.is_autocast_enabled(rows.device.type))
 
 
-def padded_experts_forward(experts: FeedForwardExperts, rows: Tensor, plan: RoutingPlan) -> Tensor:
+def padded_experts_forward(rows: Tensor, plan: RoutingPlan, weights: ExpertWeights) -> Tensor:
     """rows: ``[N, M]`` laid out by ``plan`` (:func:`plan_layout`: padded, or packed where
     :func:`layout_op_runs`) -> ``[N, M]``, the built-in experts' FFN on the real rows (padding rows: zeros, never
     combined) by the custom op where it runs. A padded plan anywhere else takes the batched matmuls over every
-    row, padding included (:meth:`FeedForwardExperts.forward_padded`)."""
-    activation = activation_name(experts.activation)
-    if not layout_op_runs(experts, rows) or (plan.padded and plan.capacity < 1):
+    row, padding included (:func:`flexmoe.row_kernels.padded_expert_ffn`)."""
+    activation = activation_name(weights.activation)
+    if not layout_op_runs(weights, rows) or (plan.padded and plan.capacity < 1):
         if not plan.padded:
             raise ValueError("padded_experts_forward: an unpadded plan's rows need the op (layout_op_runs)")
         num_experts = len(plan.counts)
-        return experts.forward_padded(rows.view(num_experts, plan.counts[0], rows.shape[-1])).flatten(0, 1)
+        return padded_expert_ffn(rows.view(num_experts, plan.counts[0], rows.shape[-1]), weights).flatten(0, 1)
     unit_rows, capacity = plan_layout(plan)
-    out, _, _, _ = torch.ops.flexmoe.padded_experts(rows, unit_rows, capacity, experts.w1, experts.b1, experts.w2,
-                                                    experts.b2, experts.w3, experts.b3, activation,
-                                                    experts.glu_limit)
+    out, _, _, _ = torch.ops.flexmoe.padded_experts(rows, unit_rows, capacity, *weights.tensors(), activation,
+                                                    weights.glu_limit)
     return out

@@ -26,15 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmoe.experts import (
-    FeedForwardExperts,
-    activation_derivative,
-    activation_name,
-    all_like,
-    needs_grad,
-    resolve_activation,
-)
-from flexmoe.fused_experts import Chunk, HiddenUnit, fused_backward, fused_forward, fused_size_rule
+from flexmoe.expert_weights import ExpertWeights
+from flexmoe.experts import activation_derivative, activation_name, resolve_activation
+from flexmoe.fused_experts import Chunk, fused_backward, fused_forward, fused_size_rule
 from flexmoe.padded_ffn_op import (
     layout_op_runs,
     padded_segments,
@@ -62,8 +56,10 @@ def padded_chunks(unit_rows: list[int], capacity: int, num_experts: int) -> list
     return [(start, n, [(e, 0, n)]) for e, start, n in padded_segments(unit_rows, capacity, num_experts)]
 
 
-def _unit(activation: str) -> HiddenUnit:
-    return HiddenUnit(resolve_activation(activation))
+def _weights(w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, w3: Tensor | None, b3: Tensor | None,
+             activation: str) -> ExpertWeights:
+    """The op's loose arguments (its schema takes tensors and names, not objects) as one value."""
+    return ExpertWeights(w1, b1, w2, b2, w3, b3, resolve_activation(activation))
 
 
 def _kept_views(pre1: list[Tensor], pre3: list[Tensor], h: list[Tensor], chunks: list[Chunk],
@@ -90,8 +86,8 @@ def _forward_impl(tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_ro
         return (unit_piece(pre1, start, n, capacity), unit_piece(pre3, start, n, capacity) if pre3 else None,
                 unit_piece(h, start, n, capacity))
 
-    y, _ = fused_forward(tokens.contiguous(), row_token, row_weight, (w1, b1, w2, b2, w3, b3), chunks,
-                         _unit(activation), kept_buffers)
+    y, _ = fused_forward(tokens.contiguous(), row_token, row_weight, _weights(w1, b1, w2, b2, w3, b3, activation),
+                         chunks, kept_buffers)
     return y, pre1, pre3, h
 
 
@@ -111,8 +107,9 @@ def _backward_impl(grad_y: Tensor, tokens: Tensor, row_token: Tensor, row_weight
     False); the padding rows of ``row_weight``'s gradient are zeros."""
     counts = unit_rows.tolist()
     chunks = padded_chunks(counts, capacity, w1.shape[0])
-    grads = fused_backward(grad_y, tokens.contiguous(), row_token, row_weight, (w1, None, w2, b2, w3, None),
-                           chunks, _unit(activation), _kept_views(pre1, pre3, h, chunks, capacity), needs)
+    grads = fused_backward(grad_y, tokens.contiguous(), row_token, row_weight,
+                           _weights(w1, None, w2, b2, w3, None, activation), chunks,
+                           _kept_views(pre1, pre3, h, chunks, capacity), needs)
     grad_weight = grads[1]
     if grad_weight is not None:
         for start, stop in padding_ranges(counts, capacity):
@@ -155,35 +152,34 @@ register_op_pair(_OP, _forward_impl, _forward_fake, _BACKWARD_OP, _backward_impl
                  _setup_context)
 
 
-def use_padded_fused(experts: FeedForwardExperts, tokens: Tensor, plan: RoutingPlan) -> bool:
+def use_padded_fused(tokens: Tensor, plan: RoutingPlan, weights: ExpertWeights) -> bool:
     """Whether a compiled call's plan (padded, or any other laid out packed: :func:`~flexmoe.padded_ffn_op.
     plan_layout`) runs :func:`padded_fused_experts`: the op is there, a named activation with a closed-form
     derivative and no clamp, autograd records, ``FUSED_DTYPES`` on the CPU, no autocast, and the sizes where
     eager's fused experts measured faster (:func:`~flexmoe.fused_experts.fused_size_rule` on the routed rows: at
     most ``T * k`` in a padded plan, whose padding is never computed, and the plan's ``N`` rows in a packed
     one, read from the shape so that no count reaches the host)."""
-    if not layout_op_runs(experts, tokens) or (plan.padded and plan.capacity < 1):
+    if not layout_op_runs(weights, tokens) or (plan.padded and plan.capacity < 1):
         return False  # layout_op_runs: the op is there, a named activation, no autocast
-    if activation_derivative(experts.activation) is None or experts.glu_limit is not None:
+    if activation_derivative(weights.activation) is None or weights.glu_limit is not None:
         return False
-    weights = [t for t in (experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3) if t is not None]
-    if not needs_grad(tokens, *weights):
+    if not weights.needs_grad(tokens):
         return False
     if tokens.dtype not in FUSED_DTYPES or tokens.device.type != "cpu":
         return False
-    if not all_like(tokens, *weights):
+    if not weights.all_like(tokens):
         return False
     routed_rows = min(sum(plan.counts), plan.num_tokens * plan.k) if plan.padded else plan.row_token.shape[0]
     return fused_size_rule(routed_rows, tokens.shape[-1])
 
 
-def padded_fused_experts(experts: FeedForwardExperts, tokens: Tensor, plan: RoutingPlan) -> Tensor:
+def padded_fused_experts(tokens: Tensor, plan: RoutingPlan, weights: ExpertWeights) -> Tensor:
     """tokens: ``[T, M]`` -> ``[T, M]``, the weighted sum of each token's experts over a plan's layout (module
     docstring); where :func:`use_padded_fused` holds."""
-    name = activation_name(experts.activation)
+    name = activation_name(weights.activation)
     assert name is not None  # checked by use_padded_fused
     unit_rows, capacity = plan_layout(plan)
     y, _, _, _ = torch.ops.flexmoe.padded_fused_experts(
         tokens, plan.row_token, plan.row_weight.to(tokens.dtype), unit_rows, capacity,
-        experts.w1, experts.b1, experts.w2, experts.b2, experts.w3, experts.b3, name)
+        *weights.tensors(), name)
     return y

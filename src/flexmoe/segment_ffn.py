@@ -11,7 +11,7 @@ concatenates the row gradients. Here forward and backward are one node: every ma
 full-size buffer (``out=``), the elementwise unit runs once over all rows, and its derivative comes from
 autograd on that elementwise call only, so any activation callable works (the gated unit, GPT-OSS's clamp).
 
-This module needs only torch: :mod:`flexmoe.experts` passes the elementwise ``unit``.
+This module needs only torch and :class:`~flexmoe.expert_weights.ExpertWeights`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from flexmoe.expert_weights import ExpertWeights
 
 __all__ = ["Unit", "Segment", "RecordedUnit", "contiguous_segments", "segment_ffn_forward", "record_unit",
            "segment_ffn_backward", "segment_expert_ffn", "addmm_into", "linear_into", "add_weight_grad",
@@ -42,14 +44,15 @@ def contiguous_segments(counts: Sequence[int]) -> list[Segment]:
     return segments
 
 
-def segment_ffn_forward(rows: Tensor, segments: Sequence[Segment], w1: Tensor, b1: Tensor | None, w2: Tensor,
-                        b2: Tensor | None, w3: Tensor | None, b3: Tensor | None,
-                        unit: Unit) -> tuple[Tensor, Tensor, Tensor | None, RecordedUnit]:
-    """rows: ``[N, M]``; w1, w3: ``[E, M, H]``, w2: ``[E, H, M]``, biases ``[E, H]`` / ``[E, M]`` or None.
+def segment_ffn_forward(rows: Tensor, segments: Sequence[Segment],
+                        weights: ExpertWeights) -> tuple[Tensor, Tensor, Tensor | None, RecordedUnit]:
+    """rows: ``[N, M]``; weights: ``[E, ...]`` (:class:`~flexmoe.expert_weights.ExpertWeights`).
 
     Returns ``(out [N, M], pre1 [N, H], pre3 [N, H] or None, recorded)``: the pre-activations and the unit's
     output and derivative (:func:`record_unit`), what the backward needs. The segments cover every row.
     """
+    w1, b1, w2, b2, w3, b3 = weights.tensors()
+    assert w1 is not None and w2 is not None
     num_rows, hidden = rows.shape[0], w1.shape[-1]
     pre1 = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
     pre3 = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device) if w3 is not None else None
@@ -58,7 +61,7 @@ def segment_ffn_forward(rows: Tensor, segments: Sequence[Segment], w1: Tensor, b
         linear_into(pre1[start:start + n], x, w1[e], b1, e)
         if w3 is not None and pre3 is not None:
             linear_into(pre3[start:start + n], x, w3[e], b3, e)
-    recorded = record_unit(pre1, pre3, unit)
+    recorded = record_unit(pre1, pre3, weights.unit)
     h = recorded[0]
     out = torch.empty(num_rows, w2.shape[-1], dtype=rows.dtype, device=rows.device)
     for e, start, n in segments:
@@ -194,8 +197,9 @@ class _SegmentExpertFFN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, rows: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
-                w3: Tensor | None, b3: Tensor | None, segments: list[Segment], unit: Unit) -> Tensor:
-        out, _, _, recorded = segment_ffn_forward(rows, segments, w1, b1, w2, b2, w3, b3, unit)
+                w3: Tensor | None, b3: Tensor | None, segments: list[Segment], weights: ExpertWeights) -> Tensor:
+        # The tensors come in loose as well, so that autograd sees each as an input (and returns its gradient).
+        out, _, _, recorded = segment_ffn_forward(rows, segments, weights)
         ctx.save_for_backward(rows, w1, w2, w3)
         # The unit's derivative (it holds what it needs, the pre-activations) rides along outside
         # save_for_backward.
@@ -215,11 +219,10 @@ class _SegmentExpertFFN(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def segment_expert_ffn(rows: Tensor, counts: Sequence[int], w1: Tensor, b1: Tensor | None, w2: Tensor,
-                       b2: Tensor | None, w3: Tensor | None, b3: Tensor | None, unit: Unit) -> Tensor:
+def segment_expert_ffn(rows: Tensor, counts: Sequence[int], weights: ExpertWeights) -> Tensor:
     """The expert FFN as one autograd node: rows ``[N, M]`` sorted by expert, ``counts[e]`` rows each
     (``sum(counts) == N``); weights as in :func:`segment_ffn_forward` (views are fine: the gradients come back
     contiguous) -> ``[N, M]``. Differentiable once (no double backward)."""
     if sum(counts) != rows.shape[0]:
         raise ValueError(f"counts must sum to the number of rows {rows.shape[0]}, got {sum(counts)}")
-    return _SegmentExpertFFN.apply(rows.contiguous(), w1, b1, w2, b2, w3, b3, contiguous_segments(counts), unit)
+    return _SegmentExpertFFN.apply(rows.contiguous(), *weights.tensors(), contiguous_segments(counts), weights)

@@ -19,51 +19,41 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmoe.experts import (
-    FeedForwardExperts,
-    active_experts_ffn,
-    gated_unit,
-    grouped_expert_ffn,
-    grouped_mm_supported,
-    looped_expert_ffn,
-    needs_grad,
-)
+from flexmoe.expert_weights import gated_unit
+from flexmoe.experts import FeedForwardExperts
 from flexmoe.layer import MoELayer
 from flexmoe.routing.plan import make_plan
 from flexmoe.routing.routers import route
+from flexmoe.row_kernels import active_experts_ffn, grouped_expert_ffn, grouped_mm_supported, looped_expert_ffn
 
 __all__ = ["expert_floor", "grouped_floor", "grouped_floor_kind", "padded_bmm_floor", "gshard_einsum_forward"]
 
 
 def expert_floor(experts: FeedForwardExperts, rows: Tensor, counts: list[int]) -> Tensor:
     """rows: ``[N, M]`` sorted by expert, counts: rows per expert -> ``[N, M]``: each expert's FFN on its rows
-    by one ``addmm`` pair per expert through autograd (:func:`flexmoe.experts.looped_expert_ffn` on the experts'
+    by one ``addmm`` pair per expert through autograd (:func:`flexmoe.row_kernels.looped_expert_ffn` on the experts'
     weights, with no routing around it), whichever path the layer itself takes (in training it may be the
-    hand-written backward, :func:`flexmoe.experts.segmented_expert_ffn`).
+    hand-written backward, :func:`flexmoe.row_kernels.segmented_expert_ffn`).
 
     Without autograd the floor stays that loop, each expert's unit on its own rows, where the layer's experts
-    may apply the unit once over all rows (:func:`flexmoe.experts.joined_unit_ffn`):
-    :func:`flexmoe.experts.active_experts_ffn`."""
-    e = experts
-    if needs_grad(rows, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3):
-        return looped_expert_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation,
-                                 glu_limit=e.glu_limit)
-    return active_experts_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation, e.glu_limit)
+    may apply the unit once over all rows (:func:`flexmoe.row_kernels.joined_unit_ffn`):
+    :func:`flexmoe.row_kernels.active_experts_ffn`."""
+    weights = experts.weights()
+    if weights.needs_grad(rows):
+        return looped_expert_ffn(rows, counts, weights)
+    return active_experts_ffn(rows, counts, weights)
 
 
 def grouped_floor_kind(experts: FeedForwardExperts, rows: Tensor) -> str:
     """Which grouped GEMM :func:`grouped_floor` runs: ``"torch._grouped_mm"`` or ``"padded bmm"``."""
-    e = experts
-    return "torch._grouped_mm" if grouped_mm_supported(rows, e.w1, e.w2, e.w3) else "padded bmm"
+    return "torch._grouped_mm" if grouped_mm_supported(rows, experts.weights()) else "padded bmm"
 
 
 def grouped_floor(experts: FeedForwardExperts, rows: Tensor, counts: list[int]) -> Tensor:
     """The same numbers as :func:`expert_floor` (up to float rounding) by a grouped GEMM: ``torch._grouped_mm``
-    where it runs (:func:`flexmoe.experts.grouped_expert_ffn`), else :func:`padded_bmm_floor`."""
-    e = experts
+    where it runs (:func:`flexmoe.row_kernels.grouped_expert_ffn`), else :func:`padded_bmm_floor`."""
     if grouped_floor_kind(experts, rows) == "torch._grouped_mm":
-        return grouped_expert_ffn(rows, counts, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3, e.activation,
-                                  glu_limit=e.glu_limit)
+        return grouped_expert_ffn(rows, counts, experts.weights())
     return padded_bmm_floor(experts, rows, counts)
 
 

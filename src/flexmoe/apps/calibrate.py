@@ -411,6 +411,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", default="2,4", help="rank counts for the gloo measurements (default: 2,4)")
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (tests)")
     parser.add_argument("--json", action="store_true", help="print the profile as JSON instead of a summary")
+    parser.add_argument("--kernels", action="store_true",
+                        help="instead of the profile: time the expert kernels at the benchmark suite's shapes and "
+                             "write the choices to the kernel cache (what MoELayer's expert_kernel='auto' reads)")
+    parser.add_argument("--kernel-cache", default="~/.cache/flexmoe",
+                        help="--kernels: the cache directory (default: ~/.cache/flexmoe, the layer's default)")
+
+
+# The benchmark suite's expert shapes, M=512: (tokens, experts, hidden, k, training).
+KERNEL_SHAPES = ((4096, 8, 1024, 2, True), (4096, 64, 256, 8, True), (4096, 128, 128, 8, True),
+                 (4096, 256, 64, 8, True), (8192, 64, 256, 8, True), (1, 64, 256, 8, False),
+                 (8, 64, 256, 8, False), (64, 64, 256, 8, False))
+
+
+def calibrate_kernels(cache_dir: str, shapes: tuple[tuple[int, int, int, int, bool], ...] = KERNEL_SHAPES,
+                      model_dim: int = 512) -> dict[str, str]:
+    """Time every expert kernel that runs each shape (rows spread evenly over the experts, float32 on the CPU)
+    and write the fastest per bucket to ``cache_dir``'s kernel cache; returns ``{bucket: kernel}``."""
+    import torch
+
+    from flexmoe.experts import FeedForwardExperts
+    from flexmoe.kernel_chooser import KernelChooser, default_cache_path
+
+    chooser = KernelChooser(cache_path=default_cache_path(cache_dir))
+    calls = []
+    for tokens, experts, hidden, k, training in shapes:
+        weights = FeedForwardExperts(experts, model_dim, hidden).requires_grad_(training).weights()
+        rows = tokens * k
+        counts = [rows // experts + (1 if e < rows % experts else 0) for e in range(experts)]
+        calls.append((torch.randn(rows, model_dim), counts, weights))
+    with torch.set_grad_enabled(True):
+        return chooser.calibrate(calls)
 
 
 def summarize(profile: Profile) -> str:
@@ -434,6 +465,14 @@ def summarize(profile: Profile) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kernels:
+        check_writable_dir(Path(args.kernel_cache).expanduser(), "--kernel-cache")
+        from flexmoe.kernel_chooser import default_cache_path
+
+        for bucket, kernel in calibrate_kernels(args.kernel_cache).items():
+            print(f"{bucket}: {kernel}")
+        print(f"wrote {default_cache_path(args.kernel_cache)}")
+        return 0
     try:
         worlds = tuple(int(x) for x in str(args.ranks).split(",") if x.strip())
     except ValueError:

@@ -18,18 +18,13 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.dispatch import combine, dispatch, sum_choices_by_token
-from flexmoe.experts import (
-    gated_unit,
-    grouped_expert_ffn,
-    joined_outputs,
-    looped_expert_ffn,
-    needs_grad,
-    resolve_activation,
-    use_grouped_mm,
-)
+from flexmoe.expert_weights import ExpertWeights, gated_unit, needs_grad
+from flexmoe.experts import expert_ffn, resolve_activation
 from flexmoe.hf.families import StoredExperts, expert_unit, stored_experts
+from flexmoe.kernel_chooser import KernelChooser
 from flexmoe.routing.capacity import HOST_ORDER_MAX_PAIRS, order_pairs_on_host
 from flexmoe.routing.plan import plan_from_choices
+from flexmoe.row_kernels import joined_outputs
 
 __all__ = ["flexmoe_experts_forward", "stored_experts_ffn", "register", "IMPLEMENTATION_NAME"]
 
@@ -54,18 +49,20 @@ def flexmoe_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index:
             and not needs_grad(hidden_states, top_k_weights, stored.up, stored.up_bias, stored.down,
                                stored.down_bias)):
         return _few_pairs_forward(hidden_states, top_k_index, top_k_weights, stored, resolve_activation(activation),
-                                  glu_limit)
+                                  glu_limit, kernels_of(self))
     active = top_k_index < num_experts if expert_parallel else None
     plan = plan_from_choices(top_k_index, top_k_weights, num_experts, active=active)
     rows = dispatch(hidden_states, plan)  # [N, M] sorted by expert
     # Matmuls of mixed dtypes fail: compute in the parameters' dtype, as HF's own implementations do.
     rows = rows.to(stored.up.dtype)
-    out = stored_experts_ffn(rows, plan.counts, stored, resolve_activation(activation), glu_limit)
+    out = stored_experts_ffn(rows, plan.counts, stored, resolve_activation(activation), glu_limit,
+                             kernels_of(self))
     return combine(out, plan).to(hidden_states.dtype)
 
 
 def _few_pairs_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, stored: StoredExperts,
-                       activation: Callable[[Tensor], Tensor], glu_limit: float | None) -> Tensor:
+                       activation: Callable[[Tensor], Tensor], glu_limit: float | None,
+                       kernels: KernelChooser) -> Tensor:
     """:func:`flexmoe_experts_forward` for a decoding call (no autograd, one process, at most
     ``HOST_ORDER_MAX_PAIRS`` pairs): the rows are ordered on the host and combined by one gather and one batched
     matmul, as :class:`~flexmoe.MoELayer` decodes (docs/architecture.md, "Decoding"); no plan is built.
@@ -74,12 +71,23 @@ def _few_pairs_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights
     order = order_pairs_on_host(top_k_index.tolist(), stored.up.shape[0])
     row_token, pair_row, _ = order.index_tensors(hidden_states.device)
     rows = hidden_states.index_select(0, row_token).to(stored.up.dtype)  # [N, M] sorted by expert
-    out = stored_experts_ffn(rows, order.counts, stored, activation, glu_limit)
+    out = stored_experts_ffn(rows, order.counts, stored, activation, glu_limit, kernels)
     return sum_choices_by_token(out, pair_row, top_k_weights.to(out.dtype), num_tokens).to(hidden_states.dtype)
 
 
+def kernels_of(module: nn.Module) -> KernelChooser:
+    """The kernel chooser of an HF experts module (made on its first call, kept on the module): each module's
+    calls are timed and cached like a :class:`~flexmoe.MoELayer`'s experts."""
+    kernels = getattr(module, "_flexmoe_kernels", None)
+    if not isinstance(kernels, KernelChooser):
+        kernels = KernelChooser.for_options("auto", None)
+        module.__dict__["_flexmoe_kernels"] = kernels  # a plain attribute: not a submodule, not in the state
+    return kernels
+
+
 def stored_experts_ffn(rows: Tensor, counts: list[int], stored: StoredExperts,
-                       activation: Callable[[Tensor], Tensor], glu_limit: float | None = None) -> Tensor:
+                       activation: Callable[[Tensor], Tensor], glu_limit: float | None = None,
+                       kernels: KernelChooser | None = None) -> Tensor:
     """:func:`flexmoe.experts.expert_ffn` on an HF experts module's tensors as HF stores them: ``rows [N, M]``
     sorted by expert, ``counts [E]`` -> ``[N, M]``.
 
@@ -88,8 +96,8 @@ def stored_experts_ffn(rows: Tensor, counts: list[int], stored: StoredExperts,
     each expert's weight gradient comes back in the parameter's own layout: unbinding flexmoe's
     ``[E, M, H]`` views of them (:func:`expert_weights`) costs, per step, a stack of transposed pieces, a
     zero-filled ``[E, M, 2H]`` per half and a layout-changing copy when the gradient is accumulated.
-    Without autograd :func:`use_grouped_mm` picks the grouped GEMM or the loop over the active experts, as
-    ``expert_ffn`` does, on the ``[E, in, out]`` views (free without gradients).
+    Without autograd ``kernels`` (None: the loop over the active experts) picks the kernel, as for the layer's
+    experts, on the ``[E, in, out]`` views (free without gradients).
     """
     unit: Callable[[Tensor], Tensor] = activation
     if stored.gated:
@@ -97,9 +105,8 @@ def stored_experts_ffn(rows: Tensor, counts: list[int], stored: StoredExperts,
     up, down = stored.in_out(stored.up), stored.in_out(stored.down)  # [E, M, out], [E, H, M]
     if not needs_grad(rows, stored.up, stored.up_bias, stored.down, stored.down_bias):
         # The rule's hidden size is H (a narrow view: the same strides as the fused matrix it stands for).
-        hidden = up.narrow(-1, 0, stored.hidden_dim)
-        ffn = grouped_expert_ffn if use_grouped_mm(rows, counts, hidden, down, None) else looped_expert_ffn
-        return ffn(rows, counts, up, stored.up_bias, down, stored.down_bias, None, None, unit)
+        weights = ExpertWeights(up, stored.up_bias, down, stored.down_bias, None, None, unit)
+        return expert_ffn(rows, counts, weights, kernels)
     num_experts = len(counts)
 
     def each(t: Tensor | None) -> list[Tensor | None]:
@@ -117,7 +124,7 @@ def stored_experts_ffn(rows: Tensor, counts: list[int], stored: StoredExperts,
                                              each(stored.down_bias)):
         if x.shape[0]:
             outputs.append(linear(unit(linear(x, w_up, b_up)), w_down, b_down))
-    return joined_outputs(outputs, rows, down)
+    return joined_outputs(outputs, rows, rows.shape[-1])
 
 
 def _gated(projected: Tensor, *, stored: StoredExperts, activation: Callable[[Tensor], Tensor],

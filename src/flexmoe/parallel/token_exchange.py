@@ -27,8 +27,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flexmoe.dispatch import sum_rows_by_token
+from flexmoe.expert_kernels import route_bucket
 from flexmoe.experts import FeedForwardExperts, differentiated_weights, expert_ffn
-from flexmoe.fused_experts import HiddenUnit, fused_experts, fused_size_rule, fused_supported, fused_work_rule
+from flexmoe.fused_experts import fused_experts, fused_supported
+from flexmoe.kernel_chooser import timed_run
 from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, exchange, transpose
 from flexmoe.parallel.groups import ExpertGroup
 
@@ -141,20 +143,28 @@ def exchange_tokens(tokens: Tensor, row_token: Tensor, row_weight: Tensor, count
     return tokens.new_zeros(tokens.shape).index_add(0, local.send_token, back.to(tokens.dtype))
 
 
-def receiver_fuses(received: Tensor, counts: list[int], experts: FeedForwardExperts) -> bool:
+def receiver_fuses(received: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
+                   experts: FeedForwardExperts) -> bool:
     """Whether the receiving rank runs its experts fused (:func:`~flexmoe.fused_experts.fused_experts`) on
-    ``received`` ``[u, M]`` with ``counts[e]`` pairs per local expert: where fused is supported (float32 training
-    on the CPU), for small experts or a large block of rows.
+    ``received`` ``[u, M]`` with ``counts[e]`` pairs per local expert: where fused runs (training), and the experts'
+    kernel chooser holds it faster for this bucket (:meth:`~flexmoe.kernel_chooser.KernelChooser.choose_route`:
+    a table every rank took from rank 0, or ``flexmoe calibrate``; without an entry, the plain experts).
 
     Side by side at E=64 k=8 H=256 over 2 ranks, 512 tokens each (128 rows x 256 per local expert), the step took
-    0.77 of the row exchange's time fused and 0.87 with the plain experts. Over 4 ranks of 4096 tokens each (2048
-    rows x 256 per local expert, a 64 MiB block that the plain experts map afresh and page-fault on every call:
-    8x the floor's page faults, 5x its system time), 1.19 x the floor fused against 1.52 plain."""
-    e = experts
-    if not counts or not fused_supported(received, e.w1, e.b1, e.w2, e.b2, e.w3, e.b3):
+    0.77 of the row exchange's time fused and 0.87 with the plain experts; over 4 ranks of 4096 tokens each, 1.19 x
+    the floor fused against 1.52 plain."""
+    weights = experts.weights()
+    if not counts or not fused_supported(received, weights):
         return False
-    num_rows = sum(counts)
-    return fused_size_rule(num_rows, received.shape[-1]) or fused_work_rule(num_rows, e.w1.shape[-1], len(counts))
+    bucket = "receiver/" + route_bucket(received, sum(counts), weights)
+    token, weight = row_token, row_weight.detach()
+    if experts.kernels.known(bucket) is None:  # the plain experts' kernel first, so that its timing is not timed
+        experts.kernels.prepare(received.index_select(0, token), counts, weights)
+    routes = {"fused": timed_run(lambda x: fused_experts(x, token, weight, counts, weights), received, weights,
+                                 backward=False),
+              "rows": timed_run(lambda x: _plain_experts(x, token, weight, counts, experts), received, weights,
+                                backward=False)}
+    return experts.kernels.choose_route(bucket, routes, rule="rows") == "fused"
 
 
 def _weighted_experts(received: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
@@ -163,9 +173,13 @@ def _weighted_experts(received: Tensor, row_token: Tensor, row_weight: Tensor, c
     each -> ``[u, M]``: each received token's weighted sum over its experts here, fused where
     :func:`receiver_fuses` (no ``[n, M]`` rows are written, and the weight gradients go straight into one
     buffer), else the plain experts and a scatter-add."""
-    e = experts
-    weights = (e.w1, e.b1, e.w2, e.b2, e.w3, e.b3)
-    if receiver_fuses(received, counts, experts):
-        return fused_experts(received, row_token, row_weight, counts, *weights, HiddenUnit(e.activation, e.glu_limit))
-    rows = expert_ffn(received.index_select(0, row_token), counts, *weights, e.activation, e.glu_limit)
+    if receiver_fuses(received, row_token, row_weight, counts, experts):
+        return fused_experts(received, row_token, row_weight, counts, experts.weights())
+    return _plain_experts(received, row_token, row_weight, counts, experts)
+
+
+def _plain_experts(received: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
+                   experts: FeedForwardExperts) -> Tensor:
+    """:func:`_weighted_experts` by the experts over gathered rows ``[n, M]`` and a scatter-add."""
+    rows = expert_ffn(received.index_select(0, row_token), counts, experts.weights(), experts.kernels)
     return sum_rows_by_token(rows, row_token, row_weight.to(rows.dtype), received.shape[0])

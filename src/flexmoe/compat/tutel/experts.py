@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flexmoe.compat.tutel.net import zero_gather
+from flexmoe.expert_weights import ExpertWeights
 from flexmoe.experts import expert_ffn
 
 __all__ = ["FusedExpertsNetwork", "PaddedExperts", "GatheredExperts"]
@@ -91,8 +92,9 @@ class FusedExpertsNetwork(nn.Module):
         if len(counts) != self.local_experts:
             raise ValueError(f"counts must have {self.local_experts} entries (one per local expert), "
                              f"got {len(counts)}")
-        return expert_ffn(rows, counts, self.batched_fc1_w.transpose(1, 2), self.batched_fc1_bias,
-                          self.batched_fc2_w, self.batched_fc2_bias, None, None, self.activation)
+        return expert_ffn(rows, counts, ExpertWeights(self.batched_fc1_w.transpose(1, 2), self.batched_fc1_bias,
+                                                      self.batched_fc2_w, self.batched_fc2_bias, None, None,
+                                                      self.activation))
 
     def extra_repr(self) -> str:
         return (f"model_dim={self.model_dim}, hidden_size={self.hidden_size}, "
@@ -159,4 +161,5 @@ class GatheredExperts(nn.Module):
         if s.batched_fc2_bias is not None:
             slices = zero_gather(s.batched_fc2_bias, group=self.group)  # [W, ceil(M / shards)]
             fc2_b = slices.reshape(E, -1)[:, :model_dim]
-        return expert_ffn(rows, counts, fc1_w.transpose(1, 2), fc1_b, fc2_w, fc2_b, None, None, s.activation)
+        return expert_ffn(rows, counts, ExpertWeights(fc1_w.transpose(1, 2), fc1_b, fc2_w, fc2_b, None, None,
+                                                      s.activation))

@@ -1,0 +1,346 @@
+"""Every expert kernel through the one interface (flexmoe.expert_kernels) against a float64 loop written here,
+values and every gradient; and the KernelChooser: timing, the cache file, a forced kernel, ranks agreeing, a
+failing kernel replaced by the loop."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexmoe import MoELayer
+from flexmoe.expert_kernels import KERNELS, KernelCase, kernel_named, supported_kernels
+from flexmoe.expert_weights import ExpertWeights
+from flexmoe.kernel_chooser import KernelChooser, _versions
+
+E, M, H = 4, 8, 16
+COUNTS = {"mixed, empty experts": [3, 0, 5, 2], "one expert": [0, 0, 7, 0], "no rows": [0, 0, 0, 0]}
+UNITS = {"gelu, biases": (False, True, None), "no biases": (False, False, None), "glu": (True, True, None),
+         "glu clamped": (True, False, 0.5)}
+GRAD_KERNELS = ("loop", "segmented", "grouped_mm")
+NO_GRAD_KERNELS = ("loop", "joined_unit", "embedding_bag", "grouped_mm")
+
+
+def _params(glu: bool, bias: bool, seed: int = 0) -> dict[str, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * 0.4
+
+    return {"w1": r(E, M, H), "b1": r(E, H) if bias else None, "w2": r(E, H, M), "b2": r(E, M) if bias else None,
+            "w3": r(E, M, H) if glu else None, "b3": r(E, H) if glu and bias else None}
+
+
+def _dense_loop(rows: torch.Tensor, counts: list[int], p: dict, glu: bool, limit: float | None) -> torch.Tensor:
+    """Each row through its expert, one at a time: silu-GLU (GPT-OSS's clamp with a limit) or gelu."""
+    expert_of_row = [e for e, n in enumerate(counts) for _ in range(n)]
+    out = []
+    for x, e in zip(rows, expert_of_row):
+        pre1 = x @ p["w1"][e] + (p["b1"][e] if p["b1"] is not None else 0)
+        if glu:
+            pre3 = x @ p["w3"][e] + (p["b3"][e] if p["b3"] is not None else 0)
+            if limit is None:
+                h = F.silu(pre1) * pre3
+            else:
+                h = F.silu(pre1.clamp(max=limit)) * (pre3.clamp(-limit, limit) + 1)
+        else:
+            h = F.gelu(pre1)
+        out.append(h @ p["w2"][e] + (p["b2"][e] if p["b2"] is not None else 0))
+    return torch.stack(out) if out else rows.new_zeros(0, M)
+
+
+def _weights(p: dict, dtype: torch.dtype, glu: bool, limit: float | None, grad: bool) -> ExpertWeights:
+    t = {n: (v.detach().to(dtype).requires_grad_(grad) if v is not None else None) for n, v in p.items()}
+    return ExpertWeights(t["w1"], t["b1"], t["w2"], t["b2"], t["w3"], t["b3"], F.silu if glu else F.gelu, limit)
+
+
+TOL = {torch.float64: (1e-10, 1e-12), torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2)}
+
+
+# bf16 with the clamp is left out: a pre-activation rounded to bf16 lands on the other side of the limit than its
+# float64 value now and then, and the clamp passes no gradient there (an O(1) difference, not a rounding error).
+DTYPE_UNITS = [(dtype, unit) for dtype in (torch.float64, torch.float32, torch.bfloat16) for unit in UNITS
+               if not (dtype == torch.bfloat16 and UNITS[unit][2] is not None)]
+
+
+@pytest.mark.parametrize("dtype,unit", DTYPE_UNITS, ids=str)
+@pytest.mark.parametrize("counts_name", list(COUNTS))
+@pytest.mark.parametrize("name", GRAD_KERNELS)
+def test_kernel_with_autograd_matches_the_dense_loop(name: str, counts_name: str, unit: str,
+                                                      dtype: torch.dtype) -> None:
+    """Values and the gradients of the rows and of w1, b1, w2, b2, w3, b3."""
+    glu, bias, limit = UNITS[unit]
+    counts = COUNTS[counts_name]
+    p = _params(glu, bias)
+    gen = torch.Generator().manual_seed(1)
+    rows64 = torch.randn(sum(counts), M, generator=gen, dtype=torch.float64)
+    grad_out = torch.randn(sum(counts), M, generator=gen, dtype=torch.float64)
+    weights = _weights(p, dtype, glu, limit, grad=True)
+    rows = rows64.to(dtype).requires_grad_()
+    kernel = kernel_named(name)
+    reason = kernel.supports(KernelCase.of(rows, counts, weights))
+    if name == "grouped_mm" and dtype == torch.float64:
+        assert reason is not None and "float64" in reason  # torch's grouped GEMM has no float64 kernel
+        return
+    assert reason is None, reason
+
+    got = kernel.run(rows, counts, weights)
+    # The reference on the same (rounded) inputs, in float64.
+    ref_p = {n: (v.detach().to(dtype).double().requires_grad_() if v is not None else None) for n, v in p.items()}
+    ref_rows = rows.detach().double().requires_grad_()
+    want = _dense_loop(ref_rows, counts, ref_p, glu, limit)
+    rtol, atol = TOL[dtype]
+    scale = max(1.0, float(want.detach().abs().max())) if want.numel() else 1.0
+    assert got.shape == (sum(counts), M) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want.detach(), rtol=rtol, atol=atol * scale)
+    if not sum(counts):
+        return
+    names = [n for n, v in ref_p.items() if v is not None]
+    want_grads = torch.autograd.grad(want, [ref_rows] + [ref_p[n] for n in names], grad_out)
+    got_grads = torch.autograd.grad(got, [rows] + [getattr(weights, n) for n in names], grad_out.to(dtype),
+                                    allow_unused=True)
+    for n, g, w in zip(["rows"] + names, got_grads, want_grads):
+        g = torch.zeros_like(w) if g is None else g.double()
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol * max(1.0, float(w.abs().max())),
+                                   msg=lambda m, n=n: f"{name}: gradient of {n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("unit", list(UNITS))
+@pytest.mark.parametrize("counts_name", list(COUNTS))
+@pytest.mark.parametrize("name", NO_GRAD_KERNELS)
+def test_kernel_without_autograd_matches_the_dense_loop(name: str, counts_name: str, unit: str,
+                                                         dtype: torch.dtype) -> None:
+    glu, bias, limit = UNITS[unit]
+    counts = COUNTS[counts_name]
+    p = _params(glu, bias, seed=2)
+    rows64 = torch.randn(sum(counts), M, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    weights = _weights(p, dtype, glu, limit, grad=False)
+    rows = rows64.to(dtype)
+    kernel = kernel_named(name)
+    with torch.no_grad():
+        reason = kernel.supports(KernelCase.of(rows, counts, weights))
+        if name == "grouped_mm" and dtype == torch.float64:
+            assert reason is not None
+            return
+        if name == "embedding_bag" and not sum(counts):
+            assert reason == "no rows"
+            return
+        assert reason is None, reason
+        got = kernel.run(rows, counts, weights)
+    want = _dense_loop(rows.double(), counts, {n: (v.to(dtype).double() if v is not None else None)
+                                               for n, v in p.items()}, glu, limit)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol)
+
+
+def test_kernels_say_why_they_do_not_run_a_case() -> None:
+    p = _params(glu=False, bias=True)
+    rows = torch.randn(5, M, requires_grad=True)
+    weights = _weights(p, torch.float32, False, None, grad=True)
+    training = KernelCase.of(rows, [2, 3, 0, 0], weights)
+    assert "autograd" in KERNELS["embedding_bag"].supports(training)
+    assert "autograd" in KERNELS["joined_unit"].supports(training)
+    with torch.no_grad():
+        inference = KernelCase.of(rows, [2, 3, 0, 0], weights)
+    assert "no autograd" in KERNELS["segmented"].supports(inference)
+    mixed = KernelCase.of(rows.double(), [2, 3, 0, 0], weights)
+    assert "dtype" in KERNELS["segmented"].supports(mixed)
+    assert [k.name for k in supported_kernels(mixed)] == ["loop"]
+    with pytest.raises(ValueError, match="expert_kernel must be 'auto' or one of"):
+        kernel_named("fastest")
+
+
+def test_grouped_mm_is_not_refused_by_device_type() -> None:
+    """Off the CPU the grouped GEMM runs in bf16 (what torch's CUDA kernel takes): a case on a device named
+    'cuda' is judged by its dtype and strides, never refused for being CUDA."""
+    case = KernelCase(device_type="cuda", dtype=torch.bfloat16, needs_grad=True, compiling=False, autocast=False,
+                      rows=64, experts=8, active=8, model_dim=64, hidden=128, glu=False, uniform=True,
+                      grouped_layout=True, bag_layout=True)
+    assert KERNELS["grouped_mm"].supports(case) is None
+    assert KERNELS["segmented"].supports(case) is None and KERNELS["loop"].supports(case) is None
+
+
+# ---- the chooser ------------------------------------------------------------------------------------------
+
+
+class FakeTimer:
+    """Seconds per kernel name, and every call counted."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds, self.calls = seconds, []
+
+    def __call__(self, name: str, run: object) -> float:
+        self.calls.append(name)
+        return self.seconds.get(name, 10.0)
+
+
+def _call(grad: bool = True) -> tuple[torch.Tensor, list[int], ExpertWeights, dict]:
+    p = _params(glu=True, bias=True, seed=4)
+    rows = torch.randn(10, M, generator=torch.Generator().manual_seed(5))
+    return rows, [3, 0, 5, 2], _weights(p, torch.float32, True, None, grad=grad), p
+
+
+def _assert_matches_reference(got: torch.Tensor, rows: torch.Tensor, counts: list[int], p: dict) -> None:
+    want = _dense_loop(rows.double(), counts, {n: (v.float().double() if v is not None else None)
+                                               for n, v in p.items()}, True, None)
+    torch.testing.assert_close(got.detach().double(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_the_fastest_is_chosen_and_a_cached_choice_is_reused_without_timing(tmp_path: Path) -> None:
+    rows, counts, weights, p = _call()
+    path = tmp_path / "kernels.json"
+    timer = FakeTimer({"loop": 3.0, "segmented": 1.0, "grouped_mm": 2.0})
+    chooser = KernelChooser(cache_path=path, timer=timer)
+    _assert_matches_reference(chooser.run(rows, counts, weights), rows, counts, p)
+    bucket = KernelCase.of(rows, counts, weights).bucket()
+    assert chooser.decisions[bucket] == "segmented"
+    assert sorted(timer.calls) == ["grouped_mm", "loop", "segmented"]
+    chooser.run(rows[:9], [3, 0, 4, 2], weights)  # the same bucket (9 rows: N16): no timing
+    assert len(timer.calls) == 3
+    saved = json.loads(path.read_text())
+    assert saved["versions"] == _versions() and saved["choices"][bucket] == "segmented"
+
+    later = FakeTimer({"loop": 1.0})  # a later process, with other times: the cache decides, untimed
+    again = KernelChooser(cache_path=path, timer=later)
+    assert again.kernel_for(KernelCase.of(rows, counts, weights), rows, counts, weights).name == "segmented"
+    _assert_matches_reference(again.run(rows, counts, weights), rows, counts, p)
+    assert later.calls == []
+
+
+def test_a_cache_of_another_version_is_ignored_and_rewritten(tmp_path: Path) -> None:
+    rows, counts, weights, _ = _call()
+    bucket = KernelCase.of(rows, counts, weights).bucket()
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps({"versions": {"torch": "1.0", "flexmoe": "0.0.1"}, "choices": {bucket: "segmented"},
+                                "seconds": {}}))
+    timer = FakeTimer({"loop": 1.0, "segmented": 2.0, "grouped_mm": 3.0})
+    chooser = KernelChooser(cache_path=path, timer=timer)
+    assert chooser.kernel_for(KernelCase.of(rows, counts, weights), rows, counts, weights).name == "loop"
+    assert len(timer.calls) == 3
+    assert json.loads(path.read_text())["versions"] == _versions()
+
+
+def test_without_a_timer_the_rule_runs_the_loop() -> None:
+    rows, counts, weights, p = _call()
+    chooser = KernelChooser(timer=None)
+    assert chooser.kernel_for(KernelCase.of(rows, counts, weights), rows, counts, weights).name == "loop"
+    _assert_matches_reference(chooser.run(rows, counts, weights), rows, counts, p)
+
+
+class Spy:
+    """A kernel that records its calls and runs another."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel, self.name, self.calls = kernel, kernel.name, 0  # type: ignore[attr-defined]
+
+    def supports(self, case: KernelCase) -> str | None:
+        return self.kernel.supports(case)  # type: ignore[attr-defined]
+
+    def run(self, rows: torch.Tensor, counts: list[int], weights: ExpertWeights) -> torch.Tensor:
+        self.calls += 1
+        return self.kernel.run(rows, counts, weights)  # type: ignore[attr-defined]
+
+
+def test_a_forced_kernel_runs_through_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = Spy(KERNELS["joined_unit"])
+    monkeypatch.setitem(KERNELS, "joined_unit", spy)
+    torch.manual_seed(0)
+    forced = MoELayer(M, E, H, k=2, expert_kernel="joined_unit").eval()
+    plain = MoELayer(M, E, H, k=2).eval()
+    plain.load_state_dict(forced.state_dict())
+    x = torch.randn(6, M)
+    with torch.no_grad():
+        got, want = forced(x), plain(x)
+    assert spy.calls == 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="expert_kernel must be 'auto' or one of"):
+        MoELayer(M, E, H, expert_kernel="fastest")
+    with pytest.raises(TypeError, match="expert_kernel must be a str"):
+        MoELayer(M, E, H, expert_kernel=3)
+
+
+def test_a_forced_kernel_that_cannot_run_a_case_warns_and_runs_the_loop() -> None:
+    rows, counts, weights, p = _call(grad=True)
+    chooser = KernelChooser("embedding_bag")
+    with pytest.warns(RuntimeWarning, match=r"expert_kernel='embedding_bag' does not run .*\(autograd"):
+        got = chooser.run(rows, counts, weights)
+    _assert_matches_reference(got, rows, counts, p)
+
+
+class Broken:
+    name = "segmented"
+
+    def supports(self, case: KernelCase) -> str | None:
+        return None
+
+    def run(self, rows: torch.Tensor, counts: list[int], weights: ExpertWeights) -> torch.Tensor:
+        raise RuntimeError("this kernel is broken")
+
+
+def test_a_kernel_that_fails_at_run_time_falls_back_to_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(KERNELS, "segmented", Broken())
+    rows, counts, weights, p = _call()
+    chooser = KernelChooser(timer=FakeTimer({"segmented": 0.1, "loop": 1.0}))
+    chooser.decisions[KernelCase.of(rows, counts, weights).bucket()] = "segmented"
+    with pytest.warns(RuntimeWarning, match=r"'segmented' failed .*this kernel is broken\); the loop runs"):
+        got = chooser.run(rows, counts, weights)
+    _assert_matches_reference(got, rows, counts, p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once replaced, the bucket runs the loop without another warning
+        _assert_matches_reference(chooser.run(rows, counts, weights), rows, counts, p)
+
+
+def test_a_layer_times_its_first_call_and_a_new_layer_reads_the_cache(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = FakeTimer({"loop": 2.0, "segmented": 1.0, "grouped_mm": 3.0, "rows": 1.0, "fused": 2.0})
+    monkeypatch.setattr(KernelChooser, "default_timer", timer)
+    torch.manual_seed(0)
+    layer = MoELayer(M, E, H, k=2, kernel_cache=str(tmp_path))
+    layer(torch.randn(8, M)).sum().backward()
+    assert set(layer.experts.kernels.decisions.values()) == {"segmented", "rows"}
+    assert len(list(tmp_path.glob("kernels-*.json"))) == 1
+    calls = len(timer.calls)
+    fresh = MoELayer(M, E, H, k=2, kernel_cache=str(tmp_path))
+    fresh.load_state_dict(layer.state_dict())
+    fresh(torch.randn(8, M)).sum().backward()
+    assert len(timer.calls) == calls  # the new layer took the file's choice
+    assert set(fresh.experts.kernels.decisions.values()) == {"segmented", "rows"}
+
+
+def test_timing_a_training_call_leaves_the_parameters_gradients_alone() -> None:
+    rows, counts, weights, _ = _call()
+    KernelChooser(timer=lambda name, run: (run(), 1.0)[1]).run(rows, counts, weights)
+    assert all(t.grad is None for t in weights.present())
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_the_choice_though_their_timers_disagree() -> None:
+    from flexmoe.launch import spawn_ranks
+    from kernel_chooser_worker import rank_main
+
+    ranks = spawn_ranks(2, rank_main, [], timeout=180, check=True, what="kernel choice over 2 gloo ranks")
+    values = [r.value for r in ranks]
+    assert not [f for v in values for f in v["failures"]], "\n".join(f for v in values for f in v["failures"])
+    assert values[0]["calibrated"] == values[1]["calibrated"]
+    assert set(values[0]["calibrated"].values()) == {"loop"}  # summed: loop 6 s, segmented 7 s
+    assert values[0]["shared"] == values[1]["shared"] == {"cpu/float32/train/E4/M8/H16/ffn/N16/A4": "segmented"}
+    assert not values[1]["shared_times_calls"] and not values[0]["layer_times_calls"]
+
+
+def test_calibrate_kernels_writes_the_cache_a_layer_then_reads(tmp_path: Path) -> None:
+    """``flexmoe calibrate --kernels``: each shape timed for real (tiny here), the choices written to the cache
+    file, where a chooser without a timer finds them."""
+    from flexmoe.apps.calibrate import calibrate_kernels
+    from flexmoe.kernel_chooser import default_cache_path
+
+    chosen = calibrate_kernels(str(tmp_path), shapes=((8, 4, 16, 2, True), (2, 4, 16, 2, False)), model_dim=8)
+    assert len(chosen) == 2 and set(chosen.values()) <= set(KERNELS)
+    assert json.loads(default_cache_path(tmp_path).read_text())["choices"] == chosen
+    reader = KernelChooser(cache_path=default_cache_path(tmp_path), timer=None)
+    for bucket, kernel in chosen.items():
+        assert reader._cached(bucket) == kernel
