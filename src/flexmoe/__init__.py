@@ -28,8 +28,7 @@ from flexmoe.routing import (
 from flexmoe.routing.global_balance import reset_global_balance
 from flexmoe.routing.replay import RoutingRecord
 from flexmoe.upcycle import upcycle
-
-__version__ = "0.1.0"
+from flexmoe.version import __version__ as __version__
 
 __all__ = [
     "MoELayer",

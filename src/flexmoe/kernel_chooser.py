@@ -44,6 +44,7 @@ from flexmoe.expert_kernels import (
     supported_kernels,
 )
 from flexmoe.expert_weights import ExpertWeights
+from flexmoe.version import __version__
 
 __all__ = ["KernelChooser", "Timer", "time_kernel", "time_in_rounds", "timed_call", "timed_run", "default_cache_path",
            "machine_fingerprint", "DEFAULT_CACHE_DIR"]
@@ -111,8 +112,6 @@ def default_cache_path(cache_dir: str | os.PathLike[str] = DEFAULT_CACHE_DIR) ->
 
 
 def _versions() -> dict[str, str]:
-    from flexmoe import __version__
-
     return {"torch": torch.__version__, "flexmoe": __version__}
 
 
