@@ -28,6 +28,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "(0: no limit); make test-gpu sets it so that a hung kernel cannot hang the run")
 
 
+# Children of the tests (subprocesses, spawned ranks) load tests/child_site/sitecustomize.py: the kernels by rule.
+_CHILD_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_site")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_CHILD_SITE, os.environ.get("PYTHONPATH")) if p)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "device: takes the `device` fixture; runs on the device named by --device")
     name = config.getoption("--device")

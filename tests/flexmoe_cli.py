@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -20,3 +21,9 @@ def check_usage_error(*argv: str, says: str) -> subprocess.CompletedProcess:
     out = run_flexmoe(*argv)
     assert out.returncode == 2 and says in out.stderr, out.stderr[-3000:]
     return out
+
+
+def child_pythonpath(first: object) -> str:
+    """PYTHONPATH for a child process: ``first`` (e.g. the repository's src), then what the tests set
+    (tests/conftest.py: the children's sitecustomize, which picks the experts' kernels by rule)."""
+    return os.pathsep.join(p for p in (str(first), os.environ.get("PYTHONPATH", "")) if p)

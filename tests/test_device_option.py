@@ -15,13 +15,14 @@ import torch
 from flexmoe.apps.bench.config import BenchConfig
 from flexmoe.apps.bench.layer import floor_ratio_check
 from flexmoe.apps.bench.suite import Measurement, SuiteCheck, SuiteSettings, format_suite_table, run_suite_checks
+from flexmoe_cli import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _without_gpus() -> dict[str, str]:
     """This environment with every CUDA device hidden from torch (CUDA's own variable), flexmoe importable."""
-    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT / "src")}
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": child_pythonpath(ROOT / "src")}
 
 
 def test_gpu_script_without_a_gpu_says_so_in_one_line_and_exits_0(tmp_path: Path) -> None:

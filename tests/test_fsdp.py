@@ -23,6 +23,7 @@ from torch import nn
 
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.parallel import default_blocks, local_state_bytes, make_mesh, materialize
+from flexmoe_cli import child_pythonpath
 from multiproc import Scenario, failures_of, run_scenario
 
 
@@ -195,7 +196,7 @@ TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32
 
 
 def _train(out: Path, *argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(__file__).resolve().parents[1] / "src")}
     return subprocess.run([sys.executable, "-m", "flexmoe", "train", "--out", str(out), *argv, *TINY],
                           capture_output=True, text=True, timeout=300, env=env)
 
@@ -258,7 +259,7 @@ def test_train_fsdp_killed_with_sigkill_resumes_bit_identical(tmp_path: Path) ->
     flags = ["--steps", str(steps), "--nproc", "2", "--ep", "2", "--fsdp"]
     ref = _train(tmp_path / "ref", *flags)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(__file__).resolve().parents[1] / "src")}
     victim = subprocess.Popen([sys.executable, "-m", "flexmoe", "train", "--out", str(tmp_path / "victim"), *flags,
                                *TINY], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)  # its own process group: the launcher and both ranks
@@ -291,7 +292,7 @@ def test_sharded_example_trains_at_4_ranks_resumes_at_2_and_exports(tmp_path: Pa
     from flexmoe.checkpoint import latest_checkpoint, load_checkpoint
 
     example = Path(__file__).resolve().parents[1] / "examples" / "fsdp" / "train_sharded.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(example.parents[2] / "src")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath(example.parents[2] / "src")}
     printed: dict[tuple[int, int], float] = {}
     for nproc, stage in ((4, "train"), (2, "resume")):
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -323,7 +324,7 @@ def test_sharded_example_trains_at_4_ranks_resumes_at_2_and_exports(tmp_path: Pa
 def test_hf_job_fsdp_equals_the_replicated_run(tmp_path: Path) -> None:
     """flexmoe train --hf-arch qwen3_moe --nproc 2 --ep 2 --fsdp logs the replicated run's losses, holds less, and
     exports (--export-hf) what the replicated run exports."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(__file__).resolve().parents[1] / "src")}
     hf = ["--hf-arch", "qwen3_moe", "--steps", "4", "--nproc", "2", "--batch-size", "4", "--block-size", "32",
           "--warmup", "2", "--lr", "1e-2", "--log-every", "1", "--eval-every", "4", "--eval-batches", "1",
           "--ckpt-every", "4", "--no-progress", "--no-plots"]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from flexmoe.launch import spawn_ranks
+from flexmoe_cli import child_pythonpath
 from hf_load_worker import RecordingReader, logits_of, save_checkpoint
 
 TOL = 1e-5
@@ -187,7 +188,7 @@ def test_larger_than_rank_example_loads_by_shard_trains_resumes_and_exports(tmp_
     import sys
 
     example = Path(__file__).resolve().parents[1] / "examples" / "hf" / "train_larger_than_rank.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(example.parents[2] / "src")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath(example.parents[2] / "src")}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     printed: dict[tuple[int, int], float] = {}
     for command in ([sys.executable, str(example), "save"], [*launch, "--nproc_per_node=4", str(example), "train"],
@@ -261,7 +262,7 @@ def test_train_hf_model_fsdp_loads_by_shard_and_equals_the_replicated_run(tmp_pa
     torch.manual_seed(3)
     transformers.AutoModelForCausalLM.from_config(tiny_hf_config("qwen3_moe", 256)).save_pretrained(
         directory, max_shard_size="40KB")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(__file__).resolve().parents[1] / "src")}
     job = ["--hf-model", str(directory), "--steps", "4", "--nproc", "2", "--batch-size", "4", "--block-size", "32",
            "--warmup", "2", "--lr", "1e-2", "--log-every", "1", "--eval-every", "4", "--eval-batches", "1",
            "--ckpt-every", "4", "--no-progress", "--no-plots"]

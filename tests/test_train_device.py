@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexmoe_cli import child_pythonpath
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--num-experts", "4",
         "--expert-hidden", "64", "--k", "2", "--batch-size", "8", "--steps", "4", "--log-every", "1",
@@ -28,7 +30,7 @@ def _train(out: Path, *argv: str) -> subprocess.CompletedProcess:
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath(SRC)}
 
 
 def _losses(out: Path) -> list[float]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from flexmoe.apps import cli
+from flexmoe_cli import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +36,7 @@ RUN_WITHOUT = (
 
 
 def _flexmoe_without(blocked: str, *argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return subprocess.run([sys.executable, "-c", RUN_WITHOUT, blocked, *argv], capture_output=True, text=True,
                           timeout=120, env=env, cwd=cwd)
