@@ -100,14 +100,17 @@ def test_capacity_mode_compiles_fullgraph_and_matches_the_reference(case: str, d
     ref, x64, params = reference_for_layer(moe, x, activation=activation, **ref_options)
     grad = torch.randn(20, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
 
-    compiled = torch.compile(moe, fullgraph=True, backend=_backend_for(device))
+    # Off the CPU the compiled call does not pad (flexmoe.expert_stage.padded_layout): it breaks the graph where
+    # the counts reach the host, and must still give the reference's numbers.
+    on_cpu = device.type == "cpu"
+    compiled = torch.compile(moe, fullgraph=on_cpu, backend=_backend_for(device))
     x = x.to(device, copy=True).requires_grad_()
     got = compiled(x)
     grads = _grads(moe, x, got, grad.to(device))
     ref.y.backward(grad)
 
     plan = moe.last_plan
-    assert plan is not None and plan.padded  # the compiled call took the padded layout
+    assert plan is not None and plan.padded == on_cpu  # on the CPU the compiled call took the padded layout
     assert int(plan.num_dropped) == ref.num_dropped
     if "k=1" not in case:
         assert ref.num_dropped > 0  # the case exercises drops

@@ -150,13 +150,17 @@ def counts_on_device(layer: MoELayer, routing: RoutingOptions, tokens: Tensor) -
             and isinstance(layer.experts, FeedForwardExperts) and padded_op_available())
 
 
-def padded_layout(layer: MoELayer, routing: RoutingOptions) -> bool:
+def padded_layout(layer: MoELayer, routing: RoutingOptions, tokens: Tensor) -> bool:
     """Whether this call pads every expert's rows to the capacity: under ``torch.compile``, in capacity mode,
     for top-k routing in one process (docs/architecture.md, "Compiling the layer"). Every shape is then static
     and no routed value reaches the host, so the call compiles into one graph. Eager calls never pad: they
-    compute only the rows that hold tokens."""
-    return (torch.compiler.is_compiling() and routing.selection == "topk" and layer.topology is None
-            and not layer.ep_group.distributed
+    compute only the rows that hold tokens.
+
+    On the CPU only, for now: on CUDA (an H200, torch 2.11) the compiled padded call's backward gave zero
+    gradients (tests/test_compile.py, under make test-gpu; docs/performance.md, "CUDA"), so there a compiled
+    capacity-mode call takes the unpadded path, which breaks the graph where the counts reach the host."""
+    return (torch.compiler.is_compiling() and tokens.device.type == "cpu" and routing.selection == "topk"
+            and layer.topology is None and not layer.ep_group.distributed
             and (routing.capacity is not None or routing.capacity_factor > 0))
 
 

@@ -259,7 +259,8 @@ class MoELayer(nn.Module):
                        training=self.training, jitter=routing.jitter, gate_noise=routing.gate_noise,
                        input_dropout=routing.router_input_dropout)  # [T, E]
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
-                          topology=self.topology, num_sequences=num_sequences, padded=padded_layout(self, routing),
+                          topology=self.topology, num_sequences=num_sequences,
+                          padded=padded_layout(self, routing, tokens),
                           counts_on_device=counts_on_device(self, routing, tokens), expert_index=replayed)
         if tap is not None:
             tap.chosen(x, plan.expert_index, backward_now)

@@ -556,8 +556,10 @@ def clip_gradients(model: MoEModel, max_norm: float, world: int) -> float:
     """
     experts = _spread_experts(model)
     placement = expert_placement(model)
-    dense_sq = torch.zeros((), dtype=torch.float64)
-    expert_sq = torch.zeros((), dtype=torch.float64)
+    # On the parameters' device (the job may train on an accelerator); the all-reduce is gloo's, one process there.
+    device = next(model.parameters()).device
+    dense_sq = torch.zeros((), dtype=torch.float64, device=device)
+    expert_sq = torch.zeros((), dtype=torch.float64, device=device)
     for n, p in model.named_parameters():
         if p.grad is None:
             continue
