@@ -466,6 +466,23 @@ def test_autocast_bf16_routes_as_hf(family):
     assert logits_dtypes == [torch.bfloat16, torch.float32]
 
 
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_autocast_experts_compute_in_hf_implementations_dtype(implementation):
+    """Under autocast HF's experts compute in the dtype their implementation does: ``grouped_mm`` (the default)
+    in the weights' dtype (``torch._grouped_mm`` is no autocast op, its input is cast to the weights'),
+    ``batched_mm`` in bf16. The converted model's experts follow (``experts_autocast``), whatever the kernel: its
+    logits are HF's, where bf16 against float32 experts had flipped a bf16 routing tie downstream (max 0.46)."""
+    ref = tiny_model("olmoe").eval()
+    ref.set_experts_implementation(implementation)
+    small = batches(1, seed=14)[0]
+    for kernel in ("loop", "joined_unit"):
+        model = fh.convert(copy.deepcopy(ref), group="single", expert_kernel=kernel)
+        assert moe_blocks(model)[0].moe.expert_options.experts_autocast == (implementation != "grouped_mm")
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.testing.assert_close(model(small).logits.float(), ref(small).logits.float(), rtol=1e-5,
+                                       atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- Switch
 
 SWITCH_CONFIG = dict(vocab_size=V, d_model=16, d_ff=12, d_kv=8, num_heads=2, num_layers=2, num_decoder_layers=2,

@@ -309,6 +309,31 @@ def test_autocast_returns_input_dtype(x_dtype: torch.dtype) -> None:
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in moe.parameters())
 
 
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("kernel", ["loop", "joined_unit", "embedding_bag", "grouped_mm"])
+def test_experts_autocast_off_computes_in_parameter_dtype(kernel: str, grad: bool) -> None:
+    """``experts_autocast=False`` (what ``flexmoe.hf.convert`` sets for HF's grouped_mm experts): under autocast
+    the routed experts compute in their float32 parameters' dtype, whatever the kernel, so the layer gives its
+    float32 output exactly (routing is float32 either way); with the default they compute in bf16."""
+    x = make_input(seed=23, dtype=torch.float32)
+    outputs = {}
+    for autocast in (True, False):
+        torch.manual_seed(23)
+        moe = MoELayer(M, E, H, k=2, capacity_factor=0.0, glu=True, activation="silu", expert_kernel=kernel,
+                       experts_autocast=autocast)
+        moe.train(grad)
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = moe(x)
+        with torch.set_grad_enabled(grad):
+            plain = moe(x)
+        assert y.dtype == torch.float32
+        outputs[autocast] = (y, plain)
+    y_off, plain = outputs[False]
+    torch.testing.assert_close(y_off, plain, rtol=1e-6, atol=1e-6)
+    y_on, _ = outputs[True]
+    assert (y_on - plain).abs().max() > 1e-4  # bf16 matmuls: the option is what made the difference
+
+
 def test_router_dtype_float32_under_bf16_model() -> None:
     """A bf16 model routes in float32: probabilities match the float64 reference to float32 precision,
     which bf16 routing (errors ~1e-2) could not."""

@@ -97,9 +97,16 @@ def run_fused(layer: MoELayer, tokens: Tensor, plan: RoutingPlan) -> Tensor:
     e = layer._built_experts
     assert isinstance(e, FeedForwardExperts)  # checked by runs_fused
     layer.last_choice, layer.last_shadowed = layer.strategy.last_choice, []
-    if plan.padded or torch.compiler.is_compiling():
-        return padded_fused_experts(tokens, plan, e.weights())
-    return fused_experts(tokens, plan.row_token, plan.row_weight.to(tokens.dtype), plan.counts, e.weights())
+
+    def fused(x: Tensor) -> Tensor:
+        if plan.padded or torch.compiler.is_compiling():
+            return padded_fused_experts(x, plan, e.weights())
+        return fused_experts(x, plan.row_token, plan.row_weight.to(x.dtype), plan.counts, e.weights())
+
+    if autocast_off_for_experts(layer, tokens):
+        with torch.autocast(tokens.device.type, enabled=False):
+            return fused(tokens.to(e.w1.dtype)).to(tokens.dtype)
+    return fused(tokens)
 
 
 def exchange_tokens(layer: MoELayer, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions,
@@ -200,17 +207,29 @@ def grouped_on_device(layer: MoELayer, plan: RoutingPlan, rows: Tensor) -> bool:
     if plan.host_counts is not None or not isinstance(experts, FeedForwardExperts):
         return False
     device_type = rows.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else experts.w1.dtype
+    autocast = torch.is_autocast_enabled(device_type) and layer.expert_options.experts_autocast
+    dtype = torch.get_autocast_dtype(device_type) if autocast else experts.w1.dtype
     return all(uses_device_offsets(device_type, dtype, w.shape) for w in (experts.w1, experts.w2))
 
 
 def in_expert_dtype(layer: MoELayer, run: Callable[[Tensor], Tensor], rows: Tensor) -> Tensor:
     """``run(rows)`` in the experts' dtype, returned in rows' dtype: a float32 layer fed bf16 activations (or
-    the reverse) computes in its parameters' dtype (under autocast, as autocast says)."""
+    the reverse) computes in its parameters' dtype (under autocast, as autocast says, unless the layer's
+    ``experts_autocast`` is False: autocast is then off around the experts, which compute in their parameters'
+    dtype as without it)."""
     expert_dtype = parameter_dtype(layer._built_experts)
+    if expert_dtype is not None and autocast_off_for_experts(layer, rows):
+        with torch.autocast(rows.device.type, enabled=False):
+            return run(rows.to(expert_dtype)).to(rows.dtype)
     if expert_dtype is None or torch.is_autocast_enabled(rows.device.type) or expert_dtype == rows.dtype:
         return run(rows)
     return run(rows.to(expert_dtype)).to(rows.dtype)
+
+
+def autocast_off_for_experts(layer: MoELayer, rows: Tensor) -> bool:
+    """Whether autocast is on for ``rows``' device and the layer's ``experts_autocast`` turns it off around its
+    routed experts (ExpertOptions)."""
+    return torch.is_autocast_enabled(rows.device.type) and not layer.expert_options.experts_autocast
 
 
 def shared_output(layer: MoELayer, tokens: Tensor) -> Tensor:

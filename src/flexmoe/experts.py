@@ -104,6 +104,10 @@ class ExpertOptions:
         ("loop", "segmented", "grouped_mm", "embedding_bag", "joined_unit"), which runs wherever it can.
     kernel_cache: the directory of the measured choices' file, ``kernels-<machine>.json`` (None:
         ``~/.cache/flexmoe``).
+    experts_autocast: whether the routed experts' matmuls follow the caller's ``torch.autocast`` (True: in its
+        dtype) or compute in the experts' parameters' dtype with autocast off around them (False: as HF's
+        ``grouped_mm`` experts implementation does, ``torch._grouped_mm`` being no autocast op; ``flexmoe.hf.convert``
+        sets it from the HF model's ``experts_implementation``). Every kernel then computes alike.
     """
 
     activation: str | Callable[[Tensor], Tensor] = "gelu"
@@ -115,6 +119,7 @@ class ExpertOptions:
     glu_limit: float | None = None
     expert_kernel: str = "auto"
     kernel_cache: str | None = None
+    experts_autocast: bool = True
 
     def __post_init__(self) -> None:
         resolve_activation(self.activation)
@@ -131,6 +136,8 @@ class ExpertOptions:
         KernelChooser(self.expert_kernel, timer=None)  # the expert_kernel's TypeError / ValueError
         if self.kernel_cache is not None and not isinstance(self.kernel_cache, str):
             raise TypeError(f"kernel_cache must be a directory (str) or None, got {type(self.kernel_cache).__name__}")
+        if not isinstance(self.experts_autocast, bool):
+            raise TypeError(f"experts_autocast must be a bool, got {type(self.experts_autocast).__name__}")
 
     def describe(self) -> dict[str, Any]:
         """Every field as a value that compares equal across processes (callables by name)."""

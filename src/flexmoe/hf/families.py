@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from flexmoe.experts import resolve_activation
 
 __all__ = ["Family", "SwitchFamily", "FAMILIES", "family_of", "StoredExperts", "stored_experts", "expert_weights",
-           "expert_sources", "copy_into_views", "expert_unit", "shared_mlp_weights", "shared_mlp_sources"]
+           "expert_sources", "copy_into_views", "expert_unit", "experts_implementation", "shared_mlp_weights",
+           "shared_mlp_sources"]
 
 # HF's activation names that flexmoe has under a name of its own (same function); others pass as a callable.
 _ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu": "gelu"}
@@ -39,6 +40,14 @@ _ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "relu": "relu", "gelu": "g
 def _gpt_oss_glu(gate: Tensor, alpha: float) -> Tensor:
     """GPT-OSS's gate activation ``g * sigmoid(alpha * g)`` (flexmoe's glu_limit does the clamping)."""
     return gate * torch.sigmoid(alpha * gate)
+
+
+def experts_implementation(experts: Any) -> str | None:
+    """The name of the implementation HF's experts module runs (``config._experts_implementation``:
+    "grouped_mm", "batched_mm", "eager", "flexmoe", ...; None where it has no config: its own forward)."""
+    config = getattr(experts, "config", None)
+    name = getattr(config, "_experts_implementation", None)
+    return name if isinstance(name, str) else None
 
 
 def expert_unit(experts: Any) -> tuple[str | Callable[[Tensor], Tensor], float | None]:
@@ -263,6 +272,10 @@ class Family:
             "aux_loss_type": "all_choices",  # HF's load_balancing_loss_func counts every choice
             "router_dtype": None,  # HF's router runs under the caller's autocast; score_dtype does the rest
             "ties": "topk",  # HF's routers pick with torch.topk, and bf16 logits (autocast) tie often
+            # HF's grouped_mm experts (its default where torch has _grouped_mm) cast their input to the weights'
+            # dtype and call torch._grouped_mm, which autocast does not recast: under autocast they compute in
+            # the parameters' dtype; "eager" and "batched_mm" (F.linear, bmm) compute in autocast's.
+            "experts_autocast": experts_implementation(experts) != "grouped_mm",
         }
         if self.scaled:
             options["route_scale"] = float(router.routed_scaling_factor)
