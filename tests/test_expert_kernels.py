@@ -344,3 +344,24 @@ def test_calibrate_kernels_writes_the_cache_a_layer_then_reads(tmp_path: Path) -
     reader = KernelChooser(cache_path=default_cache_path(tmp_path), timer=None)
     for bucket, kernel in chosen.items():
         assert reader._cached(bucket) == kernel
+
+
+@pytest.mark.parametrize("needs_grad_weights", [True, False])
+def test_loop_with_no_rows_stays_on_the_graph(needs_grad_weights: bool) -> None:
+    """Every expert empty (a rank that received no rows): the zeros stay connected to the rows and the weights, so
+    a backward still runs what made the rows (the exchange every rank's backward must run: without it, the ranks of
+    a converted HF model under parallelize at ep=2 hung) and the weights get zero gradients, not none (AdamW
+    skips a parameter without one, where one process holding every expert updates it)."""
+    from flexmoe.row_kernels import looped_expert_ffn
+
+    source = torch.randn(3, 4, requires_grad=True)
+    rows = source[:0] * 2  # [0, 4], made by an op whose backward must run
+    w = ExpertWeights(torch.randn(2, 4, 5, requires_grad=needs_grad_weights), None,
+                      torch.randn(2, 5, 4, requires_grad=needs_grad_weights), None, None, None, torch.relu, None)
+    out = looped_expert_ffn(rows, [0, 0], w)
+    assert out.shape == (0, 4) and out.grad_fn is not None
+    out.sum().backward()
+    assert source.grad is not None and torch.equal(source.grad, torch.zeros(3, 4))
+    if needs_grad_weights:
+        assert w.w1.grad is not None and torch.equal(w.w1.grad, torch.zeros(2, 4, 5))
+        assert w.w2.grad is not None and torch.equal(w.w2.grad, torch.zeros(2, 5, 4))

@@ -26,11 +26,6 @@ from flexmoe.parallel import default_blocks, local_state_bytes, make_mesh, mater
 from flexmoe_cli import child_pythonpath
 from multiproc import Scenario, failures_of, run_scenario
 
-# The converted HF models under parallelize at ep=2 hang since the expert-kernel refactor (7c4db44): a known bug,
-# found at the last merge of this stop and not yet diagnosed (closing note, docs/performance.md).
-KNOWN_HF_HANG = ("KNOWN BUG: converted HF models under parallelize at ep=2 hang in the backward all-to-all since "
-                 "the expert-kernel refactor; not diagnosed yet")
-
 
 def _state_within_bound(reports: list[dict]) -> None:
     for rep in reports:
@@ -75,11 +70,11 @@ CASES = [
                           collective_timeout=60.0), _ran(2), id="fsdp_meta-w4", marks=pytest.mark.slow),
     pytest.param(Scenario("fsdp_hf", 2, "converted Qwen3-MoE and DeepSeek-V3 models at ep=2: 5 AdamW steps equal one "
                           "process's losses and weights", timeout=300.0), _cases(2), id="fsdp_hf-w2",
-                 marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=KNOWN_HF_HANG)]),
+                 marks=pytest.mark.slow),
     pytest.param(Scenario("fsdp_hf", 4, "converted Qwen3-MoE and DeepSeek-V3 models at ep=2 x dp_shard=2: 5 AdamW "
                           "steps equal one process's losses and weights", timeout=500.0, collective_timeout=60.0),
                  _cases(2), id="fsdp_hf-w4",
-                 marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=KNOWN_HF_HANG)]),
+                 marks=pytest.mark.slow),
     pytest.param(Scenario("fsdp_big", 4, "a ~2B-parameter GPT built on meta and materialised on 4 ranks stays below "
                           "half its fp32 size per rank", timeout=600.0, collective_timeout=300.0), _big,
                  id="fsdp_big-w4", marks=pytest.mark.slow),

@@ -129,7 +129,7 @@ def looped_expert_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) -
     check_counts(rows, counts)
     outputs = [_ffn(x, _linear, expert) for x, expert in zip(rows.split(counts), weights.per_expert())
                if x.shape[0]]
-    return joined_outputs(outputs, rows, weights.model_dim)
+    return joined_outputs(outputs, rows, weights.model_dim, weights)
 
 
 def active_experts_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) -> Tensor:
@@ -143,7 +143,7 @@ def active_experts_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) 
             continue
         outputs.append(_ffn(rows[start : start + n], _linear, weights.for_expert(e)))
         start += n
-    return joined_outputs(outputs, rows, weights.model_dim)
+    return joined_outputs(outputs, rows, weights.model_dim, weights)
 
 
 def joined_unit_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) -> Tensor:
@@ -184,10 +184,19 @@ def check_counts(rows: Tensor, counts: list[int]) -> None:
         raise ValueError(f"counts must sum to the number of rows {rows.shape[0]}, got {sum(counts)}")
 
 
-def joined_outputs(outputs: list[Tensor], rows: Tensor, model_dim: int) -> Tensor:
-    """The experts' outputs, in order, as ``[N, model_dim]`` (zeros when no expert had rows)."""
+def joined_outputs(outputs: list[Tensor], rows: Tensor, model_dim: int, weights: ExpertWeights | None = None,
+                   ) -> Tensor:
+    """The experts' outputs, in order, as ``[N, model_dim]`` (zeros when no expert had rows).
+
+    The zeros stay on the graph of the rows and of ``weights``: a backward must still reach what made the rows
+    (under expert parallelism, the exchange every rank's backward runs, or the ranks wait on each other), and the
+    weights get zero gradients, as when some expert has rows (an optimizer skips a parameter without one)."""
     if not outputs:
-        return rows.new_zeros(rows.shape[0], model_dim)
+        anchor = rows.sum() * 0
+        for t in () if weights is None else weights.tensors():
+            if t is not None:
+                anchor = anchor + t.sum() * 0
+        return rows.new_zeros(rows.shape[0], model_dim) + anchor
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
