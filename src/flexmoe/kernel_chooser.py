@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from flexmoe.autograd_state import in_backward
+from flexmoe.device_clock import synchronize
 from flexmoe.expert_kernels import (
     KERNELS,
     ROUTES,
@@ -321,14 +322,23 @@ def timed_run(run: Callable[[Tensor], Tensor], x: Tensor, weights: ExpertWeights
               backward: bool = True) -> Callable[[], object]:
     """One ``run(x)`` as the call will run it: forward, and when autograd records and ``backward``, the backward to
     ``x`` (a copy) and every weight that wants a gradient (``torch.autograd.grad``: nothing is accumulated into
-    ``.grad``)."""
+    ``.grad``). Each run returns once ``x``'s device has finished it (:func:`~flexmoe.device_clock.synchronize`),
+    so that a timer around it measures the work, not the kernel launches."""
+    synchronize(x.device)  # what was queued before the timing must not count in the first run's time
     if not backward or not weights.needs_grad(x):
-        return lambda: run(x)
+        def forward() -> object:
+            out = run(x)
+            synchronize(x.device)
+            return out
+
+        return forward
     copy = x.detach().requires_grad_(x.requires_grad)
     inputs = [t for t in (copy, *weights.present()) if t.requires_grad]
 
     def forward_backward() -> object:
         out = run(copy)
-        return torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+        grads = torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+        synchronize(x.device)
+        return grads
 
     return forward_backward

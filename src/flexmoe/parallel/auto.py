@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flexmoe.device_clock import synchronize
 from flexmoe.parallel.expert_parallel import ParallelSetting
 from flexmoe.parallel.groups import ExpertGroup
 
@@ -193,17 +194,20 @@ class StageTimer:
         self.expects_backward = False
 
     def enter(self, rows: Tensor) -> Tensor:
+        synchronize(rows.device)  # on an accelerator, the clock must not run ahead of the queued work
         self._t0 = time.perf_counter()
         return _Mark.apply(rows, self, "enter")
 
     def leave(self, out: Tensor) -> Tensor:
+        synchronize(out.device)
         self.forward = time.perf_counter() - self._t0
         self.expects_backward = out.requires_grad
         if not self.expects_backward:
             self.flush()
         return _Mark.apply(out, self, "leave")
 
-    def _mark_backward(self, where: str) -> None:
+    def _mark_backward(self, where: str, device: torch.device) -> None:
+        synchronize(device)
         now = time.perf_counter()
         if where == "leave":  # the stage's backward starts at its output
             self.backward_start = now
@@ -226,5 +230,5 @@ class _Mark(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        ctx.timer._mark_backward(ctx.where)
+        ctx.timer._mark_backward(ctx.where, grad.device)
         return grad, None, None
