@@ -21,6 +21,7 @@ import io
 import os
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import redirect_stdout
 
 import torch
@@ -34,16 +35,23 @@ from flexmoe.tuning import CostModelShadowPolicy
 HOT = (0, 1)
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=4, help="ranks to launch")
+def skew_parser(doc: str, world: int, steps: int) -> argparse.ArgumentParser:
+    """The flags of a skewed-router benchmark (this one, replicas_skew.py): the ranks, the layer's sizes and the
+    timed steps; ``doc``: the script's docstring, whose first paragraph describes it."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=world, help="ranks to launch")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     p.add_argument("--model-dim", type=int, default=512)
     p.add_argument("--hidden-dim", type=int, default=1024)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("-k", type=int, default=2)
+    p.add_argument("--steps", type=int, default=steps, help="timed steps per mode (after one warm-up step)")
+    return p
+
+
+def parse_args() -> argparse.Namespace:
+    p = skew_parser(__doc__, world=4, steps=5)
     p.add_argument("--hot-share", type=float, default=0.5, help="share of (token, choice) pairs of experts 0, 1")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per mode (after one warm-up step)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     return p.parse_args()
 
@@ -62,10 +70,12 @@ def hot_bias(logits: torch.Tensor, k: int, share: float, hot: tuple[int, ...] = 
     return (lo + hi) / 2
 
 
-def skewed_layer(args: argparse.Namespace, rank: int, **kw) -> tuple[MoELayer, torch.Tensor, torch.Tensor]:
-    """A layer (same weights on every rank for the same expert) and this rank's batch and output weights.
+def skewed_layer(args: argparse.Namespace, rank: int, hot: tuple[int, ...] = HOT,
+                 **kw) -> tuple[MoELayer, torch.Tensor, torch.Tensor]:
+    """A layer (same weights on every rank for the same expert) and this rank's batch ``[T, M]`` and output
+    weights ``[T, M]``.
 
-    Feature 0 of every token is 1 and the router reads a per-expert bonus from it: experts 0 and 1 get
+    Feature 0 of every token is 1 and the router reads a per-expert bonus from it: the ``hot`` experts get
     ``--hot-share`` of the pairs, the rest is spread by the random part of the router.
     """
     M, E = args.model_dim, args.experts
@@ -78,8 +88,8 @@ def skewed_layer(args: argparse.Namespace, rank: int, **kw) -> tuple[MoELayer, t
     calib[:, 0] = 0.0
     with torch.no_grad():
         moe.router.weight[:, 0] = 0.0
-        bonus = hot_bias(calib @ moe.router.weight.t(), args.k, args.hot_share)
-        moe.router.weight[list(HOT), 0] = bonus
+        bonus = hot_bias(calib @ moe.router.weight.t(), args.k, args.hot_share, hot)
+        moe.router.weight[list(hot), 0] = bonus
     return moe, x, torch.randn(args.tokens, M, generator=g)
 
 
@@ -93,6 +103,14 @@ def step(moe: MoELayer, x: torch.Tensor, w: torch.Tensor, call: dict) -> float:
     seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return seconds.item()
+
+
+def gather_counts(moe: MoELayer, world: int) -> list[list[int]]:
+    """``[world][E]``: every rank's routed (token, choice) pairs per expert in ``moe``'s last step."""
+    counts = torch.tensor(moe.last_plan.counts, dtype=torch.long)
+    every = [torch.empty_like(counts) for _ in range(world)]
+    dist.all_gather(every, counts)
+    return [c.tolist() for c in every]
 
 
 def worker(options: dict) -> str | None:
@@ -118,11 +136,7 @@ def worker(options: dict) -> str | None:
             shadowed[name] = list(moe.last_shadowed)
             if i > 0:  # step 0 warms up
                 times[name].append(seconds)
-    # Expert rows per rank, from the global counts of the last step.
-    counts = torch.tensor(moe.last_plan.counts, dtype=torch.long)
-    every = [torch.empty_like(counts) for _ in range(args.world)]
-    dist.all_gather(every, counts)
-    all_counts = [c.tolist() for c in every]
+    all_counts = gather_counts(moe, args.world)  # expert rows per rank follow from the last step's counts
     text = None
     if rank == 0:
         with redirect_stdout(io.StringIO()) as out:
@@ -157,13 +171,19 @@ def report(args, policy, moe, times, shadowed, all_counts) -> None:
         print(f"  {name + ':':33s} {after}  max {max(after)} ({max(after) / max(before):.2f}x)")
 
 
-def main() -> None:
-    args = parse_args()
+def launch(worker: Callable[[dict], str | None], args: argparse.Namespace, threads: int, what: str) -> None:
+    """Run ``worker(vars(args))`` on ``--world`` spawned ranks of ``threads`` torch threads each; print rank 0's
+    report and the wall time."""
     t0 = time.perf_counter()
-    ranks = spawn_ranks(args.world, worker, [vars(args)], timeout=3600, threads=args.threads,
-                        what=f"FasterMoE benchmark with {args.world} ranks")
+    ranks = spawn_ranks(args.world, worker, [vars(args)], timeout=3600, threads=threads,
+                        what=f"{what} with {args.world} ranks")
     print(ranks[0].value, end="")
     print(f"\n(wall time {time.perf_counter() - t0:.0f} s)")
+
+
+def main() -> None:
+    args = parse_args()
+    launch(worker, args, args.threads, "FasterMoE benchmark")
 
 
 if __name__ == "__main__":

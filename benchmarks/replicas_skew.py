@@ -18,32 +18,23 @@ import datetime
 import io
 import os
 import statistics
-import time
 from contextlib import redirect_stdout
 
 import torch
 import torch.distributed as dist
-from fastermoe import hot_bias, step
+from fastermoe import gather_counts, launch, skew_parser, skewed_layer, step
 
 from flexmoe import MoELayer
-from flexmoe.launch import spawn_ranks
 from flexmoe.parallel import ShadowExperts, rows_per_rank
 from flexmoe.parallel.replicas import replace_experts
 from flexmoe.tuning import CostModelShadowPolicy
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=2, help="ranks to launch")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    p.add_argument("--model-dim", type=int, default=512)
-    p.add_argument("--hidden-dim", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("-k", type=int, default=2)
+    p = skew_parser(__doc__, world=2, steps=7)
     p.add_argument("--hot", default="1,2,5", help="the hot experts (default: 1, 2 on rank 0, 5 on rank 1 at 2 ranks)")
     p.add_argument("--hot-share", type=float, default=0.6, help="share of (token, choice) pairs of the hot experts")
     p.add_argument("--redundant", type=int, default=2, help="replica slots per rank of the replicated twin")
-    p.add_argument("--steps", type=int, default=7, help="timed steps per mode (after one warm-up step)")
     return p.parse_args()
 
 
@@ -53,24 +44,15 @@ def hot_experts(args: argparse.Namespace) -> tuple[int, ...]:
 
 def layers(args: argparse.Namespace, rank: int) -> tuple[MoELayer, MoELayer, torch.Tensor, torch.Tensor]:
     """The static layer, its replicated twin (same weights), this rank's batch ``[T, M]`` and output weights."""
-    M, E, hot = args.model_dim, args.experts, hot_experts(args)
+    moe, x, w = skewed_layer(args, rank, hot_experts(args))
     torch.manual_seed(0)
-    moe = MoELayer(M, E, args.hidden_dim, k=args.k, capacity_factor=0.0, dtype=torch.float32)
-    torch.manual_seed(0)
-    twin = MoELayer(M, E, args.hidden_dim, k=args.k, capacity_factor=0.0, dtype=torch.float32,
-                    redundant_experts=args.redundant)
-    g = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(args.tokens, M, generator=g)
-    x[:, 0] = 1.0  # the router reads its per-expert bonus from feature 0
-    calib = torch.randn(4096, M, generator=torch.Generator().manual_seed(7))  # the same on every rank
-    calib[:, 0] = 0.0
+    twin = MoELayer(args.model_dim, args.experts, args.hidden_dim, k=args.k, capacity_factor=0.0,
+                    dtype=torch.float32, redundant_experts=args.redundant)
     with torch.no_grad():
-        moe.router.weight[:, 0] = 0.0
-        moe.router.weight[list(hot), 0] = hot_bias(calib @ moe.router.weight.t(), args.k, args.hot_share, hot)
         twin.router.load_state_dict(moe.router.state_dict())
         for name, p in twin.experts.named_parameters():
             p.copy_(getattr(moe.experts, name))
-    return moe, twin, x, torch.randn(args.tokens, M, generator=g)
+    return moe, twin, x, w
 
 
 def worker(options: dict) -> str | None:
@@ -100,10 +82,7 @@ def worker(options: dict) -> str | None:
             if layer is twin:
                 busiest[name] = max(twin.strategy.last_rows)
             else:
-                counts = torch.tensor(layer.last_plan.counts, dtype=torch.long)
-                every = [torch.empty_like(counts) for _ in range(args.world)]
-                dist.all_gather(every, counts)
-                all_counts = [c.tolist() for c in every]
+                all_counts = gather_counts(layer, args.world)
                 busiest[name] = max(rows_per_rank(all_counts, layer.layout, layer.last_shadowed))
     text = None
     if rank == 0:
@@ -128,12 +107,7 @@ def worker(options: dict) -> str | None:
 
 
 def main() -> None:
-    args = parse_args()
-    t0 = time.perf_counter()
-    ranks = spawn_ranks(args.world, worker, [vars(args)], timeout=3600, threads=1,
-                        what=f"replicated experts benchmark with {args.world} ranks")
-    print(ranks[0].value, end="")
-    print(f"\n(wall time {time.perf_counter() - t0:.0f} s)")
+    launch(worker, parse_args(), 1, "replicated experts benchmark")
 
 
 if __name__ == "__main__":

@@ -73,8 +73,13 @@ def test_bench_command_json() -> None:
     assert report["memory"]["flexmoe_bytes"] > 0
 
 
-def test_bench_rejects_bad_flags() -> None:
-    check_usage_error("bench", "--tokens", "0", says="argument --tokens: must be an integer >= 1, got 0")
+@pytest.mark.parametrize("flags,says", [
+    (("--tokens", "0"), "argument --tokens: must be an integer >= 1, got 0"),
+    (("--suite-groups", "nope"), "unknown suite group"),
+    (("--hf", "switch"), "--hf must be one of"),  # refused before transformers is imported
+], ids=["tokens", "suite-groups", "hf-family"])
+def test_bench_rejects_bad_flags(flags: tuple[str, ...], says: str) -> None:
+    check_usage_error("bench", *flags, says=says)
 
 
 @pytest.mark.slow
@@ -242,10 +247,6 @@ def test_isolated_suite_measures_in_a_fresh_process_and_reports_a_dead_one() -> 
     assert result["value"] == DROPLESS_GRAPH_BREAKS and result["met"]
     (stopped,) = run_suite_isolated(["compile"], settings, threads=1, only=[3], timeout=0.01)
     assert not stopped["met"] and "ran over 0.01 s" in stopped["note"]
-
-
-def test_bench_suite_groups_flag_rejects_unknown_group() -> None:
-    check_usage_error("bench", "--suite-groups", "nope", says="unknown suite group")
 
 
 def test_paired_ratio_is_the_median_of_the_per_round_ratios() -> None:

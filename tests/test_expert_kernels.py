@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -58,6 +59,33 @@ def _weights(p: dict, dtype: torch.dtype, glu: bool, limit: float | None, grad: 
     return ExpertWeights(t["w1"], t["b1"], t["w2"], t["b2"], t["w3"], t["b3"], F.silu if glu else F.gelu, limit)
 
 
+def _rounded(p: dict, dtype: torch.dtype) -> dict:
+    """The float64 parameters ``p`` rounded to ``dtype`` and back: what a kernel in ``dtype`` really computes
+    with, so that the float64 reference differs from it by the kernel's own rounding only."""
+    return {n: (v.detach().to(dtype).double() if v is not None else None) for n, v in p.items()}
+
+
+class KernelInputs(NamedTuple):
+    """One parametrized kernel test's inputs: ``rows [N, M]`` sorted by expert (``counts[e]`` rows each) and the
+    experts' ``weights``, both in the test's dtype, rounded from the float64 draws ``p``."""
+
+    counts: list[int]
+    p: dict
+    rows: torch.Tensor
+    weights: ExpertWeights
+
+
+def _kernel_inputs(counts_name: str, unit: str, dtype: torch.dtype, grad: bool, params_seed: int,
+                   gen: torch.Generator) -> KernelInputs:
+    """The inputs of ``COUNTS[counts_name]`` and ``UNITS[unit]`` (the rows drawn from ``gen``); with ``grad``
+    the rows and weights require gradients."""
+    glu, bias, limit = UNITS[unit]
+    counts = COUNTS[counts_name]
+    p = _params(glu, bias, seed=params_seed)
+    rows = torch.randn(sum(counts), M, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(grad)
+    return KernelInputs(counts, p, rows, _weights(p, dtype, glu, limit, grad))
+
+
 TOL = {torch.float64: (1e-10, 1e-12), torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2)}
 
 
@@ -73,14 +101,10 @@ DTYPE_UNITS = [(dtype, unit) for dtype in (torch.float64, torch.float32, torch.b
 def test_kernel_with_autograd_matches_the_dense_loop(name: str, counts_name: str, unit: str,
                                                       dtype: torch.dtype) -> None:
     """Values and the gradients of the rows and of w1, b1, w2, b2, w3, b3."""
-    glu, bias, limit = UNITS[unit]
-    counts = COUNTS[counts_name]
-    p = _params(glu, bias)
+    glu, _, limit = UNITS[unit]
     gen = torch.Generator().manual_seed(1)
-    rows64 = torch.randn(sum(counts), M, generator=gen, dtype=torch.float64)
+    counts, p, rows, weights = _kernel_inputs(counts_name, unit, dtype, grad=True, params_seed=0, gen=gen)
     grad_out = torch.randn(sum(counts), M, generator=gen, dtype=torch.float64)
-    weights = _weights(p, dtype, glu, limit, grad=True)
-    rows = rows64.to(dtype).requires_grad_()
     kernel = kernel_named(name)
     reason = kernel.supports(KernelCase.of(rows, counts, weights))
     if name == "grouped_mm" and dtype == torch.float64:
@@ -90,7 +114,7 @@ def test_kernel_with_autograd_matches_the_dense_loop(name: str, counts_name: str
 
     got = kernel.run(rows, counts, weights)
     # The reference on the same (rounded) inputs, in float64.
-    ref_p = {n: (v.detach().to(dtype).double().requires_grad_() if v is not None else None) for n, v in p.items()}
+    ref_p = {n: (v.requires_grad_() if v is not None else None) for n, v in _rounded(p, dtype).items()}
     ref_rows = rows.detach().double().requires_grad_()
     want = _dense_loop(ref_rows, counts, ref_p, glu, limit)
     rtol, atol = TOL[dtype]
@@ -115,12 +139,9 @@ def test_kernel_with_autograd_matches_the_dense_loop(name: str, counts_name: str
 @pytest.mark.parametrize("name", NO_GRAD_KERNELS)
 def test_kernel_without_autograd_matches_the_dense_loop(name: str, counts_name: str, unit: str,
                                                          dtype: torch.dtype) -> None:
-    glu, bias, limit = UNITS[unit]
-    counts = COUNTS[counts_name]
-    p = _params(glu, bias, seed=2)
-    rows64 = torch.randn(sum(counts), M, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    weights = _weights(p, dtype, glu, limit, grad=False)
-    rows = rows64.to(dtype)
+    glu, _, limit = UNITS[unit]
+    counts, p, rows, weights = _kernel_inputs(counts_name, unit, dtype, grad=False, params_seed=2,
+                                              gen=torch.Generator().manual_seed(3))
     kernel = kernel_named(name)
     with torch.no_grad():
         reason = kernel.supports(KernelCase.of(rows, counts, weights))
@@ -132,8 +153,7 @@ def test_kernel_without_autograd_matches_the_dense_loop(name: str, counts_name: 
             return
         assert reason is None, reason
         got = kernel.run(rows, counts, weights)
-    want = _dense_loop(rows.double(), counts, {n: (v.to(dtype).double() if v is not None else None)
-                                               for n, v in p.items()}, glu, limit)
+    want = _dense_loop(rows.double(), counts, _rounded(p, dtype), glu, limit)
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol)
 
@@ -186,8 +206,7 @@ def _call(grad: bool = True) -> tuple[torch.Tensor, list[int], ExpertWeights, di
 
 
 def _assert_matches_reference(got: torch.Tensor, rows: torch.Tensor, counts: list[int], p: dict) -> None:
-    want = _dense_loop(rows.double(), counts, {n: (v.float().double() if v is not None else None)
-                                               for n, v in p.items()}, True, None)
+    want = _dense_loop(rows.double(), counts, _rounded(p, torch.float32), True, None)
     torch.testing.assert_close(got.detach().double(), want, rtol=2e-5, atol=2e-5)
 
 

@@ -6,6 +6,7 @@ goes on their sys.path), and torch-free, so a launch costs no torch import.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import socket
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from flexmoe.launch import RanksFailed, free_port, rank_env, spawn_ranks
+from flexmoe_cli import child_pythonpath
 from launch_worker import last_rank_fails, master_port_is_served, report_env, sleep_long
 
 
@@ -72,6 +74,21 @@ def test_a_python_command_runs_as_every_rank() -> None:
     ranks = spawn_ranks(2, ["-c", "import os, sys; print(os.environ['RANK'], sys.argv[1])", "hello"], timeout=60)
     assert [r.stdout for r in ranks] == ["0 hello\n", "1 hello\n"]
     assert [r.value for r in ranks] == [None, None]
+
+
+def test_a_function_of_a_script_imports_the_modules_beside_the_script(tmp_path: Path) -> None:
+    """A benchmark script whose rank function uses a module in the script's folder (benchmarks/replicas_skew.py
+    uses benchmarks/fastermoe.py): the ranks import it as the script itself does."""
+    (tmp_path / "beside.py").write_text("def answer() -> int:\n    return 41\n")
+    (tmp_path / "script.py").write_text(
+        "from beside import answer\n"
+        "from flexmoe.launch import spawn_ranks\n\n\n"
+        "def rank_value() -> int:\n    return answer() + 1\n\n\n"
+        "if __name__ == '__main__':\n    print([r.value for r in spawn_ranks(1, rank_value, timeout=60)])\n")
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(__file__).parents[1] / "src")}
+    out = subprocess.run([sys.executable, str(tmp_path / "script.py")], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path.parent, env=env)
+    assert out.returncode == 0 and out.stdout == "[42]\n", out.stderr[-3000:]
 
 
 def test_a_failing_rank_ends_the_group_with_its_stderr() -> None:

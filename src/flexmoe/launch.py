@@ -279,7 +279,8 @@ _CHILD = (f"import importlib.util as u, sys; spec = u.spec_from_file_location('f
 def _function_command(fn: Callable[..., Any], args: Sequence[Any], tmp: Path, rank: int) -> list[str]:
     """``python -c _CHILD ...`` calling the module-level ``fn(*args)``. The module's root goes on sys.path, so a
     module that is not installed (a test helper beside the tests) imports too; a function of the running script
-    (``__main__``) is found by the script's path."""
+    (``__main__``) is found by the script's path, with the script's folder on sys.path as Python puts it there for
+    the script itself (so that the script's imports of modules beside it work in the ranks too)."""
     module = fn.__module__
     source = getattr(sys.modules.get(module), "__file__", None)
     if "<locals>" in fn.__qualname__ or (module == "__main__" and source is None):
@@ -289,7 +290,7 @@ def _function_command(fn: Callable[..., Any], args: Sequence[Any], tmp: Path, ra
     if source is not None:
         path = Path(source).resolve()
         if module == "__main__":
-            module = str(path)
+            module, root = str(path), str(path.parent)
         else:
             depth = module.count(".") + (path.name == "__init__.py")
             root = str(path.parents[depth])
