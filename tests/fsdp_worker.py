@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from flexmoe import MoELayer, update_expert_biases
 from flexmoe.apps.models.gpt import GPT, GPTConfig
+from flexmoe.kernel_chooser import KernelChooser
 from flexmoe.parallel import (
     ExpertLayout,
     local_state_bytes,
@@ -341,8 +342,20 @@ def scenario_fsdp_errors(rank: int, world: int, out: dict) -> None:
 
 # --- DCP checkpoints: save at one mesh, load at others (each a separate group of processes) -----------------------
 
-def _logits_and_moment(model, opt) -> dict:
-    """The logits of a fixed batch (evaluation) and this rank's share of sum(exp_avg^2) over every parameter."""
+# The experts' kernel every side of a DCP check evaluates with: embedding_bag computes each row as a bag of its
+# own, so a row's output does not depend on the other rows of its expert in the call. A matmul's does: MKL's sgemm
+# (AVX-512, torch 2.13) rounds the rows of a 1-3 row product otherwise than the same rows among 4 or more, and one
+# process gives an expert only its own batch's rows where an expert-parallel rank gets every rank's (2 against 4).
+ROW_BY_ROW_KERNEL = "embedding_bag"
+
+
+def _logits_and_moment(model, opt, expert_kernel: str | None = ROW_BY_ROW_KERNEL) -> dict:
+    """The logits of a fixed batch (evaluation) and this rank's share of sum(exp_avg^2) over every parameter.
+
+    expert_kernel: the kernel the model's experts are forced to from now on (None: their own choosers')."""
+    if expert_kernel is not None:
+        for layer in model.moe_layers:
+            layer.experts.kernels = KernelChooser(expert_kernel, timer=None)
     x, _ = batch(99, 0)
     model.eval()
     with torch.no_grad():
