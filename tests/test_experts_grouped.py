@@ -70,6 +70,18 @@ def _run(path, rows: torch.Tensor, counts: list[int], weights: dict, glu: bool, 
 # (round-off 2^-9 ~ 2e-3) through two small matmuls and the unit.
 TOLERANCES = {torch.float64: {"atol": 1e-12, "rtol": 1e-10}, torch.float32: {"atol": 2e-5, "rtol": 2e-5},
               torch.bfloat16: {"atol": 3e-2, "rtol": 2e-2}}
+# A weight's gradient sums its expert's rows: where the terms cancel, an element much smaller than its terms
+# carries their rounding (bf16 inputs and intermediates), which no elementwise relative bound covers. In bf16 the
+# gradients are held to this fraction of their tensor's largest element besides (a wrong gradient misses by far
+# more); the other dtypes' round-off is too small for cancellation to matter here.
+BF16_GRADIENT_SCALE_TOLERANCE = 1e-2
+
+
+def _gradient_tolerance(dtype: torch.dtype, expected: torch.Tensor) -> dict[str, float]:
+    tol = dict(TOLERANCES[dtype])
+    if dtype == torch.bfloat16 and expected.numel():
+        tol["atol"] += BF16_GRADIENT_SCALE_TOLERANCE * float(expected.abs().max())
+    return tol
 
 
 def _check_path(path, dtype: torch.dtype, counts: list[int], *, glu: bool = False, bias: bool = True,
@@ -100,7 +112,8 @@ def _check_path(path, dtype: torch.dtype, counts: list[int], *, glu: bool = Fals
     for name, g, e in zip(["rows"] + names, got_grads, expected_grads):
         e = torch.zeros_like(weights64[name] if name != "rows" else rows64) if e is None else e
         g = torch.zeros_like(e) if g is None else g.to("cpu", torch.float64)
-        torch.testing.assert_close(g, e, **tol, msg=lambda m, name=name: f"gradient of {name}: {m}")
+        torch.testing.assert_close(g, e, **_gradient_tolerance(dtype, e),
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
 # The expert FFN variants every path is checked in: plain with and without biases, gated, gated and clamped.
