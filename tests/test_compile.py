@@ -94,6 +94,7 @@ def _cases(names: list[str], default: str) -> list[Any]:
 @pytest.mark.parametrize("case", _cases(list(CAPACITY_CASES), DEFAULT_CAPACITY_CASE))
 def test_capacity_mode_compiles_fullgraph_and_matches_the_reference(case: str, device: torch.device) -> None:
     layer_options, ref_options = CAPACITY_CASES[case]
+    ref_options = dict(ref_options)  # the table is shared by the tests
     activation = ref_options.pop("activation", "gelu")
     moe = _layer(**layer_options).to(device)
     x = torch.randn(20, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -665,3 +666,36 @@ def test_compiled_vs_eager_measures_a_ratio() -> None:
     m = compiled_vs_eager(BenchConfig(tokens=64, model_dim=16, hidden_dim=32, experts=4, steps=2, warmup=0))
     assert m.unit == "x eager" and 0 < m.value < float("inf")
     assert m.details["eager_s"] > 0 and m.details["compiled_s"] > 0
+
+
+@pytest.mark.parametrize("case", _cases(list(CAPACITY_CASES), "cf=1.0 with drops"))
+def test_capacity_mode_compiled_as_off_the_cpu_matches_the_reference(case: str, monkeypatch) -> None:
+    """What a compiled capacity-mode call does off the CPU, run here: no padding (the counts reach the host) and
+    dispatch / combine by autograd's own gather and scatter-add (flexmoe.dispatch._traced_off_cpu), the path
+    that replaced the pair-gather functions whose traced backward gave zero gradients on CUDA."""
+    import importlib
+
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    import flexmoe.layer as layer_module
+
+    dispatch_module = importlib.import_module("flexmoe.dispatch")  # the package's ``dispatch`` is the function
+
+    monkeypatch.setattr(layer_module, "padded_layout", lambda layer, routing, tokens: False)
+    monkeypatch.setattr(dispatch_module, "_traced_off_cpu", lambda x: torch.compiler.is_compiling())
+    layer_options, ref_options = CAPACITY_CASES[case]
+    ref_options = dict(ref_options)
+    activation = ref_options.pop("activation", "gelu")
+    moe = _layer(**layer_options)
+    x = torch.randn(20, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    ref, x64, params = reference_for_layer(moe, x, activation=activation, **ref_options)
+    grad = torch.randn(20, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    recorder = EagerAndRecordGraphs()
+    torch._dynamo.reset()
+    got = torch.compile(moe, backend=recorder)(x)
+    grads = _grads(moe, x, got, grad)
+    ref.y.backward(grad)
+    assert moe.last_plan is not None and not moe.last_plan.padded
+    calls = [str(n.target) for g in recorder.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert not any("autograd_function_apply" in c for c in calls), calls  # neither _Dispatch nor _Combine traced
+    _assert_matches_reference(got, grads, ref, x64, params)

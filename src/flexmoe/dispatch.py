@@ -135,7 +135,7 @@ def dispatch(x: Tensor, plan: RoutingPlan, *, scale: bool = False) -> Tensor:
     x: ``[T, M]`` -> ``[N, M]`` with ``N = sum(plan.counts)``, rows sorted by expert then slot.
     With ``scale`` each row is multiplied by its combine weight (``score_at="dispatch"``).
     """
-    if _gather_pairs(plan) and torch.is_grad_enabled() and x.requires_grad:
+    if _gather_pairs(plan) and torch.is_grad_enabled() and x.requires_grad and not _traced_off_cpu(x):
         rows = _Dispatch.apply(x, plan.row_token, pair_rows(plan), plan.every_pair_has_row)
     else:
         rows = x.index_select(0, plan.row_token)
@@ -154,12 +154,22 @@ def combine(expert_output: Tensor, plan: RoutingPlan, *, weighted: bool = True) 
     differentiable = torch.is_grad_enabled() and (expert_output.requires_grad
                                                   or (weight is not None and weight.requires_grad))
     small = plan.num_tokens * plan.k * expert_output.shape[-1] <= SCATTER_MAX_ELEMENTS
-    if not _gather_pairs(plan) or (small and not differentiable and not torch.compiler.is_compiling()):
+    if not _gather_pairs(plan) or (small and not differentiable and not torch.compiler.is_compiling()) \
+            or _traced_off_cpu(expert_output):
         return sum_rows_by_token(expert_output, plan.row_token, weight, plan.num_tokens)
     complete = plan.every_pair_has_row
     if weight is None:
         weight = expert_output.new_ones(expert_output.shape[0])
     return _Combine.apply(expert_output, weight, plan.row_token, pair_rows(plan), complete)
+
+
+def _traced_off_cpu(x: Tensor) -> bool:
+    """Whether this call is being compiled for a device other than the CPU: there dispatch and combine take
+    autograd's own ops (a gather, a scatter-add) instead of the pair-gather functions above. On CUDA (an H200,
+    torch 2.11) the traced ``_Dispatch`` / ``_Combine`` gave zero gradients to everything before them while their
+    forward was right, with every backend, eager included (tests/test_compile.py's capacity cases under
+    ``make test-gpu``); the same graphs on the CPU are right."""
+    return torch.compiler.is_compiling() and x.device.type != "cpu"
 
 
 def sum_rows_by_token(rows: Tensor, row_token: Tensor, row_weight: Tensor | None, num_tokens: int) -> Tensor:
