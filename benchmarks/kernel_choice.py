@@ -1,7 +1,7 @@
 """What the expert-kernel chooser measures and picks at the benchmark suite's shapes, and what its timing costs
 on a cold cache (docs/performance.md, "Expert kernels chosen by measurement").
 
-    PYTHONPATH=src python benchmarks/kernel_choice.py [--threads 2]
+    PYTHONPATH=src python benchmarks/kernel_choice.py [--threads 2] [--device cuda]
 
 For each shape it builds a fresh MoELayer (M=512, fp32, dropless; the chooser's cache in memory only, its real
 timer) and runs two calls: the first times every supported kernel (and, in training, the fused route against the
@@ -18,6 +18,7 @@ import time
 import torch
 
 from flexmoe import MoELayer
+from flexmoe.device_clock import synchronize
 from flexmoe.kernel_chooser import KernelChooser
 
 # name: (tokens, experts, hidden, k, training)
@@ -34,12 +35,14 @@ SHAPES = {
 
 
 def _call(layer: MoELayer, x: torch.Tensor, training: bool) -> float:
+    synchronize(x.device)
     start = time.perf_counter()
     if training:
         layer(x).sum().backward()
     else:
         with torch.no_grad():
             layer(x)
+    synchronize(x.device)
     return time.perf_counter() - start
 
 
@@ -47,14 +50,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
+    parser.add_argument("--device", default="cpu", help="where the layer runs (cpu, cuda, ...)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     KernelChooser.default_cache_dir = None  # a cold cache for every layer, nothing written
     for name in args.shapes.split(","):
         tokens, experts, hidden, k, training = SHAPES[name]
         torch.manual_seed(0)
-        layer = MoELayer(512, experts, hidden, k=k, capacity_factor=0.0).train(training)
-        x = torch.randn(tokens, 512, requires_grad=training)
+        layer = MoELayer(512, experts, hidden, k=k, capacity_factor=0.0, device=args.device).train(training)
+        x = torch.randn(tokens, 512, device=args.device, requires_grad=training)
         first = _call(layer, x, training)
         second = _call(layer, x, training)
         chooser = layer.experts.kernels
