@@ -6,7 +6,8 @@ Launches ``--world`` ranks itself (gloo on 127.0.0.1, one torch thread each) and
 (its default configuration unless flags say otherwise), or with ``--model qwen3_moe`` a small Qwen3-MoE-shaped
 Hugging Face model converted by flexmoe.hf (4 layers, width 128, 8 experts of 256, k=2, GQA), twice from one
 seed: experts over all ranks with the rest replicated by ``wrap_ddp``, and the same laid on ``make_mesh(ep=world)``
-by ``parallelize``. It times a training step (forward, backward, AdamW) of each in turn, round-robin so that load
+by ``parallelize``. It times a training step (forward, backward, AdamW: multi-tensor, over
+:func:`~flexmoe.parallel.split_expert_groups`, as the training job's) of each in turn, round-robin so that load
 from other processes hits both alike, and prints per mode (``parallelize`` twice: resharding each block after its
 forward, the default, and keeping its parameters gathered until backward) the median step time (the slowest rank's,
 each step), its ratio to ``wrap_ddp``, and the bytes of parameters, gradients and AdamW states each rank holds.
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.launch import spawn_ranks
-from flexmoe.parallel import local_state_bytes, make_mesh, parallelize, wrap_ddp
+from flexmoe.parallel import local_state_bytes, make_mesh, parallelize, split_expert_groups, wrap_ddp
 
 
 def parse_args() -> argparse.Namespace:
@@ -71,7 +72,10 @@ def rank_main(args: dict) -> dict:
         kept = parallelize(build(args, "single"), make_mesh(ep=world), reshard_after_forward=False)
         modes = {"wrap_ddp": (wrap_ddp(ddp_model), ddp_model), "parallelize": (fsdp_model, fsdp_model),
                  "parallelize, kept gathered": (kept, kept)}
-        opts = {name: torch.optim.AdamW(model.parameters(), lr=1e-3) for name, (_, model) in modes.items()}
+        # The training job's kind of optimizer (flexmoe.apps.train.build_optimizer): multi-tensor AdamW over groups
+        # of one kind of tensor each, for every mode alike.
+        opts = {name: torch.optim.AdamW(split_expert_groups(model, [{"params": list(model.parameters())}]),
+                                        lr=1e-3, foreach=True) for name, (_, model) in modes.items()}
         times: dict[str, list[float]] = {name: [] for name in modes}
         held: dict[str, int] = {}
         g = torch.Generator().manual_seed(rank)

@@ -156,3 +156,36 @@ def test_missing_rank_file_fails_clearly(tmp_path: Path) -> None:
     (two / "model-rank00001-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"model-rank00001-of-00002\.safetensors: missing"):
         read_checkpoint(two)
+
+
+def test_a_checkpoint_of_whole_groups_resumes_into_split_groups(tmp_path: Path) -> None:
+    """A checkpoint whose optimizer held one group per weight decay (as build_optimizer made them before it split
+    each group's experts apart) resumes into today's split groups: every parameter's moments, and each part with
+    its saved group's hyperparameters, but the resuming optimizer's own way to compute (foreach)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.endswith(("b1", "b2", "b3"))]
+    rest = [p for p in model.parameters() if all(p is not q for q in decay)]
+    whole = torch.optim.AdamW([{"params": decay, "weight_decay": 0.25}, {"params": rest, "weight_decay": 0.0}],
+                              lr=3e-3, foreach=False)
+    x = torch.randint(0, 256, (4, 16))
+    _, loss = model(x, x)
+    loss.backward()
+    whole.step()
+    ckpt = save_checkpoint(tmp_path, model=model, optimizer=whole, step=1)
+    assert ckpt is not None
+
+    fresh = GPT(GPTConfig(**TINY))
+    split = build_optimizer(fresh, TrainConfig(weight_decay=0.5, lr=1e-2))
+    assert len(split.param_groups) > len(whole.param_groups)  # the experts apart: a real split
+    load_checkpoint(ckpt, model=fresh, optimizer=split)
+    names = {id(p): n for n, p in fresh.named_parameters()}
+    saved_decay = {n for n, p in model.named_parameters() if any(p is q for q in decay)}
+    for group in split.param_groups:
+        in_decay = {names[id(p)] in saved_decay for p in group["params"]}
+        assert len(in_decay) == 1
+        assert group["weight_decay"] == (0.25 if in_decay.pop() else 0.0) and group["lr"] == 3e-3
+        assert group["foreach"] is True
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(whole.state[p][key], split.state[q][key])

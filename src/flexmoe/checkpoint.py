@@ -254,6 +254,10 @@ def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Optimizer options that say how to compute a step, not what the state is: the resuming optimizer's own stand.
+_HOW_TO_COMPUTE = ("foreach", "fused", "capturable", "differentiable")
+
+
 def _load_optimizer(
     model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], groups: list, source: str
 ) -> None:
@@ -262,9 +266,11 @@ def _load_optimizer(
     for g in optimizer.param_groups:
         for p in g["params"]:
             index[id(p)] = len(index)
-    if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(f"{source}: {len(groups)} optimizer param groups, the optimizer has "
-                              f"{len(optimizer.param_groups)}")
+    names = {id(p): n for n, p in params.items()}
+    saved_group_of = {name: i for i, g in enumerate(groups) for name in g["params"]}
+    live_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    if set(saved_group_of) != {n for group in live_names for n in group}:
+        raise CheckpointError(f"{source}: the optimizer's param groups hold other parameters than the saved ones")
     state: dict[int, dict[str, Tensor]] = {}
     for key, value in tensors.items():
         kind, _, name = key.partition("/")
@@ -276,13 +282,17 @@ def _load_optimizer(
                 f"{tuple(params[name].shape)}"
             )
         state.setdefault(index[id(params[name])], {})[kind] = value.clone()
-    names = {id(p): n for n, p in params.items()}
     param_groups = []
-    for i, (saved, live) in enumerate(zip(groups, optimizer.param_groups)):
-        live_names = [names[id(p)] for p in live["params"]]
-        if saved["params"] != live_names:
-            raise CheckpointError(f"{source}: optimizer param group {i} lists other parameters than the model's")
-        hyper = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k != "params"}
+    for i, (live, live_group_names) in enumerate(zip(optimizer.param_groups, live_names)):
+        # Groups are matched by the parameters they hold, so that a run whose optimizer splits the saved groups
+        # further (flexmoe.parallel.split_expert_groups) resumes with each part's saved hyperparameters.
+        owners = {saved_group_of[n] for n in live_group_names}
+        if len(owners) > 1:
+            raise CheckpointError(f"{source}: optimizer param group {i} holds parameters of {len(owners)} saved "
+                                  f"groups ({sorted(owners)})")
+        saved = groups[owners.pop()] if owners else {}
+        hyper = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()
+                 if k != "params" and k not in _HOW_TO_COMPUTE}
         param_groups.append({**live, **hyper, "params": [index[id(p)] for p in live["params"]]})
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 

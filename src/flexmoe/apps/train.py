@@ -67,6 +67,7 @@ from flexmoe.layer import update_expert_biases
 from flexmoe.model_routing import balance_metrics
 from flexmoe.parallel.ddp import wrap_ddp
 from flexmoe.parallel.groups import default_ranks_per_node
+from flexmoe.parallel.optim import split_expert_groups
 from flexmoe.parallel.replicas import placement_record, replace_experts, replica_slots
 from flexmoe.routing.global_balance import reset_global_balance
 from flexmoe.routing.losses import AUX_LOSS_TYPES
@@ -512,14 +513,16 @@ def _spread_experts(model: MoEModel) -> dict[str, str]:
 
 
 def build_optimizer(model: nn.Module, tcfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not biases, norms or expert biases)."""
+    """AdamW; weight decay on matrices only (not biases, norms or expert biases). Multi-tensor (``foreach``), each
+    group's experts apart from the rest (:func:`~flexmoe.parallel.split_expert_groups`: under ``--fsdp`` one kind
+    of tensor per group)."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         is_bias = p.dim() < 2 or name.rsplit(".", 1)[-1] in ("b1", "b2", "b3")
         (no_decay if is_bias else decay).append(p)
     groups = [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(split_expert_groups(model, groups), lr=tcfg.lr, betas=(0.9, 0.95), foreach=True)
 
 
 def lr_at(step: int, tcfg: TrainConfig) -> float:

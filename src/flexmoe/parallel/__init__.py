@@ -23,6 +23,7 @@ from flexmoe.parallel.layout import ExpertLayout, shard_expert_state, unshard_ex
 from flexmoe.parallel.materialize import allocate, materialize, reset_module
 from flexmoe.parallel.memory import local_state_bytes
 from flexmoe.parallel.mesh import MESH_DIMS, make_mesh
+from flexmoe.parallel.optim import split_expert_groups
 from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.pairwise import pairwise_peers
 from flexmoe.parallel.placement import ReplicaPlacement, eplb_placement
@@ -73,6 +74,7 @@ __all__ = [
     "candidates",
     "expert_parameter_names",
     "wrap_ddp",
+    "split_expert_groups",
     "MESH_DIMS",
     "make_mesh",
     "parallelize",
