@@ -100,7 +100,9 @@ def test_floor_ratio_check_reports_both_floors() -> None:
 def test_memory_check_compares_saved_bytes_at_equal_tokens() -> None:
     cfg = BenchConfig(tokens=64, model_dim=8, hidden_dim=16, experts=4, k=4, capacity_factor=0.0)
     m = memory_check("tiny", cfg, 32, 1.1, "fine-grained").measure(SuiteSettings(show=False))
-    assert m.details["bytes"][4] > 0 and m.value == m.details["bytes"][32] / m.details["bytes"][4]
+    same, chosen = m.details["bytes"]["loop"], m.details["bytes"]["auto"]  # the rule's kernel at both E; the chooser's
+    assert same[4] > 0 and m.value == same[32] / same[4]
+    assert chosen[4] > 0 and chosen[32] > 0 and "chosen kernels" in m.note
 
 
 def test_measure_decode_times_the_layer_and_both_floors() -> None:

@@ -35,6 +35,7 @@ from flexmoe.apps.baselines import grouped_floor_kind, gshard_einsum_forward
 from flexmoe.apps.bench.config import DTYPES, BenchConfig, build_layer, floor_case, fwd_bwd, make_inputs
 from flexmoe.apps.bench.suite import Measurement, SuiteCheck, SuiteSettings
 from flexmoe.apps.bench.timing import saved_activation_bytes, time_side_by_side
+from flexmoe.expert_kernels import RULE_KERNEL
 from flexmoe.experts import FeedForwardExperts
 from flexmoe.layer import MoELayer
 
@@ -262,19 +263,28 @@ def floor_ratio_check(label: str, cfg: BenchConfig, target: float, group: str = 
 
 def memory_check(label: str, cfg: BenchConfig, wide_experts: int, target: float, group: str = "layer",
                  ) -> SuiteCheck:
-    """Activation memory (bytes autograd saves) at ``wide_experts`` over ``cfg``'s, same T, k and H."""
+    """Activation memory (bytes autograd saves) at ``wide_experts`` over ``cfg``'s, same T, k and H, both layers
+    computing their experts alike (the rule's kernel, :data:`~flexmoe.expert_kernels.RULE_KERNEL`): what is
+    checked is how the data path's memory grows with E. The chooser may take another route at each E (the fused
+    one keeps less), so the note gives both layers' memory with the chooser too."""
     def measure(settings: SuiteSettings) -> Measurement:
         narrow = replace(cfg, seed=settings.seed, device=settings.device)
         x, _ = make_inputs(narrow, narrow.seed + 1)
-        saved = {}
-        for experts in (cfg.experts, wide_experts):
-            layer = warmed_up(build_layer(replace(narrow, experts=experts)), x)
-            saved[experts] = saved_activation_bytes(partial(layer, x), list(layer.parameters()))
-        ratio = saved[wide_experts] / saved[cfg.experts]
+        saved: dict[str, dict[int, int]] = {RULE_KERNEL: {}, "auto": {}}
+        for kernel, per_e in saved.items():
+            for experts in (cfg.experts, wide_experts):
+                layer = warmed_up(build_layer(replace(narrow, experts=experts), expert_kernel=kernel), x)
+                per_e[experts] = saved_activation_bytes(partial(layer, x), list(layer.parameters()))
+        same = saved[RULE_KERNEL]
+        ratio = same[wide_experts] / same[cfg.experts]
         mib = 2**-20
+
+        def pair(per_e: dict[int, int]) -> str:
+            return (f"{per_e[cfg.experts] * mib:.1f} MiB at E={cfg.experts}, "
+                    f"{per_e[wide_experts] * mib:.1f} MiB at E={wide_experts}")
+
         return Measurement(ratio, f"x E={cfg.experts}", {"bytes": saved},
-                           f"{saved[cfg.experts] * mib:.1f} MiB at E={cfg.experts}, "
-                           f"{saved[wide_experts] * mib:.1f} MiB at E={wide_experts}")
+                           f"{pair(same)} ({RULE_KERNEL}); chosen kernels: {pair(saved['auto'])}")
     return SuiteCheck(group, label, target, measure)
 
 
