@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from flexmoe.apps.data import TokenData
 from flexmoe.hf import load, save_pretrained
-from flexmoe.parallel import load_sharded, make_mesh, save_sharded
+from flexmoe.parallel import load_sharded, make_mesh, save_sharded, split_expert_groups
 
 RUN = "runs/hf_larger"
 BLOCK = 32  # tokens per sequence
@@ -89,7 +89,10 @@ def main(stage: str) -> None:
     try:
         mesh = make_mesh(ep=2, dp_shard=-1)  # 4 ranks: ep=2 x dp_shard=2; 2 ranks: ep=2
         model = load(f"{RUN}/pretrained", mesh)  # each rank reads its experts' rows and its shards only
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        # Each group one kind of tensor (at 2 ranks the experts are plain tensors beside DTensors), the same groups
+        # at every mesh: the multi-tensor AdamW runs, and the DCP checkpoint loads at the other mesh.
+        groups = split_expert_groups(model, [{"params": list(model.parameters())}])
+        opt = torch.optim.AdamW(groups, lr=3e-3, foreach=True)
         first = 0
         if stage == "resume":
             load_sharded(f"{RUN}/dcp-10", model, opt, mesh=mesh)  # saved at 4 ranks, loaded at 2
