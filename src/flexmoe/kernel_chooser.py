@@ -27,6 +27,7 @@ import socket
 import time
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -324,21 +325,21 @@ def timed_run(run: Callable[[Tensor], Tensor], x: Tensor, weights: ExpertWeights
     ``x`` (a copy) and every weight that wants a gradient (``torch.autograd.grad``: nothing is accumulated into
     ``.grad``). Each run returns once ``x``'s device has finished it (:func:`~flexmoe.device_clock.synchronize`),
     so that a timer around it measures the work, not the kernel launches."""
-    synchronize(x.device)  # what was queued before the timing must not count in the first run's time
+    work: Callable[[], object]
     if not backward or not weights.needs_grad(x):
-        def forward() -> object:
-            out = run(x)
-            synchronize(x.device)
-            return out
+        work = partial(run, x)
+    else:
+        copy = x.detach().requires_grad_(x.requires_grad)
+        inputs = [t for t in (copy, *weights.present()) if t.requires_grad]
 
-        return forward
-    copy = x.detach().requires_grad_(x.requires_grad)
-    inputs = [t for t in (copy, *weights.present()) if t.requires_grad]
+        def work() -> object:  # forward and backward
+            out = run(copy)
+            return torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
 
-    def forward_backward() -> object:
-        out = run(copy)
-        grads = torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+    def finished_run() -> object:
+        result = work()
         synchronize(x.device)
-        return grads
+        return result
 
-    return forward_backward
+    synchronize(x.device)  # what was queued before the timing must not count in the first run's time
+    return finished_run
