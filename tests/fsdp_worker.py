@@ -10,6 +10,7 @@ computes it for itself (the model is tiny) and compares its own losses and its o
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from flexmoe import MoELayer, update_expert_biases
@@ -23,6 +24,7 @@ from flexmoe.parallel import (
     parallelize,
     shard_expert_state,
 )
+from flexmoe.parallel.fsdp_overlap import DeferredReduceScatter
 
 # Tiny: 2 MoE blocks of 8 experts, so ep=4 holds 2 experts a rank and ep=2 x dp_shard=2 one expert's worth of each.
 CFG = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, num_experts=8, expert_hidden=16, k=2,
@@ -340,6 +342,53 @@ def scenario_fsdp_errors(rank: int, world: int, out: dict) -> None:
     out["failures"] = failures
 
 
+def scenario_fsdp_overlap(rank: int, world: int, out: dict) -> None:
+    """The collectives overlapped on gloo (flexmoe.parallel.fsdp_overlap) at ep=world: in place on every parameter
+    group FSDP reduce-scatters; the gradients present when ``backward()`` returns are one process's (their
+    reduce-scatters were deferred to the end of backward, then divided); and micro-batches accumulated into existing
+    gradients (a reduce-scatter that must not be deferred) train like one process accumulating the same ones."""
+    failures: list[str] = []
+    model = parallelize(gpt(), make_mesh(ep=world))
+    comms = [group._reduce_scatter_comm for module in model.modules() if isinstance(module, FSDPModule)
+             for group in module._get_fsdp_state()._fsdp_param_groups]
+    if not comms or not all(isinstance(c, DeferredReduceScatter) for c in comms):
+        failures.append(f"reduce-scatters not deferred: {[type(c).__name__ for c in comms]}")
+
+    ref = gpt()
+    total = torch.zeros((), dtype=DTYPE)
+    for j in range(world):
+        _, loss = ref(*batch(0, j))
+        total = total + (loss + ref.regularization_loss()) / world
+    total.backward()
+    _, loss = model(*batch(0, rank))
+    (loss + model.regularization_loss()).backward()
+    for name, p in model.named_parameters():
+        got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        want = expected_shard(ref, name, world, rank, grad=True)
+        if not torch.allclose(got, want, rtol=TOL, atol=TOL):
+            failures.append(f"gradient of {name} after backward differs by {(got - want).abs().max().item():.3g}")
+
+    micro, steps = 2, 3
+    ref, model = gpt(), parallelize(gpt(), make_mesh(ep=world))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    for step in range(steps):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        for m in range(micro):
+            total = torch.zeros((), dtype=DTYPE)
+            for j in range(world):
+                _, loss = ref(*batch(micro * step + m, j))
+                total = total + (loss + ref.regularization_loss()) / (world * micro)
+            total.backward()
+            _, loss = model(*batch(micro * step + m, rank))
+            ((loss + model.regularization_loss()) / micro).backward()
+        ref_opt.step()
+        opt.step()
+    compare_run(f"{micro} micro-batches", [], [], ref, model, rank, world, failures)
+    out["failures"] = failures
+
+
 # --- DCP checkpoints: save at one mesh, load at others (each a separate group of processes) -----------------------
 
 # The experts' kernel every side of a DCP check evaluates with: embedding_bag computes each row as a bag of its
@@ -422,4 +471,5 @@ SCENARIOS = {
     "fsdp_big": scenario_fsdp_big,
     "fsdp_errors": scenario_fsdp_errors,
     "fsdp_compile": scenario_fsdp_compile,
+    "fsdp_overlap": scenario_fsdp_overlap,
 }

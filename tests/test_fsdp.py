@@ -81,6 +81,9 @@ CASES = [
     pytest.param(Scenario("fsdp_compile", 2, "torch.compile (inductor) per block of the GPT at ep=2 gives the eager "
                           "process's losses and weights", timeout=900.0, collective_timeout=300.0), _ran(1),
                  id="fsdp_compile-w2", marks=pytest.mark.slow),
+    pytest.param(Scenario("fsdp_overlap", 2, "on gloo, reduce-scatters deferred to the end of backward give one "
+                          "process's gradients, and micro-batches accumulate like one process's"), None,
+                 id="fsdp_overlap-w2"),
     pytest.param(Scenario("fsdp_errors", 2, "parallelize refuses what it cannot do, naming it"), None,
                  id="fsdp_errors-w2"),
 ]

@@ -10,6 +10,8 @@
    sharded over the ranks that hold the same experts (``dp_shard``, replicated over ``dp_replicate``), every other
    parameter over all ranks of a replica (``dp_shard x ep``): one unit, two parameter groups, each with its own
    process group (FSDP2's per-parameter mesh).
+4. On gloo (no device streams), the collectives overlapped with compute: each unit's forward gathers the next
+   unit ahead, and reduce-scatters are waited for at the end of backward (:mod:`flexmoe.parallel.fsdp_overlap`).
 
 Gradients: FSDP divides every reduced gradient by the world size. A non-expert gradient is thereby the mean over
 ranks, as under DDP. An expert's gradient already sums its expert-parallel group's tokens (through the
@@ -38,6 +40,7 @@ from torch.distributed.tensor import Shard
 
 from flexmoe.experts import FeedForwardExperts
 from flexmoe.parallel.ddp import divide_gradients
+from flexmoe.parallel.fsdp_overlap import overlap_gloo_collectives
 from flexmoe.parallel.groups import SINGLE_PROCESS
 from flexmoe.parallel.layout import ExpertLayout, shard_expert_state
 from flexmoe.parallel.mesh import full_mesh, mesh_sizes
@@ -59,7 +62,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecision
     reshard_after_forward: free each block's gathered parameters after its forward (gather again in backward);
         the last block, whose backward comes first, stays gathered.
     activation_checkpointing: recompute each block's activations in backward instead of keeping them.
-    blocks: the FSDP units (default :func:`default_blocks`: the entries of the model's lists of blocks).
+    blocks: the FSDP units in forward order (default :func:`default_blocks`: the entries of the model's lists of
+        blocks). On gloo each unit's forward starts gathering the next one's parameters
+        (:func:`~flexmoe.parallel.fsdp_overlap.overlap_gloo_collectives`).
 
     Every rank calls this with the same model and mesh. Train the result as usual (its parameters are DTensors;
     gradients arrive averaged over all ranks); ``flexmoe.parallel.local_state_bytes`` says what each rank holds.
@@ -97,7 +102,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecision
         fully_shard(block, mesh=dense_mesh, shard_placement_fn=placement, mp_policy=policy,
                     reshard_after_forward=reshard_after_forward and not last, ignored_params=ignored)
     fully_shard(model, mesh=dense_mesh, shard_placement_fn=placement, mp_policy=policy, ignored_params=ignored)
-    _divide_gradients_by_world(model, gloo=dist.get_backend(dense_mesh.get_group(dense_mesh.ndim - 1)) == "gloo")
+    gloo = dist.get_backend(dense_mesh.get_group(dense_mesh.ndim - 1)) == "gloo"
+    _divide_gradients_by_world(model, gloo=gloo)
+    if gloo:
+        overlap_gloo_collectives(model, units)
     return model
 
 
