@@ -249,6 +249,19 @@ def test_train_fsdp_equals_the_replicated_run_holds_less_and_resumes(tmp_path: P
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "fsdp")
 
 
+@pytest.mark.slow
+def test_train_fsdp_compiled_per_block_logs_the_eager_losses(tmp_path: Path) -> None:
+    """flexmoe train --nproc 2 --fsdp --compile (inductor, with activation checkpointing) compiles each block, FSDP2's
+    hooks between them eager, and logs the eager --fsdp run's losses."""
+    flags = ["--steps", "4", "--nproc", "2", "--ep", "2", "--fsdp"]
+    eager = _train(tmp_path / "eager", *flags)
+    assert eager.returncode == 0, eager.stderr[-3000:]
+    compiled = _train(tmp_path / "compiled", *flags, "--compile", "--activation-checkpointing")
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    assert "compile each of its 2 blocks" in compiled.stdout
+    assert _losses(tmp_path / "compiled") == pytest.approx(_losses(tmp_path / "eager"), rel=1e-5)
+
+
 @pytest.mark.parametrize(("argv", "words"), [
     (["--nproc", "4", "--ep", "2"], "--ep 2 of 4 ranks needs --fsdp"),
     pytest.param(["--nproc", "4", "--ep", "3", "--fsdp"], "--ep 3 must divide the number of ranks 4",

@@ -45,7 +45,7 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
 
 def check_mesh_flags(args: argparse.Namespace, world: int) -> None:
     """UsageError for a mesh the job cannot run: --ep not dividing the ranks, --ep or activation checkpointing
-    without --fsdp, --fsdp with what it does not cover yet (--compile, --dense)."""
+    without --fsdp, --fsdp with the dense twin (--dense)."""
     ep = getattr(args, "ep", None)
     if ep is not None and world % ep:
         raise UsageError(f"--ep {ep} must divide the number of ranks {world}")
@@ -54,8 +54,6 @@ def check_mesh_flags(args: argparse.Namespace, world: int) -> None:
                          f"experts: --ep is the number of ranks)")
     if args.activation_checkpointing and not args.fsdp:
         raise UsageError("--activation-checkpointing needs --fsdp")
-    if args.fsdp and args.compile:
-        raise UsageError("--fsdp with --compile is not supported yet: train eagerly, or without --fsdp")
     if args.fsdp and getattr(args, "dense", False):
         raise UsageError("--fsdp shards an MoE model; the dense twin (--dense) is not laid on a mesh")
 

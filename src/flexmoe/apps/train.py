@@ -25,7 +25,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -66,6 +66,7 @@ from flexmoe.checkpoint import (
 from flexmoe.layer import update_expert_biases
 from flexmoe.model_routing import balance_metrics
 from flexmoe.parallel.ddp import wrap_ddp
+from flexmoe.parallel.fsdp import default_blocks
 from flexmoe.parallel.groups import default_ranks_per_node
 from flexmoe.parallel.optim import split_expert_groups
 from flexmoe.parallel.replicas import placement_record, replace_experts, replica_slots
@@ -351,15 +352,19 @@ def add_compile_flag(parser: argparse.ArgumentParser) -> None:
                              "compile it)")
 
 
-def compile_model(model: nn.Module, tcfg: TrainConfig, label: str, rank: int = 0) -> None:
+def compile_model(model: nn.Module, tcfg: TrainConfig, label: str, rank: int = 0, *,
+                  blocks: Sequence[nn.Module] | None = None) -> None:
     """Compile ``model`` in place when ``tcfg.compile`` names a backend: ``nn.Module.compile``, so parameter
-    names, and so checkpoints, stay those of the eager model."""
+    names, and so checkpoints, stay those of the eager model. ``blocks``: compile each of these instead of the whole
+    model (a model laid out by ``parallelize``: FSDP2's hooks between the blocks stay eager, as torchtitan does)."""
     if tcfg.compile is None:
         return
-    model.compile(backend=tcfg.compile)
+    for module in [model] if blocks is None else blocks:
+        module.compile(backend=tcfg.compile)
     if rank == 0:
+        what = "the model" if blocks is None else f"each of its {len(blocks)} blocks"
         print(f"[{label}] under torch.compile (backend {tcfg.compile}): the first step, and the first evaluation, "
-              f"compile the model", flush=True)
+              f"compile {what}", flush=True)
 
 
 def check_compile_backend(backend: str | None) -> str | None:
@@ -730,7 +735,7 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
             print(f"[{label}] {params:,} parameters, {active_params:,} active per "
                   f"token; {data.source}: {len(data.train):,} train / {len(data.val):,} validation bytes",
                   flush=True)
-    compile_model(model, tcfg, label, rank)
+    compile_model(model, tcfg, label, rank, blocks=None if mesh is None else default_blocks(model))
     tokens_per_step = tcfg.batch_size * block_size
     rows = _rank_rows(tcfg.batch_size, rank, world)
     micro = tcfg.batch_size // world // tcfg.micro_batches

@@ -34,6 +34,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 __all__ = ["overlap_gloo_collectives", "DeferredReduceScatter"]
 
+# torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single; the same call otherwise.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def overlap_gloo_collectives(model: nn.Module, units: Sequence[nn.Module]) -> None:
     """Overlap the FSDP2 collectives of ``model`` (the root unit, already sharded) and its ``units`` (in forward
@@ -77,8 +80,7 @@ class DeferredReduceScatter(ReduceScatter):
                  op: object, async_op: bool = False) -> None:
         # `op` is FSDP2's AVG / PREMUL_SUM(1 / factor) for the group's divide factor: done here as SUM, then divide.
         factor = self.param_group.gradient_divide_factor or float(group.size())
-        work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group,
-                                          async_op=True)
+        work = _reduce_scatter(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
         def finish() -> None:
             work.wait()
