@@ -262,12 +262,25 @@ def test_train_fsdp_compiled_per_block_logs_the_eager_losses(tmp_path: Path) -> 
     assert _losses(tmp_path / "compiled") == pytest.approx(_losses(tmp_path / "eager"), rel=1e-5)
 
 
+@pytest.mark.slow
+def test_train_dense_twin_under_fsdp_logs_the_replicated_losses(tmp_path: Path) -> None:
+    """flexmoe train --dense --nproc 2 --fsdp (activation checkpointing): the dense twin sharded per block logs the
+    replicated (DDP) dense run's losses and holds less per rank."""
+    ddp = _train(tmp_path / "ddp", "--steps", "4", "--nproc", "2", "--dense")
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    fsdp = _train(tmp_path / "fsdp", "--steps", "4", "--nproc", "2", "--dense", "--fsdp", "--activation-checkpointing")
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert _losses(tmp_path / "fsdp") == pytest.approx(_losses(tmp_path / "ddp"), rel=1e-5)
+    held, replicated = (json.loads((tmp_path / run / "summary.json").read_text())["state_bytes_per_rank"]
+                        for run in ("fsdp", "ddp"))
+    assert all(2 * h < 1.1 * r for h, r in zip(held, replicated)), (held, replicated)
+
+
 @pytest.mark.parametrize(("argv", "words"), [
     (["--nproc", "4", "--ep", "2"], "--ep 2 of 4 ranks needs --fsdp"),
     pytest.param(["--nproc", "4", "--ep", "3", "--fsdp"], "--ep 3 must divide the number of ranks 4",
                  marks=pytest.mark.slow),
     (["--activation-checkpointing"], "--activation-checkpointing needs --fsdp"),
-    pytest.param(["--nproc", "2", "--fsdp", "--dense"], "--fsdp shards an MoE model", marks=pytest.mark.slow),
 ])
 def test_train_mesh_flags_are_checked_before_anything_runs(tmp_path: Path, argv: list[str], words: str) -> None:
     out = _train(tmp_path / "run", "--steps", "1", *argv)

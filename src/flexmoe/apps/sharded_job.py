@@ -24,9 +24,9 @@ from torch.distributed.tensor import DTensor
 
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.flags import COUNT
-from flexmoe.parallel import load_sharded, local_state_bytes, make_mesh, parallelize, save_sharded
+from flexmoe.parallel import default_blocks, load_sharded, local_state_bytes, make_mesh, parallelize, save_sharded
 
-__all__ = ["add_mesh_flags", "check_mesh_flags", "lay_out", "clip_sharded_gradients", "state_bytes_per_rank",
+__all__ = ["add_mesh_flags", "check_mesh_flags", "lay_out", "blocks", "clip_sharded_gradients", "state_bytes_per_rank",
            "save_dcp_checkpoint", "latest_dcp_checkpoint", "load_dcp_checkpoint"]
 
 DCP_PREFIX = "dcp-step_"
@@ -45,7 +45,7 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
 
 def check_mesh_flags(args: argparse.Namespace, world: int) -> None:
     """UsageError for a mesh the job cannot run: --ep not dividing the ranks, --ep or activation checkpointing
-    without --fsdp, --fsdp with the dense twin (--dense)."""
+    without --fsdp."""
     ep = getattr(args, "ep", None)
     if ep is not None and world % ep:
         raise UsageError(f"--ep {ep} must divide the number of ranks {world}")
@@ -54,8 +54,6 @@ def check_mesh_flags(args: argparse.Namespace, world: int) -> None:
                          f"experts: --ep is the number of ranks)")
     if args.activation_checkpointing and not args.fsdp:
         raise UsageError("--activation-checkpointing needs --fsdp")
-    if args.fsdp and getattr(args, "dense", False):
-        raise UsageError("--fsdp shards an MoE model; the dense twin (--dense) is not laid on a mesh")
 
 
 def lay_out(model: nn.Module, ep: int | None, activation_checkpointing: bool) -> tuple[nn.Module, DeviceMesh]:
@@ -63,12 +61,20 @@ def lay_out(model: nn.Module, ep: int | None, activation_checkpointing: bool) ->
     world = dist.get_world_size() if dist.is_initialized() else 1
     if not dist.is_initialized():
         raise UsageError("--fsdp needs more than one rank (--nproc N)")
-    num_experts = getattr(getattr(model, "cfg", None), "num_experts", None)
+    cfg = getattr(model, "cfg", None)
+    num_experts = None if getattr(cfg, "dense", False) else getattr(cfg, "num_experts", None)
     if num_experts is not None and (ep or world) > num_experts:
         raise UsageError(f"--fsdp needs at least as many experts as --ep ranks ({num_experts} experts, "
                          f"ep={ep or world}): experts cut along their hidden dim are not supported with --fsdp")
     mesh = make_mesh(ep=ep or world)
-    return parallelize(model, mesh, activation_checkpointing=activation_checkpointing), mesh
+    return parallelize(model, mesh, activation_checkpointing=activation_checkpointing, blocks=blocks(model)), mesh
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """A job's model's FSDP units, compiled one by one under ``--compile``: its blocks holding MoE layers
+    (:func:`~flexmoe.parallel.default_blocks`), or, for the dense twin, its ``blocks``."""
+    found = default_blocks(model)
+    return found if found else list(getattr(model, "blocks", []))
 
 
 @torch.no_grad()

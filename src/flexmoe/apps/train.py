@@ -66,7 +66,6 @@ from flexmoe.checkpoint import (
 from flexmoe.layer import update_expert_biases
 from flexmoe.model_routing import balance_metrics
 from flexmoe.parallel.ddp import wrap_ddp
-from flexmoe.parallel.fsdp import default_blocks
 from flexmoe.parallel.groups import default_ranks_per_node
 from flexmoe.parallel.optim import split_expert_groups
 from flexmoe.parallel.replicas import placement_record, replace_experts, replica_slots
@@ -735,7 +734,7 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
             print(f"[{label}] {params:,} parameters, {active_params:,} active per "
                   f"token; {data.source}: {len(data.train):,} train / {len(data.val):,} validation bytes",
                   flush=True)
-    compile_model(model, tcfg, label, rank, blocks=None if mesh is None else default_blocks(model))
+    compile_model(model, tcfg, label, rank, blocks=None if mesh is None else sharded_job.blocks(model))
     tokens_per_step = tcfg.batch_size * block_size
     rows = _rank_rows(tcfg.batch_size, rank, world)
     micro = tcfg.batch_size // world // tcfg.micro_batches
