@@ -9,8 +9,10 @@ computes it for itself (the model is tiny) and compares its own losses and its o
 
 from __future__ import annotations
 
+import copy
+
 import torch
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from flexmoe import MoELayer, update_expert_biases
@@ -335,6 +337,9 @@ def scenario_fsdp_errors(rank: int, world: int, out: dict) -> None:
            lambda: parallelize(with_layer_options(gpt(), balance="bias"), make_mesh(ep=1, dp_shard=world)))
     expect("float64 reduction over one-rank groups", ValueError, ("float64", "dp_shard=1 and ep=1"),
            lambda: parallelize(gpt().double(), make_mesh(ep=1, dp_shard=1, dp_replicate=world)))
+    expect("float16 reduction of experts over one rank", ValueError, ("float16", "experts sharded over one rank"),
+           lambda: parallelize(gpt(), make_mesh(ep=world),
+                               mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)))
     expect("not a mesh", TypeError, ("mesh",), lambda: parallelize(gpt(), "ep=2"))
     expect("mesh size", ValueError, ("world has",), lambda: make_mesh(ep=3, dp_shard=1))
     expect("experts not divisible", ValueError, ("num_experts",),
@@ -387,6 +392,65 @@ def scenario_fsdp_overlap(rank: int, world: int, out: dict) -> None:
         opt.step()
     compare_run(f"{micro} micro-batches", [], [], ref, model, rank, world, failures)
     out["failures"] = failures
+
+
+def scenario_fsdp_mixed_precision(rank: int, world: int, out: dict) -> None:
+    """FSDP2's mixed precision passed through parallelize (bf16 parameters, fp32 reduction) at ep=world, where no
+    other rank holds a rank's experts: every MoE layer, its experts included, computes in bf16 while the sharded
+    parameters and their gradients stay float32; the gradients are one process's computing each rank's batch with
+    bf16 copies of the weights and averaging them in float32; 3 AdamW steps track that process."""
+    failures: list[str] = []
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = parallelize(gpt(), make_mesh(ep=world), mp_policy=policy)
+    seen: set[tuple[torch.dtype, torch.dtype]] = set()
+    for layer in model.moe_layers:
+        layer.register_forward_pre_hook(lambda layer, args: seen.add((args[0].dtype, layer.experts.w1.dtype)))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    ref = gpt()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    for step in range(3):
+        ref_losses = _bf16_reference_gradients(ref, step, world)
+        logits, loss = model(*batch(step, rank))
+        (loss + model.regularization_loss()).backward()
+        if logits.dtype != torch.bfloat16:
+            failures.append(f"logits computed in {logits.dtype}")
+        if abs(loss.item() - ref_losses[rank]) > 0.05:  # a few bf16 steps at a loss of ~3.5
+            failures.append(f"step {step}: loss {loss.item()} vs the bf16 reference's {ref_losses[rank]}")
+        if step == 0:
+            for name, p in model.named_parameters():
+                got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                want = expected_shard(ref, name, world, rank, grad=True)
+                if p.dtype != torch.float32 or got.dtype != torch.float32:
+                    failures.append(f"{name}: parameter {p.dtype}, gradient {got.dtype}; float32 expected")
+                elif (got - want).abs().max() > 0.05 * want.abs().max() + 1e-6:  # bf16 rounding, summed otherwise
+                    failures.append(f"gradient of {name} differs by {(got - want).abs().max().item():.3g} "
+                                    f"(largest {want.abs().max().item():.3g})")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    if seen != {(torch.bfloat16, torch.bfloat16)}:
+        failures.append(f"MoE layers saw (input, expert weight) dtypes {seen}, expected bf16 for both")
+    out["failures"] = failures
+
+
+def _bf16_reference_gradients(master: GPT, step: int, world: int) -> list[float]:
+    """Set ``master``'s gradients to the mean over ranks of each rank's batch's gradient computed by a bf16 copy of
+    it, cast to float32 (what FSDP's bf16 parameters with float32 reduction compute); the ranks' losses."""
+    work = copy.deepcopy(master).to(torch.bfloat16)
+    grads = {name: torch.zeros_like(p) for name, p in master.named_parameters()}
+    losses = []
+    for j in range(world):
+        work.zero_grad(set_to_none=True)
+        _, loss = work(*batch(step, j))
+        loss = loss + work.regularization_loss()
+        loss.backward()
+        losses.append(loss.item())
+        for name, p in work.named_parameters():
+            grads[name] += p.grad.float() / world
+    for name, p in master.named_parameters():
+        p.grad = grads[name]
+    return losses
 
 
 # --- DCP checkpoints: save at one mesh, load at others (each a separate group of processes) -----------------------
@@ -472,4 +536,5 @@ SCENARIOS = {
     "fsdp_errors": scenario_fsdp_errors,
     "fsdp_compile": scenario_fsdp_compile,
     "fsdp_overlap": scenario_fsdp_overlap,
+    "fsdp_mixed_precision": scenario_fsdp_mixed_precision,
 }

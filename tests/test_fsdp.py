@@ -84,6 +84,9 @@ CASES = [
     pytest.param(Scenario("fsdp_overlap", 2, "on gloo, reduce-scatters deferred to the end of backward give one "
                           "process's gradients, and micro-batches accumulate like one process's"), None,
                  id="fsdp_overlap-w2"),
+    pytest.param(Scenario("fsdp_mixed_precision", 2, "bf16 parameters with float32 reduction at ep=2: every layer, "
+                          "experts included, computes in bf16, and the float32 gradients are one process's"), None,
+                 id="fsdp_mixed_precision-w2"),
     pytest.param(Scenario("fsdp_errors", 2, "parallelize refuses what it cannot do, naming it"), None,
                  id="fsdp_errors-w2"),
 ]

@@ -85,12 +85,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecision
             checkpoint(block)
 
     policy = mp_policy or MixedPrecisionPolicy()
-    _check_reduce_dtype(model, policy, sizes)
     experts = [p for layer in _moe_layers(model) for p in layer.experts.parameters()]
+    # No other rank holds this rank's experts: nothing to shard or reduce, so FSDP leaves them alone (its gathers
+    # of them would only copy). Not under a policy that casts parameters: FSDP's gather is then the cast, as for
+    # every other parameter, so the experts compute in the policy's dtype at every mesh.
+    cast = policy.param_dtype is not None and any(p.dtype != policy.param_dtype for p in experts)
+    experts_left_out = sizes["ep"] > 1 and sizes["dp_replicate"] * sizes["dp_shard"] == 1 and not cast
+    _check_reduce_dtype(model, policy, sizes, experts_in_fsdp=bool(experts) and not experts_left_out)
     dense_mesh = _dense_mesh(mesh, sizes)
-    if sizes["ep"] > 1 and sizes["dp_replicate"] * sizes["dp_shard"] == 1:
-        # No other rank holds this rank's experts: nothing to shard or reduce, so FSDP leaves them alone (its
-        # gathers of them would only copy). Their gradients already sum every rank's tokens: divide by the world.
+    if experts_left_out:
+        # Their gradients already sum every rank's tokens: divide by the world.
         placement, ignored = _placement(mesh, sizes, set()), set(experts)
         divide_gradients(experts, dist.get_world_size())
     else:
@@ -175,15 +179,21 @@ def _place_every_layer(model: nn.Module, group: Any, data_parallel: int) -> nn.M
     return model
 
 
-def _check_reduce_dtype(model: nn.Module, policy: MixedPrecisionPolicy, sizes: dict[str, int]) -> None:
+def _check_reduce_dtype(model: nn.Module, policy: MixedPrecisionPolicy, sizes: dict[str, int], *,
+                        experts_in_fsdp: bool) -> None:
     """Refuse gradients reduced in float16/float64 where a parameter group is sharded over one rank (dp_shard = ep
-    = 1; experts with no dp peers are left out of FSDP): torch 2.13 divides those gradients twice (before and
-    after the skipped reduce-scatter)."""
+    = 1; or the experts, when FSDP holds them, with dp_shard = 1): torch 2.13 divides those gradients twice
+    (before and after the skipped reduce-scatter)."""
     dtypes = {policy.reduce_dtype or policy.param_dtype or p.dtype for p in model.parameters()}
     risky = sorted(str(d) for d in dtypes if d not in (torch.float32, torch.bfloat16))
-    if sizes["dp_shard"] * sizes["ep"] == 1 and risky:
-        raise ValueError(f"parallelize: gradients reduced in {risky} with dp_shard=1 and ep=1 (parameters sharded "
-                         f"over one rank) would be divided twice by torch's FSDP; reduce in float32 "
+    if not risky:
+        return
+    over_one_rank = ("dp_shard=1 and ep=1 (parameters sharded over one rank)" if sizes["dp_shard"] * sizes["ep"] == 1
+                     else "dp_shard=1 (the experts sharded over one rank)" if experts_in_fsdp and sizes["dp_shard"] == 1
+                     else None)
+    if over_one_rank is not None:
+        raise ValueError(f"parallelize: gradients reduced in {risky} with {over_one_rank} would be divided twice by "
+                         f"torch's FSDP; reduce in float32 "
                          f"(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) or shard over more ranks")
 
 
