@@ -279,11 +279,33 @@ def test_train_dense_twin_under_fsdp_logs_the_replicated_losses(tmp_path: Path) 
     assert all(2 * h < 1.1 * r for h, r in zip(held, replicated)), (held, replicated)
 
 
+@pytest.mark.slow
+def test_train_fsdp_in_bf16_tracks_the_float32_run(tmp_path: Path) -> None:
+    """flexmoe train --fsdp --param-dtype bfloat16: blocks compute in bf16 (FSDP2's mixed precision), the weights
+    and DCP checkpoints stay float32, and the losses track the float32 run's to bf16 precision."""
+    flags = ["--steps", "6", "--nproc", "2", "--ep", "2", "--fsdp"]
+    fp32 = _train(tmp_path / "fp32", *flags)
+    assert fp32.returncode == 0, fp32.stderr[-3000:]
+    bf16 = _train(tmp_path / "bf16", *flags, "--param-dtype", "bfloat16")
+    assert bf16.returncode == 0, bf16.stderr[-3000:]
+    assert "blocks compute in bfloat16" in bf16.stdout
+    want, got = _losses(tmp_path / "fp32"), _losses(tmp_path / "bf16")
+    assert got != want  # bf16 rounding shows in the losses
+    assert got == pytest.approx(want, abs=0.03)  # a couple of bf16 steps (2**-7 relative) at a loss of ~5.5
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(tmp_path / "bf16" / "checkpoints" / "dcp-step_000006")).read_metadata()
+    dtypes = {m.properties.dtype for key, m in meta.state_dict_metadata.items()
+              if key.startswith("model.") and hasattr(m, "properties")}
+    assert dtypes == {torch.float32}, dtypes
+
+
 @pytest.mark.parametrize(("argv", "words"), [
     (["--nproc", "4", "--ep", "2"], "--ep 2 of 4 ranks needs --fsdp"),
     pytest.param(["--nproc", "4", "--ep", "3", "--fsdp"], "--ep 3 must divide the number of ranks 4",
                  marks=pytest.mark.slow),
     (["--activation-checkpointing"], "--activation-checkpointing needs --fsdp"),
+    (["--param-dtype", "bfloat16"], "--param-dtype bfloat16 needs --fsdp"),
 ])
 def test_train_mesh_flags_are_checked_before_anything_runs(tmp_path: Path, argv: list[str], words: str) -> None:
     out = _train(tmp_path / "run", "--steps", "1", *argv)

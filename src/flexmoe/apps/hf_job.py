@@ -338,7 +338,7 @@ def load_hf_model_by_shard(cfg: HFJobConfig, tcfg: TrainConfig) -> tuple[HFCausa
     reader = SafetensorsReader(cfg.hf_model)
     try:
         hf = load(cfg.hf_model, mesh, activation_checkpointing=tcfg.activation_checkpointing, reader=reader,
-                  **cfg.convert_options)
+                  mp_policy=sharded_job.mixed_precision(tcfg.param_dtype), **cfg.convert_options)
     except ValueError as exc:
         raise UsageError(f"--hf-model {cfg.hf_model}: {exc}".splitlines()[0]) from None
     print(f"[{cfg.label}] rank {dist.get_rank()} read {reader.bytes_read:,} bytes of the checkpoint's "
@@ -412,7 +412,7 @@ def run_job(args: argparse.Namespace, cfg: HFJobConfig, tcfg: TrainConfig) -> in
         model, counts = build_hf_model(cfg, tcfg.seed, pretrained=cfg.hf_model is not None and not resumes)
         model.to(tcfg.device)
     if tcfg.fsdp and mesh is None:
-        laid, mesh = sharded_job.lay_out(model, tcfg.ep, tcfg.activation_checkpointing)
+        laid, mesh = sharded_job.lay_out(model, tcfg.ep, tcfg.activation_checkpointing, tcfg.param_dtype)
         assert isinstance(laid, HFCausalLM)  # parallelize lays the model out in place
         model = laid
     train_model(model, data, tcfg, out, label=cfg.label, model_config=cfg.to_dict(), param_counts=counts,

@@ -20,16 +20,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.flags import COUNT
 from flexmoe.parallel import default_blocks, load_sharded, local_state_bytes, make_mesh, parallelize, save_sharded
 
-__all__ = ["add_mesh_flags", "check_mesh_flags", "lay_out", "blocks", "clip_sharded_gradients", "state_bytes_per_rank",
-           "save_dcp_checkpoint", "latest_dcp_checkpoint", "load_dcp_checkpoint"]
+__all__ = ["add_mesh_flags", "check_mesh_flags", "lay_out", "blocks", "mixed_precision", "clip_sharded_gradients",
+           "state_bytes_per_rank", "save_dcp_checkpoint", "latest_dcp_checkpoint", "load_dcp_checkpoint"]
 
 DCP_PREFIX = "dcp-step_"
+PARAM_DTYPES = ("float32", "bfloat16")
 
 
 def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +43,9 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
            "outside their --ep group); checkpoints are then torch.distributed.checkpoint directories")
     a("--activation-checkpointing", action="store_true",
       help="recompute each block's activations in backward (needs --fsdp)")
+    a("--param-dtype", choices=PARAM_DTYPES, default="float32",
+      help="FSDP2's mixed precision (needs --fsdp): gather the parameters and compute every block in this dtype; "
+           "the sharded weights, the gradients' reduction and AdamW stay float32 (default: float32 throughout)")
 
 
 def check_mesh_flags(args: argparse.Namespace, world: int) -> None:
@@ -54,10 +59,24 @@ def check_mesh_flags(args: argparse.Namespace, world: int) -> None:
                          f"experts: --ep is the number of ranks)")
     if args.activation_checkpointing and not args.fsdp:
         raise UsageError("--activation-checkpointing needs --fsdp")
+    if getattr(args, "param_dtype", "float32") != "float32" and not args.fsdp:
+        raise UsageError(f"--param-dtype {args.param_dtype} needs --fsdp (it is FSDP2's mixed precision)")
 
 
-def lay_out(model: nn.Module, ep: int | None, activation_checkpointing: bool) -> tuple[nn.Module, DeviceMesh]:
-    """``model`` (every expert on every rank, same weights everywhere) laid on the mesh ``ep x dp_shard``."""
+def mixed_precision(param_dtype: str) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for ``--param-dtype``: parameters gathered and used in that dtype, gradients reduced in
+    float32 (None for float32: no casts)."""
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype must be one of {PARAM_DTYPES}, got {param_dtype!r}")
+    if param_dtype == "float32":
+        return None
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)
+
+
+def lay_out(model: nn.Module, ep: int | None, activation_checkpointing: bool,
+            param_dtype: str = "float32") -> tuple[nn.Module, DeviceMesh]:
+    """``model`` (every expert on every rank, same weights everywhere) laid on the mesh ``ep x dp_shard``, its
+    blocks computing in ``param_dtype`` (:func:`mixed_precision`)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if not dist.is_initialized():
         raise UsageError("--fsdp needs more than one rank (--nproc N)")
@@ -67,7 +86,9 @@ def lay_out(model: nn.Module, ep: int | None, activation_checkpointing: bool) ->
         raise UsageError(f"--fsdp needs at least as many experts as --ep ranks ({num_experts} experts, "
                          f"ep={ep or world}): experts cut along their hidden dim are not supported with --fsdp")
     mesh = make_mesh(ep=ep or world)
-    return parallelize(model, mesh, activation_checkpointing=activation_checkpointing, blocks=blocks(model)), mesh
+    laid = parallelize(model, mesh, activation_checkpointing=activation_checkpointing, blocks=blocks(model),
+                       mp_policy=mixed_precision(param_dtype))
+    return laid, mesh
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

@@ -104,6 +104,7 @@ class TrainConfig:
     fsdp: bool = False
     ep: int | None = None
     activation_checkpointing: bool = False
+    param_dtype: str = "float32"  # under fsdp: the dtype blocks compute in (FSDP2's mixed precision)
     # --upcycle-from: the dense run this MoE run starts from (flexmoe.apps.upcycle_job), and each expert's share
     # of the dense MLP (1/granularity of its hidden units).
     upcycle_from: str | None = None
@@ -264,8 +265,8 @@ RESUME_MAY_CHANGE = ("steps", "log_every", "eval_every", "ckpt_every", "no_plots
 # The training flags (TrainConfig fields) that a resumed run must keep.
 # The mesh flags too: a sharded run's checkpoints are DCP directories, a replicated run's flexmoe's own.
 _KEPT_TRAIN_FLAGS = ("lr", "warmup", "seed", "data", "batch_size", "micro_batches", "eval_batches", "target_loss",
-                     "stop_at_target", "fsdp", "ep", "activation_checkpointing", "upcycle_from", "granularity",
-                     "replace_every")
+                     "stop_at_target", "fsdp", "ep", "activation_checkpointing", "param_dtype", "upcycle_from",
+                     "granularity", "replace_every")
 
 
 def given_dests(args: argparse.Namespace) -> frozenset[str]:
@@ -313,6 +314,7 @@ def train_config(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Any] 
         stop_at_target=args.stop_at_target, plots=not args.no_plots, progress=not args.no_progress,
         compile=check_compile_backend(args.compile), device=args.device,
         fsdp=args.fsdp, ep=args.ep, activation_checkpointing=args.activation_checkpointing,
+        param_dtype=args.param_dtype,
         upcycle_from=args.upcycle_from, granularity=1 if args.granularity is None else args.granularity,
         replace_every=args.replace_every or 0,
     )
@@ -667,7 +669,7 @@ def train(mcfg: GPTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool =
     model.to(tcfg.device)
     mesh = None
     if tcfg.fsdp:
-        model, mesh = sharded_job.lay_out(model, tcfg.ep, tcfg.activation_checkpointing)
+        model, mesh = sharded_job.lay_out(model, tcfg.ep, tcfg.activation_checkpointing, tcfg.param_dtype)
     assert isinstance(model, MoEModel)
     return train_model(model, data, tcfg, out, label="dense" if mcfg.dense else "moe",
                        model_config=mcfg.to_dict(), param_counts=global_param_counts(mcfg), resume=resume, mesh=mesh)
@@ -782,6 +784,9 @@ def train_model(model: MoEModel, data: TokenData, tcfg: TrainConfig, out: str | 
                 state_bytes = sharded_job.state_bytes_per_rank(model, optimizer)
                 if rank == 0:
                     msg = f"[{label}] state bytes per rank (parameters, gradients, AdamW): {state_bytes}"
+                    if tcfg.param_dtype != "float32":
+                        msg += (f"; blocks compute in {tcfg.param_dtype} (FSDP2 mixed precision), weights, "
+                                f"gradient reduction and AdamW in float32")
                     (bar.write(msg) if bar else print(msg, flush=True))
             optimizer.zero_grad(set_to_none=True)
 

@@ -93,7 +93,8 @@ class GPT(MoEModel):
         logits = self.head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            # In float32 when the blocks compute in a lower precision (FSDP2's mixed precision).
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
         return logits, loss
 
     @torch.no_grad()
