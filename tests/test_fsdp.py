@@ -252,15 +252,20 @@ def test_train_fsdp_equals_the_replicated_run_holds_less_and_resumes(tmp_path: P
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "fsdp")
 
 
+def _train_ok(out: Path, *argv: str) -> subprocess.CompletedProcess:
+    """:func:`_train` that must succeed."""
+    done = _train(out, *argv)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 @pytest.mark.slow
 def test_train_fsdp_compiled_per_block_logs_the_eager_losses(tmp_path: Path) -> None:
     """flexmoe train --nproc 2 --fsdp --compile (inductor, with activation checkpointing) compiles each block, FSDP2's
     hooks between them eager, and logs the eager --fsdp run's losses."""
     flags = ["--steps", "4", "--nproc", "2", "--ep", "2", "--fsdp"]
-    eager = _train(tmp_path / "eager", *flags)
-    assert eager.returncode == 0, eager.stderr[-3000:]
-    compiled = _train(tmp_path / "compiled", *flags, "--compile", "--activation-checkpointing")
-    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    _train_ok(tmp_path / "eager", *flags)
+    compiled = _train_ok(tmp_path / "compiled", *flags, "--compile", "--activation-checkpointing")
     assert "compile each of its 2 blocks" in compiled.stdout
     assert _losses(tmp_path / "compiled") == pytest.approx(_losses(tmp_path / "eager"), rel=1e-5)
 
@@ -269,10 +274,8 @@ def test_train_fsdp_compiled_per_block_logs_the_eager_losses(tmp_path: Path) -> 
 def test_train_dense_twin_under_fsdp_logs_the_replicated_losses(tmp_path: Path) -> None:
     """flexmoe train --dense --nproc 2 --fsdp (activation checkpointing): the dense twin sharded per block logs the
     replicated (DDP) dense run's losses and holds less per rank."""
-    ddp = _train(tmp_path / "ddp", "--steps", "4", "--nproc", "2", "--dense")
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    fsdp = _train(tmp_path / "fsdp", "--steps", "4", "--nproc", "2", "--dense", "--fsdp", "--activation-checkpointing")
-    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    _train_ok(tmp_path / "ddp", "--steps", "4", "--nproc", "2", "--dense")
+    _train_ok(tmp_path / "fsdp", "--steps", "4", "--nproc", "2", "--dense", "--fsdp", "--activation-checkpointing")
     assert _losses(tmp_path / "fsdp") == pytest.approx(_losses(tmp_path / "ddp"), rel=1e-5)
     held, replicated = (json.loads((tmp_path / run / "summary.json").read_text())["state_bytes_per_rank"]
                         for run in ("fsdp", "ddp"))
@@ -284,10 +287,8 @@ def test_train_fsdp_in_bf16_tracks_the_float32_run(tmp_path: Path) -> None:
     """flexmoe train --fsdp --param-dtype bfloat16: blocks compute in bf16 (FSDP2's mixed precision), the weights
     and DCP checkpoints stay float32, and the losses track the float32 run's to bf16 precision."""
     flags = ["--steps", "6", "--nproc", "2", "--ep", "2", "--fsdp"]
-    fp32 = _train(tmp_path / "fp32", *flags)
-    assert fp32.returncode == 0, fp32.stderr[-3000:]
-    bf16 = _train(tmp_path / "bf16", *flags, "--param-dtype", "bfloat16")
-    assert bf16.returncode == 0, bf16.stderr[-3000:]
+    _train_ok(tmp_path / "fp32", *flags)
+    bf16 = _train_ok(tmp_path / "bf16", *flags, "--param-dtype", "bfloat16")
     assert "blocks compute in bfloat16" in bf16.stdout
     want, got = _losses(tmp_path / "fp32"), _losses(tmp_path / "bf16")
     assert got != want  # bf16 rounding shows in the losses
