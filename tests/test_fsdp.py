@@ -23,6 +23,7 @@ from torch import nn
 
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.parallel import default_blocks, local_state_bytes, make_mesh, materialize
+from flexmoe.parallel.fsdp_overlap import PendingReduceScatters
 from flexmoe_cli import child_pythonpath
 from multiproc import Scenario, failures_of, run_scenario
 
@@ -109,6 +110,27 @@ def test_local_state_bytes_counts_parameters_gradients_and_adamw_states() -> Non
     opt.step()
     # parameter + gradient + exp_avg + exp_avg_sq, float32; a 0-d float32 step per parameter
     assert local_state_bytes(model, opt) == 4 * 4 * (12 + 4 + 8) + 3 * 4
+
+
+def test_pending_reduce_scatters_keep_at_most_their_limit_in_flight() -> None:
+    """The oldest started reduce-scatter is waited for as soon as more than ``limit`` are in flight; the rest at the
+    end of backward (finish_all), oldest first."""
+    finished: list[int] = []
+
+    class Started:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def finish(self) -> None:
+            finished.append(self.i)
+
+    pending = PendingReduceScatters(limit=2)
+    for i in range(5):
+        pending.add(Started(i))
+        assert len(pending.entries) == min(i + 1, 2)
+    assert finished == [0, 1, 2]
+    pending.finish_all()
+    assert finished == [0, 1, 2, 3, 4] and not pending.entries
 
 
 def test_default_blocks_are_the_gpt_blocks() -> None:
