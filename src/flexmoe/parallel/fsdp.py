@@ -11,7 +11,8 @@
    parameter over all ranks of a replica (``dp_shard x ep``): one unit, two parameter groups, each with its own
    process group (FSDP2's per-parameter mesh).
 4. On gloo (no device streams), the collectives overlapped with compute: each unit's forward gathers the next
-   unit ahead, and reduce-scatters are waited for at the end of backward (:mod:`flexmoe.parallel.fsdp_overlap`).
+   unit ahead, and reduce-scatters are waited for later, two in flight at most, at the end of backward at the
+   latest (:mod:`flexmoe.parallel.fsdp_overlap`).
 
 Gradients: FSDP divides every reduced gradient by the world size. A non-expert gradient is thereby the mean over
 ranks, as under DDP. An expert's gradient already sums its expert-parallel group's tokens (through the
@@ -188,13 +189,15 @@ def _check_reduce_dtype(model: nn.Module, policy: MixedPrecisionPolicy, sizes: d
     risky = sorted(str(d) for d in dtypes if d not in (torch.float32, torch.bfloat16))
     if not risky:
         return
-    over_one_rank = ("dp_shard=1 and ep=1 (parameters sharded over one rank)" if sizes["dp_shard"] * sizes["ep"] == 1
-                     else "dp_shard=1 (the experts sharded over one rank)" if experts_in_fsdp and sizes["dp_shard"] == 1
-                     else None)
-    if over_one_rank is not None:
-        raise ValueError(f"parallelize: gradients reduced in {risky} with {over_one_rank} would be divided twice by "
-                         f"torch's FSDP; reduce in float32 "
-                         f"(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) or shard over more ranks")
+    if sizes["dp_shard"] * sizes["ep"] == 1:
+        over_one_rank = "dp_shard=1 and ep=1 (parameters sharded over one rank)"
+    elif experts_in_fsdp and sizes["dp_shard"] == 1:
+        over_one_rank = "dp_shard=1 (the experts sharded over one rank)"
+    else:
+        return
+    raise ValueError(f"parallelize: gradients reduced in {risky} with {over_one_rank} would be divided twice by "
+                     f"torch's FSDP; reduce in float32 "
+                     f"(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32)) or shard over more ranks")
 
 
 def _check_balance(layer: MoELayer, name: str, data_parallel: int) -> None:

@@ -18,7 +18,7 @@ larger than one rank"):
   them before that: it is not done (the reduce-scatter waits at once, as before) where a gradient is accumulated
   into an existing one (micro-batches), cast to another dtype, offloaded, or read by a post-accumulate hook.
 
-Numbers are unchanged: the same collectives in the same order, summed then divided as before.
+Numbers are unchanged: the same reductions in the same order, summed then divided as before.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
@@ -41,7 +42,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def overlap_gloo_collectives(model: nn.Module, units: Sequence[nn.Module]) -> None:
     """Overlap the FSDP2 collectives of ``model`` (the root unit, already sharded) and its ``units`` (in forward
-    order) with compute: gathers one unit ahead, reduce-scatters waited at the end of backward (module docstring).
+    order) with compute: gathers one unit ahead, reduce-scatters waited later (module docstring).
     For process groups without device streams (gloo); NCCL overlaps through streams already."""
     order = [model, *units]
     sharded = [m for m in order if isinstance(m, FSDPModule)]
@@ -105,7 +106,7 @@ class _Pending:
             self.output.div_(self.factor)
 
 
-class DeferredReduceScatter(ReduceScatter):
+class DeferredReduceScatter(DefaultAllocMixin, ReduceScatter):
     """FSDP2's reduce-scatter for one parameter group, summed and then divided by the group's gradient divide
     factor (gloo has no AVG or PREMUL_SUM). Where that is exact (see the module docstring) it is waited for later:
     when more than ``pending.limit`` are in flight, or at the end of the current backward at the latest; at once
@@ -118,9 +119,6 @@ class DeferredReduceScatter(ReduceScatter):
     def __init__(self, param_group: FSDPParamGroup, pending: PendingReduceScatters) -> None:
         self.param_group = param_group
         self.pending = pending
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object, async_op: bool = False) -> None:
