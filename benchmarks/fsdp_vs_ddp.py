@@ -7,7 +7,7 @@ Launches ``--world`` ranks itself (gloo on 127.0.0.1, one torch thread each) and
 Hugging Face model converted by flexmoe.hf (4 layers, width 128, 8 experts of 256, k=2, GQA), twice from one
 seed: experts over all ranks with the rest replicated by ``wrap_ddp``, and the same laid on ``make_mesh(ep=world)``
 by ``parallelize``. It times a training step (forward, backward, AdamW: multi-tensor, over
-:func:`~flexmoe.parallel.split_expert_groups`, as the training job's) of each in turn, round-robin so that load
+:func:`~flexmoe.sharding.split_expert_groups`, as the training job's) of each in turn, round-robin so that load
 from other processes hits both alike, and prints per mode (``parallelize`` twice: resharding each block after its
 forward, the default, and keeping its parameters gathered until backward) the median step time (the slowest rank's,
 each step), its ratio to ``wrap_ddp``, and the bytes of parameters, gradients and AdamW states each rank holds.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.launch import spawn_ranks
-from flexmoe.parallel import local_state_bytes, make_mesh, parallelize, split_expert_groups, wrap_ddp
+from flexmoe.sharding import local_state_bytes, make_mesh, parallelize, split_expert_groups, wrap_ddp
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""The multi-rank scenarios of :func:`flexmoe.parallel.parallelize` (FSDP2 with expert parallelism), run in every
+"""The multi-rank scenarios of :func:`flexmoe.sharding.parallelize` (FSDP2 with expert parallelism), run in every
 rank by ``multiproc.rank_main`` (registered in ``scenario_worker.SCENARIOS``); the pytest cases are in
 tests/test_fsdp.py.
 
@@ -18,15 +18,9 @@ from torch.distributed.tensor import DTensor
 from flexmoe import MoELayer, update_expert_biases
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.kernel_chooser import KernelChooser
-from flexmoe.parallel import (
-    ExpertLayout,
-    local_state_bytes,
-    make_mesh,
-    materialize,
-    parallelize,
-    shard_expert_state,
-)
-from flexmoe.parallel.fsdp_overlap import DeferredReduceScatter
+from flexmoe.parallel import ExpertLayout, shard_expert_state
+from flexmoe.sharding import local_state_bytes, make_mesh, materialize, parallelize
+from flexmoe.sharding.fsdp_overlap import DeferredReduceScatter
 
 # Tiny: 2 MoE blocks of 8 experts, so ep=4 holds 2 experts a rank and ep=2 x dp_shard=2 one expert's worth of each.
 CFG = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, num_experts=8, expert_hidden=16, k=2,
@@ -348,7 +342,7 @@ def scenario_fsdp_errors(rank: int, world: int, out: dict) -> None:
 
 
 def scenario_fsdp_overlap(rank: int, world: int, out: dict) -> None:
-    """The collectives overlapped on gloo (flexmoe.parallel.fsdp_overlap) at ep=world: in place on every parameter
+    """The collectives overlapped on gloo (flexmoe.sharding.fsdp_overlap) at ep=world: in place on every parameter
     group FSDP reduce-scatters; the gradients present when ``backward()`` returns are one process's (their
     reduce-scatters were deferred to the end of backward, then divided); and micro-batches accumulated into existing
     gradients (a reduce-scatter that must not be deferred) train like one process accumulating the same ones."""
@@ -489,7 +483,7 @@ def dcp_save_main(directory: str, ep: int, dp_shard: int) -> dict:
     """A rank of a run on ep x dp_shard: 3 training steps, then a DCP checkpoint of model and optimizer."""
     import torch.distributed as dist
 
-    from flexmoe.parallel import save_sharded
+    from flexmoe.sharding import save_sharded
 
     torch.set_num_threads(1)
     from multiproc import kernels_by_rule
@@ -510,7 +504,7 @@ def dcp_load_main(directory: str, ep: int) -> dict:
     """A rank of a run on ep ranks that loads the checkpoint into a differently seeded model."""
     import torch.distributed as dist
 
-    from flexmoe.parallel import load_sharded
+    from flexmoe.sharding import load_sharded
 
     torch.set_num_threads(1)
     from multiproc import kernels_by_rule

@@ -153,7 +153,7 @@ def _save_and_continue(family: str, rank: int, world: int, directory: str) -> li
     import torch.distributed as dist
 
     import flexmoe.hf as fh
-    from flexmoe.parallel import wrap_ddp
+    from flexmoe.sharding import wrap_ddp
     from test_hf_convert import batches
     from test_hf_save import hf_model, plain_from_pretrained
 

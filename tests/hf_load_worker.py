@@ -77,7 +77,7 @@ def load_main(directory: str, ep: int, dp_shard: int, export: str | None = None)
     import torch.distributed as dist
 
     from flexmoe.hf import load, save_pretrained
-    from flexmoe.parallel import make_mesh
+    from flexmoe.sharding import make_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

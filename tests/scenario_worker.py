@@ -29,8 +29,8 @@ from flexmoe.parallel import (
     rows_per_rank,
     shard_expert_state,
     unshard_expert_states,
-    wrap_ddp,
 )
+from flexmoe.sharding import wrap_ddp
 
 M, H = 8, 8  # tiny: model dim, expert hidden (global)
 EP_TOKENS, FASTERMOE_TOKENS = 12, 16  # tokens per rank of the expert-parallel and the FasterMoE scenarios

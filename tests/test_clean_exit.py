@@ -98,7 +98,7 @@ import gc, json, sys, weakref
 import flexmoe
 import torch
 import torch.distributed as dist
-from flexmoe.parallel import wrap_ddp
+from flexmoe.sharding import wrap_ddp
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,4 +1,4 @@
-"""flexmoe.parallel.parallelize: FSDP2 with expert parallelism on one device mesh (docs/architecture.md, "Models
+"""flexmoe.sharding.parallelize: FSDP2 with expert parallelism on one device mesh (docs/architecture.md, "Models
 larger than one rank").
 
 The multi-rank cases run scenarios of tests/fsdp_worker.py as real gloo processes (tests/multiproc.py); their
@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from flexmoe.apps.models.gpt import GPT, GPTConfig
-from flexmoe.parallel import default_blocks, local_state_bytes, make_mesh, materialize
-from flexmoe.parallel.fsdp_overlap import PendingReduceScatters
+from flexmoe.sharding import default_blocks, local_state_bytes, make_mesh, materialize
+from flexmoe.sharding.fsdp_overlap import PendingReduceScatters
 from flexmoe_cli import child_pythonpath
 from multiproc import Scenario, failures_of, run_scenario
 
@@ -201,7 +201,7 @@ def test_dcp_checkpoint_saved_at_2x2_loads_at_2_ranks_and_at_1_process(tmp_path)
     and MKL's sgemm rounds a product of 1-3 rows otherwise than the same rows among 4 or more (an expert with 2
     or 3 rows in one process has 4 or 6 at a rank). The default kernel is held to the same function up to that."""
     from flexmoe.launch import spawn_ranks
-    from flexmoe.parallel import load_sharded
+    from flexmoe.sharding import load_sharded
     from fsdp_worker import _logits_and_moment, dcp_load_main, dcp_save_main, gpt
 
     directory = str(tmp_path / "ckpt")

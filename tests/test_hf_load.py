@@ -208,7 +208,7 @@ def test_dcp_checkpoint_of_a_converted_model_loads_into_another(checkpoints, tmp
     """save_sharded / load_sharded name a converted block's tensors as the model does (as its optimizer states),
     so a checkpoint of a trained converted model loads back; the same logits bit for bit."""
     from flexmoe.hf import load
-    from flexmoe.parallel import load_sharded, save_sharded
+    from flexmoe.sharding import load_sharded, save_sharded
     from hf_load_worker import tokens
 
     model = load(checkpoints["deepseek_v3"])

@@ -313,7 +313,7 @@ def ep_rank(family: str) -> dict:
     every batch; per step the loss, the gradients (experts: this rank's) and the selection biases."""
     import torch.distributed as dist
 
-    from flexmoe.parallel.ddp import wrap_ddp
+    from flexmoe.sharding.ddp import wrap_ddp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

@@ -1,4 +1,4 @@
-"""flexmoe.parallel.split_expert_groups: each optimizer group's expert parameters apart from the rest."""
+"""flexmoe.sharding.split_expert_groups: each optimizer group's expert parameters apart from the rest."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from flexmoe import MoELayer
-from flexmoe.parallel import split_expert_groups
+from flexmoe.sharding import split_expert_groups
 
 
 class TwoLayers(nn.Module):

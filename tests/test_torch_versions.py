@@ -18,7 +18,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_common
 del _fsdp_common.ShardPlacementResult
 import flexmoe
 from flexmoe import MoELayer
-from flexmoe.parallel import parallelize
+from flexmoe.sharding import parallelize
 layer = MoELayer(8, 4, 16, group="single", k=2)
 y = layer(torch.randn(5, 8))
 assert y.shape == (5, 8), y.shape
@@ -33,7 +33,7 @@ def test_imports_and_runs_without_per_parameter_mesh_and_parallelize_names_what_
     done = subprocess.run([sys.executable, "-c", _WITHOUT_PER_PARAMETER_MESH.format(src=str(SRC))],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "REFUSED: flexmoe.parallel.parallelize needs FSDP2's per-parameter mesh" in done.stdout
+    assert "REFUSED: flexmoe.sharding.parallelize needs FSDP2's per-parameter mesh" in done.stdout
     assert torch_version_named(done.stdout)
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from flexmoe.apps.data import TokenData
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.checkpoint import save_checkpoint
-from flexmoe.parallel import load_sharded, make_mesh, materialize, parallelize, save_sharded
+from flexmoe.sharding import load_sharded, make_mesh, materialize, parallelize, save_sharded
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=64, num_experts=4, expert_hidden=64, block_size=64)
 RUN = "runs/sharded"

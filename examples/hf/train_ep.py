@@ -5,7 +5,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import flexmoe.hf
 from flexmoe.apps.data import TokenData
-from flexmoe.parallel import wrap_ddp
+from flexmoe.sharding import wrap_ddp
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

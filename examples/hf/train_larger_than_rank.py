@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from flexmoe.apps.data import TokenData
 from flexmoe.hf import load, save_pretrained
-from flexmoe.parallel import load_sharded, make_mesh, save_sharded, split_expert_groups
+from flexmoe.sharding import load_sharded, make_mesh, save_sharded, split_expert_groups
 
 RUN = "runs/hf_larger"
 BLOCK = 32  # tokens per sequence

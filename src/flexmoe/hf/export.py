@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from flexmoe.hf.stored import INDEX_FILE
-from flexmoe.parallel.dcp import own_tensors
-from flexmoe.parallel.fsdp import default_blocks
+from flexmoe.sharding.dcp import own_tensors
+from flexmoe.sharding.fsdp import default_blocks
 
 __all__ = ["save_pretrained"]
 

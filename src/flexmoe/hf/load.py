@@ -33,9 +33,9 @@ from flexmoe.hf.block import ConvertedMoeBlock
 from flexmoe.hf.convert import convert
 from flexmoe.hf.hf_state import Part, layer_module, layer_parts
 from flexmoe.hf.stored import Box, SafetensorsReader, StoredTensors, box_shape
-from flexmoe.parallel.dcp import own_tensors
-from flexmoe.parallel.fsdp import parallelize
-from flexmoe.parallel.materialize import allocate
+from flexmoe.sharding.dcp import own_tensors
+from flexmoe.sharding.fsdp import parallelize
+from flexmoe.sharding.materialize import allocate
 
 __all__ = ["load", "held_box"]
 
