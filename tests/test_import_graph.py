@@ -6,6 +6,10 @@ edge ``a -> b`` for each ``import b`` / ``from b import x`` in ``a`` (``from p i
 package ``p``: an edge to ``m``). The packages a module lives in are not edges: Python runs their ``__init__``
 first whoever imports what, so they cannot close a loop that the named imports do not. Imports under
 ``if TYPE_CHECKING:`` are not edges either: they never run.
+
+On the same graph, two rules of levels (below): the layer's level (flexmoe.layer and what it imports, flexmoe.parallel,
+flexmoe.routing) never imports flexmoe.sharding, the level above it; and no module imports the layer inside a
+function (the way to dodge a cycle), beyond an allow-list of those that remain.
 """
 
 from __future__ import annotations
@@ -126,3 +130,117 @@ def test_flexmoe_has_no_import_cycle() -> None:
     if found:
         pytest.fail("import cycles (each a set of modules that import one another, directly or not):\n"
                     + "\n".join(" <-> ".join(c) for c in found))
+
+
+# --- The layer's level and the level above it -------------------------------------------------------------------
+#
+# flexmoe.sharding lays whole models over ranks: it sits above flexmoe.layer and imports it at module level. Nothing
+# at the layer's level imports it back, so no module needs to import the layer inside a function to dodge a cycle.
+
+SHARDING = "flexmoe.sharding"
+# flexmoe.parallel's re-export modules of the names moved to flexmoe.sharding (one release), and its package,
+# which resolves those names on first use (PEP 562 __getattr__): the only modules below the layer that reach up.
+REEXPORTS = {"flexmoe.parallel"} | {f"flexmoe.parallel.{m}" for m in
+                                    ("fsdp", "fsdp_overlap", "ddp", "dcp", "materialize", "optim", "mesh", "memory")}
+
+# The imports of the layer inside a function that remain, outside the model-level modules: (module, function) ->
+# how many. Empty it as they go; an entry that no longer matches fails the test too, so the list only shrinks.
+LAYER_IMPORTS_IN_FUNCTIONS_ALLOWED = {
+    ("flexmoe.hf.load", "_set_non_persistent_buffers"): 1,
+    ("flexmoe.apps.validate", "_layer_class"): 1,
+    ("flexmoe.apps.validate", "_build_layer"): 1,
+    ("flexmoe.apps.validate", "distributed_layer_available"): 1,
+}
+
+
+def _is_layer_import(node: ast.AST) -> bool:
+    """``import flexmoe.layer``, ``from flexmoe.layer import ...``, ``from flexmoe import MoELayer`` (or ``layer``)."""
+    if isinstance(node, ast.Import):
+        return any(alias.name == "flexmoe.layer" for alias in node.names)
+    if isinstance(node, ast.ImportFrom) and node.level == 0:
+        return node.module == "flexmoe.layer" or (
+            node.module == "flexmoe" and any(alias.name in ("MoELayer", "layer") for alias in node.names))
+    return False
+
+
+def layer_imports_in_functions(root: Path) -> dict[tuple[str, str], int]:
+    """(module, qualified name of the innermost enclosing function) -> how many imports of the layer it holds."""
+    found: dict[tuple[str, str], int] = {}
+
+    def visit(node: ast.AST, module: str, scope: list[str], in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, module, [*scope, child.name],
+                      in_function or not isinstance(child, ast.ClassDef))
+                continue
+            if in_function and _is_layer_import(child):
+                key = (module, ".".join(scope))
+                found[key] = found.get(key, 0) + 1
+            visit(child, module, scope, in_function)
+
+    for name, path in module_names(root).items():
+        visit(ast.parse(path.read_text(), str(path)), name, [], False)
+    return found
+
+
+def test_the_in_function_reader_sees_imports_of_the_layer_at_any_depth(tmp_path: Path) -> None:
+    pkg = tmp_path / "flexmoe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom flexmoe.layer import MoELayer\n"
+        "if TYPE_CHECKING:\n    import flexmoe.layer\n"
+        "def f():\n    if True:\n        from flexmoe import MoELayer\n    import flexmoe.layer\n"
+        "class C:\n    def m(self):\n        def inner():\n            from flexmoe.layer import update_expert_biases\n"
+        "        from flexmoe import routing\n")
+    assert layer_imports_in_functions(tmp_path) == {("flexmoe.a", "f"): 2, ("flexmoe.a", "C.m.inner"): 1}
+
+
+def test_no_module_imports_the_layer_inside_a_function_beyond_the_allow_list() -> None:
+    found = layer_imports_in_functions(SRC)
+    new = {k: n for k, n in found.items() if n > LAYER_IMPORTS_IN_FUNCTIONS_ALLOWED.get(k, 0)}
+    gone = {k: n for k, n in LAYER_IMPORTS_IN_FUNCTIONS_ALLOWED.items() if found.get(k, 0) < n}
+    assert not new, (f"imports of flexmoe.layer inside functions: {new}; import it at module level (the layer's "
+                     f"level never imports the modules above it), or under `if TYPE_CHECKING:` for annotations")
+    assert not gone, f"no longer there: remove from LAYER_IMPORTS_IN_FUNCTIONS_ALLOWED: {gone}"
+    assert not any(module.startswith((SHARDING, "flexmoe.parallel")) for module, _ in found)
+
+
+def layer_level(graph: dict[str, set[str]]) -> set[str]:
+    """flexmoe.layer, every module it imports (directly or not), and every module of flexmoe.parallel and
+    flexmoe.routing, but flexmoe.parallel's re-exports of flexmoe.sharding."""
+    level = {"flexmoe.layer", *reachable(graph, "flexmoe.layer", avoid=REEXPORTS)}
+    level |= {m for m in graph if m.startswith(("flexmoe.parallel.", "flexmoe.routing")) or m == "flexmoe.parallel"}
+    return level - REEXPORTS
+
+
+def reachable(graph: dict[str, set[str]], start: str, avoid: set[str]) -> dict[str, str]:
+    """Every module ``start`` imports, directly or not, without passing through ``avoid`` -> the module that
+    imports it on the way (a path back to ``start``)."""
+    came_from: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        v = todo.pop()
+        for w in sorted(graph[v]):
+            if w not in came_from and w not in avoid and w != start:
+                came_from[w] = v
+                todo.append(w)
+    return came_from
+
+
+def test_the_layers_level_never_imports_sharding() -> None:
+    graph = import_graph(SRC)
+    sharding = {m for m in graph if m == SHARDING or m.startswith(SHARDING + ".")}
+    assert {"flexmoe.sharding.fsdp", "flexmoe.sharding.model_experts"} <= sharding  # the reader sees the package
+    assert "flexmoe.layer" in graph["flexmoe.sharding.fsdp"]  # which does import the layer
+    level = layer_level(graph)
+    assert {"flexmoe.parallel.strategy", "flexmoe.routing.routers", "flexmoe.experts"} <= level
+    found = []
+    for module in sorted(level):
+        came_from = reachable(graph, module, avoid=REEXPORTS)
+        for target in sorted(sharding & set(came_from)):
+            path = [target]
+            while path[-1] != module:
+                path.append(came_from[path[-1]])
+            found.append(" -> ".join(reversed(path)))
+    assert not found, "the layer's level imports flexmoe.sharding (the level above it):\n" + "\n".join(found)

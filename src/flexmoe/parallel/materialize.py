@@ -20,6 +20,7 @@ __all__ = ["materialize", "allocate", "reset_module"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        # By import_module: the attribute flexmoe.sharding.materialize is the function of that name, not the module.
+        # By import_module, which returns the module: the attribute flexmoe.sharding.materialize (and so
+        # `import flexmoe.sharding.materialize as m`) is the function of that name.
         return getattr(importlib.import_module("flexmoe.sharding.materialize"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
