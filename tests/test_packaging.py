@@ -17,7 +17,7 @@ class HideExtras:
         return None
 
 sys.meta_path.insert(0, HideExtras())
-import flexmoe, flexmoe.parallel, flexmoe.routing, flexmoe.tuning, flexmoe.checkpoint
+import flexmoe, flexmoe.parallel, flexmoe.routing, flexmoe.tuning, flexmoe.checkpoint, flexmoe.sharding
 assert not any(m in sys.modules for m in ("matplotlib", "tqdm", "transformers")), sorted(
     m for m in sys.modules if m.startswith(("tqdm", "matplotlib", "transformers")))
 try:
