@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from flexmoe import MoELayer
-from flexmoe.expert_kernels import KERNELS, KernelCase, kernel_named, supported_kernels
+from flexmoe.expert_kernels import KERNELS, RULE_KERNEL, KernelCase, kernel_named, supported_kernels
 from flexmoe.expert_weights import ExpertWeights
 from flexmoe.kernel_chooser import KernelChooser, _versions
 
@@ -249,6 +249,35 @@ def test_without_a_timer_the_rule_runs_the_loop() -> None:
     chooser = KernelChooser(timer=None)
     assert chooser.kernel_for(KernelCase.of(rows, counts, weights), rows, counts, weights).name == "loop"
     _assert_matches_reference(chooser.run(rows, counts, weights), rows, counts, p)
+
+
+def test_a_tie_on_equal_times_keeps_the_rule_kernel(tmp_path: Path) -> None:
+    """Every candidate timed alike: the rule's kernel (the loop), in memory and in the cache file, whichever order
+    the candidates come in."""
+    rows, counts, weights, p = _call()
+    case = KernelCase.of(rows, counts, weights)
+    assert len(supported_kernels(case)) > 1
+    timer = FakeTimer({k.name: 1.0 for k in supported_kernels(case)})
+    chooser = KernelChooser(cache_path=tmp_path / "kernels.json", timer=timer)
+    _assert_matches_reference(chooser.run(rows, counts, weights), rows, counts, p)
+    assert len(timer.calls) >= len(supported_kernels(case))  # timed, not decided by the rule for want of a timer
+    assert chooser.decisions[case.bucket()] == RULE_KERNEL
+    assert json.loads((tmp_path / "kernels.json").read_text())["choices"][case.bucket()] == RULE_KERNEL
+    # The rule last among equal times (a min() over the names alone would take the first).
+    assert KernelChooser(timer=None)._decide("b", {"segmented": 1.0, "grouped_mm": 1.0, RULE_KERNEL: 1.0}) \
+        == RULE_KERNEL
+    assert KernelChooser(timer=None)._decide("b", {"segmented": 0.5, RULE_KERNEL: 1.0}) == "segmented"
+
+
+def test_a_tie_on_equal_times_keeps_the_rule_route() -> None:
+    """The expert stage's routes timed alike: the rule's route ("rows"), though "fused" comes first."""
+    ran: list[str] = []
+    routes = {"fused": lambda: ran.append("fused"), "rows": lambda: ran.append("rows")}
+    chooser = KernelChooser(timer=FakeTimer({"fused": 2.0, "rows": 2.0}))
+    assert chooser.choose_route("route/b", routes, rule="rows") == "rows"
+    assert chooser.decisions["route/b"] == "rows" and chooser.timings["route/b"] == {"fused": 2.0, "rows": 2.0}
+    faster = KernelChooser(timer=FakeTimer({"fused": 1.0, "rows": 2.0}))
+    assert faster.choose_route("route/b", routes, rule="rows") == "fused"  # the timing does decide otherwise
 
 
 class Spy:

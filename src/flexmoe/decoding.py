@@ -62,7 +62,8 @@ def forward_without_plan(layer: MoELayer, tokens: Tensor, routing: RoutingOption
     """
     k = routing.k
     # [T, E]; evaluation: no exploration
-    logits = route(layer.router, router_input(tokens, num_sequences), dtype=routing.router_dtype)
+    logits = route(layer.router, router_input(tokens, num_sequences), dtype=routing.router_dtype,
+                   num_experts=layer.num_experts)
     num_tokens, num_experts = check_logits(logits, k)
     scores = router_scores(logits, routing.score_func)
     expert_index = given if given is not None else select_experts(

@@ -79,10 +79,13 @@ def runs_fused(layer: MoELayer, tokens: Tensor, plan: RoutingPlan, routing: Rout
     if plan.padded or torch.compiler.is_compiling():
         return not grouped_on_device(layer, plan, tokens) and use_padded_fused(tokens, plan, experts.weights())
     weights = experts.weights()
-    if not plan.counts or not fused_supported(tokens, weights):
+    if not any(plan.counts) or not fused_supported(tokens, weights):  # no rows: nothing to fuse, nothing to time
         return False
     bucket = route_bucket(tokens, plan.row_token.shape[0], weights)
-    if experts.kernels.known(bucket) is None:  # the rows route's kernel first, so that its timing is not timed
+    # The rows route's kernel first, so that its timing is not timed. Only where timing may happen: elsewhere (a
+    # checkpointed forward) the dispatch made for it would be saved, unlike in the recomputation, which knows
+    # the bucket by then.
+    if experts.kernels.known(bucket) is None and experts.kernels.may_time():
         experts.kernels.prepare(dispatch(tokens, plan), plan.counts, weights)
     # The routes are timed forward only (autograd recording): a whole step each would make a cold cache's first
     # call of a large layer cost three steps; the forward pays the same [N, M] blocks the backward does.

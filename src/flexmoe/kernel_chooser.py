@@ -6,8 +6,15 @@ and cached on disk (docs/architecture.md, "Expert compute").
 * a forced kernel (``expert_kernel="segmented"``) wherever it runs, else the rule with a warning;
 * ``"auto"``: the bucket's entry in memory, else in the cache file, else, where several kernels run the case,
   each timed on this call's own rows (forward, and backward when autograd records), the fastest kept and
-  written to the cache file; where no timing may happen (no timer, compiling, inside a backward, an
-  expert-parallel rank on its own) the rule (:data:`~flexmoe.expert_kernels.RULE_KERNEL`, the loop).
+  written to the cache file; where no timing may happen the rule (:data:`~flexmoe.expert_kernels.RULE_KERNEL`,
+  the loop), kept for the bucket in memory.
+
+Timing happens only in a plain call (:func:`~flexmoe.autograd_state.in_plain_call`), never: without a timer,
+while compiling, inside a backward (a reentrant checkpoint's recomputation), under saved-tensor hooks (a
+non-reentrant checkpoint's forward and recomputation, offloading), under a dispatch mode (selective
+checkpointing, flop counting), on an expert-parallel rank (:meth:`KernelChooser.share`), or on an empty call (no
+rows: nothing to time, and no graph to time a backward through). A checkpointed forward thus runs what its
+recomputation runs: the bucket's decision in memory, else the cache file's, else the rule, then kept in memory.
 
 The cache file is per machine (its name holds a fingerprint of the host, CPU and GPUs) and holds the torch and
 flexmoe versions it was measured with: another version's file is ignored and rewritten. The ranks of an
@@ -24,6 +31,7 @@ import math
 import os
 import platform
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -34,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmoe.autograd_state import in_backward
+from flexmoe.autograd_state import in_plain_call
 from flexmoe.device_clock import synchronize
 from flexmoe.expert_kernels import (
     KERNELS,
@@ -49,7 +57,7 @@ from flexmoe.expert_weights import ExpertWeights
 from flexmoe.version import __version__
 
 __all__ = ["KernelChooser", "Timer", "time_kernel", "time_in_rounds", "timed_call", "timed_run", "default_cache_path",
-           "machine_fingerprint", "DEFAULT_CACHE_DIR"]
+           "machine_fingerprint", "torch_control_flow", "DEFAULT_CACHE_DIR"]
 
 Timer = Callable[[str, Callable[[], object]], float]  # (kernel name, run it once) -> seconds per run
 DEFAULT_CACHE_DIR = "~/.cache/flexmoe"
@@ -161,11 +169,13 @@ class KernelChooser:
         that raises is replaced by the loop (for its bucket, from then on) with a warning."""
         case = KernelCase.of(rows, counts, weights)
         kernel = self.kernel_for(case, rows, counts, weights)
-        if kernel.name == RULE_KERNEL:
+        if kernel.name == RULE_KERNEL or case.compiling:  # a traced call's failure is the compiler's to report
             return kernel.run(rows, counts, weights)
         try:
             return kernel.run(rows, counts, weights)
         except Exception as error:  # noqa: BLE001 - any failure of an optional kernel: the loop is always right
+            if torch_control_flow(error):
+                raise  # torch's own signal (checkpoint's early stop, dynamo's), not the kernel's failure
             bucket = case.bucket()
             warnings.warn(f"expert kernel {kernel.name!r} failed on {bucket} ({type(error).__name__}: {error}); "
                           f"the loop runs this case instead", RuntimeWarning, stacklevel=2)
@@ -184,7 +194,7 @@ class KernelChooser:
         if name is None or name not in KERNELS or KERNELS[name].supports(case) is not None:
             candidates = supported_kernels(case)
             if len(candidates) > 1 and rows is not None and counts is not None and weights is not None \
-                    and self._may_time():
+                    and case.active > 0 and self.may_time():
                 name = self._measure(bucket, candidates, rows, counts, weights)
             else:
                 name = RULE_KERNEL
@@ -211,7 +221,9 @@ class KernelChooser:
         if name in routes:
             self.decisions[bucket] = name
             return name
-        if not self._may_time():
+        if not self.may_time():
+            # Kept: a checkpointed forward and its recomputation (where nothing is timed) take the same route.
+            self.decisions[bucket] = rule
             return rule
         assert self.timer is not None
         return self._decide(bucket, time_in_rounds(self.timer, routes), rule)
@@ -227,9 +239,13 @@ class KernelChooser:
                           f"such calls", RuntimeWarning, stacklevel=3)
         return KERNELS[RULE_KERNEL]
 
-    def _may_time(self) -> bool:
-        # Inside a backward (an activation-checkpointing recomputation) a timing run would nest autograd passes.
-        return self.timer is not None and self.times_calls and not in_backward()
+    def may_time(self) -> bool:
+        """Whether this call may time kernels or routes (module docstring): a timer, a rank of its own, a plain
+        call. A caller that builds inputs only for timing (:meth:`prepare`) builds them only then."""
+        # Only a plain call: in a checkpointed forward the timing runs would be saved beside the call's own
+        # tensors (and not in its recomputation, which then fails), inside a backward they would nest autograd
+        # passes, under a dispatch mode they would be recorded or replayed (module docstring).
+        return self.timer is not None and self.times_calls and in_plain_call()
 
     def _measure(self, bucket: str, candidates: list[ExpertKernel], rows: Tensor, counts: list[int],
                  weights: ExpertWeights) -> str:
@@ -304,6 +320,18 @@ class KernelChooser:
         partial = self.cache_path.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps(content, indent=1, sort_keys=True))
         partial.replace(self.cache_path)  # atomic: a reader sees the old file or the new one
+
+
+def torch_control_flow(error: BaseException) -> bool:
+    """Whether ``error`` is one of torch's own control-flow signals passing through a kernel's run, never a
+    kernel's failure: a checkpoint's early stop of its recomputation or its consistency error, or any exception
+    of dynamo (graph breaks, tracing restarts)."""
+    from torch.utils.checkpoint import CheckpointError, _StopRecomputationError
+
+    if isinstance(error, (_StopRecomputationError, CheckpointError)):
+        return True
+    dynamo_exc = sys.modules.get("torch._dynamo.exc")  # loaded whenever dynamo has run; not imported for a check
+    return dynamo_exc is not None and isinstance(error, dynamo_exc.TorchDynamoException)
 
 
 def _load(path: Path) -> dict[str, Any] | None:

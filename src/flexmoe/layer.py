@@ -257,7 +257,7 @@ class MoELayer(nn.Module):
         # 1. the router's logits, 2. the plan, 3.-5. dispatch, the experts and combine (expert_stage).
         logits = route(self.router, router_input(tokens, num_sequences), dtype=routing.router_dtype,
                        training=self.training, jitter=routing.jitter, gate_noise=routing.gate_noise,
-                       input_dropout=routing.router_input_dropout)  # [T, E]
+                       input_dropout=routing.router_input_dropout, num_experts=self.num_experts)  # [T, E]
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
                           topology=self.topology, num_sequences=num_sequences,
                           padded=padded_layout(self, routing, tokens),

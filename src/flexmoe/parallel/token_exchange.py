@@ -158,7 +158,9 @@ def receiver_fuses(received: Tensor, row_token: Tensor, row_weight: Tensor, coun
         return False
     bucket = "receiver/" + route_bucket(received, sum(counts), weights)
     token, weight = row_token, row_weight.detach()
-    if experts.kernels.known(bucket) is None:  # the plain experts' kernel first, so that its timing is not timed
+    # The plain experts' kernel first, so that its timing is not timed (only where timing may happen: the rows
+    # gathered for it would otherwise be saved in a checkpointed forward and not in its recomputation).
+    if experts.kernels.known(bucket) is None and experts.kernels.may_time():
         experts.kernels.prepare(received.index_select(0, token), counts, weights)
     routes = {"fused": timed_run(lambda x: fused_experts(x, token, weight, counts, weights), received, weights,
                                  backward=False),

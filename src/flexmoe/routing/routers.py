@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LinearRouter", "CosineRouter", "build_router", "route"]
+__all__ = ["LinearRouter", "CosineRouter", "build_router", "route", "check_router_output"]
 
 
 class LinearRouter(nn.Module):
@@ -99,6 +99,7 @@ def route(
     jitter: float = 0.0,
     gate_noise: float = 0.0,
     input_dropout: float = 0.0,
+    num_experts: int | None = None,
 ) -> Tensor:
     """Router logits ``[T, E]`` for tokens x: ``[T, M]`` (or ``[B, S, M]``, flattened to ``T = B * S`` tokens),
     with exploration in training.
@@ -108,13 +109,15 @@ def route(
     the caller's autocast like any module (Hugging Face's routers do), and its logits keep their dtype.
     Exploration, applied only when ``training``: ``jitter`` multiplies the router input by U(1-eps, 1+eps),
     ``input_dropout`` drops router input features, ``gate_noise`` adds N(0, gate_noise^2) to the logits.
+    num_experts: the layer's E, which the router's output must match (``[..., E]`` over x's tokens): a ValueError
+    naming both shapes otherwise (None: not checked).
     """
     if dtype is not None and torch.is_autocast_enabled(x.device.type):
         # The router computes in `dtype` whatever autocast says (entering the context only when autocast is on:
         # it costs a decoding call measurable time).
         with torch.autocast(device_type=x.device.type, enabled=False):
             return route(router, x, dtype=dtype, training=training, jitter=jitter, gate_noise=gate_noise,
-                         input_dropout=input_dropout)
+                         input_dropout=input_dropout, num_experts=num_experts)
     builtin = isinstance(router, (LinearRouter, CosineRouter))
     h = x.to(dtype) if builtin and dtype is not None else x
     if training and jitter > 0:
@@ -122,9 +125,24 @@ def route(
     if training and input_dropout > 0:
         h = F.dropout(h, p=input_dropout, training=True)
     logits = router(h)
+    if num_experts is not None:
+        check_router_output(logits, h, num_experts)
     logits = logits.reshape(-1, logits.shape[-1])  # [T, E]
     if dtype is not None:
         logits = logits.to(dtype)
     if training and gate_noise > 0:
         logits = logits + torch.randn_like(logits) * gate_noise
     return logits
+
+
+def check_router_output(logits: object, x: Tensor, num_experts: int) -> None:
+    """A custom router's output must be a tensor ``[..., num_experts]`` over x's tokens (``x: [..., M]``, the
+    router's input): else a TypeError / ValueError naming what it returned, before a wrong shape reaches the
+    plan or the experts (where it would surface as an unrelated shape error, or compute with too few experts)."""
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"the router must return a tensor of logits [tokens, num_experts={num_experts}], got "
+                        f"{type(logits).__name__}")
+    expected = (*x.shape[:-1], num_experts)
+    if tuple(logits.shape) != expected:
+        raise ValueError(f"the router must return logits [tokens, num_experts={num_experts}] for its input "
+                         f"{tuple(x.shape)}, i.e. shape {expected}; got shape {tuple(logits.shape)}")
