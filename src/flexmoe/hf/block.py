@@ -13,16 +13,20 @@ block's names and layout (:mod:`flexmoe.hf.hf_state`).
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from flexmoe.hf.families import Family
+from flexmoe.hf.families import Family, experts_implementation
 from flexmoe.hf.hf_state import (
     experts_like,
     hf_requires_grad,
+    hf_scratch,
+    layer_module,
     layer_parts,
     layer_requires_grad,
     layer_values,
@@ -33,7 +37,8 @@ from flexmoe.hf.hf_state import (
 )
 from flexmoe.layer import MoELayer
 
-__all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block", "copied_requires_grad", "adapted_modules"]
+__all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block", "copied_requires_grad", "adapted_modules",
+           "InitWithConvertedBlocks"]
 
 
 class HFRouterLogits(nn.Module):
@@ -68,6 +73,9 @@ class ConvertedMoeBlock(nn.Module):
     def __init__(self, family: Family, moe: MoELayer, hf_skeleton: nn.Module, expert_dropout: float = 0.0) -> None:
         super().__init__()
         self.family = family.name
+        # The experts implementation HF's config named at conversion (None: the block has no config): a later
+        # set_experts_implementation changes the config this block shares with the model, not its computation.
+        self.converted_under = experts_implementation(getattr(hf_skeleton, "experts", None))
         self.returns_router_scores = family.returns_router_scores
         self.expert_dropout = expert_dropout
         self.moe = moe
@@ -86,6 +94,8 @@ class ConvertedMoeBlock(nn.Module):
                 f"the HF {self.family} experts apply dropout (p={self.expert_dropout}) in training, which flexmoe's "
                 f"experts do not; convert a model whose expert dropout is 0 (e.g. from_pretrained(..., "
                 f"dropout_rate=0.0)), or run this block in eval mode")
+        if not torch.compiler.is_compiling():
+            self._say_if_implementation_changed()
         out = self.moe(hidden_states)
         if self.returns_router_scores:
             plan = self.moe.last_plan
@@ -95,6 +105,44 @@ class ConvertedMoeBlock(nn.Module):
 
     def extra_repr(self) -> str:
         return f"family={self.family!r}"
+
+    def _say_if_implementation_changed(self) -> None:
+        """Warn, in one line, when the model's experts implementation was set after conversion
+        (``model.set_experts_implementation``, or ``generate()`` switching ``grouped_mm`` to ``batched_mm`` for
+        decoding off the CPU): this block computes its experts with flexmoe whatever the config names. Not an
+        error, since ``generate()`` makes that switch by itself."""
+        now = experts_implementation(getattr(self.hf_skeleton, "experts", None))
+        if now != self.converted_under:
+            # One message per implementation name: Python's warning registry then shows it once, not per block.
+            warnings.warn(f"experts_implementation={now!r} does not apply to the blocks flexmoe.hf.convert "
+                          f"replaced (their experts are flexmoe's, fixed at conversion); flexmoe.hf.to_hf(model) "
+                          f"gives HF's blocks back", UserWarning, stacklevel=3)
+
+    @torch.no_grad()
+    def initialize_as_hf(self, init_weights: Callable[[nn.Module], None]) -> None:
+        """Initialise the layer's copies of HF's tensors as HF initialises its own block: ``init_weights`` is the
+        HF model's ``_init_weights`` (one module at a time), applied to every module of a scratch copy of each
+        copied part (experts, shared experts, shared gate: :func:`~flexmoe.hf.hf_state.layer_parts`), whose
+        values (this rank's experts) are copied into the layer. DeepSeek-V3's ``expert_bias`` takes the router's
+        ``e_score_correction_bias`` (HF's router is the live one: the model initialises it itself, before this
+        block, whose children come first). A part whose layer tensors all carry HF's ``_is_hf_initialized`` flag
+        (loaded) is left as it is, as HF leaves its own loaded tensors."""
+        moe = self.moe
+        like = experts_like(moe)
+        for part in layer_parts(self.hf_family):
+            _, held = layer_module(moe, part)
+            scratch = hf_scratch(self, part)
+            tensors = [getattr(held, name) for name in part.sources(scratch)]
+            if all(getattr(t, "_is_hf_initialized", False) for t in tensors):
+                continue
+            materialize(scratch, like)
+            for module in scratch.modules():
+                init_weights(module)
+            for name, value in layer_values(part, scratch, moe.layout, moe.ep_group.rank).items():
+                getattr(held, name).copy_(value)
+        hf_bias = getattr(moe.router.hf_router, "e_score_correction_bias", None)
+        if moe.expert_bias is not None and isinstance(hf_bias, Tensor):
+            moe.expert_bias.copy_(hf_bias)
 
     def refuse_unmerged_adapters(self) -> None:
         """``ValueError`` naming the modules of this block an adapter still wraps or parametrizes (PEFT's LoRA
@@ -200,3 +248,21 @@ def adapted_modules(module: nn.Module) -> list[str]:
     return [name for name, m in module.named_modules()
             if callable(getattr(m, "get_base_layer", None)) or parametrize.is_parametrized(m)]
 
+
+
+class InitWithConvertedBlocks:
+    """The ``_init_weights`` that :func:`flexmoe.hf.convert` gives an HF model holding converted blocks (an
+    attribute of that model instance; its class is untouched): the class's own ``_init_weights(module)``, and for a
+    :class:`ConvertedMoeBlock` also :meth:`ConvertedMoeBlock.initialize_as_hf`. HF's ``init_weights()`` /
+    ``initialize_weights()`` call ``_init_weights`` once per module (children first), so a model built on
+    ``meta``, converted and materialised with ``to_empty`` gets its experts and buffers drawn as HF draws its own,
+    not left uninitialised."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, module: nn.Module) -> None:
+        model = self.model
+        type(model)._init_weights(model, module)  # type: ignore[attr-defined]  # an HF PreTrainedModel's
+        if isinstance(module, ConvertedMoeBlock):
+            module.initialize_as_hf(lambda m: type(model)._init_weights(model, m))  # type: ignore[attr-defined]

@@ -9,7 +9,13 @@ from typing import Any
 from torch import nn
 
 from flexmoe.experts import ExpertOptions
-from flexmoe.hf.block import ConvertedMoeBlock, adapted_modules, build_converted_block, copied_requires_grad
+from flexmoe.hf.block import (
+    ConvertedMoeBlock,
+    InitWithConvertedBlocks,
+    adapted_modules,
+    build_converted_block,
+    copied_requires_grad,
+)
 from flexmoe.hf.families import FAMILIES, family_of
 from flexmoe.layer import MoELayer
 from flexmoe.parallel.options import ParallelOptions
@@ -102,6 +108,7 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
     converted = [(name, _convert_block(block, group, options)) for name, block in blocks]
     for name, new in converted:
         _replace(model, name, new)
+    _init_converted_blocks_too(model)
     return model
 
 
@@ -128,7 +135,25 @@ def to_hf(model: nn.Module) -> nn.Module:
         block.hf_requires_grad()
     for name, block in blocks:  # the same order on every rank: each gather is a collective
         _replace(model, name, block.to_hf())
+    for module in model.modules():  # HF's own _init_weights again (convert set one that also knows its blocks)
+        if isinstance(module.__dict__.get("_init_weights"), InitWithConvertedBlocks):
+            del module.__dict__["_init_weights"]
     return model
+
+
+def _init_converted_blocks_too(model: nn.Module) -> None:
+    """Give every HF ``PreTrainedModel`` in ``model`` that holds a converted block the ``_init_weights`` that also
+    initialises converted blocks (:class:`~flexmoe.hf.block.InitWithConvertedBlocks`), so that HF's
+    ``init_weights()`` (which calls the innermost model's ``_init_weights`` per module) and
+    ``model.apply(model._init_weights)`` reach their experts. An attribute of each instance: the class is not
+    changed."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not isinstance(module.__dict__.get("_init_weights"),
+                                                                  InitWithConvertedBlocks) \
+                and any(isinstance(m, ConvertedMoeBlock) for m in module.modules()):
+            module.__dict__["_init_weights"] = InitWithConvertedBlocks(module)
 
 
 def _convert_block(block: nn.Module, group: object | None, options: dict[str, Any]) -> ConvertedMoeBlock:

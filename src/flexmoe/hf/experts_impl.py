@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from flexmoe.dispatch import combine, dispatch, sum_choices_by_token
 from flexmoe.expert_weights import ExpertWeights, gated_unit, needs_grad
 from flexmoe.experts import expert_ffn, resolve_activation
+from flexmoe.grouped_linear_op import grouped_experts_ffn
 from flexmoe.hf.families import StoredExperts, expert_unit, stored_experts
 from flexmoe.kernel_chooser import KernelChooser
 from flexmoe.routing.capacity import HOST_ORDER_MAX_PAIRS, order_pairs_on_host
@@ -44,6 +45,9 @@ def flexmoe_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index:
     stored = stored_experts(self)
     num_experts = stored.up.shape[0]
     expert_parallel = getattr(self, "_is_expert_parallel", False)
+    if torch.compiler.is_compiling() and not expert_parallel:
+        return _compiled_forward(hidden_states, top_k_index, top_k_weights, stored, resolve_activation(activation),
+                                 glu_limit)
     if (not expert_parallel and top_k_index.dim() == 2 and top_k_weights.shape == top_k_index.shape
             and top_k_index.numel() <= HOST_ORDER_MAX_PAIRS
             and not needs_grad(hidden_states, top_k_weights, stored.up, stored.up_bias, stored.down,
@@ -57,6 +61,23 @@ def flexmoe_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index:
     rows = rows.to(stored.up.dtype)
     out = stored_experts_ffn(rows, plan.counts, stored, resolve_activation(activation), glu_limit,
                              kernels_of(self))
+    return combine(out, plan).to(hidden_states.dtype)
+
+
+def _compiled_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, stored: StoredExperts,
+                      activation: Callable[[Tensor], Tensor], glu_limit: float | None) -> Tensor:
+    """:func:`flexmoe_experts_forward` traced by ``torch.compile``: no routed value reaches the host, so that
+    ``fullgraph=True`` holds (as the compiled :class:`~flexmoe.MoELayer`'s dropless path, docs/architecture.md,
+    "Compiling the layer"). The plan keeps its counts on the device (:func:`plan_from_choices` while compiling,
+    ``N = T * k`` rows), and the experts' matmuls are the ``flexmoe::grouped_linear`` op that reads them there
+    (:func:`~flexmoe.grouped_linear_op.grouped_experts_ffn`; off the CPU in bf16, ``torch._grouped_mm`` with
+    device offsets), on views of HF's fused tensors with the unit traced between them.
+    ``hidden_states [T, M]``, ``top_k_index`` / ``top_k_weights [T, k]`` -> ``[T, M]``."""
+    plan = plan_from_choices(top_k_index, top_k_weights, stored.up.shape[0])
+    rows = dispatch(hidden_states, plan).to(stored.up.dtype)  # [T * k, M] sorted by expert
+    weights = ExpertWeights(stored.in_out(stored.up), stored.up_bias, stored.in_out(stored.down), stored.down_bias,
+                            None, None, _unit(stored, activation, glu_limit))
+    out = grouped_experts_ffn(rows, plan.tokens_per_expert, weights)
     return combine(out, plan).to(hidden_states.dtype)
 
 
@@ -99,9 +120,7 @@ def stored_experts_ffn(rows: Tensor, counts: list[int], stored: StoredExperts,
     Without autograd ``kernels`` (None: the loop over the active experts) picks the kernel, as for the layer's
     experts, on the ``[E, in, out]`` views (free without gradients).
     """
-    unit: Callable[[Tensor], Tensor] = activation
-    if stored.gated:
-        unit = functools.partial(_gated, stored=stored, activation=activation, glu_limit=glu_limit)
+    unit = _unit(stored, activation, glu_limit)
     up, down = stored.in_out(stored.up), stored.in_out(stored.down)  # [E, M, out], [E, H, M]
     if not needs_grad(rows, stored.up, stored.up_bias, stored.down, stored.down_bias):
         # The rule's hidden size is H (a narrow view: the same strides as the fused matrix it stands for).
@@ -125,6 +144,15 @@ def stored_experts_ffn(rows: Tensor, counts: list[int], stored: StoredExperts,
         if x.shape[0]:
             outputs.append(linear(unit(linear(x, w_up, b_up)), w_down, b_down))
     return joined_outputs(outputs, rows, rows.shape[-1])
+
+
+def _unit(stored: StoredExperts, activation: Callable[[Tensor], Tensor],
+          glu_limit: float | None) -> Callable[[Tensor], Tensor]:
+    """The hidden unit on the up projection's output ``[n, out]`` -> ``[n, H]``: the activation, or for gated
+    experts the gated unit over the two halves of the fused projection (:func:`_gated`)."""
+    if stored.gated:
+        return functools.partial(_gated, stored=stored, activation=activation, glu_limit=glu_limit)
+    return activation
 
 
 def _gated(projected: Tensor, *, stored: StoredExperts, activation: Callable[[Tensor], Tensor],

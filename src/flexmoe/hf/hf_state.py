@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from flexmoe.layer import MoELayer
 
 __all__ = ["ROUTER", "Part", "layer_parts", "layer_values", "write_hf", "layer_requires_grad", "hf_requires_grad",
-           "materialize", "experts_like", "layer_module", "save_hf_names", "load_hf_names"]
+           "materialize", "experts_like", "layer_module", "hf_scratch", "save_hf_names", "load_hf_names"]
 
 ROUTER = "moe.router.hf_router."  # where the block holds HF's router module (its state-dict prefix)
 
@@ -191,7 +191,7 @@ def experts_like(moe: MoELayer) -> Tensor:
     return w1
 
 
-def _scratch(block: ConvertedMoeBlock, part: Part) -> nn.Module:
+def hf_scratch(block: ConvertedMoeBlock, part: Part) -> nn.Module:
     """A new HF module of ``part``'s kind, its tensors on ``meta`` (a copy of the block's emptied skeleton part)."""
     return copy.deepcopy(getattr(block.hf_skeleton, part.hf_name))
 
@@ -212,7 +212,7 @@ def save_hf_names(block: ConvertedMoeBlock, state_dict: dict[str, Any], prefix: 
     if moe.expert_bias is not None and bias_key in state_dict:
         state_dict[bias_key] = state_dict.pop(prefix + "moe.expert_bias").to(state_dict[bias_key].dtype)
     for part in layer_parts(family):
-        scratch = _scratch(block, part)
+        scratch = hf_scratch(block, part)
         materialize(scratch, experts_like(moe))
         write_hf(part, scratch, moe)
         path, _ = layer_module(moe, part)
@@ -269,7 +269,7 @@ def _load_part(block: ConvertedMoeBlock, part: Part, state_dict: dict[str, Any],
     if not given and all(key in state_dict for key in own):
         return  # the layer's own names
     if given:
-        scratch = _scratch(block, part)
+        scratch = hf_scratch(block, part)
         try:  # assign: the scratch module holds the given tensors themselves (shapes are still checked)
             scratch.load_state_dict({hf_keys[key]: state_dict.pop(key) for key in hf_keys if key in state_dict},
                                     strict=True, assign=True)

@@ -214,7 +214,8 @@ def check_choices(expert_index: Tensor, num_experts: int, *, num_tokens: int | N
                   active: Tensor | None = None, name: str = "expert_index") -> None:
     """Raise ``ValueError`` naming ``name`` unless ``expert_index`` is ``[num_tokens, k]`` integer choices in
     ``[0, num_experts)`` (where ``active``, ``[T, k]`` bool, says the pair is dispatched; default all). None for
-    ``num_tokens`` / ``k``: any. One host read (the range)."""
+    ``num_tokens`` / ``k``: any. One host read (the range); under ``torch.compile`` none: the range is asserted on
+    the device instead (a ``RuntimeError`` when it fails), since a traced host read would end the graph."""
     if expert_index.dim() != 2:
         raise ValueError(f"{name} must be [tokens, k], got shape {tuple(expert_index.shape)}")
     if expert_index.dtype.is_floating_point or expert_index.dtype.is_complex or expert_index.dtype == torch.bool:
@@ -223,6 +224,12 @@ def check_choices(expert_index: Tensor, num_experts: int, *, num_tokens: int | N
         raise ValueError(f"{name} has {expert_index.shape[0]} tokens, the call has T={num_tokens}")
     if k is not None and expert_index.shape[1] != k:
         raise ValueError(f"{name} has k={expert_index.shape[1]} choices per token, the layer routes k={k}")
+    if torch.compiler.is_compiling():
+        # expert_index[active] would have a data-dependent shape: inactive pairs are read as 0 instead.
+        check = expert_index if active is None else expert_index.masked_fill(~active, 0)
+        torch._assert_async(((check >= 0) & (check < num_experts)).all(),
+                            f"{name} must lie in [0, num_experts={num_experts})")
+        return
     check = expert_index if active is None else expert_index[active]
     if check.numel():
         low, high = (int(v) for v in torch.aminmax(check))
@@ -432,6 +439,12 @@ def plan_from_choices(expert_index: Tensor, weight: Tensor, num_experts: int, *,
     (default all; inactive pairs are skipped, their expert index is not read). Every active pair gets a row
     (capacity = the largest load). There are no logits, so ``probs_topk`` is ``weight`` and both router losses are
     zero: the caller owns its routing and its losses.
+
+    Under ``torch.compile`` with every pair active, nothing reaches the host: the choices are checked on the device
+    (:func:`check_choices`) and the counts stay in ``tokens_per_expert`` (``host_counts`` None, as
+    :func:`plan_from_pairs`' ``counts_on_device``), so a compiled caller must read them there (e.g.
+    :func:`flexmoe.grouped_linear_op.grouped_experts_ffn`), not through ``counts``. With an ``active`` mask the
+    plan still counts on the host (its row count depends on the mask).
     """
     if expert_index.dim() != 2 or weight.shape != expert_index.shape:
         raise ValueError(f"expert_index and weight must both be [tokens, k], got {tuple(expert_index.shape)} and "
@@ -443,7 +456,8 @@ def plan_from_choices(expert_index: Tensor, weight: Tensor, num_experts: int, *,
     logits = weight.new_zeros(num_tokens, num_experts)
     zero = weight.new_zeros(())
     return plan_from_pairs(logits, expert_index, weight.detach(), weight, active=active, capacity_factor=0.0,
-                           aux_loss=zero, z_loss=zero)
+                           aux_loss=zero, z_loss=zero,
+                           counts_on_device=active is None and torch.compiler.is_compiling())
 
 
 def _static_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, capacity: int | None) -> int:

@@ -7,7 +7,8 @@ The layer's top-k routing, step by step (docs/architecture.md, routing contract)
 2. choice scores: the scores plus the selection bias (``balance="bias"``), detached: they only *pick* experts;
 3. group-limited routing (DeepSeek-V3's ``n_group`` / ``topk_group``): the E experts form G equal groups of
    consecutive experts, a group is rated by the sum of its two best choice scores, only the best
-   ``num_limited_groups`` groups stay eligible, :func:`group_limited_mask`;
+   ``num_limited_groups`` groups stay eligible, :func:`group_limited_mask` (a k larger than the eligible experts
+   takes masked ones too, :func:`select_experts`);
 4. the k best eligible choice scores, ties to the lower expert index (:func:`flexmoe.routing.plan.top_k`);
 5. weights from the unbiased scores of the chosen experts, renormalised over the k (k > 1) when asked, times
    ``route_scale``, :func:`routed_weights`.
@@ -96,8 +97,9 @@ def router_scores(logits: Tensor, score_func: str = "softmax") -> Tensor:
 
 
 def check_group_options(num_experts: int | None, k: int, num_expert_groups: object, num_limited_groups: object) -> None:
-    """Raise ``ValueError`` / ``TypeError`` naming the argument unless the group options fit E and k
-    (``num_experts=None``: only what does not depend on E)."""
+    """Raise ``ValueError`` / ``TypeError`` naming the argument unless the group options fit E
+    (``num_experts=None``: only what does not depend on E). Any k fits: a k larger than the eligible groups'
+    experts takes masked ones too (:func:`select_experts`); ``k`` stays for the callers' signature."""
     if num_expert_groups is None and num_limited_groups is None:
         return
     if num_expert_groups is None or num_limited_groups is None:
@@ -116,10 +118,8 @@ def check_group_options(num_experts: int | None, k: int, num_expert_groups: obje
         return
     if num_experts % num_expert_groups != 0:
         raise ValueError(f"num_expert_groups must divide num_experts={num_experts}, got {num_expert_groups}")
-    eligible = num_limited_groups * (num_experts // num_expert_groups)
-    if k > eligible:
-        raise ValueError(f"k={k} exceeds the {eligible} experts of the num_limited_groups={num_limited_groups} "
-                         f"eligible groups (num_experts / num_expert_groups each)")
+    # k may exceed the experts of the eligible groups: select_experts then also picks masked ones (as HF's
+    # DeepSeek-V3 router does), so no bound on k beyond k <= E, which the plan checks.
 
 
 def group_limited_mask(choice_scores: Tensor, num_groups: int, num_limited_groups: int,
@@ -151,8 +151,11 @@ def select_experts(
     """Each token's k experts: ``(expert_index [T, k], choice_scores [T, E])``.
 
     scores: ``[T, E]``; selection_bias: ``[E]`` added to the scores to pick only (the sum in the wider dtype).
-    With groups, experts outside a token's best groups get ``-inf`` choice scores before the top-k. Ties: the
-    lower expert index, or as ``torch.topk`` breaks them with ``ties="topk"``.
+    With groups, experts outside a token's best groups get ``-inf`` choice scores before the top-k, as in HF's
+    DeepSeek-V3 router: when k exceeds the eligible experts, every eligible one is picked and the rest of the k
+    are masked ones (equal at ``-inf``, so by the tie rule), still weighted by their real scores
+    (:func:`routed_weights`). Ties: the lower expert index, or as ``torch.topk`` breaks them with
+    ``ties="topk"``.
     """
     choice = scores.detach()
     if selection_bias is not None:
