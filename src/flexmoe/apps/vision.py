@@ -51,7 +51,7 @@ from flexmoe.apps.train_flags import (
 from flexmoe.apps.train_loop import Task, train_model
 
 __all__ = ["Digits", "load_digits_split", "default_train_config", "add_arguments", "vision_configs", "DigitsTask",
-           "run", "build_vit", "train_vision", "train_vit", "evaluate"]
+           "run", "build_vit", "train_vision", "evaluate"]
 
 SPLIT_SEED = 0  # the held-out split is the same for every run, whatever --seed says
 HELD_OUT = 360  # images (a fifth of the 1,797)
@@ -219,15 +219,9 @@ def train_vision(mcfg: ViTConfig, tcfg: TrainConfig, out: str | Path, *, resume:
     held-out accuracy."""
     train_set, held_out = load_digits_split()
     model = build_vit(mcfg, tcfg.seed).to(tcfg.device)
-    return train_vit(model, DigitsTask(train_set, held_out, tcfg, mcfg.num_tokens), tcfg, out, resume=resume)
-
-
-def train_vit(model: ViT, task: DigitsTask, tcfg: TrainConfig, out: str | Path, *, resume: bool = False) -> RunResult:
-    """Train the built ``model`` (on ``tcfg.device``) on ``task`` into run directory ``out``."""
-    return train_model(model, task, tcfg, out, label="dense" if model.cfg.dense else "moe",
-                       model_config=model.cfg.to_dict(), param_counts=(model.num_params(),
-                                                                       model.num_params(active=True)),
-                       resume=resume)
+    return train_model(model, DigitsTask(train_set, held_out, tcfg, mcfg.num_tokens), tcfg, out,
+                       label="dense" if mcfg.dense else "moe", model_config=mcfg.to_dict(),
+                       param_counts=(model.num_params(), model.num_params(active=True)), resume=resume)
 
 
 def write_comparison(out: Path, results: dict[str, RunResult]) -> None:
