@@ -681,12 +681,12 @@ def test_resume_of_a_hugging_face_run_refuses_another_block_size_or_capacity(tmp
 def test_every_train_flag_is_either_kept_or_free_to_change_on_resume() -> None:
     """No flag of `flexmoe train` is silently ignored by --resume: each one is compared with the saved run
     (training, model and Hugging Face flags) or listed as changing no result (RESUME_MAY_CHANGE)."""
-    from flexmoe.apps import train
+    from flexmoe.apps import train, train_flags
 
     parser = cli.build_parser("train")
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
     dests = {a.dest for a in sub._actions if a.option_strings and a.dest != "help"}
-    model = set(train.saved_model_flags({}, train._MODEL_FLAGS))  # the model flags and --dense
-    kept = set(train.saved_train_flags({})) | model | {"hf_arch", "hf_model"}  # the HF job compares these two
-    assert not kept & set(train.RESUME_MAY_CHANGE)
-    assert dests == kept | set(train.RESUME_MAY_CHANGE)
+    model = set(train_flags.saved_model_flags({}, train.GPT_MODEL_FLAGS))  # the model flags and --dense
+    kept = set(train_flags.saved_train_flags({})) | model | {"hf_arch", "hf_model"}  # the HF job compares these two
+    assert not kept & set(train_flags.RESUME_MAY_CHANGE)
+    assert dests == kept | set(train_flags.RESUME_MAY_CHANGE)

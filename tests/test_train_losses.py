@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from flexmoe.apps import train as train_app
+from flexmoe.apps import train_loop
 from flexmoe.apps.data import TokenData
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 
@@ -32,7 +33,7 @@ def one_training_step(tmp_path, monkeypatch, mcfg: GPTConfig) -> tuple[dict, dic
         seen["before"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         return torch.optim.SGD(model.parameters(), lr=tcfg.lr)
 
-    monkeypatch.setattr(train_app, "build_optimizer", sgd)
+    monkeypatch.setattr(train_loop, "build_optimizer", sgd)
     train_app.train(mcfg, STEP, tmp_path / "run")
     after = {n: p.detach().clone() for n, p in seen["model"].named_parameters()}
     return seen["before"], after

@@ -12,6 +12,7 @@ import torch._dynamo
 
 from flexmoe.apps import cli, vision
 from flexmoe.apps.models.vit import ViT, ViTConfig, patchify
+from flexmoe.checkpoint import read_checkpoint
 from flexmoe.layer import MoELayer
 from flexmoe.routing.routers import CosineRouter
 
@@ -186,6 +187,45 @@ def test_compiled_run_equals_eager(tmp_path: Path) -> None:
     for ra, rb in zip(a, b):
         assert rb["train_loss"] == pytest.approx(ra["train_loss"], rel=1e-5, abs=1e-6)
     assert b[-1]["val_loss"] == pytest.approx(a[-1]["val_loss"], rel=1e-5, abs=1e-6)
+
+
+def test_selection_biases_move_once_per_step_as_in_the_other_jobs(tmp_path: Path, monkeypatch) -> None:
+    """train-vision makes the per-step expert-bias update of flexmoe train (balance="bias", DeepSeek-V3's rule):
+    after each optimizer step ``bias += rate * sign(mean(load) - load)``, ``load`` the step's pairs per expert
+    before drops. With one forward per step and --log-every 1 that load is each record's ``expert_demand``, so
+    the saved bias must equal the rule applied here, step by step, to the logged demands."""
+    rate = 0.05
+
+    def vit_with_bias(cfg: ViTConfig, seed: int) -> ViT:  # the job's model, its MoE layer selecting with a bias
+        torch.manual_seed(seed)
+        model = ViT(cfg)
+        for block in model.blocks:
+            if block.is_moe:
+                block.mlp = MoELayer(cfg.n_embd, cfg.num_experts, cfg.expert_hidden, k=cfg.k, router=cfg.router,
+                                     capacity_factor=cfg.capacity_factor, activation="gelu", group="single",
+                                     balance="bias", bias_update_rate=rate)
+        return model
+
+    monkeypatch.setattr(vision, "build_vit", vit_with_bias)
+    out = tmp_path / "bias"
+    steps = 6
+    assert cli.main(["train-vision", "--out", str(out), "--steps", str(steps), "--log-every", "1", "--eval-every",
+                     "6", "--ckpt-every", "6", "--n-embd", "32", "--n-layer", "2", "--expert-hidden", "32",
+                     "--num-experts", "4", "--no-progress", "--no-plots"]) == 0
+    records = _metrics(out)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    want = torch.zeros(4, dtype=torch.float32)
+    history = []
+    for r in records:
+        (demand,) = r["expert_demand"]  # one MoE layer
+        load = torch.tensor(demand, dtype=torch.float32)
+        want = want + rate * torch.sign(load.mean() - load)
+        history.append(want)
+    assert len({tuple(h.tolist()) for h in history}) > 1  # the load was uneven, so the bias moved
+    saved = read_checkpoint(out / "checkpoints" / f"step_{steps:06d}").model
+    (name,) = [n for n in saved if n.endswith("expert_bias")]
+    torch.testing.assert_close(saved[name], want, rtol=0, atol=1e-6)
+    assert saved[name].abs().sum() > 0
 
 
 def test_user_errors_are_one_line(tmp_path: Path, capsys) -> None:

@@ -5,7 +5,7 @@ loaded from a local ``save_pretrained`` directory (``--hf-model``, fine-tuning),
 converted in place by :func:`flexmoe.hf.convert` (under ``torchrun``: each rank keeps its own experts, the rest is
 data-parallel). :class:`HFCausalLM` gives it the interface of the application models (``forward(x, y) ->
 (logits, loss)`` and the MoE statistics), so it trains in the same loop as the MoE GPT
-(:func:`flexmoe.apps.train.train_model`): same run directory, metrics, plots, checkpoints and ``--resume``.
+(:func:`flexmoe.apps.train_loop.train_model`): same run directory, metrics, plots, checkpoints and ``--resume``.
 
 The loss is HF's own: the causal-LM cross-entropy of the model's ``loss_function``, plus
 ``router_aux_loss_coef`` times HF's auxiliary balance loss when the config has ``output_router_logits``.
@@ -33,16 +33,10 @@ from flexmoe.apps.data import TokenData, load_text_bytes
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.hf_configs import HF_ARCHS, NOT_OFFERED, small_config_keywords
 from flexmoe.apps.models.moe_model import MoEModel
-from flexmoe.apps.train import (
-    MOE_MODEL_FLAGS,
-    TrainConfig,
-    _init_distributed,
-    check_resumed_flags,
-    saved_run_config,
-    train_config,
-    train_model,
-)
-from flexmoe.checkpoint import latest_checkpoint
+from flexmoe.apps.run_files import latest_run_checkpoint
+from flexmoe.apps.train_config import TrainConfig
+from flexmoe.apps.train_flags import MOE_MODEL_FLAGS, check_resumed_flags, saved_run_config, train_config
+from flexmoe.apps.train_loop import TokenTask, init_distributed, train_model
 
 __all__ = ["HFJobConfig", "HFCausalLM", "add_hf_flags", "job_config", "check_inputs", "run_job", "build_hf_model",
            "check_loaded_weights", "export_hf"]
@@ -80,7 +74,8 @@ def add_hf_flags(parser: argparse.ArgumentParser) -> None:
 class HFJobConfig:
     """What the job trains: an HF configuration (``hf_config``, ``config.to_dict()``), built from scratch or loaded
     from ``hf_model``, converted with ``convert_options``, on sequences of ``block_size`` tokens (the tokenizer
-    of directory ``tokenizer``, or bytes). ``group`` is the expert-parallel group at run time (not saved)."""
+    of directory ``tokenizer``, or bytes). ``group``: an expert-parallel group for :func:`build_hf_model` when it
+    is given none (not saved; the job passes its group to :func:`build_hf_model` instead)."""
 
     hf_config: dict[str, Any]
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -291,12 +286,13 @@ def hf_param_counts(hf: nn.Module) -> tuple[int, int]:
     return total, total - routed + routed * k // num_experts
 
 
-def build_hf_model(cfg: HFJobConfig, seed: int, *, pretrained: bool) -> tuple[HFCausalLM, tuple[int, int]]:
+def build_hf_model(cfg: HFJobConfig, seed: int, *, pretrained: bool,
+                   group: Any = None) -> tuple[HFCausalLM, tuple[int, int]]:
     """The converted model on this rank and the whole model's (parameters, active parameters).
 
     Built identically on every rank (``seed``, or the weights of ``cfg.hf_model`` with ``pretrained``) before
-    :func:`flexmoe.hf.convert` keeps each rank's experts (``cfg.group``), so the initial weights do not depend on
-    the number of ranks.
+    :func:`flexmoe.hf.convert` keeps each rank's experts of the expert-parallel ``group`` (None: ``cfg.group``;
+    without either, every expert), so the initial weights do not depend on the number of ranks.
     """
     from transformers import AutoModelForCausalLM
 
@@ -313,7 +309,7 @@ def build_hf_model(cfg: HFJobConfig, seed: int, *, pretrained: bool) -> tuple[HF
         hf = AutoModelForCausalLM.from_config(cfg.transformers_config())
     counts = hf_param_counts(hf)
     try:
-        convert(hf, group=cfg.group, **cfg.convert_options)
+        convert(hf, group=cfg.group if group is None else group, **cfg.convert_options)
     except ValueError as exc:
         raise UsageError(f"flexmoe.hf.convert: {exc}".splitlines()[0]) from None
     return HFCausalLM(hf, cfg), counts
@@ -395,28 +391,27 @@ def export_hf(model: HFCausalLM, directory: Path, tokenizer: str | None, sharded
 def run_job(args: argparse.Namespace, cfg: HFJobConfig, tcfg: TrainConfig) -> int:
     """Train (or resume) the HF model into ``args.out``, then export it if ``--export-hf`` asks."""
     out = Path(args.out)
-    rank, world = _init_distributed()
+    rank, world = init_distributed()
     if args.resume and not (out / "config.json").is_file() and rank == 0:
         print(f"--resume: no run in {out} yet, starting a new one", flush=True)
     # Under --fsdp every rank builds every expert, and parallelize keeps its own (flexmoe.apps.sharded_job).
     group = "single" if tcfg.fsdp else dist.group.WORLD if world > 1 else None
-    cfg = dataclasses.replace(cfg, group=group)
     data = load_data(cfg, tcfg)
     # A resumed run takes its weights from its checkpoint; a new one from --hf-model (or the seed).
-    latest = sharded_job.latest_dcp_checkpoint if tcfg.fsdp else latest_checkpoint
-    resumes = args.resume and (out / "checkpoints").is_dir() and latest(out) is not None
+    resumes = args.resume and latest_run_checkpoint(out, sharded=tcfg.fsdp) is not None
     mesh = None
     if tcfg.fsdp and cfg.hf_model is not None and not resumes:
         model, counts, mesh = load_hf_model_by_shard(cfg, tcfg)
     else:
-        model, counts = build_hf_model(cfg, tcfg.seed, pretrained=cfg.hf_model is not None and not resumes)
+        model, counts = build_hf_model(cfg, tcfg.seed, pretrained=cfg.hf_model is not None and not resumes,
+                                       group=group)
         model.to(tcfg.device)
     if tcfg.fsdp and mesh is None:
         laid, mesh = sharded_job.lay_out(model, tcfg.ep, tcfg.activation_checkpointing, tcfg.param_dtype)
         assert isinstance(laid, HFCausalLM)  # parallelize lays the model out in place
         model = laid
-    train_model(model, data, tcfg, out, label=cfg.label, model_config=cfg.to_dict(), param_counts=counts,
-                resume=args.resume, mesh=mesh)
+    train_model(model, TokenTask(data, tcfg, cfg.block_size), tcfg, out, label=cfg.label,
+                model_config=cfg.to_dict(), param_counts=counts, resume=args.resume, mesh=mesh)
     if args.export_hf is not None:
         export_hf(model, Path(args.export_hf), cfg.tokenizer, sharded=tcfg.fsdp)
     return 0

@@ -1,8 +1,9 @@
 """The ``flexmoe train`` command: the MoE GPT's flags and the Hugging Face job's, and which of the two jobs runs.
 
-The two jobs share the training loop: :mod:`flexmoe.apps.hf_job` builds on :mod:`flexmoe.apps.train`, and this
-module, above both, reads the flags, checks them, and hands the run to one (``--hf-arch`` / ``--hf-model``: the
-Hugging Face model; otherwise the MoE GPT). ``--nproc N`` relaunches the same command line on N local ranks.
+The two jobs share the training loop (:mod:`flexmoe.apps.train_loop`) and the flags and resume rules
+(:mod:`flexmoe.apps.train_flags`); this module, above both, reads the flags, checks them, and hands the run to
+one (``--hf-arch`` / ``--hf-model``: the Hugging Face model; otherwise the MoE GPT). ``--nproc N`` relaunches
+the same command line on N local ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from flexmoe.apps import hf_job, sharded_job, train
 from flexmoe.apps.data import TokenData
+from flexmoe.apps.train_flags import check_run_dir, check_world_size
 from flexmoe.launch import relaunch, under_torchrun
 
 __all__ = ["add_arguments", "run"]
@@ -52,19 +54,20 @@ def run(args: argparse.Namespace) -> int:
     # Every check of the user's input happens here, before any process is launched or any file written.
     hf = hf_job.job_config(args)  # None: the MoE GPT
     if hf is None:
-        mcfg, tcfg = train.gpt_configs(args)
-        train.check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
-        TokenData.from_file(tcfg.data, block_size=mcfg.block_size)  # a missing, empty or too small --data
-        train.check_world_size(mcfg, int(os.environ.get("WORLD_SIZE", args.nproc)))
+        job = train.gpt_job(args)
+        tcfg = job.train
+        check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+        TokenData.from_file(tcfg.data, block_size=job.model.block_size)  # a missing, empty or too small --data
+        check_world_size(job.model, int(os.environ.get("WORLD_SIZE", args.nproc)))
     else:
         hf_cfg, tcfg = hf
-        train.check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+        check_run_dir(Path(args.out), resume=args.resume, overwrite=args.overwrite)
         hf_job.check_inputs(hf_cfg, tcfg, args)
     sharded_job.check_mesh_flags(args, int(os.environ.get("WORLD_SIZE", args.nproc)))
     if args.nproc > 1 and not under_torchrun():
         return relaunch(args.nproc, "train", forward_argv(args))
     try:
-        return train.run_gpt_job(args, mcfg, tcfg) if hf is None else hf_job.run_job(args, hf_cfg, tcfg)
+        return train.run_gpt_job(args, job) if hf is None else hf_job.run_job(args, hf_cfg, tcfg)
     finally:
         if dist.is_available() and dist.is_initialized():
             # Free what is left of the model and its DDP wrapper first (reference cycles included), so that

@@ -2,11 +2,14 @@
 router, as in SwinV2-MoE) or its dense twin on scikit-learn's 8x8 handwritten digits, and report accuracy on a
 fixed held-out split.
 
-The run directory is laid out as ``flexmoe train``'s (see :mod:`flexmoe.apps.train`, whose run-directory rules,
-optimizer, learning-rate schedule, gradient clipping, checkpoints and plots this job reuses): ``config.json``,
-``metrics.jsonl`` (``step``, ``train_loss``, and ``val_loss`` / ``val_accuracy`` where evaluated),
-``checkpoints/``, ``summary.json``, ``loss.png``, ``expert_load.png``; with ``--compare-dense`` the twin trains
-on the same batches into ``OUT/dense`` and ``OUT`` gets ``compare.{png,md,json}``.
+The job trains in ``flexmoe train``'s loop (:func:`flexmoe.apps.train_loop.train_model`: its optimizer,
+learning-rate schedule, gradient clipping, per-step updates of the MoE layers such as the selection biases of
+``balance="bias"``, checkpoints and plots) under its flags and run-directory rules
+(:mod:`flexmoe.apps.train_flags`); this module holds the data (:class:`DigitsTask`) and the model. The run
+directory is laid out as ``flexmoe train``'s: ``config.json``, ``metrics.jsonl`` (``step``, ``train_loss``, and
+``val_loss`` / ``val_accuracy`` where evaluated), ``checkpoints/``, ``summary.json``, ``loss.png``,
+``expert_load.png``; with ``--compare-dense`` the twin trains on the same batches into ``OUT/dense`` and ``OUT``
+gets ``compare.{png,md,json}``.
 
 The data: 1,797 grey 8x8 images (pixel values 0..16, scaled to [0, 1]) that ship inside scikit-learn, so
 nothing is downloaded. The held-out split (360 images) is drawn once from a fixed seed, the same for every run
@@ -17,9 +20,10 @@ Single process only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import time
-from dataclasses import asdict, dataclass
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,41 +32,26 @@ from torch import Tensor
 
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.flags import COUNT, SEED, Choice
-from flexmoe.apps.interrupt import Interrupted, StopSignals
+from flexmoe.apps.models.moe_model import MoEModel
 from flexmoe.apps.models.vit import ViT, ViTConfig
-from flexmoe.apps.train import (
+from flexmoe.apps.run_files import RunResult
+from flexmoe.apps.train_config import TrainConfig
+from flexmoe.apps.train_flags import (
     MOE_MODEL_FLAGS,
-    RUN_DIRS,
-    RUN_FILES,
     FlagTable,
-    RunResult,
-    TrainConfig,
     add_compile_flag,
     add_model_flags,
     add_run_flags,
-    build_optimizer,
-    check_compile_backend,
     check_resumed_flags,
     check_run_dir,
-    check_run_flags,
-    clip_gradients,
-    compile_model,
-    finished_run,
-    given_dests,
     model_flag_values,
-    remove_run_files,
-    resumed_train_config,
-    rewrite_metrics,
     saved_model_flags,
-    saved_train_flags,
-    set_lr,
-    step_bar,
-    write_plots,
+    train_config,
 )
-from flexmoe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flexmoe.apps.train_loop import Task, train_model
 
-__all__ = ["Digits", "load_digits_split", "default_train_config", "add_arguments", "run", "train_vision",
-           "evaluate"]
+__all__ = ["Digits", "load_digits_split", "default_train_config", "add_arguments", "vision_configs", "DigitsTask",
+           "run", "build_vit", "train_vision", "evaluate"]
 
 SPLIT_SEED = 0  # the held-out split is the same for every run, whatever --seed says
 HELD_OUT = 360  # images (a fifth of the 1,797)
@@ -131,31 +120,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_flags(parser, _MODEL_FLAGS, m)
 
 
-def _configs(args: argparse.Namespace) -> tuple[ViTConfig, TrainConfig]:
+def vision_configs(args: argparse.Namespace) -> tuple[ViTConfig, TrainConfig]:
     """The model and training configuration from the flags (a resumed run: from its config.json)."""
-    check_run_flags(args)
-    compile_backend = check_compile_backend(args.compile)
-    saved = Path(args.out) / "config.json"
-    if args.resume and saved.is_file():
+    for flag in ("upcycle_from", "granularity"):
+        if getattr(args, flag) is not None:
+            raise UsageError(f"--{flag.replace('_', '-')} upcycles a dense GPT run: a flag of flexmoe train, not of "
+                             f"train-vision")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("train-vision runs in one process; start it without torchrun")
+    tcfg, saved = train_config(args, default_train_config())
+    if saved is not None:
         # A resumed run keeps its configuration (a flag set to another value is an error).
-        old = json.loads(saved.read_text())
-        check_resumed_flags(args, {**saved_train_flags(old["train"]), **saved_model_flags(old["model"], _MODEL_FLAGS)},
-                            Path(args.out))
-        asked = TrainConfig(steps=args.steps or 1, log_every=args.log_every, eval_every=args.eval_every,
-                            ckpt_every=args.ckpt_every, plots=not args.no_plots, progress=not args.no_progress,
-                            compile=compile_backend)
-        return ViTConfig.from_dict(old["model"]), resumed_train_config(old["train"], asked, given_dests(args))
-    base = default_train_config()
-    tcfg = TrainConfig(**{
-        **asdict(base), "steps": args.steps if args.steps is not None else base.steps,
-        "batch_size": args.batch_size, "lr": args.lr, "min_lr": args.lr / 10, "warmup": args.warmup,
-        "seed": args.seed, "log_every": args.log_every, "eval_every": args.eval_every,
-        "ckpt_every": args.ckpt_every, "plots": not args.no_plots, "progress": not args.no_progress,
-        "compile": compile_backend,
-    })
-    overrides = model_flag_values(args, _MODEL_FLAGS)
+        check_resumed_flags(args, saved_model_flags(saved["model"], _MODEL_FLAGS), Path(args.out))
+        return ViTConfig.from_dict(saved["model"]), tcfg
+    tcfg = dataclasses.replace(tcfg, min_lr=tcfg.lr / 10)
     try:
-        mcfg = ViTConfig(**overrides, dense=args.dense)
+        mcfg = ViTConfig(**model_flag_values(args, _MODEL_FLAGS), dense=args.dense)
     except ValueError as exc:
         raise UsageError(f"model flags: {exc}") from None
     train_size = 1797 - HELD_OUT
@@ -165,7 +145,7 @@ def _configs(args: argparse.Namespace) -> tuple[ViTConfig, TrainConfig]:
 
 
 def run(args: argparse.Namespace) -> int:
-    mcfg, tcfg = _configs(args)
+    mcfg, tcfg = vision_configs(args)
     out = Path(args.out)
     check_run_dir(out, resume=args.resume, overwrite=args.overwrite)
     if args.resume and not (out / "config.json").is_file():
@@ -180,15 +160,50 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The loop.
+# The task and the model.
+
+
+class DigitsTask(Task):
+    """The digits for the shared loop: ``tcfg.batch_size`` training images a step (``x: [B, 1, 8, 8]``, labels
+    ``y: [B]``), evaluated on the whole held-out split (loss and accuracy). One process."""
+
+    unit = "images"
+    rate_name = "img/s"
+    loss_unit = "nats / image"
+
+    def __init__(self, train: Digits, held_out: Digits, tcfg: TrainConfig, tokens_per_image: int) -> None:
+        self.train, self.held_out, self.tcfg, self.tokens_per_image = train, held_out, tcfg, tokens_per_image
+        self.source = str(tcfg.data)
+
+    def describe(self) -> str:
+        return f"digits: {len(self.train):,} train / {len(self.held_out):,} held-out images"
+
+    def batch(self, step: int, rank: int, world: int) -> tuple[Tensor, Tensor]:
+        return self.train.batch(self.tcfg.batch_size, seed=self.tcfg.seed, step=step)
+
+    def evaluate(self, model: MoEModel, rank: int, world: int) -> dict[str, float]:
+        assert isinstance(model, ViT)
+        loss, accuracy = evaluate(model, self.held_out)
+        return {"val_loss": loss, "val_accuracy": accuracy}
+
+    def units_per_step(self) -> int:
+        return self.tcfg.batch_size
+
+    def tokens_per_step(self) -> int:
+        return self.tcfg.batch_size * self.tokens_per_image
+
+    def eval_text(self, numbers: dict[str, float]) -> str:
+        return f"held-out accuracy {numbers['val_accuracy']:.4f}, loss {numbers['val_loss']:.4f}"
 
 
 @torch.no_grad()
 def evaluate(model: ViT, data: Digits) -> tuple[float, float]:
     """(mean cross-entropy, accuracy) of ``model`` over every image of ``data``, in eval mode."""
     model.eval()
-    logits, loss = model(data.images, data.labels)
-    accuracy = float((logits.argmax(dim=-1) == data.labels).float().mean())
+    device = model.head.weight.device
+    labels = data.labels.to(device)
+    logits, loss = model(data.images.to(device), labels)
+    accuracy = float((logits.argmax(dim=-1) == labels).float().mean())
     model.train()
     return float(loss), accuracy
 
@@ -200,106 +215,13 @@ def build_vit(cfg: ViTConfig, seed: int) -> ViT:
 
 
 def train_vision(mcfg: ViTConfig, tcfg: TrainConfig, out: str | Path, *, resume: bool = False) -> RunResult:
-    """Train one model into run directory ``out``; ``summary["val_accuracy"]`` is its held-out accuracy."""
-    out = Path(out)
-    label = "dense" if mcfg.dense else "moe"
+    """Train one model into run directory ``out`` in the shared loop; ``summary["val_accuracy"]`` is its
+    held-out accuracy."""
     train_set, held_out = load_digits_split()
-    model = build_vit(mcfg, tcfg.seed)
-    optimizer = build_optimizer(model, tcfg)
-    compile_model(model, tcfg, label)
-    torch.manual_seed(tcfg.seed + 1)  # training-time randomness (dropout)
-
-    metrics_path = out / "metrics.jsonl"
-    start, elapsed = 0, 0.0
-    ckpt = latest_checkpoint(out) if resume and (out / "checkpoints").is_dir() else None
-    if ckpt is not None:
-        meta = load_checkpoint(ckpt, model=model, optimizer=optimizer)
-        start, elapsed = meta["step"], meta.get("elapsed_s", 0.0)
-        finished = finished_run(out, start, tcfg, None)
-        if finished is not None:
-            print(f"[{label}] {out} is already complete (step {start} of {tcfg.steps}); nothing to do "
-                  f"(--steps N with a larger N extends it)", flush=True)
-            return finished
-        print(f"[{label}] resumed from {ckpt} at step {start}", flush=True)
-    params, active_params = model.num_params(), model.num_params(active=True)
-    out.mkdir(parents=True, exist_ok=True)
-    if ckpt is None:
-        remove_run_files(out, RUN_FILES, RUN_DIRS)  # a new run in an existing directory (--overwrite) replaces it
-        print(f"[{label}] {params:,} parameters, {active_params:,} active per token; digits: "
-              f"{len(train_set):,} train / {len(held_out):,} held-out images", flush=True)
-    (out / "config.json").write_text(json.dumps(
-        {"model": mcfg.to_dict(), "train": asdict(tcfg), "world_size": 1, "data": tcfg.data}, indent=1))
-    rewrite_metrics(metrics_path, start)
-
-    bar = step_bar(tcfg, start, label)
-    t0 = time.perf_counter() - elapsed
-    val_loss = accuracy = train_loss = float("nan")
-    last_eval_step = -1
-    step = start
-    stop_signals = StopSignals()
-    with open(metrics_path, "a") as log_file:
-        try:
-            stop_signals.install()  # Ctrl-C / SIGTERM from here on: save at the end of the step, then leave
-            for step in range(start + 1, tcfg.steps + 1):
-                lr = set_lr(optimizer, step, tcfg)
-                x, y = train_set.batch(tcfg.batch_size, seed=tcfg.seed, step=step)
-                _, loss = model(x, y)
-                (loss + model.regularization_loss()).backward()
-                clip_gradients(model, tcfg.grad_clip, 1)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-                is_eval = step % tcfg.eval_every == 0 or step == tcfg.steps
-                if is_eval or step % tcfg.log_every == 0:
-                    train_loss = loss.item()
-                    record: dict[str, Any] = {
-                        "step": step, "train_loss": train_loss, "balance_loss": model.balance_loss(),
-                        "drop_rate": model.drop_rate(), "lr": lr, "images": step * tcfg.batch_size,
-                        "elapsed_s": time.perf_counter() - t0,
-                    }
-                    if model.moe_layers:
-                        record["expert_load"] = model.expert_load()
-                        record["expert_demand"] = model.expert_demand()
-                    if is_eval:
-                        val_loss, accuracy = evaluate(model, held_out)
-                        last_eval_step = step
-                        record.update(val_loss=val_loss, val_accuracy=accuracy)
-                    log_file.write(json.dumps(record) + "\n")
-                    log_file.flush()
-                    if bar is not None:
-                        post = {"loss": f"{train_loss:.3f}"}
-                        if last_eval_step > 0:
-                            post["acc"] = f"{accuracy:.3f}"
-                        bar.set_postfix(post, refresh=False)
-                if bar is not None:
-                    bar.update(1)
-                signum = stop_signals.received(world=1)
-                if step % tcfg.ckpt_every == 0 or step == tcfg.steps or signum:
-                    saved = save_checkpoint(out, model=model, optimizer=optimizer, step=step,
-                                            keep=tcfg.keep_checkpoints,
-                                            extra={"elapsed_s": time.perf_counter() - t0, "train": asdict(tcfg)})
-                if signum:
-                    raise Interrupted.after_step(label, signum, step, tcfg.steps, saved)
-        finally:
-            stop_signals.restore()
-            if bar is not None:
-                bar.close()
-
-    if last_eval_step != step:  # resumed at the end: evaluate the final weights once
-        val_loss, accuracy = evaluate(model, held_out)
-    wall = time.perf_counter() - t0
-    summary: dict[str, Any] = {
-        "model": label, "steps": step, "final_val_loss": val_loss, "val_accuracy": accuracy,
-        "final_train_loss": train_loss, "wall_time_s": wall, "tokens": step * tcfg.batch_size * mcfg.num_tokens,
-        "images": step * tcfg.batch_size, "params": params, "active_params": active_params, "world_size": 1,
-        "target": None,
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    if tcfg.plots:
-        write_plots(out, label, loss_unit="nats / image")
-    print(f"[{label}] done: step {step}, held-out accuracy {accuracy:.4f}, loss {val_loss:.4f}, {wall:.1f} s",
-          flush=True)
-    return RunResult(val_loss, train_loss, step, wall, int(summary["tokens"]), None, summary)
+    model = build_vit(mcfg, tcfg.seed).to(tcfg.device)
+    return train_model(model, DigitsTask(train_set, held_out, tcfg, mcfg.num_tokens), tcfg, out,
+                       label="dense" if mcfg.dense else "moe", model_config=mcfg.to_dict(),
+                       param_counts=(model.num_params(), model.num_params(active=True)), resume=resume)
 
 
 def write_comparison(out: Path, results: dict[str, RunResult]) -> None:

@@ -27,7 +27,8 @@ class MoEModelConfig:
     a default here by declaring the field again).
 
     ``group`` is the expert-parallel process group handed to every :class:`MoELayer` (None: one process holds
-    all experts). It is a runtime setting, not part of the saved configuration.
+    all experts). It is a runtime setting, not part of the saved configuration; the training jobs keep it out of
+    the configuration and pass it beside it (:func:`build_moe_mlp`'s ``group``).
     """
 
     n_layer: int = 4
@@ -86,11 +87,12 @@ class MoEModelConfig:
         return type(self).from_dict({**self.to_dict(), "dense": True}, group=None)
 
 
-def build_moe_mlp(cfg: Any) -> MoELayer:
+def build_moe_mlp(cfg: Any, group: Any = None) -> MoELayer:
     """The MoE MLP of width ``cfg.n_embd``: ``cfg.num_experts`` GELU experts of hidden ``cfg.expert_hidden``,
     ``cfg.k`` per token, routed by ``cfg.router`` with ``cfg.capacity_factor``; the all-to-all ``cfg.a2a`` and
     the topology gate's ``cfg.cross_node_share`` and ``cfg.redundant_experts`` where the config has them (the
-    GPT's does)."""
+    GPT's does). ``group``: the expert-parallel process group the layer spreads its experts over (None:
+    ``cfg.group``; without either, this process holds every expert)."""
     kwargs: dict[str, Any] = dict(
         k=cfg.k, capacity_factor=cfg.capacity_factor, router=cfg.router, activation="gelu",
         a2a=getattr(cfg, "a2a", "flat"), cross_node_share=getattr(cfg, "cross_node_share", None),
@@ -98,7 +100,8 @@ def build_moe_mlp(cfg: Any) -> MoELayer:
     )
     # Expert parallelism: the layer keeps only this rank's experts (see flexmoe.parallel.layout). Without a
     # group, one process holds every expert even under torch.distributed (MoELayer's own default is the world).
-    kwargs["group"] = cfg.group if cfg.group is not None else "single"
+    group = cfg.group if group is None else group
+    kwargs["group"] = group if group is not None else "single"
     if kwargs["group"] == "single":
         kwargs["ranks_per_node"] = 1  # one process holding every expert is one node, whatever torchrun says
     if getattr(cfg, "redundant_experts", 0) and kwargs["group"] != "single":
