@@ -126,7 +126,7 @@ def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), 
                 row: dict[str, Any] = {"family": family, "experts": num_experts, "tokens": num_tokens}
                 for name, block in blocks.items():
                     for _ in range(2):
-                        counted = count_call(lambda b=block: _output(b(x)))
+                        counted = count_call(lambda b=block, x=x: _output(b(x)))
                     row[name] = {"ops": counted.ops, "host_reads": list(counted.host_reads)}
                 row["x_ops"] = row["converted"]["ops"] / row["hf grouped_mm"]["ops"]
                 rows.append(row)
