@@ -125,8 +125,11 @@ def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), 
                           "converted": flexmoe.hf.convert(copy.deepcopy(reference), expert_kernel=expert_kernel)}
                 row: dict[str, Any] = {"family": family, "experts": num_experts, "tokens": num_tokens}
                 for name, block in blocks.items():
+                    def call(block: torch.nn.Module = block, x: Tensor = x) -> Tensor:
+                        return _output(block(x))
+
                     for _ in range(2):
-                        counted = count_call(lambda b=block, x=x: _output(b(x)))
+                        counted = count_call(call)
                     row[name] = {"ops": counted.ops, "host_reads": list(counted.host_reads)}
                 row["x_ops"] = row["converted"]["ops"] / row["hf grouped_mm"]["ops"]
                 rows.append(row)
