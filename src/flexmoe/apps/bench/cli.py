@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--hf", default=None, metavar="FAMILY",
       help="time one Hugging Face MoE block on HF's experts implementations and on flexmoe (flexmoe.apps.bench.hf): "
            "mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss or all; needs transformers (default: off)")
+    a("--host-reads", default=None, metavar="FAMILIES",
+      help="count the aten operations and host reads of one forward + backward of Hugging Face blocks (comma-"
+           "separated families, or all), HF's grouped_mm experts against the converted block with "
+           "expert_kernel=grouped_mm (flexmoe.apps.bench.host_reads; default: off)")
     a("--hf-memory-gib", type=POSITIVE, default=1.0,
       help="--hf: skip HF batched_mm where its per-pair weight copies need more than this (default: 1)")
     a("--auto-trials", type=COUNT, default=None,
@@ -133,6 +137,19 @@ def _config(args: argparse.Namespace) -> BenchConfig:
                        args.dtype, args.glu, args.steps, args.warmup, args.seed, args.device)
 
 
+def _run_host_reads(families: str, as_json: bool) -> int:
+    from flexmoe.apps.bench.hf import FAMILY_NAMES
+    from flexmoe.apps.bench.host_reads import count_hf_blocks, format_counts
+
+    names = list(FAMILY_NAMES) if families == "all" else families.split(",")
+    unknown = [n for n in names if n not in FAMILY_NAMES]
+    if unknown:
+        raise UsageError(f"--host-reads must name families of {', '.join(FAMILY_NAMES)} (or all), got {unknown}")
+    rows = count_hf_blocks(names)
+    print(json.dumps(rows, indent=1) if as_json else format_counts(rows))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     if args.nproc > 1 and not under_torchrun():
@@ -155,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
             results = run_suite_isolated(args.suite_groups, settings, torch.get_num_threads())
         print(json.dumps({"suite": results}, indent=1) if args.json else format_suite_table(results))
         return 0
+    if args.host_reads is not None:
+        return _run_host_reads(args.host_reads, args.json)
     if args.hf is not None:
         from flexmoe.apps.bench.hf import run_hf
         return run_hf(args.hf, steps=cfg.steps, warmup=cfg.warmup, seed=cfg.seed, memory_gib=args.hf_memory_gib,

@@ -1,0 +1,42 @@
+"""The counter of aten operations and host reads (flexmoe.apps.bench.host_reads): each way of reading the device
+from the host is seen, a read-free call is not, and the operation count is the dispatcher's."""
+
+from __future__ import annotations
+
+import torch
+
+from flexmoe.apps.bench.host_reads import OpCounter, count_call
+
+
+def test_every_host_read_is_listed_in_call_order() -> None:
+    t = torch.tensor([3, 0, 2, 2])
+    with OpCounter() as c:
+        t[0].item()
+        t.tolist()
+        bool(t[1] > 0)
+        t.nonzero()
+        t[t > 1]
+        torch.bincount(t)
+        torch.unique(t)
+        t.repeat_interleave(t)
+        t.repeat_interleave(t, output_size=7)  # sized by the caller: no read
+        torch.masked_select(t, t > 0)
+    assert c.host_reads == ["_local_scalar_dense", "tolist", "_local_scalar_dense", "nonzero", "index.Tensor",
+                            "bincount", "_unique2", "repeat_interleave.Tensor", "masked_select"]
+
+
+def test_a_call_without_reads_counts_each_operation_once() -> None:
+    a, b = torch.randn(4, 3, requires_grad=True), torch.randn(4, 3)
+    counted = count_call(lambda: (a * b).sum(1))
+    assert counted.host_reads == []
+    # forward: mul, sum; backward: the ones, sum's expand, mul by b, and the accumulation into a.grad
+    assert counted.by_name["aten.mul.Tensor"] == 2 and counted.by_name["aten.sum.dim_IntList"] == 1
+    assert counted.ops == sum(counted.by_name.values())
+    assert torch.equal(a.grad, b)
+
+
+def test_tolist_is_restored_after_the_counter() -> None:
+    original = torch.Tensor.tolist
+    with OpCounter():
+        pass
+    assert torch.Tensor.tolist is original and torch.tensor([1]).tolist() == [1]
