@@ -77,7 +77,7 @@ class OpCounter(TorchDispatchMode):
             return original(t)
 
         self._tolist = original
-        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]
         super().__enter__()
         return self
 
