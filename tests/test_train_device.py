@@ -66,14 +66,42 @@ def test_bad_device_is_one_error_line(tmp_path: Path, device: str, says: str) ->
     assert not (tmp_path / "run").exists()
 
 
-def test_an_accelerator_with_several_ranks_is_refused_before_launching(tmp_path: Path) -> None:
+def test_the_backend_and_each_rank_s_device() -> None:
     from flexmoe.apps.errors import UsageError
-    from flexmoe.apps.train import check_device
+    from flexmoe.apps.ranks import rank_device, resolve_backend
 
-    assert check_device("cpu", 4) == torch.device("cpu")
-    if torch.cuda.is_available():
-        with pytest.raises(UsageError, match="--device cuda with 2 ranks is not built yet"):
-            check_device("cuda", 2)
-    else:
-        with pytest.raises(UsageError, match="has no cuda device"):
-            check_device("cuda", 2)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_backend("auto", cpu) == "gloo" and resolve_backend("gloo", cuda) == "gloo"
+    if torch.distributed.is_nccl_available():
+        assert resolve_backend("auto", cuda) == "nccl"
+    with pytest.raises(UsageError, match="--backend nccl runs on CUDA devices"):
+        resolve_backend("nccl", cpu)
+    with pytest.raises(UsageError, match="--backend must be one of auto, gloo, nccl"):
+        resolve_backend("mpi", cpu)
+    # Each rank on its node's GPU, ranks beyond the GPUs sharing them; a named device is every rank's.
+    gpus = max(torch.cuda.device_count(), 1)
+    assert [rank_device(cuda, r) for r in range(3)] == [torch.device("cuda", r % gpus) for r in range(3)]
+    assert rank_device(torch.device("cuda", 1), 0) == torch.device("cuda", 1)
+    assert rank_device(cpu, 5) == cpu
+
+
+def test_nccl_without_cuda_is_one_line_before_launching(tmp_path: Path) -> None:
+    done = _train(tmp_path / "run", "--nproc", "2", "--backend", "nccl")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: --backend nccl runs on CUDA devices (--device cuda), not cpu: gloo carries cpu tensors"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_two_gloo_ranks_train_as_one_process(tmp_path: Path, device: torch.device) -> None:
+    """``--nproc 2 --backend gloo`` on ``device`` (both ranks on one GPU under ``--device cuda``) against one
+    process on the same device: the same losses to float rounding (each rank half the batch, the experts spread,
+    the gradients averaged)."""
+    name = device.type  # --device cuda: each rank its local GPU, or the one GPU shared
+    one = _train(tmp_path / "one", "--device", name)
+    two = _train(tmp_path / "two", "--device", name, "--nproc", "2", "--backend", "gloo")
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    alone, ranks = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(alone) == len(ranks) == 4
+    assert ranks == pytest.approx(alone, rel=1e-4)

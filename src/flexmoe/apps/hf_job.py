@@ -33,10 +33,11 @@ from flexmoe.apps.data import TokenData, load_text_bytes
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.hf_configs import HF_ARCHS, NOT_OFFERED, small_config_keywords
 from flexmoe.apps.models.moe_model import MoEModel
+from flexmoe.apps.ranks import start_ranks
 from flexmoe.apps.run_files import latest_run_checkpoint
 from flexmoe.apps.train_config import TrainConfig
 from flexmoe.apps.train_flags import MOE_MODEL_FLAGS, check_resumed_flags, saved_run_config, train_config
-from flexmoe.apps.train_loop import TokenTask, init_distributed, train_model
+from flexmoe.apps.train_loop import TokenTask, train_model
 
 __all__ = ["HFJobConfig", "HFCausalLM", "add_hf_flags", "job_config", "check_inputs", "run_job", "build_hf_model",
            "check_loaded_weights", "export_hf"]
@@ -391,7 +392,8 @@ def export_hf(model: HFCausalLM, directory: Path, tokenizer: str | None, sharded
 def run_job(args: argparse.Namespace, cfg: HFJobConfig, tcfg: TrainConfig) -> int:
     """Train (or resume) the HF model into ``args.out``, then export it if ``--export-hf`` asks."""
     out = Path(args.out)
-    rank, world = init_distributed()
+    rank, world, device = start_ranks(args.backend, tcfg.device)
+    tcfg = dataclasses.replace(tcfg, device=device)  # this rank's own GPU under --device cuda
     if args.resume and not (out / "config.json").is_file() and rank == 0:
         print(f"--resume: no run in {out} yet, starting a new one", flush=True)
     # Under --fsdp every rank builds every expert, and parallelize keeps its own (flexmoe.apps.sharded_job).

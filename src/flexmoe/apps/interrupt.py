@@ -18,6 +18,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from flexmoe.apps.ranks import all_reduce_host
+
 __all__ = ["StopSignals", "Interrupted", "signal_name"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -68,9 +70,7 @@ class StopSignals:
         ``world > 1``: every rank calls it at the same point of the step)."""
         if world == 1:
             return self.signum
-        flag = torch.tensor([self.signum], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag)
+        return int(all_reduce_host(torch.tensor([self.signum], dtype=torch.int64), op=dist.ReduceOp.MAX))
 
 
 def signal_name(signum: int) -> str:

@@ -105,8 +105,8 @@ def clip_sharded_gradients(model: nn.Module, max_norm: float) -> float:
     Every rank holds a distinct shard of every gradient (FSDP over all ranks, experts over dp_shard within
     distinct ep groups), so the global sum of squares is the sum over ranks of the local ones.
     """
-    sq = torch.zeros((), dtype=torch.float64)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
         sq += local.double().square().sum()

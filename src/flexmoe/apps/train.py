@@ -22,6 +22,7 @@ global batch; rank 0 logs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from flexmoe.apps.errors import UsageError
 from flexmoe.apps.flags import COUNT, NON_NEGATIVE, NON_NEGATIVE_REAL, SEED, SHARE, Choice
 from flexmoe.apps.models.gpt import GPT, GPTConfig
 from flexmoe.apps.models.moe_model import build_moe_mlp
+from flexmoe.apps.ranks import start_ranks
 from flexmoe.apps.run_files import RunResult, write_comparison
 from flexmoe.apps.train_config import TrainConfig
 from flexmoe.apps.train_flags import (
@@ -50,7 +52,7 @@ from flexmoe.apps.train_flags import (
     saved_model_flags,
     train_config,
 )
-from flexmoe.apps.train_loop import TokenTask, init_distributed, train_model
+from flexmoe.apps.train_loop import TokenTask, train_model
 from flexmoe.apps.train_step import build_optimizer
 from flexmoe.apps.upcycle_job import UPCYCLE_MODEL_FIELDS, UpcycleStart, upcycle_start
 from flexmoe.checkpoint import load_global_state_dict
@@ -144,10 +146,11 @@ def run_gpt_job(args: argparse.Namespace, job: GPTJob) -> int:
     """The MoE GPT's run (this rank's part under torchrun), and its dense twin's with ``--compare-dense``: build,
     train, write the run directories."""
     out = Path(args.out)
-    rank, _ = init_distributed()
+    rank, _, device = start_ranks(args.backend, job.train.device)
     if args.resume and not (out / "config.json").is_file() and rank == 0:
         print(f"--resume: no run in {out} yet, starting a new one", flush=True)
-    mcfg, tcfg, upcycled = job.model, job.train, job.upcycled
+    mcfg, upcycled = job.model, job.upcycled
+    tcfg = dataclasses.replace(job.train, device=device)  # this rank's own GPU under --device cuda
     results = {}
     # --upcycle-from: both runs start from the dense run's weights (a resumed one then from its checkpoint).
     init = None if upcycled is None else upcycled.moe_state

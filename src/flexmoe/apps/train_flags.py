@@ -32,6 +32,7 @@ from flexmoe.apps.flags import (
     POSITIVE,
     check_writable_dir,
 )
+from flexmoe.apps.ranks import BACKENDS, resolve_backend
 from flexmoe.apps.train_config import TrainConfig
 from flexmoe.checkpoint import latest_checkpoint
 
@@ -82,8 +83,11 @@ def add_run_flags(parser: argparse.ArgumentParser, t: TrainConfig, out: str) -> 
     a("--compare-dense", action="store_true",
       help="also train the dense twin (equal active compute) on the same batches; write compare.{png,md,json}")
     a("--device", default=t.device,
-      help="where the model trains: cpu, cuda, cuda:N, or any torch device type this torch has (one process; "
-           "with --nproc N, cpu)")
+      help="where the model trains: cpu, cuda, cuda:N, or any torch device type this torch has (with --nproc N "
+           "or torchrun, --device cuda puts each rank on its local GPU, cuda:LOCAL_RANK)")
+    a("--backend", default="auto", choices=BACKENDS,
+      help="the collectives' backend with several ranks: nccl (CUDA), gloo (CPU, or CUDA tensors: several ranks "
+           "may share one GPU), auto (default: nccl on cuda, else gloo)")
     a("--no-plots", action="store_true", help="skip the PNG plots")
     a("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(flag_parser=parser)  # given_dests reads the defaults where cli.main did not run
@@ -95,13 +99,13 @@ def check_run_flags(args: argparse.Namespace) -> None:
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
                          "--overwrite deletes it")
-    check_device(args.device, int(os.environ.get("WORLD_SIZE", getattr(args, "nproc", 1))))
+    device = check_device(args.device)
+    resolve_backend(getattr(args, "backend", "auto"), device)
 
 
-def check_device(name: str, world: int) -> torch.device:
-    """``--device``'s value as a torch device; :class:`UsageError` for a name torch does not know, a device this
-    machine lacks, or an accelerator with several ranks (the job's own collectives, loss and load all-reduces,
-    are written for gloo's CPU tensors: not built for NCCL yet)."""
+def check_device(name: str) -> torch.device:
+    """``--device``'s value as a torch device; :class:`UsageError` for a name torch does not know, or a device this
+    machine lacks (with several ranks, which backend carries it: :func:`flexmoe.apps.ranks.resolve_backend`)."""
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError) as e:
@@ -114,9 +118,6 @@ def check_device(name: str, world: int) -> torch.device:
         count = getattr(module, "device_count", lambda: 1)()
         if device.index is not None and device.index >= count:
             raise UsageError(f"--device {name}: this machine has {count} {device.type} device(s)")
-        if world > 1:
-            raise UsageError(f"--device {name} with {world} ranks is not built yet: the job's own collectives run "
-                             f"on CPU tensors (gloo); train on {device.type} in one process, or on cpu with --nproc")
     return device
 
 
@@ -153,7 +154,7 @@ def check_world_size(mcfg: Any, nproc: int) -> None:
 # cut for the new world size (whose sums round differently: the losses then match to rounding, not bit for bit);
 # so may --device (another device's kernels round differently too).
 RESUME_MAY_CHANGE = ("steps", "log_every", "eval_every", "ckpt_every", "no_plots", "no_progress", "compile",
-                     "device", "nproc", "out", "resume", "overwrite", "compare_dense", "export_hf")
+                     "device", "backend", "nproc", "out", "resume", "overwrite", "compare_dense", "export_hf")
 # The training flags (TrainConfig fields) that a resumed run must keep.
 # The mesh flags too: a sharded run's checkpoints are DCP directories, a replicated run's flexmoe's own.
 KEPT_TRAIN_FLAGS = ("lr", "warmup", "seed", "data", "batch_size", "micro_batches", "eval_batches", "target_loss",

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict
@@ -33,6 +32,7 @@ from flexmoe.apps.data import TokenData
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.interrupt import Interrupted, StopSignals
 from flexmoe.apps.models.moe_model import MoEModel
+from flexmoe.apps.ranks import all_reduce_host, init_distributed
 from flexmoe.apps.run_files import (
     RunResult,
     finished_run,
@@ -59,17 +59,6 @@ from flexmoe.parallel.groups import default_ranks_per_node
 from flexmoe.parallel.replicas import placement_record, replica_slots
 
 __all__ = ["Task", "TokenTask", "init_distributed", "rank_rows", "step_bar", "train_model"]
-
-
-def init_distributed() -> tuple[int, int]:
-    """(rank, world size) of this process: under torchrun (``WORLD_SIZE`` > 1) the gloo process group is started
-    here if it is not yet; (0, 1) in one process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class Task(ABC):
@@ -332,8 +321,8 @@ class _Run:
         drop = mean_over_ranks(stats.drop / tcfg.micro_batches, world)
         load, demand = stats.load, stats.demand
         if world > 1 and load.numel():
-            dist.all_reduce(load)
-            dist.all_reduce(demand)
+            all_reduce_host(load)
+            all_reduce_host(demand)
         now = time.perf_counter()
         rate = (step - self.step_last) * self.task.units_per_step() / max(now - self.t_last, 1e-9)
         self.t_last, self.step_last = now, step

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flexmoe.apps import sharded_job
 from flexmoe.apps.models.moe_model import MoEModel
+from flexmoe.apps.ranks import all_reduce_host
 from flexmoe.apps.train_config import TrainConfig
 from flexmoe.checkpoint import expert_param_names, expert_placement
 from flexmoe.layer import update_expert_biases
@@ -109,9 +110,7 @@ def mean_over_ranks(value: float, world: int) -> float:
     """The mean of ``value`` over the ``world`` ranks (an all-reduce; ``value`` itself in one process)."""
     if world == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t) / world
+    return float(all_reduce_host(torch.tensor([value], dtype=torch.float64))) / world
 
 
 def compile_model(model: nn.Module, tcfg: TrainConfig, label: str, rank: int = 0, *,
