@@ -24,7 +24,10 @@ class Scenario:
     collective_timeout: seconds a collective may wait for a peer (short, so a broken group fails fast).
     teardown: destroy the process group at the end (not when a peer is gone on purpose: that would wait).
     ranks: whose failures count (None: every rank's).
-    device_type: "cpu" (gloo) or "cuda" (NCCL, rank r on GPU r; the scenario reads the device from the group).
+    device_type: "cpu" or "cuda" (rank r on GPU r modulo the GPUs there are; the scenario reads it from its
+    report's ``device_type``).
+    backend: the group's, None: NCCL on CUDA, gloo on the CPU ("gloo" with "cuda": CUDA tensors over gloo, so
+    that several ranks may share one GPU).
     """
 
     name: str
@@ -35,6 +38,7 @@ class Scenario:
     teardown: bool = True
     ranks: tuple[int, ...] | None = None
     device_type: str = "cpu"
+    backend: str | None = None
 
     @property
     def id(self) -> str:
@@ -50,7 +54,8 @@ def kernels_by_rule() -> None:
     KernelChooser.default_cache_dir = None
 
 
-def rank_main(name: str, collective_timeout: float, teardown: bool, device_type: str = "cpu") -> dict:
+def rank_main(name: str, collective_timeout: float, teardown: bool, device_type: str = "cpu",
+              backend: str | None = None) -> dict:
     """One rank of a scenario (run by spawn_ranks, rendezvous in the environment); its report."""
     import os
 
@@ -63,11 +68,11 @@ def rank_main(name: str, collective_timeout: float, teardown: bool, device_type:
 
     torch.set_num_threads(1)
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ["RANK"]))
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=collective_timeout))
+        torch.cuda.set_device(int(os.environ["RANK"]) % torch.cuda.device_count())
+    backend = backend or ("nccl" if device_type == "cuda" else "gloo")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=collective_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
-    out: dict = {"rank": rank}
+    out: dict = {"rank": rank, "device_type": device_type}
     t0 = time.perf_counter()
     try:
         SCENARIOS[name](rank, world, out)
@@ -82,7 +87,8 @@ def rank_main(name: str, collective_timeout: float, teardown: bool, device_type:
 def run_scenario(case: Scenario) -> list[dict]:
     """Every rank's report. A rank that returned none (it crashed, exited early or was killed at the timeout)
     gets ``{"rank": r, "missing": True, "failures": [its exit code and stderr]}``."""
-    ranks = spawn_ranks(case.world, rank_main, [case.name, case.collective_timeout, case.teardown, case.device_type],
+    ranks = spawn_ranks(case.world, rank_main, [case.name, case.collective_timeout, case.teardown, case.device_type,
+                                                    case.backend],
                         timeout=case.timeout, check=False, what=f"scenario {case.id}")
     return [r.value if r.value is not None else {"rank": r.rank, "missing": True, "failures": [_no_report(r, case)]}
             for r in ranks]

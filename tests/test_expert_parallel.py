@@ -139,3 +139,19 @@ def test_expert_parallel_on_the_device(device: torch.device) -> None:
     assert [rep["device"] for rep in reports] == ([f"cuda:{r}" for r in range(2)] if device.type == "cuda"
                                                  else ["cpu", "cpu"])
     _many_cases(5)(reports)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, backend", [(2, "gloo"), (1, None)], ids=["2 ranks over gloo", "1 rank"])
+def test_expert_parallel_on_one_device(device: torch.device, world: int, backend: str | None) -> None:
+    """Expert parallelism on a one-GPU machine: two ranks sharing ``device`` over gloo (CUDA tensors through gloo's
+    all-to-all, all-gather and all-reduce), and one rank on the device's own backend (NCCL at world size 1 on
+    CUDA), each against one CPU process in float64."""
+    case = Scenario("ep_on_device", world, f"expert parallelism on one {device.type} device equals one process",
+                    timeout=240, device_type=device.type, backend=backend)
+    reports = run_scenario(case)
+    failures = failures_of(reports)
+    assert not failures, f"{case.id}: {case.claim}: {len(failures)} failures:\n" + "\n".join(failures[:30])
+    want = "cuda:0" if device.type == "cuda" and torch.cuda.device_count() == 1 else None
+    assert all(rep["device"] == (want or rep["device"]) and rep["device"].startswith(device.type) for rep in reports)
+    assert all(rep["cases"] >= 3 for rep in reports)
