@@ -282,3 +282,63 @@ def test_the_docs_links_resolve(doc: str) -> None:
             if anchor not in anchors:
                 broken.append(target)
     assert not broken, f"{doc}: links that do not resolve: {broken}"
+
+
+# ------------------------------------------------------------------------- the README's first example, as written
+
+def readme_layer_example() -> tuple[int, str]:
+    """The README's first Python block: the line its code starts on, and its code."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index("```python") + 1
+    return start + 1, "\n".join(lines[start:lines.index("```", start)])
+
+
+def test_the_readme_example_runs_and_reports_what_a_dense_reference_computes(capsys) -> None:
+    """The layer's example opens the README (its code within the first 40 lines), runs as written, and its numbers
+    are those of a plain dense computation of the same router and experts: top-2 of the softmax (ties to the lower
+    expert), each expert keeping its first C pairs (1st choices before 2nd, token order), the normalized weights,
+    GELU experts, Switch's balance loss and the z-loss."""
+    first_line, code = readme_layer_example()
+    assert first_line <= 40, f"the README's layer example starts at line {first_line}"
+    torch.manual_seed(0)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    moe, x, y, plan = scope["moe"], scope["x"], scope["y"], scope["plan"]
+    printed = capsys.readouterr().out.splitlines()
+
+    with torch.no_grad():
+        tokens = x.reshape(-1, 512).double()
+        num_tokens, num_experts, k = tokens.shape[0], 8, 2
+        capacity = math.ceil(k * 1.25 * num_tokens / num_experts)
+        logits = tokens @ moe.router.weight.double().T
+        probs = logits.softmax(-1)
+        choice = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]  # [T, k]
+        kept = torch.zeros(num_tokens, k, dtype=torch.bool)
+        used = [0] * num_experts
+        for c in range(k):
+            for e in range(num_experts):
+                rows = (choice[:, c] == e).nonzero().flatten()[:max(capacity - used[e], 0)]
+                kept[rows, c] = True
+                used[e] += len(rows)
+        weights = probs.gather(1, choice)
+        weights = weights / weights.sum(-1, keepdim=True)
+        experts = moe.experts
+        want = torch.zeros_like(tokens)
+        for e in range(num_experts):
+            hidden = torch.nn.functional.gelu(tokens @ experts.w1[e].double() + experts.b1[e].double())
+            out = hidden @ experts.w2[e].double() + experts.b2[e].double()
+            for c in range(k):
+                pick = kept[:, c] & (choice[:, c] == e)
+                want[pick] += weights[pick, c, None] * out[pick]
+        first_share = torch.bincount(choice[:, 0], minlength=num_experts).double() / num_tokens
+        aux = num_experts * (first_share * probs.mean(0)).sum()
+        z = torch.logsumexp(logits, -1).square().mean()
+
+    assert y.shape == x.shape == (4, 1024, 512)
+    assert printed[0] == str(capacity) == "1280"
+    assert plan.tokens_per_expert.tolist() == used
+    assert math.isclose(float(plan.dropped_fraction), 1 - kept.double().mean().item(), abs_tol=1e-12)
+    torch.testing.assert_close(y.reshape(-1, 512).double(), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(moe.aux_loss.double(), aux, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(moe.z_loss.double(), z, rtol=1e-5, atol=1e-7)
+    assert moe.router.weight.grad is not None and moe.experts.w1.grad is not None  # loss.backward() reached both
