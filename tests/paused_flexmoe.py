@@ -9,6 +9,8 @@ once per step, after the step's metrics are written; with ``--nproc N`` every ra
 launcher is patched to start it instead of ``-m flexmoe``), and each rank waits for the signal the launcher
 passes on to it.
 
+A test that kills the run (SIGKILL) uses the same wait: the run stands still in step STEP, its checkpoints of the
+steps before it written.
 A run that got no signal within :data:`WAIT_S` seconds exits with code 3 and says so: a broken test fails, it does
 not hang.
 """
