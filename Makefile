@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[train,test]"
 	touch $@
 
-.PHONY: setup train bench test test-slow test-gpu
+.PHONY: setup train bench test test-slow test-gpu mutate
 setup: $(VENV)/.installed
 
 # The main job: train the MoE GPT on the embedded tiny Shakespeare (about 3.5 minutes on 2 cores) into runs/default.
@@ -31,6 +31,11 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -n auto -m slow
+
+# Each mutant of scripts/mutants.json (a plausible one-line bug) applied to a copy of the tree, its covering tests
+# run there: it must be killed. Ends with "N killed, M survived"; exit 1 if any survived or no longer applies.
+mutate: setup
+	$(PY) scripts/mutate.py
 
 # A GPU machine: the device-parametrised tests on CUDA, then `flexmoe bench --suite --device cuda`; one line and
 # exit 0 without a GPU. No setup step (it runs where `make setup` cannot reach a registry): PYTHON=... names the

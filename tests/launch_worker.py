@@ -7,6 +7,10 @@ import socket
 import sys
 import time
 
+# How long a rank that should be killed sleeps: far beyond any start-up on a loaded machine, so a test that sees it
+# killed (not finished) knows the launcher killed it.
+LONG_S = 600
+
 
 def report_env(tag: str) -> dict:
     keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS",
@@ -28,8 +32,8 @@ def last_rank_fails() -> None:
     if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
         print("about to fail", file=sys.stderr)
         raise ValueError("the last rank is broken")
-    time.sleep(60)  # the others would wait for it forever
+    time.sleep(LONG_S)  # the others would wait for it forever
 
 
 def sleep_long() -> None:
-    time.sleep(60)
+    time.sleep(LONG_S)

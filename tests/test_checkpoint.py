@@ -70,6 +70,18 @@ def test_round_trip_restores_model_optimizer_and_rng(tmp_path: Path) -> None:
             assert torch.equal(opt.state[p][key], fresh_opt.state[q][key])
 
 
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_only_the_newest_keep_checkpoints_stay(tmp_path: Path, keep: int) -> None:
+    """Five saves with ``keep``: the directories left are the newest ``keep`` steps, latest.json names the last."""
+    model, opt, _ = _trained(tmp_path / "first")
+    steps = [3, 6, 9, 12, 15]
+    for step in steps:
+        save_checkpoint(tmp_path, model=model, optimizer=opt, step=step, keep=keep)
+    want = [f"step_{s:06d}" for s in steps[-keep:]]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()) == want
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_000015"
+
+
 def test_no_pickle_in_checkpoint(tmp_path: Path) -> None:
     _, _, ckpt = _trained(tmp_path)
     assert sorted(p.name for p in ckpt.iterdir()) == ["meta.json", "model.safetensors", "optimizer.safetensors"]

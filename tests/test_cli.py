@@ -547,23 +547,28 @@ def test_evaluation_cadence_changes_no_weight(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ Ctrl-C and SIGTERM save the run
 
 
+PAUSE_STEP = 3
+_PAUSED_FLEXMOE = str(Path(__file__).with_name("paused_flexmoe.py"))
+
+
 def _signal_mid_run(out: Path, signum: int, argv: list[str], nproc: int = 1,
                     command: str = "train") -> tuple[int, str]:
-    """Start ``flexmoe COMMAND ARGV`` into ``out`` as a subprocess, send it ``signum`` once it has logged 3 steps;
-    its exit code and stderr."""
+    """Start ``flexmoe COMMAND ARGV`` into ``out`` as a subprocess that waits for a signal at the end of step
+    :data:`PAUSE_STEP` (tests/paused_flexmoe.py: it cannot finish before the signal comes, however fast it runs),
+    send it ``signum`` once it has logged that step; its exit code and stderr."""
     import time
 
     extra = ["--nproc", str(nproc)] if nproc > 1 else []
-    proc = subprocess.Popen([sys.executable, "-m", "flexmoe", command, "--out", str(out), *argv, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen([sys.executable, _PAUSED_FLEXMOE, str(PAUSE_STEP), command, "--out", str(out), *argv,
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+    deadline = time.monotonic() + 300  # only a hung run gets here: a finished or failed one is seen at once
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= PAUSE_STEP):
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the run logged no steps in 120 s"
+        assert time.monotonic() < deadline, f"the run logged no {PAUSE_STEP} steps in 300 s"
         time.sleep(0.02)
     proc.send_signal(signum)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=300)
     return proc.returncode, err
 
 
@@ -592,7 +597,7 @@ def test_a_signal_saves_the_step_and_resume_equals_an_uninterrupted_run(tmp_path
     name = signal.Signals(signum).name
     assert lines[0].startswith(f"[moe] {name}: stopped after step "), err
     stopped = int(lines[0].split("stopped after step ")[1].split()[0])
-    assert 3 <= stopped < steps
+    assert stopped == PAUSE_STEP  # the step the run waited at: the signal came while it waited, or before
     assert str(victim / "checkpoints" / f"step_{stopped:06d}") in lines[0]
     assert [p.name for p in (victim / "checkpoints").glob("step_*")] == [f"step_{stopped:06d}"]
 
@@ -613,7 +618,8 @@ def test_train_vision_saves_on_a_signal_and_resumes_exactly(tmp_path: Path) -> N
     victim = tmp_path / "victim"
     code, err = _signal_mid_run(victim, signal.SIGINT, argv, command="train-vision")
     lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 130 and len(lines) == 1 and lines[0].startswith("[moe] SIGINT: stopped after step "), err
+    assert code == 130 and len(lines) == 1, err
+    assert lines[0].startswith(f"[moe] SIGINT: stopped after step {PAUSE_STEP} of "), err
     assert cli.main(["train-vision", "--out", str(victim), "--resume", *argv]) == 0
     assert _losses(victim) == _losses(reference)
     expected, got = _weights(reference, steps), _weights(victim, steps)
@@ -633,7 +639,8 @@ def test_a_signal_to_a_two_rank_run_saves_one_checkpoint_and_resume_equals_an_un
     victim = tmp_path / "victim"
     code, err = _signal_mid_run(victim, signal.SIGTERM, argv, nproc=2)
     lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 143 and len(lines) == 1 and lines[0].startswith("[moe] SIGTERM: stopped after step "), err
+    assert code == 143 and len(lines) == 1, err
+    assert lines[0].startswith(f"[moe] SIGTERM: stopped after step {PAUSE_STEP} of "), err
     resumed = _flexmoe("train", "--out", str(victim), "--resume", *argv, "--nproc", "2", timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert _losses(victim) == _losses(reference)

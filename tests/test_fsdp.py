@@ -346,7 +346,10 @@ def test_train_fsdp_killed_with_sigkill_resumes_bit_identical(tmp_path: Path) ->
     ref = _train(tmp_path / "ref", *flags)
     assert ref.returncode == 0, ref.stderr[-3000:]
     env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(__file__).resolve().parents[1] / "src")}
-    victim = subprocess.Popen([sys.executable, "-m", "flexmoe", "train", "--out", str(tmp_path / "victim"), *flags,
+    # Every rank waits at the end of step 10 (after step 9's checkpoint) until it is killed (tests/paused_flexmoe.py):
+    # a run left to go on could finish its 40 steps while this process waits for its turn on a loaded machine.
+    paused = str(Path(__file__).with_name("paused_flexmoe.py"))
+    victim = subprocess.Popen([sys.executable, paused, "10", "train", "--out", str(tmp_path / "victim"), *flags,
                                *TINY], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)  # its own process group: the launcher and both ranks
     checkpoints = tmp_path / "victim" / "checkpoints"

@@ -92,19 +92,23 @@ def test_a_function_of_a_script_imports_the_modules_beside_the_script(tmp_path: 
 
 
 def test_a_failing_rank_ends_the_group_with_its_stderr() -> None:
+    # The other ranks sleep 600 s and the group's timeout is 300 s: only the kill after the grace second ends it
+    # in less (the bound leaves a loaded machine minutes to start three Pythons).
     t0 = time.monotonic()
     with pytest.raises(RanksFailed, match=r"(?s)3 ranks failed: rank 2 exited with 1.*about to fail.*the last rank is"):
-        spawn_ranks(3, last_rank_fails, timeout=50, grace=1.0)
-    assert time.monotonic() - t0 < 30, "the other ranks were not killed soon after the failure"
-    results = spawn_ranks(3, last_rank_fails, timeout=50, grace=1.0, check=False)
+        spawn_ranks(3, last_rank_fails, timeout=300, grace=1.0)
+    assert time.monotonic() - t0 < 200, "the other ranks were not killed soon after the failure"
+    results = spawn_ranks(3, last_rank_fails, timeout=300, grace=1.0, check=False)
     assert [r.exit_code for r in results] == [None, None, 1]  # None: killed
 
 
 def test_a_hanging_group_is_killed_at_the_timeout_and_says_where_it_hung() -> None:
+    # 10 s: time for both ranks to start and reach sleep_long on a loaded machine (at 2 s a rank still starting
+    # had no stack to show); they sleep 600 s, so an end before 200 s is the timeout's kill.
     t0 = time.monotonic()
-    with pytest.raises(RanksFailed, match="sleepers did not finish in 2 s") as failed:
-        spawn_ranks(2, sleep_long, timeout=2, what="sleepers")
-    assert time.monotonic() - t0 < 20
+    with pytest.raises(RanksFailed, match="sleepers did not finish in 10 s") as failed:
+        spawn_ranks(2, sleep_long, timeout=10, what="sleepers")
+    assert time.monotonic() - t0 < 200
     if hasattr(signal, "SIGUSR1"):  # each rank's Python stack, dumped before the kill, names the hanging call
         assert 'in sleep_long' in str(failed.value)
         assert all('in sleep_long' in r.stderr for r in failed.value.results)
@@ -122,24 +126,31 @@ def test_bad_arguments() -> None:
 
 # launch_ranks (what `flexmoe train --nproc N` runs), in a subprocess: it writes to the terminal's stderr.
 _LAUNCH = "import sys; from flexmoe.launch import launch_ranks; sys.exit(launch_ranks(2, sys.argv[2:], grace=1.0))"
-# A rank program: rank FAILING writes a progress line without its newline, then a traceback; the other rank
-# writes one line and waits (a collective with a dead peer, as far as the launcher can tell).
+# A rank program: the other rank writes one line, says so in file READY and waits (a collective with a dead peer,
+# as far as the launcher can tell); rank FAILING, once READY exists (else the launcher could kill the other rank
+# before its line), writes a progress line without its newline, then a traceback.
 _RANK = """import os, sys, time
-rank = int(os.environ["RANK"])
+rank, ready = int(os.environ["RANK"]), sys.argv[2]
 if rank == int(sys.argv[1]):
+    deadline = time.monotonic() + 120
+    while not os.path.exists(ready) and time.monotonic() < deadline:
+        time.sleep(0.01)
     sys.stderr.write("step 3/10\\r"); sys.stderr.flush(); time.sleep(0.3)
     raise ValueError(f"boom on rank {rank}")
 print(f"rank {rank} waiting", file=sys.stderr, flush=True)
-time.sleep(60)
+open(ready, "w").close()
+time.sleep(600)
 """
 
 
 @pytest.mark.parametrize("failing", [0, 1])
-def test_launched_ranks_fail_as_one_line_naming_the_first_failing_rank(failing: int) -> None:
+def test_launched_ranks_fail_as_one_line_naming_the_first_failing_rank(failing: int, tmp_path: Path) -> None:
+    # The waiting rank sleeps 600 s: an end within 200 s (time for a loaded machine to import flexmoe and start
+    # two Pythons) is the launcher's kill after the grace second.
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", _LAUNCH, "-", "-c", _RANK, str(failing)], capture_output=True,
-                          text=True, timeout=60)
-    assert time.monotonic() - t0 < 40, "the other rank was not killed soon after the failure"
+    proc = subprocess.run([sys.executable, "-c", _LAUNCH, "-", "-c", _RANK, str(failing), str(tmp_path / "ready")],
+                          capture_output=True, text=True, timeout=300)
+    assert time.monotonic() - t0 < 200, "the other rank was not killed soon after the failure"
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()]
     # Rank 0's own output passes through (its progress included); no traceback reaches the terminal.

@@ -431,3 +431,33 @@ def test_top_k_by_unique_keys_is_the_reference_top_k(case: str, dtype: torch.dty
         want = ref_top_k(scores[t].float().tolist(), k)
         assert indices[t].tolist() == want, f"token {t}"
         assert values[t].tolist() == [scores[t, e].item() for e in want]
+
+
+def _topk_ties_to_the_higher_index(input: Tensor, k: int, dim: int = -1, largest: bool = True,
+                                   sorted: bool = True) -> torch.return_types.topk:
+    """A legal ``torch.topk`` (it promises no order among equal values) that breaks ties towards the HIGHER index:
+    a stable descending sort of the row reversed, so equal values come out last index first. input: ``[T, E]``."""
+    assert dim in (-1, input.dim() - 1) and largest and sorted
+    num = input.shape[-1]
+    values, flipped = torch.sort(input.flip(-1), dim=-1, descending=True, stable=True)
+    return torch.return_types.topk((values[..., :k], num - 1 - flipped[..., :k]))
+
+
+def test_top_k_of_many_scores_does_not_lean_on_torch_topks_tie_order(monkeypatch, device: torch.device) -> None:
+    """torch.topk may break a tie at the k-th place either way; with one that picks the higher index, top_k must
+    still give the reference's lower index (it asks torch.topk for k + 1 values to see that tie)."""
+    T, E, k = 512, 64, 8
+    assert T * E >= _TOPK_MIN_SCORES  # the torch.topk path is the one under test
+    probs = torch.rand(T, E, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    for t in (0, 3, T - 1):  # the k-th and (k+1)-th best of these tokens are equal, nothing else ties
+        order = probs[t].argsort(descending=True)
+        probs[t, order[k]] = probs[t, order[k - 1]]
+    # The wrapper really answers differently from the reference at the boundary (else the test shows nothing).
+    _, higher = _topk_ties_to_the_higher_index(probs, k)
+    assert higher[3].tolist() != ref_top_k(probs[3].tolist(), k)
+    monkeypatch.setattr(torch, "topk", _topk_ties_to_the_higher_index)
+    values, indices = (t.cpu() for t in top_k(probs.to(device), k))
+    for t in range(T):
+        want = ref_top_k(probs[t].tolist(), k)
+        assert indices[t].tolist() == want, f"token {t}"
+        assert values[t].tolist() == [probs[t, e].item() for e in want]

@@ -287,6 +287,62 @@ def test_replay_under_activation_checkpointing_is_a_clear_error():
             y.sum().backward()
 
 
+class _CheckpointedLayers(nn.Module):
+    """Two residual MoE layers, each run under non-reentrant activation checkpointing when ``checkpointed``:
+    backward recomputes each layer's forward (its router included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(MoELayer(8, 4, 8, k=2, group="single", gate_noise=0.3, balance="bias",
+                                             bias_update_rate=0.0) for _ in range(2))
+        self.checkpointed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + (torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if self.checkpointed
+                     else layer(x))
+        return x
+
+
+def test_recording_under_activation_checkpointing_records_each_call_once_and_replays():
+    """Recording a checkpointed training step: the recomputation inside backward is not a call of its own (one
+    call per layer), and the record replays: a run whose router would choose otherwise takes the recorded experts
+    and gives the recording forward's output, bit for bit."""
+    model = _CheckpointedLayers().train()
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for i, m in enumerate(model.layers):
+            m.expert_bias.copy_(torch.tensor([0.4, -0.2, 0.1, -0.3]) * (i + 1))
+
+    def step() -> torch.Tensor:
+        torch.manual_seed(7)  # the same exploration noise in every run
+        xg = x.clone().requires_grad_(True)
+        y = model(xg)
+        y.square().sum().backward()
+        return y.detach()
+
+    with record_routing(model) as record:
+        want = step()
+    assert record.calls.keys() == {"layers.0", "layers.1"}
+    assert [record.num_calls(n) for n in ("layers.0", "layers.1")] == [1, 1]
+    assert record.sequences == {"layers.0": [1], "layers.1": [1]}
+    assert all(torch.equal(record.calls[n][0], c) for n, c in _choices(model).items())
+
+    with torch.no_grad():
+        for m in model.layers:
+            m.expert_bias.neg_()
+    model.checkpointed = False  # replay under checkpointing is refused (the test above); the record is the point
+    own = step()
+    assert any(not torch.equal(c, record.calls[n][0]) for n, c in _choices(model).items()), \
+        "the bias change left the choice as it was"
+    assert not torch.equal(own, want)
+    with replay_routing(model, record):
+        got = step()
+    assert all(torch.equal(c, record.calls[n][0]) for n, c in _choices(model).items())
+    assert torch.equal(got, want)
+
+
 def test_random_second_expert_in_training_cannot_replay():
     moe = MoELayer(8, 4, 8, k=2, group="single", second_expert="random").train()
     x = torch.randn(4, 8)

@@ -181,3 +181,25 @@ def test_compile_flag_rejects_an_unknown_backend(tmp_path: Path) -> None:
     check_usage_error("train", "--out", str(tmp_path / "run"), "--steps", "1", "--compile", "no-such-backend",
                       says="--compile: torch.compile has no backend 'no-such-backend'")
     assert not (tmp_path / "run").exists()  # rejected before anything is written
+
+
+def test_learning_rate_warms_up_linearly_then_follows_the_cosine() -> None:
+    """set_lr of 1-based step s against the schedule written out here: lr * s / warmup for the first warmup steps
+    (the first step already learns), then min_lr + (lr - min_lr) (1 + cos(pi p)) / 2 with p the fraction of the
+    decay steps done before step s."""
+    import math
+
+    from flexmoe.apps.train import TrainConfig, set_lr
+
+    lr, min_lr, warmup, steps = 1e-3, 1e-4, 4, 12
+    tcfg = TrainConfig(lr=lr, min_lr=min_lr, warmup=warmup, steps=steps)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    got = []
+    for s in range(1, steps + 1):
+        got.append(set_lr(optimizer, s, tcfg))
+        assert optimizer.param_groups[0]["lr"] == got[-1]
+    want = [lr * s / warmup for s in range(1, warmup + 1)]
+    want += [min_lr + (lr - min_lr) * (1 + math.cos(math.pi * (s - 1 - warmup) / (steps - warmup))) / 2
+             for s in range(warmup + 1, steps + 1)]
+    assert got == pytest.approx(want, rel=1e-12)
+    assert got[warmup - 1] == pytest.approx(lr) and got[warmup] == pytest.approx(lr)  # the peak, held one step

@@ -102,6 +102,20 @@ def test_hf_upcycled_unnormalized_softmax_weights(twin: bool) -> None:
     torch.testing.assert_close(moe(idx).logits, dense(idx).logits, **FLOAT32_ROUNDING)
 
 
+@pytest.mark.parametrize("score_func,normalize_weights", [("softmax", True), ("softmax", False),
+                                                        ("sigmoid", True), ("sigmoid", False)])
+def test_hf_upcycled_with_route_scale_equals_dense(score_func: str, normalize_weights: bool) -> None:
+    """route_scale = 2 multiplies every combine weight (1/k normalised, 1/E softmax, sigmoid(0) = 1/2 raw): the
+    experts carry sigma = g / (k c route_scale), and the logits stay the dense model's."""
+    dense = _hf_dense("qwen3")
+    idx = _tokens(64)
+    moe = flexmoe.upcycle(copy.deepcopy(dense), num_experts=8, k=2, granularity=2, route_scale=2.0,
+                          score_func=score_func, normalize_weights=normalize_weights)
+    layer = moe.model.layers[0].mlp
+    assert (layer.routing_options.score_func, layer.routing_options.route_scale) == (score_func, 2.0)
+    torch.testing.assert_close(moe(idx).logits, dense(idx).logits, **FLOAT32_ROUNDING)
+
+
 def _router_grads(model: GPT) -> list[torch.Tensor | None]:
     return [layer.router.weight.grad for layer in model.moe_layers]
 
