@@ -189,7 +189,8 @@ def test_learning_rate_warms_up_linearly_then_follows_the_cosine() -> None:
     decay steps done before step s."""
     import math
 
-    from flexmoe.apps.train import TrainConfig, set_lr
+    from flexmoe.apps.train_config import TrainConfig
+    from flexmoe.apps.train_step import set_lr
 
     lr, min_lr, warmup, steps = 1e-3, 1e-4, 4, 12
     tcfg = TrainConfig(lr=lr, min_lr=min_lr, warmup=warmup, steps=steps)
