@@ -46,7 +46,7 @@ def build(args: dict, group: object) -> torch.nn.Module:
         torch.manual_seed(0)
         cfg = dict(n_layer=args["n_layer"], n_embd=args["n_embd"], num_experts=args["num_experts"],
                    expert_hidden=args["expert_hidden"])
-        return GPT(GPTConfig(**cfg, group=None if group == "single" else group))
+        return GPT(GPTConfig(**cfg), group=None if group == "single" else group)
     import transformers
 
     from flexmoe.apps.hf_job import HFJobConfig, build_hf_model
@@ -57,8 +57,8 @@ def build(args: dict, group: object) -> torch.nn.Module:
         moe_intermediate_size=args["expert_hidden"], num_experts=args["num_experts"], num_experts_per_tok=2,
         norm_topk_prob=True, max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=None,
         eos_token_id=None, pad_token_id=None)
-    model, _ = build_hf_model(HFJobConfig(hf_config=config.to_dict(), block_size=128, group=group), seed=0,
-                              pretrained=False)
+    model, _ = build_hf_model(HFJobConfig(hf_config=config.to_dict(), block_size=128), seed=0, pretrained=False,
+                              group=group)
     return model
 
 

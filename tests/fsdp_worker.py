@@ -251,8 +251,8 @@ def hf_model(family: str, mesh_ep: int | None = None):
     from flexmoe.apps.hf_job import HFJobConfig, build_hf_model
 
     config = tiny_hf_config(family, CFG["vocab_size"])
-    model, _ = build_hf_model(HFJobConfig(hf_config=config.to_dict(), block_size=SEQ, group="single"), seed=5,
-                              pretrained=False)
+    model, _ = build_hf_model(HFJobConfig(hf_config=config.to_dict(), block_size=SEQ), seed=5, pretrained=False,
+                              group="single")
     g = torch.Generator().manual_seed(9)
     for layer in model.moe_layers:
         if layer.expert_bias is not None:  # DeepSeek-V3's selection bias, fixed (HF's), from random values

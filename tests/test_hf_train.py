@@ -278,9 +278,8 @@ def _tiny_config(family: str):
 def _ep_model(family: str, group):
     """The converted tiny model (DeepSeek-V3: a bias that moves fast, starting from random values)."""
     options = {"bias_update_rate": 0.02} if family == "deepseek_v3" else {}
-    cfg = HFJobConfig(hf_config=_tiny_config(family).to_dict(), block_size=16, convert_options=options,
-                      group=group)
-    model, _ = build_hf_model(cfg, seed=5, pretrained=False)
+    cfg = HFJobConfig(hf_config=_tiny_config(family).to_dict(), block_size=16, convert_options=options)
+    model, _ = build_hf_model(cfg, seed=5, pretrained=False, group=group)
     g = torch.Generator().manual_seed(9)
     for layer in model.moe_layers:
         if layer.expert_bias is not None:

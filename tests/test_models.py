@@ -76,4 +76,26 @@ def test_saved_config_fields_and_defaults_stay_those_of_saved_runs() -> None:
     assert ViTConfig().to_dict() == dict(
         moe, image_size=8, patch_size=2, channels=1, num_classes=10, n_embd=64, dropout=0.1, pool="mean",
         expert_hidden=128, router="cosine")
-    assert GPTConfig(group="single") == GPTConfig() and "group" not in repr(GPTConfig())
+
+
+def test_the_process_group_goes_beside_the_config_never_in_it() -> None:
+    """The configs are plain data: no group field (a saved config naming one is refused as unknown); the group is
+    the models' own argument, and a model built over one refuses to upcycle (that builds one process's model)."""
+    from flexmoe.apps.hf_job import HFJobConfig
+    from flexmoe.apps.models.vit import ViT, ViTConfig
+
+    with pytest.raises(TypeError, match="group"):
+        GPTConfig(group="single")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="group"):
+        HFJobConfig(hf_config={}, group="single")  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="unknown GPTConfig fields \\['group'\\]"):
+        GPTConfig.from_dict({**GPTConfig().to_dict(), "group": None})
+    # One process holding every expert, named explicitly: the same layers as without a group.
+    model = GPT(GPTConfig(**TINY), group="single")
+    assert model.group == "single" and [m.experts.w1.shape for m in model.moe_layers] == [(4, 32, 24)] * 2
+    vit = ViT(ViTConfig(n_layer=2, num_experts=4, expert_hidden=8), group="single")
+    assert vit.group == "single" and [m.experts.w1.shape for m in vit.moe_layers] == [(4, 64, 8)]
+    assert GPT(GPTConfig(**TINY)).group is None
+    sentinel = object()  # a dense model builds no MoE layer, so any object stands for a group here
+    with pytest.raises(ValueError, match="without a group"):
+        GPT(GPTConfig(**TINY, dense=True), group=sentinel).upcycle_mlps(num_experts=4, k=2)

@@ -75,8 +75,8 @@ def add_hf_flags(parser: argparse.ArgumentParser) -> None:
 class HFJobConfig:
     """What the job trains: an HF configuration (``hf_config``, ``config.to_dict()``), built from scratch or loaded
     from ``hf_model``, converted with ``convert_options``, on sequences of ``block_size`` tokens (the tokenizer
-    of directory ``tokenizer``, or bytes). ``group``: an expert-parallel group for :func:`build_hf_model` when it
-    is given none (not saved; the job passes its group to :func:`build_hf_model` instead)."""
+    of directory ``tokenizer``, or bytes). Plain data, what the run saves: the expert-parallel group is passed
+    beside it (:func:`build_hf_model`'s ``group``)."""
 
     hf_config: dict[str, Any]
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -84,7 +84,6 @@ class HFJobConfig:
     hf_model: str | None = None
     tokenizer: str | None = None
     convert_options: dict[str, Any] = field(default_factory=dict)
-    group: Any = None
 
     @property
     def label(self) -> str:
@@ -92,8 +91,8 @@ class HFJobConfig:
         return str(self.hf_config.get("model_type", "hf"))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (without the runtime ``group``)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "group"}
+        """JSON-ready fields."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], **overrides: Any) -> HFJobConfig:
@@ -292,8 +291,9 @@ def build_hf_model(cfg: HFJobConfig, seed: int, *, pretrained: bool,
     """The converted model on this rank and the whole model's (parameters, active parameters).
 
     Built identically on every rank (``seed``, or the weights of ``cfg.hf_model`` with ``pretrained``) before
-    :func:`flexmoe.hf.convert` keeps each rank's experts of the expert-parallel ``group`` (None: ``cfg.group``;
-    without either, every expert), so the initial weights do not depend on the number of ranks.
+    :func:`flexmoe.hf.convert` keeps each rank's experts of the expert-parallel ``group`` (None: convert's
+    default, the world when torch.distributed is initialized; ``"single"``: every expert), so the initial weights do
+    not depend on the number of ranks.
     """
     from transformers import AutoModelForCausalLM
 
@@ -310,7 +310,7 @@ def build_hf_model(cfg: HFJobConfig, seed: int, *, pretrained: bool,
         hf = AutoModelForCausalLM.from_config(cfg.transformers_config())
     counts = hf_param_counts(hf)
     try:
-        convert(hf, group=cfg.group if group is None else group, **cfg.convert_options)
+        convert(hf, group=group, **cfg.convert_options)
     except ValueError as exc:
         raise UsageError(f"flexmoe.hf.convert: {exc}".splitlines()[0]) from None
     return HFCausalLM(hf, cfg), counts

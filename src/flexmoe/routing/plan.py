@@ -394,17 +394,8 @@ def plan_from_pairs(
     capacity_used: int | None = None
     drops = False
     if not counts_on_device:
-        unit_list = unit_load.tolist()  # the one host sync: row counts size every later tensor
-        max_load = max((n for row in unit_list for n in row), default=0)
-        host_cap = resolve_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity, max_load)
-        counts, capacity_used = kept_counts(unit_list, host_cap), host_cap
-        # Every pair keeps its row when no unit is over capacity (always so in dropless mode): no masking then.
-        drops = max_load > host_cap
-        if drops:
-            rows = order[slot.view(-1).index_select(0, order) < host_cap]
-        if drops or active is not None:
-            kept = slot < host_cap if active is None else active & (slot < host_cap)
-            slot = torch.where(kept, slot, torch.full_like(slot, -1))
+        rows, slot, counts, capacity_used, drops = _apply_host_capacity(
+            order, slot, unit_load, active, num_tokens // num_units, num_experts, k, capacity_factor, capacity)
     num_dropped = 0 if counts is None else num_active - sum(counts)
     row_token = torch.div(rows, k, rounding_mode="floor")
 
@@ -428,6 +419,28 @@ def plan_from_pairs(
         kind=kind,
         scores=scores,
     )
+
+
+def _apply_host_capacity(order: Tensor, slot: Tensor, unit_load: Tensor, active: Tensor | None, unit_tokens: int,
+                         num_experts: int, k: int, capacity_factor: float,
+                         capacity: int | None) -> tuple[Tensor, Tensor, list[int], int, bool]:
+    """The capacity read on the host and applied: the one host sync of a plan (row counts size every later tensor).
+
+    order: ``[N_active]`` the active pairs sorted by (expert, [seq,] slot); slot: ``[T, k]``; unit_load: ``[E, B]``
+    pairs per (expert, sequence) unit; unit_tokens: T / B. Returns (rows ``[N]`` the kept pairs in order, slot with
+    the dropped and inactive pairs at -1, kept rows per expert, the capacity, whether any pair was dropped).
+    """
+    unit_list = unit_load.tolist()
+    max_load = max((n for row in unit_list for n in row), default=0)
+    host_cap = resolve_capacity(unit_tokens, num_experts, k, capacity_factor, capacity, max_load)
+    counts = kept_counts(unit_list, host_cap)
+    # Every pair keeps its row when no unit is over capacity (always so in dropless mode): no masking then.
+    drops = max_load > host_cap
+    rows = order[slot.view(-1).index_select(0, order) < host_cap] if drops else order
+    if drops or active is not None:
+        kept = slot < host_cap if active is None else active & (slot < host_cap)
+        slot = torch.where(kept, slot, torch.full_like(slot, -1))
+    return rows, slot, counts, host_cap, drops
 
 
 def plan_from_choices(expert_index: Tensor, weight: Tensor, num_experts: int, *,

@@ -480,156 +480,216 @@ def _param_bytes(config: LayerConfig) -> float:
     return ((3 if config.glu else 2) * m * h + h + m) * config.dtype_bytes
 
 
-def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
-    """Predicted forward + backward seconds of one MoE layer, with its breakdown."""
-    w, e, t, k, m, h = config.ranks, config.experts, config.tokens, config.k, config.model_dim, config.hidden_dim
-    b = config.dtype_bytes
-    g = _ranks_per_node(profile, config)
-    s = config.shards
-    r = config.resolved_r()
-    d = config.overlap_degree
-    slow = _contention(profile, config)
-    cap = config.capacity()
-    rows_global = expert_rows(config)
-    shares = config.shares()
+@dataclass
+class _Layout:
+    """What the layer's stages share about where rows go at one config (:func:`_layout`).
+
+    capacity: per-expert capacity per source rank; shares: each expert's fraction of the routed pairs; rows: the
+    global rows each expert computes (:func:`expert_rows`); shadowed: the experts every rank computes its own
+    tokens of (whole experts over several ranks, r > 0 only); replicated: whether replica slots are in use;
+    copies: holders of each expert (its owner and its replicas); held_copies: per rank, the experts its replica
+    slots hold (empty unless replicated); reach: per rank, the share of tokens it receives when the layer sends
+    tokens (:func:`token_reach`), None when it sends rows.
+    """
+
+    capacity: int
+    shares: list[float]
+    rows: list[float]
+    shadowed: set[int]
+    replicated: bool
+    copies: list[int]
+    held_copies: list[list[int]]
+    reach: list[float] | None
+
+
+def _layout(config: LayerConfig) -> _Layout:
+    """The :class:`_Layout` of ``config``; ``ValueError`` for a shadowed expert out of range or replicas where
+    the layer cannot place them."""
+    w, e, s, r = config.ranks, config.experts, config.shards, config.resolved_r()
+    capacity, rows, shares = config.capacity(), expert_rows(config), config.shares()
     shadowed = set(config.shadowed) if s == 1 and w > 1 and r > 0 else set()
     for x in shadowed:
         if not 0 <= x < e:
             raise ValueError(f"shadowed expert {x} out of range [0, {e})")
-    out = Breakdown()
     replicated = bool(config.replicas) and s == 1 and w > 1 and r == 1
     if config.replicas and not replicated:
         raise ValueError("replicas need whole experts (experts % ranks == 0) over several ranks at r = 1")
-    copies = [1] * e  # holders of each expert: its owner and its replicas
+    copies = [1] * e
     held_copies = [[x for x in slots if x >= 0] for slots in config.replicas] if replicated else []
     for slots in held_copies:
         for x in slots:
             copies[x] += 1
+    reach = token_reach(config) if sends_tokens(config) else None
+    return _Layout(capacity, shares, rows, shadowed, replicated, copies, held_copies, reach)
 
-    # Rows this rank sends out through the all-to-all (and gathers/scatters locally).
-    local_rows: float
+
+def _local_rows(config: LayerConfig, lay: _Layout) -> float:
+    """Rows this rank sends out through the all-to-all (and gathers / scatters locally): the tokens sent and the
+    partial sums back when it sends tokens, else one row per kept (token, choice) pair, or every padded slot."""
+    t, k = config.tokens, config.k
+    if lay.reach is not None:
+        return t * sum(lay.reach)
     if config.dispatch == "index" and config.capacity_factor == 0:
-        local_rows = t * k
-    elif config.dispatch == "index":
-        local_rows = sum(min(t * k * sh, cap) for sh in shares)
-    else:
-        local_rows = e * cap
-    tokens_out = sends_tokens(config)
-    reach = token_reach(config) if tokens_out else []
-    if tokens_out:  # the tokens sent (gathered) and the partial sums back (scatter-added)
-        local_rows = t * sum(reach)
-    out.router_plan = _router_plan_time(profile, config) * slow
-    if config.dispatch == "dense":
-        out.dispatch_combine = _dense_dispatch_combine_time(profile, config) * slow
-    else:
-        out.dispatch_combine = _index_dispatch_combine_time(profile, config, local_rows) * slow
+        return t * k
+    if config.dispatch == "index":
+        return sum(min(t * k * sh, lay.capacity) for sh in lay.shares)
+    return config.experts * lay.capacity
 
-    # ---- expert compute per rank: find the straggler (the rank with the most work).
-    def ffn(rows: float, hidden: int) -> tuple[float, float]:
-        f, bk = ffn_times(profile, rows / d, m, hidden, config.dtype, config.glu)
-        return f * d * slow, bk * d * slow  # d chunks of rows/d each
 
-    shadow_local = [0.0, 0.0]
-    for x in shadowed:  # every rank computes its own tokens of a shadowed expert
-        f, bk = ffn(rows_global[x] / w, h)
-        shadow_local[0] += f
-        shadow_local[1] += bk
+def _ffn(profile: Profile, config: LayerConfig, rows: float, hidden: int, slow: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one expert's FFN on ``rows`` rows, in d chunks of rows / d each."""
+    d = config.overlap_degree
+    f, bk = ffn_times(profile, rows / d, config.model_dim, hidden, config.dtype, config.glu)
+    return f * d * slow, bk * d * slow
+
+
+def _straggler_compute(profile: Profile, config: LayerConfig, lay: _Layout, slow: float) -> tuple[float, float, int]:
+    """Whole experts (s = 1): (forward, backward, rank) of the rank with the most expert work, its share of the
+    shadowed experts' rows included (every rank computes its own tokens of those)."""
+    w, h = config.ranks, config.hidden_dim
+    per_rank = config.experts_per_rank
+    worst = (-1.0, 0.0, 0.0, 0)
+    for rank in range(w):
+        fwd = bwd = 0.0
+        held = list(range(rank * per_rank, (rank + 1) * per_rank))
+        held += lay.held_copies[rank] if lay.replicated else []
+        for x in held:
+            if x in lay.shadowed:
+                continue
+            f, bk = _ffn(profile, config, lay.rows[x] / lay.copies[x], h, slow)
+            fwd, bwd = fwd + f, bwd + bk
+        if fwd + bwd > worst[0]:
+            worst = (fwd + bwd, fwd, bwd, rank)
+        if config.expert_shares is None and rank >= 1 and not lay.shadowed and not lay.replicated:
+            break  # with the built-in skew, ranks 1.. are identical: rank 1 stands for all of them
+    _, c_fwd, c_bwd, straggler = worst
+    shadow_fwd = shadow_bwd = 0.0
+    for x in lay.shadowed:
+        f, bk = _ffn(profile, config, lay.rows[x] / w, h, slow)
+        shadow_fwd += f
+        shadow_bwd += bk
+    return c_fwd + shadow_fwd, c_bwd + shadow_bwd, straggler
+
+
+def _expert_compute(profile: Profile, config: LayerConfig, lay: _Layout, slow: float) -> tuple[float, float, int]:
+    """(forward, backward) expert seconds of the straggler (the rank with the most work) and its rank."""
+    w, e, s, r, h = config.ranks, config.experts, config.shards, config.resolved_r(), config.hidden_dim
     if w > 1 and r == 0:
         # Every rank runs its own tokens through every (gathered) expert: no all-to-all, no straggler.
         c_fwd = c_bwd = 0.0
         for x in range(e):
-            f, bk = ffn(rows_global[x] / w, h)
+            f, bk = _ffn(profile, config, lay.rows[x] / w, h, slow)
             c_fwd, c_bwd = c_fwd + f, c_bwd + bk
-        straggler = 0
-    elif s == 1:
-        per_rank = config.experts_per_rank
-        worst = (-1.0, 0.0, 0.0, 0)
-        for rank in range(w):
-            fwd = bwd = 0.0
-            held = list(range(rank * per_rank, (rank + 1) * per_rank))
-            held += held_copies[rank] if replicated else []
-            for x in held:
-                if x in shadowed:
-                    continue
-                f, bk = ffn(rows_global[x] / copies[x], h)
-                fwd, bwd = fwd + f, bwd + bk
-            if fwd + bwd > worst[0]:
-                worst = (fwd + bwd, fwd, bwd, rank)
-            if config.expert_shares is None and rank >= 1 and not shadowed and not replicated:
-                break  # with the built-in skew, ranks 1.. are identical: rank 1 stands for all of them
-        _, c_fwd, c_bwd, straggler = worst
-        c_fwd += shadow_local[0]
-        c_bwd += shadow_local[1]
-    else:
-        # s ranks share expert x: s/r groups split its rows; inside a group r ranks hold H/r each, same rows.
-        hottest = max(range(e), key=lambda x: rows_global[x])
-        c_fwd, c_bwd = ffn(rows_global[hottest] * r / s, h // r)
-        straggler = hottest * s
-    # Backward also gathers the per-expert weight gradients into the batched parameters' gradients.
+        return c_fwd, c_bwd, 0
+    if s == 1:
+        return _straggler_compute(profile, config, lay, slow)
+    # s ranks share expert x: s/r groups split its rows; inside a group r ranks hold H/r each, same rows.
+    hottest = max(range(e), key=lambda x: lay.rows[x])
+    c_fwd, c_bwd = _ffn(profile, config, lay.rows[hottest] * r / s, h // r, slow)
+    return c_fwd, c_bwd, hottest * s
+
+
+def _grad_stack_time(profile: Profile, config: LayerConfig, slow: float) -> float:
+    """Backward's gathering of the per-expert weight gradients into the batched parameters' gradients."""
+    w, e, s, r = config.ranks, config.experts, config.shards, config.resolved_r()
     local_weights = _weight_bytes(config) * (e if w > 1 and r == 0 else config.experts_per_rank)
     if s > 1 and r > 0:
         local_weights = _weight_bytes(config) / s
     stack_bw = profile.grad_stack_bandwidth_Bps or profile.memory_bandwidth_Bps / 2
     n_weights = 3 if config.glu else 2  # one stacked gradient [E_local, M, H] per weight tensor
-    c_bwd += (local_weights / stack_bw + first_touch_time(profile, local_weights / n_weights, n_weights)) * slow
-    out.experts = c_fwd + c_bwd
+    return (local_weights / stack_bw + first_touch_time(profile, local_weights / n_weights, n_weights)) * slow
 
-    # ---- all-to-all volume of the straggler: what it sends, or receives if more (hot experts), per direction.
+
+def _a2a_bytes(config: LayerConfig, lay: _Layout, straggler: int) -> float:
+    """All-to-all bytes of the straggler per direction: what it sends, or what it receives if more (hot experts)."""
+    w, e, s, r = config.ranks, config.experts, config.shards, config.resolved_r()
+    t, k, m, b, cap = config.tokens, config.k, config.model_dim, config.dtype_bytes, lay.capacity
     if w == 1 or r == 0:
-        send = recv = 0.0
-    elif s == 1:
-        per_rank = config.experts_per_rank
-        mine = list(range(straggler * per_rank, (straggler + 1) * per_rank))
-        mine += held_copies[straggler] if replicated else []
-        send_rows: float
-        recv_rows: float
-        if config.padded_a2a and config.capacity_factor != 0 or config.dispatch == "dense":
-            send_rows = sum(cap for x in range(e) if x not in shadowed)
-            recv_rows = w * cap * sum(1 for x in mine if x not in shadowed)
-        elif tokens_out:
-            send_rows, recv_rows = t * sum(reach), w * t * reach[straggler]
-        else:
-            send_rows = sum(t * k * shares[x] for x in range(e) if x not in shadowed)
-            recv_rows = sum(rows_global[x] / copies[x] for x in mine if x not in shadowed)
-        send, recv = send_rows * m * b, recv_rows * m * b
-    else:
+        return 0.0
+    if s > 1:
         # Each row goes to the r ranks of one group (replicated), and r partial results come back.
-        send_rows = (e * cap if config.padded_a2a and config.capacity_factor != 0 else t * k) * r
-        send = recv = send_rows * m * b
-    volume = max(send, recv)
+        return (e * cap if config.padded_a2a and config.capacity_factor != 0 else t * k) * r * m * b
+    per_rank = config.experts_per_rank
+    mine = list(range(straggler * per_rank, (straggler + 1) * per_rank))
+    mine += lay.held_copies[straggler] if lay.replicated else []
+    send_rows: float
+    recv_rows: float
+    if config.padded_a2a and config.capacity_factor != 0 or config.dispatch == "dense":
+        send_rows = sum(cap for x in range(e) if x not in lay.shadowed)
+        recv_rows = w * cap * sum(1 for x in mine if x not in lay.shadowed)
+    elif lay.reach is not None:
+        send_rows, recv_rows = t * sum(lay.reach), w * t * lay.reach[straggler]
+    else:
+        send_rows = sum(t * k * lay.shares[x] for x in range(e) if x not in lay.shadowed)
+        recv_rows = sum(lay.rows[x] / lay.copies[x] for x in mine if x not in lay.shadowed)
+    return max(send_rows * m * b, recv_rows * m * b)
+
+
+def _exchange_times(profile: Profile, config: LayerConfig, volume: float, g: int, slow: float,
+                    compute: tuple[float, float], tokens_out: bool) -> tuple[float, float]:
+    """(all-to-all seconds before overlap, experts and all-to-all after chunking and overlap), forward +
+    backward, for ``volume`` bytes per direction and the straggler's ``compute`` (forward, backward) seconds."""
+    w, d, t, k = config.ranks, config.overlap_degree, config.tokens, config.k
     comm_slow = slow if profile.comm_uses_compute else 1.0
     chunk_a2a = a2a_time(profile, volume / d, w, g, config.a2a) * comm_slow
-    out.a2a = 4 * chunk_a2a * d  # dispatch + combine, forward and backward
+    a2a = 4 * chunk_a2a * d  # dispatch + combine, forward and backward
     # Sending tokens adds, per direction, the exchange of the pairs' weight, token index and expert ([T*k, 3]
     # float64). Its count all-gather replaces the row exchange's (neither is priced).
     pairs_a2a = a2a_time(profile, t * k * 24, w, g, config.a2a) * comm_slow if tokens_out else 0.0
-    out.a2a += 2 * pairs_a2a
+    a2a += 2 * pairs_a2a
     overhead = OPS_PER_CHUNK * profile.op_overhead_s if d > 1 else 0.0
     # Overlap needs an idle engine: with ranks outnumbering the cores that also move the bytes, nothing hides.
     eta = 0.0 if profile.comm_uses_compute and slow > 1 else profile.overlap_efficiency
-    fwd = pipelined_time(chunk_a2a, c_fwd / d, chunk_a2a, d, eta, overhead) + pairs_a2a
-    bwd = pipelined_time(chunk_a2a, c_bwd / d, chunk_a2a, d, eta, overhead) + pairs_a2a
-    out.pipelined = fwd + bwd
+    fwd = pipelined_time(chunk_a2a, compute[0] / d, chunk_a2a, d, eta, overhead) + pairs_a2a
+    bwd = pipelined_time(chunk_a2a, compute[1] / d, chunk_a2a, d, eta, overhead) + pairs_a2a
+    return a2a, fwd + bwd
 
-    # ---- weights: gathered for r < s (forward all-gather, backward reduce-scatter of the gradients).
+
+def _weights_comm_time(profile: Profile, config: LayerConfig, lay: _Layout, g: int, comm_slow: float) -> float:
+    """Expert weights moved each step: gathered for r < s (forward all-gather, backward reduce-scatter of the
+    gradients), or the replicas' copies sent from their owners and their gradients back."""
+    w, e, s, r = config.ranks, config.experts, config.shards, config.resolved_r()
     p = _param_bytes(config)
+    seconds = 0.0
     if w > 1 and r == 0:
-        out.weights_comm = 2 * allgather_time(profile, e * p, w, g) * comm_slow
+        seconds = 2 * allgather_time(profile, e * p, w, g) * comm_slow
     elif s > 1 and r < s:
-        out.weights_comm = 2 * allgather_time(profile, p / r, s // r, g) * comm_slow
-    if replicated:
-        # The copies' weights from their owners (forward) and their gradients back (backward): one all-to-all
-        # each way, as large as the busiest sender's (the owner of the most copied experts) or receiver's.
-        sent = max(sum(copies[x] - 1 for x in range(o * config.experts_per_rank, (o + 1) * config.experts_per_rank))
-                   for o in range(w))
-        received = max(len(slots) for slots in held_copies)
-        out.weights_comm = 2 * a2a_time(profile, max(sent, received) * p, w, g, config.a2a) * comm_slow
-    # broadcast + gradient reduce
-    out.shadow_comm = 2 * len(shadowed) * broadcast_time(profile, p, w, g) * comm_slow
+        seconds = 2 * allgather_time(profile, p / r, s // r, g) * comm_slow
+    if lay.replicated:
+        # One all-to-all each way, as large as the busiest sender's (the owner of the most copied experts) or
+        # receiver's.
+        per_rank = config.experts_per_rank
+        sent = max(sum(lay.copies[x] - 1 for x in range(o * per_rank, (o + 1) * per_rank)) for o in range(w))
+        received = max(len(slots) for slots in lay.held_copies)
+        seconds = 2 * a2a_time(profile, max(sent, received) * p, w, g, config.a2a) * comm_slow
+    return seconds
 
+
+def layer_time(profile: Profile, config: LayerConfig) -> Breakdown:
+    """Predicted forward + backward seconds of one MoE layer, with its breakdown."""
+    g = _ranks_per_node(profile, config)
+    slow = _contention(profile, config)
+    lay = _layout(config)
+    out = Breakdown()
+    out.router_plan = _router_plan_time(profile, config) * slow
+    if config.dispatch == "dense":
+        out.dispatch_combine = _dense_dispatch_combine_time(profile, config) * slow
+    else:
+        out.dispatch_combine = _index_dispatch_combine_time(profile, config, _local_rows(config, lay)) * slow
+    c_fwd, c_bwd, straggler = _expert_compute(profile, config, lay, slow)
+    c_bwd += _grad_stack_time(profile, config, slow)
+    out.experts = c_fwd + c_bwd
+    volume = _a2a_bytes(config, lay, straggler)
+    out.a2a, out.pipelined = _exchange_times(profile, config, volume, g, slow, (c_fwd, c_bwd), lay.reach is not None)
+    comm_slow = slow if profile.comm_uses_compute else 1.0
+    out.weights_comm = _weights_comm_time(profile, config, lay, g, comm_slow)
+    # broadcast + gradient reduce
+    shadow_bytes = _param_bytes(config)
+    out.shadow_comm = 2 * len(lay.shadowed) * broadcast_time(profile, shadow_bytes, config.ranks, g) * comm_slow
     out.total = out.router_plan + out.dispatch_combine + out.pipelined + out.weights_comm + out.shadow_comm
-    out.details = {"straggler_rank": straggler, "a2a_bytes": volume, "capacity": cap, "r": r, "shards": s,
-                   "ranks_per_node": g, "contention": slow, "sends_tokens": tokens_out}
+    out.details = {"straggler_rank": straggler, "a2a_bytes": volume, "capacity": lay.capacity,
+                   "r": config.resolved_r(), "shards": config.shards, "ranks_per_node": g, "contention": slow,
+                   "sends_tokens": lay.reach is not None}
     return out
 
 

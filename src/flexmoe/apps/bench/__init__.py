@@ -10,7 +10,8 @@ flexmoe reaches itself through its imports); each imports only modules listed be
 * :mod:`~flexmoe.apps.bench.families`: DeepSeek-style routing against plain top-k (``--families``);
 * :mod:`~flexmoe.apps.bench.fine`: the "fine-grained" and "decode" groups;
 * :mod:`~flexmoe.apps.bench.compile`: the "compile" group;
-* :mod:`~flexmoe.apps.bench.hf`: Hugging Face blocks (``--hf``), the "hf" and "decode-hf" groups;
+* :mod:`~flexmoe.apps.bench.hf`: Hugging Face blocks (``--hf``; the parts in ``hf_blocks``, ``hf_timing``,
+  ``hf_steps``), the "hf" and "decode-hf" groups (``hf_checks``);
 * :mod:`~flexmoe.apps.bench.distributed`: every expert-parallel setting over ranks (``--nproc``);
 * :mod:`~flexmoe.apps.bench.ep`: the "expert-parallel" group, launching :mod:`distributed`'s ranks;
 * :mod:`~flexmoe.apps.bench.cli`: the command's flags and ``run``.

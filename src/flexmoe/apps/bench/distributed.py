@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,9 @@ from torch import Tensor, nn
 from flexmoe.apps.bench.config import DTYPES, BenchConfig, build_layer, floor_case, fwd_bwd, make_inputs
 from flexmoe.apps.bench.timing import time_side_by_side
 from flexmoe.layer import MoELayer
+
+if TYPE_CHECKING:
+    from flexmoe.parallel import ParallelSetting
 
 __all__ = ["SleepyExperts", "CpuAccount", "node_cpu_jiffies", "idle_share", "paired_ratio", "AUTO_STEPS",
            "bench_distributed", "format_distributed", "distributed_conclusions"]
@@ -139,34 +142,25 @@ def paired_ratio(times: list[float], reference: list[float]) -> float:
     return statistics.median(t / r for t, r in zip(times, reference))
 
 
-def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: int | None,
-                      profile: str | None = None, degrees: tuple[int, ...] = (1, 2, 4),
-                      show: bool = False, auto_trials: int | None = None, auto_runs: int = 1) -> dict[str, Any]:
-    """Under torchrun: every (r, d, a2a) setting side by side, auto's choice (also steered by the cost model
-    with ``profile``), the per-rank floor. With ``show`` rank 0 prints each part as soon as it is measured.
-
-    The floor is :func:`~flexmoe.apps.baselines.expert_floor` on the rows this rank computes with r = 1, run on
-    every rank at once (so under the same contention for the cores as the settings), the slowest rank's time.
-    ``auto_runs`` layers tune ``parallel="auto"`` from scratch, each with ``MeasuringChooser(auto_trials)``
-    (None: the chooser's default trials), and are timed side by side with the best static setting
-    (:data:`AUTO_STEPS`, :func:`paired_ratio`).
-    """
-    from flexmoe.parallel import MeasuringChooser, ParallelSetting, candidates
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    show = show and rank == 0
+def _layer_options(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: int | None,
+                   world: int) -> dict[str, Any]:
+    """The options of every layer the distributed bench builds: over the world, and with ``sleep_ms`` the
+    stalling experts (:class:`SleepyExperts`, whole experts per rank)."""
     extra: dict[str, Any] = {"group": dist.group.WORLD, "ranks_per_node": ranks_per_node}
     if sleep_ms is not None:
         if cfg.experts % world:
             raise ValueError(f"--sleep-ms needs whole experts per rank: --experts must be a multiple of {world}")
         expected = cfg.tokens * cfg.k  # rows one rank computes when the load is even
         extra["experts"] = SleepyExperts(cfg.experts // world, sleep_ms / 1e3, expected)
-    layer = build_layer(cfg, **extra)
-    x, grad = make_inputs(cfg, cfg.seed + 1 + rank)  # each rank its own tokens
+    return extra
+
+
+def _setting_cases(layer: MoELayer, settings: list[ParallelSetting], x: Tensor,
+                   grad: Tensor) -> tuple[dict[str, Callable[[], None]], dict[str, list[float]]]:
+    """Per setting, a synced forward + backward step of ``layer`` run at it, and the seconds each step spent
+    waiting on exchanges (appended per call)."""
     ep = layer._ep
     assert ep is not None  # a layer over a process group
-    settings = candidates(ep.valid_r(), world, layer.parallel_options.ranks_per_node, degrees,
-                          token_exchange=ep.can_send_tokens)
     exposed: dict[str, list[float]] = {str(s): [] for s in settings}  # seconds waiting on exchanges, per step
 
     def timed_setting(s: ParallelSetting) -> Callable[[], None]:
@@ -180,31 +174,128 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
             exposed[str(s)].append(ep.stats.seconds)
         return run
 
-    cases = {str(s): timed_setting(s) for s in settings}
-    floor_name = "floor (1 rank, same per-rank rows)"
+    return {str(s): timed_setting(s) for s in settings}, exposed
+
+
+def _floor_step(layer: MoELayer, x: Tensor, cfg: BenchConfig, sleep_ms: float | None) -> Callable[[], None]:
+    """The floor: this rank's experts alone on the rows it computes at r = 1, no exchange. With ``sleep_ms``,
+    that is their stall: what a step would cost if the pipelining hid every exchange."""
+    ep = layer._ep
+    assert ep is not None  # a layer over a process group
     with torch.no_grad():
         layer(x)
     assert layer.last_plan is not None  # set by the forward above
     local = _local_counts(layer, ep.gather_counts(layer.last_plan.counts))
-    # The floor: this rank's experts alone on its rows, no exchange. With --sleep-ms, that is their stall: what
-    # a step would cost if the pipelining hid every exchange.
-    floor_step = floor_case(layer, local, cfg)[0] if sleep_ms is None else _stall_floor(layer.experts, local, cfg)
-    cases[floor_name] = _synced(floor_step)
-    # Where the time goes when the ranks share the cores: each case's CPU time per step (mean over the ranks) and
-    # the node's idle share while it ran. A step that keeps the cores busy costs its CPU work, not its waits.
-    accounts: dict[str, CpuAccount] = {}
-    for name in list(cases):
-        cases[name], accounts[name] = CpuAccount.wrap(cases[name])
-    if show:
-        print(_distributed_header(cfg, world, sleep_ms, torch.get_num_threads()), flush=True)
-    times = time_side_by_side(cases, cfg.steps, cfg.warmup, sync=_slowest,
-                              desc=f"timing {len(cases)} settings" if show else None)
-    medians = {name: statistics.median(v) for name, v in times.items()}
-    cpu_local = torch.tensor([statistics.median(accounts[n].seconds[cfg.warmup:]) for n in cases],
+    step = floor_case(layer, local, cfg)[0] if sleep_ms is None else _stall_floor(layer.experts, local, cfg)
+    return _synced(step)
+
+
+def _counted(cases: dict[str, Callable[[], None]]) -> tuple[dict[str, Callable[[], None]], dict[str, CpuAccount]]:
+    """Each case wrapped to count its CPU use into an account of its own (:meth:`CpuAccount.wrap`)."""
+    counted, accounts = {}, {}
+    for name, case in cases.items():
+        counted[name], accounts[name] = CpuAccount.wrap(case)
+    return counted, accounts
+
+
+def _cpu_use(accounts: dict[str, CpuAccount], cfg: BenchConfig,
+             world: int) -> tuple[dict[str, float], dict[str, float | None]]:
+    """Per case, its CPU seconds per step (every thread of the process, mean over the ranks) and the node's idle
+    share while it ran, warm-up steps dropped."""
+    cpu_local = torch.tensor([statistics.median(a.seconds[cfg.warmup:]) for a in accounts.values()],
                              dtype=torch.float64)
     dist.all_reduce(cpu_local)
-    cpu = dict(zip(cases, (cpu_local / world).tolist()))
-    idle = {n: idle_share(accounts[n].ticks[cfg.warmup:]) for n in cases}
+    cpu = dict(zip(accounts, (cpu_local / world).tolist()))
+    idle = {n: idle_share(a.ticks[cfg.warmup:]) for n, a in accounts.items()}
+    return cpu, idle
+
+
+def _auto_layers(cfg: BenchConfig, extra: dict[str, Any], profile: str | None, auto_trials: int | None,
+                 auto_runs: int) -> dict[str, MoELayer]:
+    """``auto_runs`` layers with ``parallel="auto"`` and a fresh ``MeasuringChooser(auto_trials)`` each, and with
+    ``profile`` one steered by the cost model."""
+    from flexmoe.parallel import MeasuringChooser
+
+    def chooser() -> MeasuringChooser:
+        return MeasuringChooser() if auto_trials is None else MeasuringChooser(trials=auto_trials)
+
+    autos = {"auto" if auto_runs == 1 else f"auto (run {i + 1})": build_layer(cfg, parallel="auto",
+                                                                              chooser=chooser(), **extra)
+             for i in range(auto_runs)}
+    if profile is not None:
+        from flexmoe.tuning import ModelGuidedChooser
+
+        autos[f"auto (model {profile}, keep 3)"] = build_layer(
+            cfg, parallel="auto", chooser=ModelGuidedChooser(profile, keep=3), **extra)
+    return autos
+
+
+def _tuned_auto_cases(autos: dict[str, MoELayer], layer: MoELayer, x: Tensor,
+                      grad: Tensor) -> dict[str, Callable[[], None]]:
+    """Each auto layer with ``layer``'s weights, stepped until it has tuned (each candidate tried, one kept);
+    its synced forward + backward step."""
+    auto_cases = {}
+    for name, auto_layer in autos.items():
+        auto_layer.load_state_dict(layer.state_dict())
+        auto_step = fwd_bwd(partial(auto_layer, x), grad, auto_layer)
+        while not auto_layer.auto_decisions:  # tuning: each candidate is tried, then one is kept
+            auto_step()
+        auto_cases[name] = _synced(auto_step)
+    return auto_cases
+
+
+def _auto_vs_static(autos: dict[str, MoELayer], auto_cases: dict[str, Callable[[], None]],
+                    statics: dict[str, Callable[[], None]], cfg: BenchConfig,
+                    show: bool) -> tuple[list[dict[str, Any]], str, float]:
+    """The auto layers timed side by side with the static settings ``statics`` (:data:`AUTO_STEPS` rounds at
+    least): per auto layer its choice, median and :func:`paired_ratio` to the best static of this same run;
+    and that best static's name and median."""
+    auto_times = time_side_by_side({**auto_cases, **statics}, max(cfg.steps, AUTO_STEPS), cfg.warmup,
+                                   sync=_slowest, desc="timing auto" if show else None)
+    auto_medians = {name: statistics.median(v) for name, v in auto_times.items()}
+    best_with_auto = min(statics, key=auto_medians.__getitem__)
+    auto_report = [{"name": name, "choice": str(m.auto_decisions[0].choice),
+                    "seconds": auto_medians[name],
+                    "ratio": paired_ratio(auto_times[name], auto_times[best_with_auto]),
+                    "tuning": m.auto_decisions[0].describe()} for name, m in autos.items()]
+    return auto_report, best_with_auto, auto_medians[best_with_auto]
+
+
+def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: int | None,
+                      profile: str | None = None, degrees: tuple[int, ...] = (1, 2, 4),
+                      show: bool = False, auto_trials: int | None = None, auto_runs: int = 1) -> dict[str, Any]:
+    """Under torchrun: every (r, d, a2a) setting side by side, auto's choice (also steered by the cost model
+    with ``profile``), the per-rank floor. With ``show`` rank 0 prints each part as soon as it is measured.
+
+    The floor is :func:`~flexmoe.apps.baselines.expert_floor` on the rows this rank computes with r = 1, run on
+    every rank at once (so under the same contention for the cores as the settings), the slowest rank's time.
+    ``auto_runs`` layers tune ``parallel="auto"`` from scratch, each with ``MeasuringChooser(auto_trials)``
+    (None: the chooser's default trials), and are timed side by side with the best static setting
+    (:data:`AUTO_STEPS`, :func:`paired_ratio`).
+    """
+    from flexmoe.parallel import candidates
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    show = show and rank == 0
+    extra = _layer_options(cfg, sleep_ms, ranks_per_node, world)
+    layer = build_layer(cfg, **extra)
+    x, grad = make_inputs(cfg, cfg.seed + 1 + rank)  # each rank its own tokens
+    ep = layer._ep
+    assert ep is not None  # a layer over a process group
+    settings = candidates(ep.valid_r(), world, layer.parallel_options.ranks_per_node, degrees,
+                          token_exchange=ep.can_send_tokens)
+    cases, exposed = _setting_cases(layer, settings, x, grad)
+    floor_name = "floor (1 rank, same per-rank rows)"
+    cases[floor_name] = _floor_step(layer, x, cfg, sleep_ms)
+    if show:
+        print(_distributed_header(cfg, world, sleep_ms, torch.get_num_threads()), flush=True)
+    # Where the time goes when the ranks share the cores: each case's CPU time per step and the node's idle share
+    # while it ran. A step that keeps the cores busy costs its CPU work, not its waits.
+    cases, accounts = _counted(cases)
+    times = time_side_by_side(cases, cfg.steps, cfg.warmup, sync=_slowest,
+                              desc=f"timing {len(cases)} settings" if show else None)
+    cpu, idle = _cpu_use(accounts, cfg, world)
+    medians = {name: statistics.median(v) for name, v in times.items()}
     # The calling thread's time inside exchanges (launching or waiting): the exposed communication, median
     # over the timed steps (warm-up steps dropped) as a share of the median step.
     comm_share = {name: statistics.median(v[cfg.warmup:]) / medians[name] for name, v in exposed.items()}
@@ -218,37 +309,14 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
     if show:
         print("\n".join(_distributed_rows(setting_rows, floor, floor_cpu)), flush=True)
         print("tuning parallel='auto' ...", flush=True)
-    def chooser() -> MeasuringChooser:
-        return MeasuringChooser() if auto_trials is None else MeasuringChooser(trials=auto_trials)
-
-    autos = {"auto" if auto_runs == 1 else f"auto (run {i + 1})": build_layer(cfg, parallel="auto",
-                                                                              chooser=chooser(), **extra)
-             for i in range(auto_runs)}
-    if profile is not None:
-        from flexmoe.tuning import ModelGuidedChooser
-
-        autos[f"auto (model {profile}, keep 3)"] = build_layer(
-            cfg, parallel="auto", chooser=ModelGuidedChooser(profile, keep=3), **extra)
-    auto_cases = {}
-    for name, auto_layer in autos.items():
-        auto_layer.load_state_dict(layer.state_dict())
-        auto_step = fwd_bwd(partial(auto_layer, x), grad, auto_layer)
-        while not auto_layer.auto_decisions:  # tuning: each candidate is tried, then one is kept
-            auto_step()
-        auto_cases[name] = _synced(auto_step)
+    autos = _auto_layers(cfg, extra, profile, auto_trials, auto_runs)
+    auto_cases = _tuned_auto_cases(autos, layer, x, grad)
     # The static settings again, side by side with auto: "best static" is the fastest of them in this same
     # run, so that noise between the sweep above and this run cannot favour either side. A setting the sweep
     # timed at 1.5x its best or more cannot be the best, and is left out of these longer rounds.
     contenders = [s for s in settings if medians[str(s)] < STATIC_CONTENDER * medians[best_static]]
     statics = {f"static {s}": cases[str(s)] for s in contenders}
-    auto_times = time_side_by_side({**auto_cases, **statics}, max(cfg.steps, AUTO_STEPS), cfg.warmup,
-                                   sync=_slowest, desc="timing auto" if show else None)
-    auto_medians = {name: statistics.median(v) for name, v in auto_times.items()}
-    best_with_auto = min(statics, key=auto_medians.__getitem__)
-    auto_report = [{"name": name, "choice": str(m.auto_decisions[0].choice),
-                    "seconds": auto_medians[name],
-                    "ratio": paired_ratio(auto_times[name], auto_times[best_with_auto]),
-                    "tuning": m.auto_decisions[0].describe()} for name, m in autos.items()]
+    auto_report, best_with_auto, best_seconds = _auto_vs_static(autos, auto_cases, statics, cfg, show)
     return {
         "config": asdict(cfg), "world_size": world, "ranks_per_node": layer.ranks_per_node,
         "sleep_ms": sleep_ms, "threads_per_rank": torch.get_num_threads(),
@@ -257,7 +325,7 @@ def bench_distributed(cfg: BenchConfig, sleep_ms: float | None, ranks_per_node: 
         "floor_cpu": floor_cpu,
         "auto": auto_report, "best_static": best_static,
         "best_static_with_auto": best_with_auto.removeprefix("static "),
-        "best_static_seconds": auto_medians[best_with_auto],
+        "best_static_seconds": best_seconds,
         "rank": rank,
     }
 

@@ -108,7 +108,7 @@ def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), 
     import copy
 
     import flexmoe.hf
-    from flexmoe.apps.bench.hf import HFShape, _output, build_hf_block, set_experts_implementation
+    from flexmoe.apps.bench.hf_blocks import HFShape, block_output, build_hf_block, set_experts_implementation
 
     rows = []
     for family in families:
@@ -126,7 +126,7 @@ def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), 
                 row: dict[str, Any] = {"family": family, "experts": num_experts, "tokens": num_tokens}
                 for name, block in blocks.items():
                     def call(block: torch.nn.Module = block, x: Tensor = x) -> Tensor:
-                        return _output(block(x))
+                        return block_output(block(x))
 
                     for _ in range(2):
                         counted = count_call(call)

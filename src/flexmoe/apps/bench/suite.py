@@ -92,8 +92,8 @@ SUITE_GROUPS: dict[str, str] = {
     "fine-grained": "flexmoe.apps.bench.fine:fine_grained_checks",
     "decode": "flexmoe.apps.bench.fine:decode_checks",
     "compile": "flexmoe.apps.bench.compile:compile_checks",
-    "hf": "flexmoe.apps.bench.hf:hf_checks",
-    "decode-hf": "flexmoe.apps.bench.hf:decode_checks",
+    "hf": "flexmoe.apps.bench.hf_checks:hf_checks",
+    "decode-hf": "flexmoe.apps.bench.hf_checks:decode_checks",
     "expert-parallel": "flexmoe.apps.bench.ep:ep_checks",
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,15 +41,18 @@ class GPTConfig(MoEModelConfig):
 
 
 class GPT(MoEModel):
-    """Byte/char-level GPT. ``forward(idx [B, L]) -> logits [B, L, V]`` (and the LM loss with targets)."""
+    """Byte/char-level GPT. ``forward(idx [B, L]) -> logits [B, L, V]`` (and the LM loss with targets).
+    ``group``: the expert-parallel process group its MoE layers spread their experts over (None: this process holds
+    every expert)."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, group: Any = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.group = group
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i, causal=True) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i, causal=True, group=group) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         # Not tied to tok_emb: safetensors stores each tensor once, and at V=256 tying saves little.
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)

@@ -7,7 +7,7 @@ its MoE layers are found among its submodules, in order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -26,9 +26,8 @@ class MoEModelConfig:
     the dense twin, and the JSON round trip. A subclass is a dataclass adding its own fields (and overriding
     a default here by declaring the field again).
 
-    ``group`` is the expert-parallel process group handed to every :class:`MoELayer` (None: one process holds
-    all experts). It is a runtime setting, not part of the saved configuration; the training jobs keep it out of
-    the configuration and pass it beside it (:func:`build_moe_mlp`'s ``group``).
+    Every field is plain data (what a run saves): the expert-parallel process group, a runtime object, is passed
+    beside the configuration (the models' and :func:`build_moe_mlp`'s ``group``), never in it.
     """
 
     n_layer: int = 4
@@ -45,7 +44,6 @@ class MoEModelConfig:
     router: str = "topk"
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
-    group: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check_shape()
@@ -69,10 +67,8 @@ class MoEModelConfig:
         return not self.dense and (index + 1) % self.moe_every == 0
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (without the runtime ``group``)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out.pop("group", None)
-        return out
+        """JSON-ready fields."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], **overrides: Any) -> Any:
@@ -84,15 +80,15 @@ class MoEModelConfig:
 
     def dense_twin(self) -> Any:
         """The same model with dense MLPs of equal active compute."""
-        return type(self).from_dict({**self.to_dict(), "dense": True}, group=None)
+        return type(self).from_dict({**self.to_dict(), "dense": True})
 
 
 def build_moe_mlp(cfg: Any, group: Any = None) -> MoELayer:
     """The MoE MLP of width ``cfg.n_embd``: ``cfg.num_experts`` GELU experts of hidden ``cfg.expert_hidden``,
     ``cfg.k`` per token, routed by ``cfg.router`` with ``cfg.capacity_factor``; the all-to-all ``cfg.a2a`` and
     the topology gate's ``cfg.cross_node_share`` and ``cfg.redundant_experts`` where the config has them (the
-    GPT's does). ``group``: the expert-parallel process group the layer spreads its experts over (None:
-    ``cfg.group``; without either, this process holds every expert)."""
+    GPT's does). ``group``: the expert-parallel process group the layer spreads its experts over (None or
+    ``"single"``: this process holds every expert)."""
     kwargs: dict[str, Any] = dict(
         k=cfg.k, capacity_factor=cfg.capacity_factor, router=cfg.router, activation="gelu",
         a2a=getattr(cfg, "a2a", "flat"), cross_node_share=getattr(cfg, "cross_node_share", None),
@@ -100,7 +96,6 @@ def build_moe_mlp(cfg: Any, group: Any = None) -> MoELayer:
     )
     # Expert parallelism: the layer keeps only this rank's experts (see flexmoe.parallel.layout). Without a
     # group, one process holds every expert even under torch.distributed (MoELayer's own default is the world).
-    group = cfg.group if group is None else group
     kwargs["group"] = group if group is not None else "single"
     if kwargs["group"] == "single":
         kwargs["ranks_per_node"] = 1  # one process holding every expert is one node, whatever torchrun says
@@ -149,15 +144,16 @@ class DenseMLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``; the MLP is MoE (block ``index``
-    per ``cfg.is_moe_layer``) or dense. Shared by the GPT (causal) and the ViT."""
+    per ``cfg.is_moe_layer``) or dense, its experts spread over ``group`` (:func:`build_moe_mlp`). Shared by the GPT
+    (causal) and the ViT."""
 
-    def __init__(self, cfg: Any, index: int, *, causal: bool) -> None:
+    def __init__(self, cfg: Any, index: int, *, causal: bool, group: Any = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = SelfAttention(cfg, causal)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.is_moe = cfg.is_moe_layer(index)
-        self.mlp: nn.Module = build_moe_mlp(cfg) if self.is_moe else DenseMLP(cfg)
+        self.mlp: nn.Module = build_moe_mlp(cfg, group) if self.is_moe else DenseMLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -167,14 +163,15 @@ class Block(nn.Module):
 
 
 # The config fields upcycle_mlps sets itself; the others may be given as options.
-_UPCYCLE_SETS = frozenset({"dense", "moe_every", "num_experts", "k", "expert_hidden", "n_embd", "n_head", "n_layer",
-                           "group"})
+_UPCYCLE_SETS = frozenset({"dense", "moe_every", "num_experts", "k", "expert_hidden", "n_embd", "n_head", "n_layer"})
 
 
 class MoEModel(nn.Module):
-    """Base of a model with MoE layers: their regularisation losses and last-forward statistics."""
+    """Base of a model with MoE layers: their regularisation losses and last-forward statistics. ``group``: the
+    expert-parallel process group its MoE layers were built over (None: this process holds every expert)."""
 
     cfg: Any
+    group: Any = None
 
     @property
     def moe_layers(self) -> list[MoELayer]:
@@ -223,7 +220,7 @@ class MoEModel(nn.Module):
         given = sorted(set(options) & _UPCYCLE_SETS)
         if given:
             raise ValueError(f"upcycle() sets {given} itself (num_experts, k and granularity decide the layers)")
-        if cfg.group is not None:
+        if self.group is not None:
             raise ValueError("upcycle() builds one process's model: upcycle it without a group, then load its "
                              "state dict into the expert-parallel model (as flexmoe train --upcycle-from does)")
         mlps: list[tuple[str, Any]] = [(name, m) for name, m in self.named_modules() if isinstance(m, DenseMLP)]

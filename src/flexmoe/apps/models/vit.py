@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,16 +69,19 @@ def patchify(images: Tensor, patch_size: int) -> Tensor:
 
 
 class ViT(MoEModel):
-    """``forward(images [B, C, H, W]) -> logits [B, K]`` (and the mean cross-entropy with ``labels [B]``)."""
+    """``forward(images [B, C, H, W]) -> logits [B, K]`` (and the mean cross-entropy with ``labels [B]``).
+    ``group``: the expert-parallel process group its MoE layers spread their experts over (None: this process holds
+    every expert)."""
 
-    def __init__(self, cfg: ViTConfig) -> None:
+    def __init__(self, cfg: ViTConfig, group: Any = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.group = group
         self.patch_emb = nn.Linear(cfg.channels * cfg.patch_size**2, cfg.n_embd)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.n_embd)) if cfg.pool == "cls" else None
         self.pos_emb = nn.Parameter(torch.zeros(1, cfg.num_tokens, cfg.n_embd))
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i, causal=False) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i, causal=False, group=group) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.num_classes)
         self._init_weights()
