@@ -19,7 +19,9 @@ import torch
 import torch._dynamo
 from torch import Tensor, nn
 
-from flexmoe import MoELayer, padded_ffn_op, padded_fused_op
+from flexmoe import MoELayer
+from flexmoe.experts import padded_fused_op
+from flexmoe.experts import padded_op as padded_ffn_op
 from flexmoe.routing import make_plan
 from reference import reference_for_layer
 
@@ -101,7 +103,7 @@ def test_capacity_mode_compiles_fullgraph_and_matches_the_reference(case: str, d
     ref, x64, params = reference_for_layer(moe, x, activation=activation, **ref_options)
     grad = torch.randn(20, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
 
-    # Off the CPU the compiled call does not pad (flexmoe.expert_stage.padded_layout): it breaks the graph where
+    # Off the CPU the compiled call does not pad (flexmoe.experts.stage.padded_layout): it breaks the graph where
     # the counts reach the host, and must still give the reference's numbers.
     on_cpu = device.type == "cpu"
     compiled = torch.compile(moe, fullgraph=on_cpu, backend=_backend_for(device))
@@ -595,8 +597,8 @@ def test_dropless_on_a_gpu_like_device_compiles_to_grouped_mm_with_device_offset
     gradients equal the eager layer's."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
-    import flexmoe.expert_stage as expert_stage
-    import flexmoe.grouped_linear_op as grouped_linear_op
+    import flexmoe.experts.grouped_op as grouped_linear_op
+    import flexmoe.experts.stage as expert_stage
 
     def like_a_gpu(device_type: str, dtype: torch.dtype, w_shape: Any) -> bool:
         return dtype == torch.bfloat16 and w_shape[-2] % 8 == 0 and w_shape[-1] % 8 == 0

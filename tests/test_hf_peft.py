@@ -18,7 +18,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers", reason="flexmoe.hf needs transformers (CI installs .[test])")
 peft = pytest.importorskip("peft", reason="the LoRA tests need peft (CI installs .[test])")
 
-import flexmoe.expert_stage as expert_stage  # noqa: E402
+import flexmoe.experts.stage as expert_stage  # noqa: E402
 import flexmoe.hf as fh  # noqa: E402
 from flexmoe import MoELayer  # noqa: E402
 from reference import RefResult, ref_ffn_expert, ref_linear_logits, reference_moe  # noqa: E402

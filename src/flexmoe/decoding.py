@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, sum_choices_by_token, sum_rows_by_token
-from flexmoe.expert_stage import run_experts, shared_output
+from flexmoe.experts.stage import run_experts, shared_output
 from flexmoe.parallel.options import ParallelOptions
 from flexmoe.routing.build import build_plan
 from flexmoe.routing.capacity import HOST_ORDER_MAX_PAIRS, count_per_expert, order_pairs_on_host, sort_pairs_by_expert

@@ -1,7 +1,7 @@
 """MoELayer: router -> RoutingPlan -> dispatch -> experts -> combine (docs/architecture.md, "The data path").
 
 The layer's options live in three frozen dataclasses (:mod:`flexmoe.layer_options`); the expert stage's routes
-are in :mod:`flexmoe.expert_stage`, decoding without a plan in :mod:`flexmoe.decoding`.
+are in :mod:`flexmoe.experts.stage`, decoding without a plan in :mod:`flexmoe.decoding`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from torch import Tensor, nn
 
 from flexmoe.autograd_state import in_backward
 from flexmoe.decoding import forward_without_plan, router_input, serves_without_plan
-from flexmoe.expert_stage import counts_on_device, padded_layout, run_expert_stage, shared_output
 from flexmoe.experts import ExpertOptions, ExpertsCall, FeedForwardExperts
+from flexmoe.experts.shared_gate import SharedExpertGate
+from flexmoe.experts.stage import counts_on_device, padded_layout, run_expert_stage, shared_output
 from flexmoe.layer_options import call_options, describe_layer, expose_options, options_from_keywords
 from flexmoe.parallel.auto import MeasuringChooser
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
@@ -34,7 +35,6 @@ from flexmoe.routing.plan import RoutingPlan
 from flexmoe.routing.routers import build_router, route
 from flexmoe.routing.scores import check_group_options
 from flexmoe.routing.topology import topology_gate
-from flexmoe.shared import SharedExpertGate
 from flexmoe.tuning.policies import resolve_shadow
 from flexmoe.validation import FLOAT_DTYPES, check_int, describe_value
 
@@ -186,7 +186,7 @@ class MoELayer(nn.Module):
         self.shared = expert.build(expert.shared_experts, model_dim, shared_hidden_dim, device=device, dtype=dtype) \
             if expert.shared_experts else None
         self.shared_gate = SharedExpertGate(model_dim, device=device, dtype=dtype) if expert.shared_gate else None
-        if self.ep_group.distributed:  # every rank runs the kernels rank 0 measured (flexmoe.kernel_chooser)
+        if self.ep_group.distributed:  # every rank runs the kernels rank 0 measured (flexmoe.experts.chooser)
             for built in (self._built_experts, self.shared):
                 if isinstance(built, FeedForwardExperts):
                     self.ep_group.call("expert kernel table broadcast",

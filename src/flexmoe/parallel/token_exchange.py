@@ -9,7 +9,7 @@ Here each rank sends:
 * per pair its combine weight (differentiable), which of those rows it reads and which local expert computes
   it, together as one float64 ``[n, 3]`` (one exchange, not two: each is a wait for the slowest rank);
 
-the receiving rank runs its experts fused with the weighted sum (:func:`flexmoe.fused_experts.fused_experts`,
+the receiving rank runs its experts fused with the weighted sum (:func:`flexmoe.experts.fused.fused_experts`,
 or the plain experts then a weighted sum for any other expert path), and sends back one row per token it
 received: the weighted sum of that token's experts on that rank. The source adds up the rows it gets back.
 
@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flexmoe.dispatch import sum_rows_by_token
-from flexmoe.expert_kernels import route_bucket
 from flexmoe.experts import FeedForwardExperts, differentiated_weights, expert_ffn
-from flexmoe.fused_experts import fused_experts, fused_supported
-from flexmoe.kernel_chooser import timed_run
+from flexmoe.experts.chooser import timed_run
+from flexmoe.experts.fused import fused_experts, fused_supported
+from flexmoe.experts.kernels import route_bucket
 from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, exchange, transpose
 from flexmoe.parallel.groups import ExpertGroup
 
@@ -145,9 +145,9 @@ def exchange_tokens(tokens: Tensor, row_token: Tensor, row_weight: Tensor, count
 
 def receiver_fuses(received: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
                    experts: FeedForwardExperts) -> bool:
-    """Whether the receiving rank runs its experts fused (:func:`~flexmoe.fused_experts.fused_experts`) on
+    """Whether the receiving rank runs its experts fused (:func:`~flexmoe.experts.fused.fused_experts`) on
     ``received`` ``[u, M]`` with ``counts[e]`` pairs per local expert: where fused runs (training), and the experts'
-    kernel chooser holds it faster for this bucket (:meth:`~flexmoe.kernel_chooser.KernelChooser.choose_route`:
+    kernel chooser holds it faster for this bucket (:meth:`~flexmoe.experts.chooser.KernelChooser.choose_route`:
     a table every rank took from rank 0, or ``flexmoe calibrate``; without an entry, the plain experts).
 
     Side by side at E=64 k=8 H=256 over 2 ranks, 512 tokens each (128 rows x 256 per local expert), the step took

@@ -443,7 +443,7 @@ def plan_from_choices(expert_index: Tensor, weight: Tensor, num_experts: int, *,
     Under ``torch.compile`` with every pair active, nothing reaches the host: the choices are checked on the device
     (:func:`check_choices`) and the counts stay in ``tokens_per_expert`` (``host_counts`` None, as
     :func:`plan_from_pairs`' ``counts_on_device``), so a compiled caller must read them there (e.g.
-    :func:`flexmoe.grouped_linear_op.grouped_experts_ffn`), not through ``counts``. With an ``active`` mask the
+    :func:`flexmoe.experts.grouped_op.grouped_experts_ffn`), not through ``counts``. With an ``active`` mask the
     plan still counts on the host (its row count depends on the mask).
     """
     if expert_index.dim() != 2 or weight.shape != expert_index.shape:

@@ -3,11 +3,11 @@
 
 One call takes one of three routes, decided here so that ``MoELayer.forward`` reads as its five stages:
 
-* fused: dispatch, the experts and combine expert by expert in one autograd node (:mod:`flexmoe.fused_experts`;
-  compiling, the custom op of :mod:`flexmoe.padded_fused_op`);
+* fused: dispatch, the experts and combine expert by expert in one autograd node (:mod:`flexmoe.experts.fused`;
+  compiling, the custom op of :mod:`flexmoe.experts.padded_fused_op`);
 * token exchange: expert parallelism sending each token once per rank (:mod:`flexmoe.parallel.token_exchange`);
 * rows: dispatch, the experts over rows sorted by expert (the call's strategy, whose built-in experts run the
-  kernel their :class:`~flexmoe.kernel_chooser.KernelChooser` picks; compiling, the custom ops that read the
+  kernel their :class:`~flexmoe.experts.chooser.KernelChooser` picks; compiling, the custom ops that read the
   counts on the device), combine.
 
 Functions of the layer, not methods: each reads the layer's modules and options and writes what it reports
@@ -23,13 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.dispatch import combine, dispatch
-from flexmoe.expert_kernels import route_bucket
 from flexmoe.experts import FeedForwardExperts
-from flexmoe.fused_experts import fused_experts, fused_supported
-from flexmoe.grouped_linear_op import grouped_experts_ffn, uses_device_offsets
-from flexmoe.kernel_chooser import timed_run
-from flexmoe.padded_ffn_op import layout_op_runs, padded_experts_forward, padded_op_available
-from flexmoe.padded_fused_op import padded_fused_experts, use_padded_fused
+from flexmoe.experts.chooser import timed_run
+from flexmoe.experts.fused import fused_experts, fused_supported
+from flexmoe.experts.grouped_op import grouped_experts_ffn, uses_device_offsets
+from flexmoe.experts.kernels import route_bucket
+from flexmoe.experts.padded_fused_op import padded_fused_experts, use_padded_fused
+from flexmoe.experts.padded_op import layout_op_runs, padded_experts_forward, padded_op_available
 from flexmoe.parallel.options import ParallelOptions
 from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan
@@ -66,13 +66,13 @@ def rows_route(layer: MoELayer, tokens: Tensor, plan: RoutingPlan, routing: Rout
 
 def runs_fused(layer: MoELayer, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions,
                parallel: ParallelOptions, pinned: frozenset[str]) -> bool:
-    """Whether dispatch, the experts and combine run fused, expert by expert (:mod:`flexmoe.fused_experts`):
+    """Whether dispatch, the experts and combine run fused, expert by expert (:mod:`flexmoe.experts.fused`):
     the built-in experts, all in this process, weights applied at combine, training
-    (:func:`~flexmoe.fused_experts.fused_supported`), and the experts' kernel chooser measured it faster than the
-    three stages for this call's bucket (:meth:`~flexmoe.kernel_chooser.KernelChooser.choose_route`, forward
+    (:func:`~flexmoe.experts.fused.fused_supported`), and the experts' kernel chooser measured it faster than the
+    three stages for this call's bucket (:meth:`~flexmoe.experts.chooser.KernelChooser.choose_route`, forward
     timings). Compiling,
-    by the custom op of :mod:`flexmoe.padded_fused_op` (over a padded plan, or any other packed) where
-    :func:`~flexmoe.padded_fused_op.use_padded_fused` holds."""
+    by the custom op of :mod:`flexmoe.experts.padded_fused_op` (over a padded plan, or any other packed) where
+    :func:`~flexmoe.experts.padded_fused_op.use_padded_fused` holds."""
     experts = layer._built_experts
     if not isinstance(experts, FeedForwardExperts) or layer.ep_group.distributed or routing.score_at != "combine":
         return False
@@ -133,7 +133,7 @@ def exchange_tokens(layer: MoELayer, tokens: Tensor, plan: RoutingPlan, routing:
 
 def by_layout(layer: MoELayer, plan: RoutingPlan, rows: Tensor) -> bool:
     """Whether the built-in experts compute ``rows`` (``[N, M]``, dispatched by ``plan``) by the custom op of
-    :mod:`flexmoe.padded_ffn_op`, which reads the counts on the device: always for a padded plan, and while
+    :mod:`flexmoe.experts.padded_op`, which reads the counts on the device: always for a padded plan, and while
     compiling for any other in one process (dropless, adaptive capacity, expert choice, BASE), whose counts
     then never reach the graph. Traced as Python ints instead, every count that is 0 or 1 is a value dynamo
     specializes on: with many experts nearly every call recompiled, until dynamo's limit sent the rest of
@@ -150,7 +150,7 @@ def counts_on_device(layer: MoELayer, routing: RoutingOptions, tokens: Tensor) -
     in one process with every pair kept (no random 2nd expert in training) and one capacity over the call
     (``capacity_per="call"``: a per-sequence one is the largest count of a sequence), the built-in experts
     run by the custom op that reads the counts on the device (:func:`by_layout`; the matmuls alone,
-    :mod:`flexmoe.grouped_linear_op`, for a callable activation or under autocast). Every shape is then known
+    :mod:`flexmoe.experts.grouped_op`, for a callable activation or under autocast). Every shape is then known
     before routing (``N = T * k``) and no routed value reaches the host: the call compiles into one graph
     (docs/architecture.md, "Compiling the layer")."""
     return (torch.compiler.is_compiling() and routing.selection == "topk" and layer.topology is None
@@ -179,9 +179,9 @@ def run_experts(layer: MoELayer, rows: Tensor, counts: list[int], options: Paral
     """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype, by this call's strategy.
 
     layout_plan: the rows are this plan's, computed by the built-in experts' custom op
-    (:func:`flexmoe.padded_ffn_op.padded_experts_forward`, :func:`by_layout`): only the real rows; a plan
+    (:func:`flexmoe.experts.padded_op.padded_experts_forward`, :func:`by_layout`): only the real rows; a plan
     with its counts on the device whose unit the op cannot take, by the grouped matmuls of
-    :func:`flexmoe.grouped_linear_op.grouped_experts_ffn`."""
+    :func:`flexmoe.experts.grouped_op.grouped_experts_ffn`."""
     strategy = layer.strategy_of(options)
     experts = layer._built_experts
 
@@ -203,7 +203,7 @@ def run_experts(layer: MoELayer, rows: Tensor, counts: list[int], options: Paral
 
 def grouped_on_device(layer: MoELayer, plan: RoutingPlan, rows: Tensor) -> bool:
     """Whether a plan with its counts on the device runs the experts' matmuls by ``torch._grouped_mm`` with
-    device offsets (:func:`flexmoe.grouped_linear_op.uses_device_offsets`: off the CPU, bf16), so that no count
+    device offsets (:func:`flexmoe.experts.grouped_op.uses_device_offsets`: off the CPU, bf16), so that no count
     reaches the host: not by the custom ops, which read them there (docs/architecture.md, "Compiling the
     layer")."""
     experts = layer._built_experts

@@ -6,8 +6,8 @@ passed to ``MoELayer(experts=...)``.
 
 Under ``torch.compile`` in capacity mode the layer pads every expert to the same number of rows
 (docs/architecture.md, "Compiling the layer"): the built-in experts then compute only the real rows through a
-custom op (:mod:`flexmoe.padded_ffn_op`), or where it cannot run
-:func:`~flexmoe.row_kernels.padded_expert_ffn` on the
+custom op (:mod:`flexmoe.experts.padded_op`), or where it cannot run
+:func:`~flexmoe.experts.row_kernels.padded_expert_ffn` on the
 ``[E, R, M]`` view (batched matmuls); a custom expert module gets its usual call with ``counts = [R] * E``.
 """
 
@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flexmoe.expert_kernels import KERNELS, RULE_KERNEL
-from flexmoe.expert_weights import ExpertWeights
-from flexmoe.kernel_chooser import KernelChooser
-from flexmoe.row_kernels import padded_expert_ffn
+from flexmoe.experts.chooser import KernelChooser
+from flexmoe.experts.kernels import KERNELS, RULE_KERNEL
+from flexmoe.experts.row_kernels import padded_expert_ffn
+from flexmoe.experts.weights import ExpertWeights
 from flexmoe.validation import check_int, describe_value
 
 __all__ = ["ExpertOptions", "FeedForwardExperts", "ExpertsCall", "differentiated_weights", "expert_ffn",
@@ -100,7 +100,7 @@ class ExpertOptions:
     glu_limit: GPT-OSS's gated unit for ``glu=True`` experts (routed and shared),
         ``activation(min(gate, L)) * (clamp(up, -L, L) + 1)`` with ``L = glu_limit`` (None: ``activation(gate) * up``).
     expert_kernel: how the experts compute their rows: "auto" (timed per case on this machine, cached:
-        :class:`~flexmoe.kernel_chooser.KernelChooser`) or a kernel of :data:`flexmoe.expert_kernels.KERNELS`
+        :class:`~flexmoe.experts.chooser.KernelChooser`) or a kernel of :data:`flexmoe.experts.kernels.KERNELS`
         ("loop", "segmented", "grouped_mm", "embedding_bag", "joined_unit"), which runs wherever it can.
     kernel_cache: the directory of the measured choices' file, ``kernels-<machine>.json`` (None:
         ``~/.cache/flexmoe``).
@@ -202,7 +202,7 @@ class FeedForwardExperts(nn.Module):
         kernels: KernelChooser | None = None,
     ) -> None:
         super().__init__()
-        # Which kernel computes each call (measured per case on this machine); see flexmoe.kernel_chooser.
+        # Which kernel computes each call (measured per case on this machine); see flexmoe.experts.chooser.
         self.kernels = kernels if kernels is not None else KernelChooser.for_options("auto", None)
         self.num_experts = num_experts
         self.model_dim = model_dim

@@ -1,12 +1,12 @@
 """Which expert kernel runs a call: chosen by timing the candidates on the machine at hand, once per case bucket,
 and cached on disk (docs/architecture.md, "Expert compute").
 
-:class:`KernelChooser` answers, for rows, counts and weights, the kernel of :mod:`flexmoe.expert_kernels` to run:
+:class:`KernelChooser` answers, for rows, counts and weights, the kernel of :mod:`flexmoe.experts.kernels` to run:
 
 * a forced kernel (``expert_kernel="segmented"``) wherever it runs, else the rule with a warning;
 * ``"auto"``: the bucket's entry in memory, else in the cache file, else, where several kernels run the case,
   each timed on this call's own rows (forward, and backward when autograd records), the fastest kept and
-  written to the cache file; where no timing may happen the rule (:data:`~flexmoe.expert_kernels.RULE_KERNEL`,
+  written to the cache file; where no timing may happen the rule (:data:`~flexmoe.experts.kernels.RULE_KERNEL`,
   the loop), kept for the bucket in memory.
 
 Timing happens only in a plain call (:func:`~flexmoe.autograd_state.in_plain_call`), never: without a timer,
@@ -44,7 +44,7 @@ from torch import Tensor
 
 from flexmoe.autograd_state import in_plain_call
 from flexmoe.device_clock import synchronize
-from flexmoe.expert_kernels import (
+from flexmoe.experts.kernels import (
     KERNELS,
     ROUTES,
     RULE_KERNEL,
@@ -53,7 +53,7 @@ from flexmoe.expert_kernels import (
     kernel_named,
     supported_kernels,
 )
-from flexmoe.expert_weights import ExpertWeights
+from flexmoe.experts.weights import ExpertWeights
 from flexmoe.version import __version__
 
 __all__ = ["KernelChooser", "Timer", "time_kernel", "time_in_rounds", "timed_call", "timed_run", "default_cache_path",
@@ -128,7 +128,7 @@ def _versions() -> dict[str, str]:
 class KernelChooser:
     """The kernel of each call (module docstring).
 
-    kernel: ``"auto"`` or a kernel name (:data:`~flexmoe.expert_kernels.KERNELS`); cache_path: the JSON file of
+    kernel: ``"auto"`` or a kernel name (:data:`~flexmoe.experts.kernels.KERNELS`); cache_path: the JSON file of
     measured choices (None: kept in memory only); timer: ``timer(name, run) -> seconds`` (None: never time, the
     rule decides what no cache entry says). ``decisions`` maps each bucket seen to its kernel, ``timings`` each
     measured bucket to its candidates' seconds.
