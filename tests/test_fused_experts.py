@@ -191,7 +191,7 @@ def test_expert_parallel_receiver_fuses_where_measured_faster(faster: str) -> No
 
 
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the layer's calls of fused_experts (the layers of these tests force it: expert_kernel="fused")."""
+    """Counts the layer's calls of fused_experts (the layers of these tests force it: expert_route="fused")."""
     return count_calls(monkeypatch, expert_stage, "fused_experts")
 
 
@@ -201,7 +201,7 @@ def test_float32_layer_trains_through_the_fused_path_like_the_reference(monkeypa
                                                                         options: dict) -> None:
     M, E, H, T = 16, 12, 8, 40
     torch.manual_seed(0)
-    moe = MoELayer(M, E, H, dtype=torch.float32, expert_kernel="fused", **options)
+    moe = MoELayer(M, E, H, dtype=torch.float32, expert_route="fused", **options)
     x = torch.randn(T, M, requires_grad=True)
     calls = fused_calls(monkeypatch)
     y = moe(x)
@@ -223,7 +223,7 @@ def test_float32_layer_trains_through_the_fused_path_like_the_reference(monkeypa
 
 def test_layer_under_activation_checkpointing(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(1)
-    moe = MoELayer(16, 8, 8, k=2, capacity_factor=0.0, expert_kernel="fused")
+    moe = MoELayer(16, 8, 8, k=2, capacity_factor=0.0, expert_route="fused")
     x = torch.randn(30, 16, requires_grad=True)
     calls = fused_calls(monkeypatch)
     y = torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)

@@ -314,8 +314,8 @@ def test_lora_applies_on_every_path_of_a_bare_layer(monkeypatch):
     fused_calls = count_calls(monkeypatch, expert_stage, "fused_experts")
     for case in ("default", "other strategy", "fused"):
         if case == "fused":
-            # The fused experts forced, as expert_kernel="fused" does (the chooser times nothing in tests).
-            monkeypatch.setattr(moe._built_experts.kernels, "kernel", "fused")
+            # The fused experts forced, as expert_route="fused" does (the chooser times nothing in tests).
+            monkeypatch.setattr(moe._built_experts.kernels, "route", "fused")
         model.zero_grad()
         y = model(x, overlap_degree=2) if case == "other strategy" else model(x)
         assert len(fused_calls) == (1 if case == "fused" else 0), case

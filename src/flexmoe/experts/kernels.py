@@ -196,7 +196,7 @@ RULE_KERNEL = "loop"
 
 
 # The expert stage's routes a chooser may also time (flexmoe.experts.stage): dispatch, experts and combine fused
-# expert by expert, or one after another over rows. "fused" may be forced like a kernel.
+# expert by expert, or one after another over rows; ExpertOptions.expert_route forces one.
 ROUTES = ("fused", "rows")
 
 
@@ -211,7 +211,7 @@ def route_bucket(tokens: Tensor, num_rows: int, weights: ExpertWeights) -> str:
 def kernel_named(name: str) -> ExpertKernel:
     """The kernel called ``name``; ValueError naming the known ones otherwise."""
     if name not in KERNELS:
-        raise ValueError(f"expert_kernel must be 'auto' or one of {sorted(KERNELS) + ['fused']}, got {name!r}")
+        raise ValueError(f"expert_kernel must be 'auto' or one of {sorted(KERNELS)}, got {name!r}")
     return KERNELS[name]
 
 

@@ -152,13 +152,14 @@ register_op_pair(_OP, _forward_impl, _forward_fake, _BACKWARD_OP, _backward_impl
                  _setup_context)
 
 
-def use_padded_fused(tokens: Tensor, plan: RoutingPlan, weights: ExpertWeights) -> bool:
+def use_padded_fused(tokens: Tensor, plan: RoutingPlan, weights: ExpertWeights, size_rule: bool = True) -> bool:
     """Whether a compiled call's plan (padded, or any other laid out packed: :func:`~flexmoe.experts.padded_op.
     plan_layout`) runs :func:`padded_fused_experts`: the op is there, a named activation with a closed-form
     derivative and no clamp, autograd records, ``FUSED_DTYPES`` on the CPU, no autocast, and the sizes where
     eager's fused experts measured faster (:func:`~flexmoe.experts.fused.fused_size_rule` on the routed rows: at
     most ``T * k`` in a padded plan, whose padding is never computed, and the plan's ``N`` rows in a packed
-    one, read from the shape so that no count reaches the host)."""
+    one, read from the shape so that no count reaches the host; ``size_rule`` False: at any size, the fused
+    route forced)."""
     if not layout_op_runs(weights, tokens) or (plan.padded and plan.capacity < 1):
         return False  # layout_op_runs: the op is there, a named activation, no autocast
     if activation_derivative(weights.activation) is None or weights.glu_limit is not None:
@@ -169,6 +170,8 @@ def use_padded_fused(tokens: Tensor, plan: RoutingPlan, weights: ExpertWeights) 
         return False
     if not weights.all_like(tokens):
         return False
+    if not size_rule:
+        return True
     routed_rows = min(sum(plan.counts), plan.num_tokens * plan.k) if plan.padded else plan.row_token.shape[0]
     return fused_size_rule(routed_rows, tokens.shape[-1])
 

@@ -186,7 +186,7 @@ def materialize(module: nn.Module, like: Tensor) -> None:
 
 def experts_like(moe: MoELayer) -> Tensor:
     """A tensor of the layer's routed experts: their dtype and device, which every copied part shares."""
-    w1 = moe._built_experts.w1  # below any adapter wrapping moe.experts
+    w1 = moe.expert_stage.experts.w1  # below any adapter wrapping moe.experts
     assert isinstance(w1, Tensor)  # FeedForwardExperts' first weight, [E_local, M, H]
     return w1
 
