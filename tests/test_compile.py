@@ -103,7 +103,7 @@ def test_capacity_mode_compiles_fullgraph_and_matches_the_reference(case: str, d
     ref, x64, params = reference_for_layer(moe, x, activation=activation, **ref_options)
     grad = torch.randn(20, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
 
-    # Off the CPU the compiled call does not pad (flexmoe.experts.stage.ExpertStage.plan_layout): it breaks the graph where
+    # Off the CPU the compiled call does not pad (ExpertStage.plan_layout): it breaks the graph where
     # the counts reach the host, and must still give the reference's numbers.
     on_cpu = device.type == "cpu"
     compiled = torch.compile(moe, fullgraph=on_cpu, backend=_backend_for(device))
