@@ -51,7 +51,8 @@ _MOVED_MODULES = {
     "flexmoe.shared": "flexmoe.experts.shared_gate",
 }
 for _old, _new in _MOVED_MODULES.items():
-    sys.modules.setdefault(_old, importlib.import_module(_new))
+    # In sys.modules for `import flexmoe.kernel_chooser`, and as an attribute for `flexmoe.kernel_chooser.X`.
+    globals()[_old.rpartition(".")[2]] = sys.modules.setdefault(_old, importlib.import_module(_new))
 del _old, _new
 
 __all__ = [
