@@ -32,14 +32,16 @@ __all__ = ["DecodingLayer", "forward_without_plan", "router_input"]
 @dataclass(frozen=True)
 class DecodingLayer:
     """What a call without a plan reads of its layer, passed in (the layer builds one per call): its router,
-    ``expert_bias`` (``[E]``, None unless balance="bias"), number of experts, expert stage, and the call's
-    expert strategy."""
+    ``expert_bias`` (``[E]``, None unless balance="bias"), number of experts, expert stage, the call's expert
+    strategy, and the shared experts and their gate (None without)."""
 
     router: nn.Module
     expert_bias: Tensor | None
     num_experts: int
     stage: ExpertStage
     strategy: ExpertStrategy
+    shared: nn.Module | None = None
+    shared_gate: nn.Module | None = None
 
 
 def forward_without_plan(layer: DecodingLayer, tokens: Tensor, routing: RoutingOptions, parallel: ParallelOptions,
@@ -94,8 +96,8 @@ def forward_without_plan(layer: DecodingLayer, tokens: Tensor, routing: RoutingO
         row_weight = None if combine_weight is None else \
             combine_weight.t().reshape(-1).index_select(0, by_expert)
         y = sum_rows_by_token(out, row_token, row_weight, num_tokens)
-    if layer.stage.shared is not None:
-        y = y + layer.stage.shared_output(tokens).to(y.dtype)
+    if layer.shared is not None:
+        y = y + layer.stage.shared_output(tokens, layer.shared, layer.shared_gate).to(y.dtype)
     # The bias as it was for this call (a later update must not change what this call's plan says).
     bias = None if layer.expert_bias is None else layer.expert_bias.clone()
     return y, partial(build_plan, logits, routing, selection_bias=bias, num_sequences=num_sequences,

@@ -220,8 +220,7 @@ class MoELayer(nn.Module):
         # holds the layer's modules; their parameters stay where the state_dict has them).
         self.__dict__["expert_stage"] = ExpertStage(
             self._built_experts, expert, distributed=self.ep_group.distributed,
-            topology_gated=self.topology is not None, model_dim=model_dim, shared=self.shared,
-            shared_gate=self.shared_gate)
+            topology_gated=self.topology is not None, model_dim=model_dim)
         # The last call's plan; after a call served without one, the function that builds it when first read.
         self._last_plan: RoutingPlan | None = None
         self._deferred_plan: Callable[[], RoutingPlan] | None = None
@@ -256,7 +255,8 @@ class MoELayer(nn.Module):
         stage, strategy = self.expert_stage, self.strategy_of(parallel)
         if stage.serves_without_plan(routing, tokens, self.training):  # decoding: no plan unless it is read
             served = forward_without_plan(
-                DecodingLayer(self.router, self.expert_bias, self.num_experts, stage, strategy), tokens, routing,
+                DecodingLayer(self.router, self.expert_bias, self.num_experts, stage, strategy, self.shared,
+                              self.shared_gate), tokens, routing,
                 parallel, pinned, num_sequences, replayed)
             if served is not None:
                 y, self._deferred_plan, chosen = served
@@ -280,7 +280,7 @@ class MoELayer(nn.Module):
                                                      accumulate=not backward_now)
         y = stage.run(tokens, plan, routing, parallel, pinned, strategy)  # [T, M]
         if self.shared is not None:
-            y = y + stage.shared_output(tokens).to(y.dtype)
+            y = y + stage.shared_output(tokens, self.shared, self.shared_gate).to(y.dtype)
 
         if self.pending_load is not None and self.training and not backward_now:
             # Counted once per forward; a recomputation under activation checkpointing runs inside backward.

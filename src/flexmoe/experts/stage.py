@@ -71,20 +71,18 @@ class ExpertStage:
 
     experts: the module the layer was built with (below any adapter); options: the layer's
     :class:`~flexmoe.experts.ExpertOptions`; distributed: the experts are spread over an expert-parallel group;
-    topology_gated: the layer routes by FasterMoE's topology gate (no compiled layout); model_dim: M;
-    shared, shared_gate: the layer's shared experts and their gate (None without). The stage holds these modules,
-    it does not own them (it is no nn.Module): the layer's state_dict keeps its keys.
+    topology_gated: the layer routes by FasterMoE's topology gate (no compiled layout); model_dim: M. The stage
+    holds the experts module, it does not own it (it is no nn.Module): the layer's state_dict keeps its keys. The
+    shared experts come with each call (:meth:`shared_output`): an adapter may wrap them after construction.
     """
 
     def __init__(self, experts: nn.Module, options: ExpertOptions, *, distributed: bool, topology_gated: bool,
-                 model_dim: int, shared: nn.Module | None = None, shared_gate: nn.Module | None = None) -> None:
+                 model_dim: int) -> None:
         self.experts = experts
         self.options = options
         self.distributed = distributed
         self.topology_gated = topology_gated
         self.model_dim = model_dim
-        self.shared = shared
-        self.shared_gate = shared_gate
         # What the last call ran (None before the first).
         self.last_route: str | None = None
         self.last_kernel: str | None = None
@@ -359,17 +357,16 @@ class ExpertStage:
 
     # ---- the shared experts ---------------------------------------------------------------------------------
 
-    def shared_output(self, tokens: Tensor) -> Tensor:
-        """tokens: ``[T, M]`` -> ``[T, M]``, the sum of the shared experts' outputs (every token through each)."""
-        shared = self.shared
-        assert shared is not None  # the layer calls this only with shared experts
+    def shared_output(self, tokens: Tensor, shared: nn.Module, shared_gate: nn.Module | None) -> Tensor:
+        """tokens: ``[T, M]`` -> ``[T, M]``, the sum of the shared experts' outputs (every token through each),
+        scaled by ``shared_gate`` (None: ungated). The layer's modules as they are now (an adapter may wrap them)."""
         n, num_tokens = self.options.shared_experts, tokens.shape[0]
         rows = tokens.repeat(n, 1) if n > 1 else tokens  # [n*T, M]: all tokens for shared expert 0, then 1, ...
         dtype = parameter_dtype(shared)
         if not torch.is_autocast_enabled(tokens.device.type) and dtype is not None and dtype != rows.dtype:
             rows = rows.to(dtype)  # as for the routed experts: compute in the parameters' dtype
         out = shared(rows, [num_tokens] * n).view(n, num_tokens, self.model_dim).sum(0)
-        return out if self.shared_gate is None else self.shared_gate(tokens, out)
+        return out if shared_gate is None else shared_gate(tokens, out)
 
     # ---- reports ----------------------------------------------------------------------------------------------
 
