@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/decode_experts.py [--tokens 1,2,4,8,16,32,64] [--steps 15]
 
 For each number of tokens T per call it routes T tokens to k experts each (random distinct experts per token)
-and times the same rows through every kernel of :mod:`flexmoe.expert_kernels` that runs the case ("loop", the
+and times the same rows through every kernel of :mod:`flexmoe.experts.kernels` that runs the case ("loop", the
 bench's floor; "joined_unit"; "embedding_bag"; "grouped_mm" where it runs), round-robin, and prints each
 kernel's median time per call and its ratio to the better of the two loops, with the rows per active expert.
 Two shapes: the fine-grained E=64 k=8 H=256 (gelu with biases, and GLU) and the coarse E=8 k=2 H=1024 (gelu),
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from flexmoe.apps.bench.timing import time_side_by_side
-from flexmoe.expert_kernels import KERNELS, KernelCase, supported_kernels
-from flexmoe.expert_weights import ExpertWeights
+from flexmoe.experts.kernels import KERNELS, KernelCase, supported_kernels
+from flexmoe.experts.weights import ExpertWeights
 
 SHAPES = {  # name: (experts, k, hidden, glu)
     "E=64 k=8 H=256 gelu": (64, 8, 256, False),

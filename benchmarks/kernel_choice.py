@@ -19,7 +19,7 @@ import torch
 
 from flexmoe import MoELayer
 from flexmoe.device_clock import synchronize
-from flexmoe.kernel_chooser import KernelChooser
+from flexmoe.experts.chooser import KernelChooser
 
 # name: (tokens, experts, hidden, k, training)
 SHAPES = {

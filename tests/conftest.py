@@ -112,7 +112,7 @@ def kernels_by_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """Layers built in tests take the rule's kernel (the loop) wherever no test forces one: nothing is timed, and
     no cache file of the machine is read or written, so every run computes alike. The tests of the kernels force
     each one, and give the chooser its own timer and cache (tests/test_expert_kernels.py)."""
-    from flexmoe.kernel_chooser import KernelChooser
+    from flexmoe.experts.chooser import KernelChooser
 
     monkeypatch.setattr(KernelChooser, "default_timer", None)
     monkeypatch.setattr(KernelChooser, "default_cache_dir", None)

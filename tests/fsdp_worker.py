@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from flexmoe import MoELayer, update_expert_biases
 from flexmoe.apps.models.gpt import GPT, GPTConfig
-from flexmoe.kernel_chooser import KernelChooser
+from flexmoe.experts.chooser import KernelChooser
 from flexmoe.parallel import ExpertLayout, shard_expert_state
 from flexmoe.sharding import local_state_bytes, make_mesh, materialize, parallelize
 from flexmoe.sharding.fsdp_overlap import DeferredReduceScatter

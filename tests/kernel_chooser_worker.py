@@ -14,8 +14,8 @@ def rank_main() -> dict:
     import torch.distributed as dist
 
     from flexmoe import MoELayer
-    from flexmoe.expert_weights import ExpertWeights
-    from flexmoe.kernel_chooser import KernelChooser
+    from flexmoe.experts.chooser import KernelChooser
+    from flexmoe.experts.weights import ExpertWeights
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))

@@ -48,7 +48,7 @@ class Scenario:
 def kernels_by_rule() -> None:
     """In a spawned rank, what tests/conftest.py does in the test process: the experts' kernels by the rule (the
     loop), nothing timed, no cache file read or written."""
-    from flexmoe.kernel_chooser import KernelChooser
+    from flexmoe.experts.chooser import KernelChooser
 
     KernelChooser.default_timer = None
     KernelChooser.default_cache_dir = None

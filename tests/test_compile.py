@@ -19,7 +19,9 @@ import torch
 import torch._dynamo
 from torch import Tensor, nn
 
-from flexmoe import MoELayer, padded_ffn_op, padded_fused_op
+from flexmoe import MoELayer
+from flexmoe.experts import padded_fused_op
+from flexmoe.experts import padded_op as padded_ffn_op
 from flexmoe.routing import make_plan
 from reference import reference_for_layer
 
@@ -101,7 +103,7 @@ def test_capacity_mode_compiles_fullgraph_and_matches_the_reference(case: str, d
     ref, x64, params = reference_for_layer(moe, x, activation=activation, **ref_options)
     grad = torch.randn(20, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
 
-    # Off the CPU the compiled call does not pad (flexmoe.expert_stage.padded_layout): it breaks the graph where
+    # Off the CPU the compiled call does not pad (ExpertStage.plan_layout): it breaks the graph where
     # the counts reach the host, and must still give the reference's numbers.
     on_cpu = device.type == "cpu"
     compiled = torch.compile(moe, fullgraph=on_cpu, backend=_backend_for(device))
@@ -595,8 +597,8 @@ def test_dropless_on_a_gpu_like_device_compiles_to_grouped_mm_with_device_offset
     gradients equal the eager layer's."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
-    import flexmoe.expert_stage as expert_stage
-    import flexmoe.grouped_linear_op as grouped_linear_op
+    import flexmoe.experts.grouped_op as grouped_linear_op
+    import flexmoe.experts.stage as expert_stage
 
     def like_a_gpu(device_type: str, dtype: torch.dtype, w_shape: Any) -> bool:
         return dtype == torch.bfloat16 and w_shape[-2] % 8 == 0 and w_shape[-1] % 8 == 0
@@ -677,11 +679,11 @@ def test_capacity_mode_compiled_as_off_the_cpu_matches_the_reference(case: str, 
 
     from torch._dynamo.testing import EagerAndRecordGraphs
 
-    import flexmoe.layer as layer_module
+    from flexmoe.experts.stage import ExpertStage, PlanLayout
 
     dispatch_module = importlib.import_module("flexmoe.dispatch")  # the package's ``dispatch`` is the function
 
-    monkeypatch.setattr(layer_module, "padded_layout", lambda layer, routing, tokens: False)
+    monkeypatch.setattr(ExpertStage, "plan_layout", lambda *args, **kwargs: PlanLayout())
     monkeypatch.setattr(dispatch_module, "_traced_off_cpu", lambda x: torch.compiler.is_compiling())
     layer_options, ref_options = CAPACITY_CASES[case]
     ref_options = dict(ref_options)

@@ -10,10 +10,10 @@ import flexmoe.decoding as decoding_module
 import flexmoe.layer as layer_module
 from flexmoe import MoELayer
 from flexmoe.dispatch import sum_choices_by_token
-from flexmoe.expert_weights import ExpertWeights
+from flexmoe.experts.row_kernels import looped_expert_ffn
+from flexmoe.experts.weights import ExpertWeights
 from flexmoe.routing.capacity import HOST_ORDER_MAX_PAIRS, order_pairs_on_host
 from flexmoe.routing.plan import all_finite
-from flexmoe.row_kernels import looped_expert_ffn
 from reference import reference_for_layer
 from test_layer import M, T, assert_close, assert_plan_matches, make_input, make_layer
 

@@ -2,7 +2,7 @@
 
 Every other test runs the kernels by the rule (tests/conftest.py's ``kernels_by_rule``, tests/child_site for the
 children), so none of them takes the path of a first call that times kernels and routes. Here each test undoes
-that (:func:`timed`: ``KernelChooser.default_timer`` back to :func:`~flexmoe.kernel_chooser.time_kernel`, the
+that (:func:`timed`: ``KernelChooser.default_timer`` back to :func:`~flexmoe.experts.chooser.time_kernel`, the
 cache in the test's own fresh directory) and compares with the same run by the rule, computed in the same test:
 a plain call, activation checkpointing (torch's both variants, Hugging Face's ``gradient_checkpointing_enable`` and
 ``Trainer``), an empty batch, an expert-parallel rank without rows, ``torch.compile``, ``flexmoe train --fsdp
@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from flexmoe import MoELayer
-from flexmoe.kernel_chooser import KernelChooser, time_kernel
+from flexmoe.experts.chooser import KernelChooser, time_kernel
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from flexmoe.device_clock import synchronize
-from flexmoe.expert_weights import ExpertWeights
-from flexmoe.kernel_chooser import timed_run
+from flexmoe.experts.chooser import timed_run
+from flexmoe.experts.weights import ExpertWeights
 from flexmoe.parallel.auto import StageTimer
 
 

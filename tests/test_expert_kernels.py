@@ -1,4 +1,4 @@
-"""Every expert kernel through the one interface (flexmoe.expert_kernels) against a float64 loop written here,
+"""Every expert kernel through the one interface (flexmoe.experts.kernels) against a float64 loop written here,
 values and every gradient; and the KernelChooser: timing, the cache file, a forced kernel, ranks agreeing, a
 failing kernel replaced by the loop."""
 
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from flexmoe import MoELayer
-from flexmoe.expert_kernels import KERNELS, RULE_KERNEL, KernelCase, kernel_named, supported_kernels
-from flexmoe.expert_weights import ExpertWeights
-from flexmoe.kernel_chooser import KernelChooser, _versions
+from flexmoe.experts.chooser import KernelChooser, _versions
+from flexmoe.experts.kernels import KERNELS, RULE_KERNEL, KernelCase, kernel_named, supported_kernels
+from flexmoe.experts.weights import ExpertWeights
 
 E, M, H = 4, 8, 16
 COUNTS = {"mixed, empty experts": [3, 0, 5, 2], "one expert": [0, 0, 7, 0], "no rows": [0, 0, 0, 0]}
@@ -384,7 +384,7 @@ def test_calibrate_kernels_writes_the_cache_a_layer_then_reads(tmp_path: Path) -
     """``flexmoe calibrate --kernels``: each shape timed for real (tiny here), the choices written to the cache
     file, where a chooser without a timer finds them."""
     from flexmoe.apps.calibrate import calibrate_kernels
-    from flexmoe.kernel_chooser import default_cache_path
+    from flexmoe.experts.chooser import default_cache_path
 
     chosen = calibrate_kernels(str(tmp_path), shapes=((8, 4, 16, 2, True), (2, 4, 16, 2, False)), model_dim=8)
     assert len(chosen) == 2 and set(chosen.values()) <= set(KERNELS)
@@ -400,7 +400,7 @@ def test_loop_with_no_rows_stays_on_the_graph(needs_grad_weights: bool) -> None:
     a backward still runs what made the rows (the exchange every rank's backward must run: without it, the ranks of
     a converted HF model under parallelize at ep=2 hung) and the weights get zero gradients, not none (AdamW
     skips a parameter without one, where one process holding every expert updates it)."""
-    from flexmoe.row_kernels import looped_expert_ffn
+    from flexmoe.experts.row_kernels import looped_expert_ffn
 
     source = torch.randn(3, 4, requires_grad=True)
     rows = source[:0] * 2  # [0, 4], made by an op whose backward must run

@@ -1,5 +1,5 @@
 """The experts' compute paths (one grouped GEMM per matrix; one addmm pair per expert, through autograd or with
-the hand-written backward of flexmoe.segment_ffn) against a plain row-by-row float64 reference, forward and
+the hand-written backward of flexmoe.experts.segment_ffn) against a plain row-by-row float64 reference, forward and
 gradients: empty experts, all rows on one expert, E=256, views, bf16, activation checkpointing."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flexmoe.expert_weights import ExpertWeights, gated_unit
 from flexmoe.experts import expert_ffn
-from flexmoe.row_kernels import (
+from flexmoe.experts.row_kernels import (
     active_experts_ffn,
     embedding_bag_ffn,
     grouped_expert_ffn,
@@ -18,6 +17,7 @@ from flexmoe.row_kernels import (
     looped_expert_ffn,
     segmented_expert_ffn,
 )
+from flexmoe.experts.weights import ExpertWeights, gated_unit
 from reference import ref_ffn_expert
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
@@ -243,7 +243,7 @@ def test_expert_ffn_without_grad_matches_the_reference(dtype: torch.dtype, glu: 
         active_experts_ffn(rows64[:2], [3], _ew(*[weights64[n] for n in ("w1", "b1", "w2", "b2", "w3", "b3")]))
 
 
-# ---- the loop with the hand-written backward (flexmoe.segment_ffn) -------------------------------------------
+# ---- the loop with the hand-written backward (flexmoe.experts.segment_ffn) -------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

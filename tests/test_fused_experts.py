@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import Tensor
 
-import flexmoe.expert_stage as expert_stage
+import flexmoe.experts.stage as expert_stage
 from flexmoe import MoELayer
-from flexmoe.expert_weights import ExpertWeights
 from flexmoe.experts import resolve_activation
-from flexmoe.fused_experts import CHUNK_ROWS, expert_chunks, fused_experts, fused_supported
+from flexmoe.experts.fused import CHUNK_ROWS, expert_chunks, fused_experts, fused_supported
+from flexmoe.experts.weights import ExpertWeights
 from reference import ref_activation, reference_for_layer
 from test_decoding import count_calls
 from test_expert_kernels import FakeTimer
@@ -165,7 +165,7 @@ def test_expert_parallel_receiver_fuses_where_measured_faster(faster: str) -> No
     """The receiving rank of the token exchange takes the fused experts where its chooser holds them faster, and
     the same numbers either way (against a float64 dense loop)."""
     from flexmoe.experts import FeedForwardExperts
-    from flexmoe.kernel_chooser import KernelChooser
+    from flexmoe.experts.chooser import KernelChooser
     from flexmoe.parallel.token_exchange import _weighted_experts, receiver_fuses
 
     torch.manual_seed(0)
@@ -191,7 +191,7 @@ def test_expert_parallel_receiver_fuses_where_measured_faster(faster: str) -> No
 
 
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the layer's calls of fused_experts (the layers of these tests force it: expert_kernel="fused")."""
+    """Counts the layer's calls of fused_experts (the layers of these tests force it: expert_route="fused")."""
     return count_calls(monkeypatch, expert_stage, "fused_experts")
 
 
@@ -201,7 +201,7 @@ def test_float32_layer_trains_through_the_fused_path_like_the_reference(monkeypa
                                                                         options: dict) -> None:
     M, E, H, T = 16, 12, 8, 40
     torch.manual_seed(0)
-    moe = MoELayer(M, E, H, dtype=torch.float32, expert_kernel="fused", **options)
+    moe = MoELayer(M, E, H, dtype=torch.float32, expert_route="fused", **options)
     x = torch.randn(T, M, requires_grad=True)
     calls = fused_calls(monkeypatch)
     y = moe(x)
@@ -223,7 +223,7 @@ def test_float32_layer_trains_through_the_fused_path_like_the_reference(monkeypa
 
 def test_layer_under_activation_checkpointing(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(1)
-    moe = MoELayer(16, 8, 8, k=2, capacity_factor=0.0, expert_kernel="fused")
+    moe = MoELayer(16, 8, 8, k=2, capacity_factor=0.0, expert_route="fused")
     x = torch.randn(30, 16, requires_grad=True)
     calls = fused_calls(monkeypatch)
     y = torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)
@@ -243,7 +243,7 @@ def test_layer_under_activation_checkpointing(monkeypatch: pytest.MonkeyPatch) -
 def test_a_training_call_takes_it_where_its_chooser_measured_it_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first call times both routes (forward + backward); that call and the next take the faster, fused;
     against the same layer in float64 on the rule's route, the three stages."""
-    from flexmoe.kernel_chooser import KernelChooser
+    from flexmoe.experts.chooser import KernelChooser
 
     timer = FakeTimer({"fused": 1.0, "rows": 2.0})
     monkeypatch.setattr(KernelChooser, "default_timer", timer)

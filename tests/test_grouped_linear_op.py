@@ -1,4 +1,4 @@
-"""flexmoe::grouped_linear (flexmoe.grouped_linear_op) against a plain per-row loop written here, and torch's own
+"""flexmoe::grouped_linear (flexmoe.experts.grouped_op) against a plain per-row loop written here, and torch's own
 custom-op checks (schema, fake, autograd registration)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from devices import on_cpu64
-from flexmoe.grouped_linear_op import device_offsets_linear, grouped_linear, uses_device_offsets
-from flexmoe.padded_ffn_op import padded_op_available
+from flexmoe.experts.grouped_op import device_offsets_linear, grouped_linear, uses_device_offsets
+from flexmoe.experts.padded_op import padded_op_available
 
 pytestmark = pytest.mark.skipif(not padded_op_available(), reason="needs torch.library.custom_op (torch >= 2.4)")
 

@@ -18,7 +18,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers", reason="flexmoe.hf needs transformers (CI installs .[test])")
 peft = pytest.importorskip("peft", reason="the LoRA tests need peft (CI installs .[test])")
 
-import flexmoe.expert_stage as expert_stage  # noqa: E402
+import flexmoe.experts.stage as expert_stage  # noqa: E402
 import flexmoe.hf as fh  # noqa: E402
 from flexmoe import MoELayer  # noqa: E402
 from reference import RefResult, ref_ffn_expert, ref_linear_logits, reference_moe  # noqa: E402
@@ -314,8 +314,8 @@ def test_lora_applies_on_every_path_of_a_bare_layer(monkeypatch):
     fused_calls = count_calls(monkeypatch, expert_stage, "fused_experts")
     for case in ("default", "other strategy", "fused"):
         if case == "fused":
-            # The fused experts forced, as expert_kernel="fused" does (the chooser times nothing in tests).
-            monkeypatch.setattr(moe._built_experts.kernels, "kernel", "fused")
+            # The fused experts forced, as expert_route="fused" does (the chooser times nothing in tests).
+            monkeypatch.setattr(moe._built_experts.kernels, "route", "fused")
         model.zero_grad()
         y = model(x, overlap_degree=2) if case == "other strategy" else model(x)
         assert len(fused_calls) == (1 if case == "fused" else 0), case

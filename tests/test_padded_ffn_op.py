@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from devices import on_cpu64
-from flexmoe.padded_ffn_op import PACKED, padded_op_available, padded_segments, padding_ranges
+from flexmoe.experts.padded_op import PACKED, padded_op_available, padded_segments, padding_ranges
 from reference import assert_expert_grads, randn64, random_expert_params, ref_activation, ref_layout_split
 
 pytestmark = pytest.mark.skipif(not padded_op_available(), reason="this torch has no torch.library.custom_op")

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from devices import on_cpu64
 from flexmoe import MoELayer
-from flexmoe.padded_ffn_op import PACKED, padded_op_available
-from flexmoe.padded_fused_op import padded_chunks, use_padded_fused
+from flexmoe.experts.padded_fused_op import padded_chunks, use_padded_fused
+from flexmoe.experts.padded_op import PACKED, padded_op_available
 from flexmoe.routing.build import build_plan
 from reference import assert_expert_grads, randn64, random_expert_params, ref_activation, ref_layout_split
 

@@ -3,21 +3,22 @@
 
 Training and large calls build a :class:`~flexmoe.routing.RoutingPlan` (slots, capacity, losses). A decoding step
 routes a few tokens, where the number of small ops, not the FLOPs, is the cost outside the experts: here the
-rows are ordered on the host and combined by one gather, and the plan is built only when it is read.
+rows are ordered on the host and combined by one gather, and the plan is built only when it is read. Which
+calls take this path: :meth:`flexmoe.experts.stage.ExpertStage.serves_without_plan`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, sum_choices_by_token, sum_rows_by_token
-from flexmoe.expert_stage import run_experts, shared_output
+from flexmoe.dispatch import sum_choices_by_token, sum_rows_by_token
+from flexmoe.experts.stage import ExpertStage
 from flexmoe.parallel.options import ParallelOptions
+from flexmoe.parallel.strategy import ExpertStrategy
 from flexmoe.routing.build import build_plan
 from flexmoe.routing.capacity import HOST_ORDER_MAX_PAIRS, count_per_expert, order_pairs_on_host, sort_pairs_by_expert
 from flexmoe.routing.options import RoutingOptions
@@ -25,34 +26,30 @@ from flexmoe.routing.plan import RoutingPlan, check_logits, resolve_capacity
 from flexmoe.routing.routers import route
 from flexmoe.routing.scores import routed_weights, router_scores, select_experts
 
-if TYPE_CHECKING:
-    from flexmoe.layer import MoELayer
-
-__all__ = ["serves_without_plan", "forward_without_plan", "router_input"]
+__all__ = ["DecodingLayer", "forward_without_plan", "router_input"]
 
 
-def serves_without_plan(layer: MoELayer, routing: RoutingOptions, tokens: Tensor) -> bool:
-    """Whether this call may take :func:`forward_without_plan`: no autograd, evaluation mode, eager, one
-    process, top-k routing in token order with one capacity over the call, and few enough pairs for combine's
-    scatter-add (decoding and small evaluation batches)."""
-    if torch.is_grad_enabled() or layer.training or torch.compiler.is_compiling():
-        return False
-    if layer.ep_group.distributed:
-        # It falls back to the full path when one of this rank's experts overflows: a decision of this rank
-        # alone, which under expert parallelism would run other exchanges than its peers'.
-        return False
-    if routing.selection != "topk" or layer.topology is not None or routing.batch_prioritized:
-        return False
-    return routing.capacity_per == "call" and 0 < tokens.shape[0] * routing.k * layer.model_dim <= \
-        SCATTER_MAX_ELEMENTS
+@dataclass(frozen=True)
+class DecodingLayer:
+    """What a call without a plan reads of its layer, passed in (the layer builds one per call): its router,
+    ``expert_bias`` (``[E]``, None unless balance="bias"), number of experts, expert stage, the call's expert
+    strategy, and the shared experts and their gate (None without)."""
+
+    router: nn.Module
+    expert_bias: Tensor | None
+    num_experts: int
+    stage: ExpertStage
+    strategy: ExpertStrategy
+    shared: nn.Module | None = None
+    shared_gate: nn.Module | None = None
 
 
-def forward_without_plan(layer: MoELayer, tokens: Tensor, routing: RoutingOptions, parallel: ParallelOptions,
-                         pinned: frozenset[str], num_sequences: int | None, given: Tensor | None = None,
+def forward_without_plan(layer: DecodingLayer, tokens: Tensor, routing: RoutingOptions, parallel: ParallelOptions,
+                         pinned: frozenset[str], num_sequences: int | None, replayed: Tensor | None = None,
                          ) -> tuple[Tensor, Callable[[], RoutingPlan], Tensor] | None:
     """tokens: ``[T, M]`` -> ``([T, M], the plan's builder, the choices [T, k])`` (or None when an expert is over
     its capacity: the full path then drops the pairs), computing only what the output needs (docs/architecture.md,
-    "Decoding"). given: ``[T, k]`` choices to take instead of the router's (routing replay).
+    "Decoding"). replayed: ``[T, k]`` choices to take instead of the router's (routing replay).
 
     The same routing functions as :func:`~flexmoe.routing.plan.make_plan` pick the experts and weights, and
     the rows are in the plan's order (by expert, then slot), so the experts compute exactly the full path's
@@ -66,7 +63,7 @@ def forward_without_plan(layer: MoELayer, tokens: Tensor, routing: RoutingOption
                    num_experts=layer.num_experts)
     num_tokens, num_experts = check_logits(logits, k)
     scores = router_scores(logits, routing.score_func)
-    expert_index = given if given is not None else select_experts(
+    expert_index = replayed if replayed is not None else select_experts(
         scores, k, selection_bias=layer.expert_bias, num_expert_groups=routing.num_expert_groups,
         num_limited_groups=routing.num_limited_groups, ties=routing.ties)[0]  # [T, k]
     few_pairs = num_tokens * k <= HOST_ORDER_MAX_PAIRS
@@ -91,7 +88,7 @@ def forward_without_plan(layer: MoELayer, tokens: Tensor, routing: RoutingOption
     rows = tokens.index_select(0, row_token)  # [N, M] sorted by expert
     if scaled:
         rows = rows * weight.t().reshape(-1).index_select(0, by_expert).unsqueeze(-1)
-    out = run_experts(layer, rows, counts, parallel, pinned)
+    out = layer.stage.run_rows(rows, counts, parallel, pinned, layer.strategy)
     combine_weight = None if scaled else weight.to(out.dtype)
     if few_pairs:
         y = sum_choices_by_token(out, pair_row, combine_weight, num_tokens)
@@ -100,11 +97,11 @@ def forward_without_plan(layer: MoELayer, tokens: Tensor, routing: RoutingOption
             combine_weight.t().reshape(-1).index_select(0, by_expert)
         y = sum_rows_by_token(out, row_token, row_weight, num_tokens)
     if layer.shared is not None:
-        y = y + shared_output(layer, tokens).to(y.dtype)
+        y = y + layer.stage.shared_output(tokens, layer.shared, layer.shared_gate).to(y.dtype)
     # The bias as it was for this call (a later update must not change what this call's plan says).
     bias = None if layer.expert_bias is None else layer.expert_bias.clone()
     return y, partial(build_plan, logits, routing, selection_bias=bias, num_sequences=num_sequences,
-                      expert_index=given), expert_index
+                      expert_index=replayed), expert_index
 
 
 def router_input(tokens: Tensor, num_sequences: int | None) -> Tensor:

@@ -1,7 +1,8 @@
 """MoELayer: router -> RoutingPlan -> dispatch -> experts -> combine (docs/architecture.md, "The data path").
 
-The layer's options live in three frozen dataclasses (:mod:`flexmoe.layer_options`); the expert stage's routes
-are in :mod:`flexmoe.expert_stage`, decoding without a plan in :mod:`flexmoe.decoding`.
+The layer's options live in three frozen dataclasses (:mod:`flexmoe.layer_options`); how its experts run (route,
+kernel, the compiled layout) is decided by its :class:`~flexmoe.experts.stage.ExpertStage`, decoding without a
+plan is :mod:`flexmoe.decoding`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.autograd_state import in_backward
-from flexmoe.decoding import forward_without_plan, router_input, serves_without_plan
-from flexmoe.expert_stage import counts_on_device, padded_layout, run_expert_stage, shared_output
+from flexmoe.decoding import DecodingLayer, forward_without_plan, router_input
 from flexmoe.experts import ExpertOptions, ExpertsCall, FeedForwardExperts
+from flexmoe.experts.shared_gate import SharedExpertGate
+from flexmoe.experts.stage import ExpertStage
 from flexmoe.layer_options import call_options, describe_layer, expose_options, options_from_keywords
 from flexmoe.parallel.auto import MeasuringChooser
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting
@@ -34,7 +36,6 @@ from flexmoe.routing.plan import RoutingPlan
 from flexmoe.routing.routers import build_router, route
 from flexmoe.routing.scores import check_group_options
 from flexmoe.routing.topology import topology_gate
-from flexmoe.shared import SharedExpertGate
 from flexmoe.tuning.policies import resolve_shadow
 from flexmoe.validation import FLOAT_DTYPES, check_int, describe_value
 
@@ -123,6 +124,8 @@ class MoELayer(nn.Module):
     pending_load: Tensor | None
     # The experts module the layer was built with (outside the module tree; see expert_adapter).
     _built_experts: nn.Module
+    # How each call's experts run (outside the module tree: it holds modules the layer owns).
+    expert_stage: ExpertStage
 
     def __init__(
         self,
@@ -140,9 +143,9 @@ class MoELayer(nn.Module):
         **options: Any,
     ) -> None:
         super().__init__()
-        given = {"routing_options": routing_options, "expert_options": expert_options,
+        constructor_options = {"routing_options": routing_options, "expert_options": expert_options,
                  "parallel_options": parallel_options}
-        chosen = options_from_keywords(given, options)  # every option validated here, once
+        chosen = options_from_keywords(constructor_options, options)  # every option validated here, once
         routing, expert, parallel = chosen["routing_options"], chosen["expert_options"], chosen["parallel_options"]
         self.model_dim = check_int("model_dim", model_dim, 1)
         self.num_experts = check_int("num_experts", num_experts, 1)
@@ -186,7 +189,7 @@ class MoELayer(nn.Module):
         self.shared = expert.build(expert.shared_experts, model_dim, shared_hidden_dim, device=device, dtype=dtype) \
             if expert.shared_experts else None
         self.shared_gate = SharedExpertGate(model_dim, device=device, dtype=dtype) if expert.shared_gate else None
-        if self.ep_group.distributed:  # every rank runs the kernels rank 0 measured (flexmoe.kernel_chooser)
+        if self.ep_group.distributed:  # every rank runs the kernels rank 0 measured (flexmoe.experts.chooser)
             for built in (self._built_experts, self.shared):
                 if isinstance(built, FeedForwardExperts):
                     self.ep_group.call("expert kernel table broadcast",
@@ -213,8 +216,11 @@ class MoELayer(nn.Module):
         self.strategy: ExpertStrategy = self._strategy_for(parallel)
         # The replica placement and load window (redundant_experts > 0) are buffers: checkpoints carry them.
         self.replicas = getattr(self.strategy, "state", None)
-        self.last_choice: ParallelSetting | None = None
-        self.last_shadowed: list[int] = []
+        # How each call's experts run (route, kernel, the compiled layout): one object, outside the module tree (it
+        # holds the layer's modules; their parameters stay where the state_dict has them).
+        self.__dict__["expert_stage"] = ExpertStage(
+            self._built_experts, expert, distributed=self.ep_group.distributed,
+            topology_gated=self.topology is not None, model_dim=model_dim)
         # The last call's plan; after a call served without one, the function that builds it when first read.
         self._last_plan: RoutingPlan | None = None
         self._deferred_plan: Callable[[], RoutingPlan] | None = None
@@ -238,15 +244,20 @@ class MoELayer(nn.Module):
             return adapter(x, ExpertsCall(partial(self._forward, x, call_options)))
         return self._forward(x, call_options)
 
-    def _forward(self, x: Tensor, given: dict[str, Any]) -> Tensor:
-        """:meth:`forward` on the experts as they read now (adapted, inside an adapter's call)."""
-        routing, parallel, pinned = call_options(self.routing_options, self.parallel_options, given)
+    def _forward(self, x: Tensor, keywords: dict[str, Any]) -> Tensor:
+        """:meth:`forward` on the experts as they read now (adapted, inside an adapter's call); keywords: the
+        call's options."""
+        routing, parallel, pinned = call_options(self.routing_options, self.parallel_options, keywords)
         tokens = x.reshape(-1, self.model_dim)  # [T, M]
         num_sequences = num_sequences_of(x, self.model_dim, routing.capacity_per, routing.aux_loss_type)
         tap, backward_now = self.routing_tap, in_backward()
-        replayed = None if tap is None else tap.given(x, self.num_experts, routing.k, backward_now)  # [T, k]
-        if serves_without_plan(self, routing, tokens):  # decoding: no plan is built unless it is read
-            served = forward_without_plan(self, tokens, routing, parallel, pinned, num_sequences, replayed)
+        replayed = None if tap is None else tap.replayed(x, self.num_experts, routing.k, backward_now)  # [T, k]
+        stage, strategy = self.expert_stage, self.strategy_of(parallel)
+        if stage.serves_without_plan(routing, tokens, self.training):  # decoding: no plan unless it is read
+            served = forward_without_plan(
+                DecodingLayer(self.router, self.expert_bias, self.num_experts, stage, strategy, self.shared,
+                              self.shared_gate), tokens, routing,
+                parallel, pinned, num_sequences, replayed)
             if served is not None:
                 y, self._deferred_plan, chosen = served
                 self._last_plan = None
@@ -254,22 +265,22 @@ class MoELayer(nn.Module):
                     tap.chosen(x, chosen, backward_now)
                 return y.to(x.dtype).reshape(x.shape)
 
-        # 1. the router's logits, 2. the plan, 3.-5. dispatch, the experts and combine (expert_stage).
+        # 1. the router's logits, 2. the plan, 3.-5. dispatch, the experts and combine (the expert stage).
         logits = route(self.router, router_input(tokens, num_sequences), dtype=routing.router_dtype,
                        training=self.training, jitter=routing.jitter, gate_noise=routing.gate_noise,
                        input_dropout=routing.router_input_dropout, num_experts=self.num_experts)  # [T, E]
+        layout = stage.plan_layout(routing, tokens, self.training, adapted=self.experts is not self._built_experts)
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
-                          topology=self.topology, num_sequences=num_sequences,
-                          padded=padded_layout(self, routing, tokens),
-                          counts_on_device=counts_on_device(self, routing, tokens), expert_index=replayed)
+                          topology=self.topology, num_sequences=num_sequences, padded=layout.padded,
+                          counts_on_device=layout.counts_on_device, expert_index=replayed)
         if tap is not None:
             tap.chosen(x, plan.expert_index, backward_now)
         if self.global_balance is not None and self.training and torch.is_grad_enabled():
             plan.aux_loss = self.global_balance.loss(logits, plan.expert_index, routing.score_func,
                                                      accumulate=not backward_now)
-        y = run_expert_stage(self, tokens, plan, routing, parallel, pinned)  # [T, M]
+        y = stage.run(tokens, plan, routing, parallel, pinned, strategy)  # [T, M]
         if self.shared is not None:
-            y = y + shared_output(self, tokens).to(y.dtype)
+            y = y + stage.shared_output(tokens, self.shared, self.shared_gate).to(y.dtype)
 
         if self.pending_load is not None and self.training and not backward_now:
             # Counted once per forward; a recomputation under activation checkpointing runs inside backward.
@@ -306,6 +317,16 @@ class MoELayer(nn.Module):
                 f"only the built-in FeedForwardExperts run a layer call inside such a wrapper; adapt the custom "
                 f"module's own submodules instead (e.g. LoRA target_modules on its nn.Linear layers)")
         return current
+
+    @property
+    def last_choice(self) -> ParallelSetting | None:
+        """The expert-parallel setting the last call ran (None before the first, or in one process)."""
+        return self.expert_stage.last_choice
+
+    @property
+    def last_shadowed(self) -> list[int]:
+        """The experts the last call shadowed (FasterMoE's shadowing; empty without)."""
+        return self.expert_stage.last_shadowed
 
     @property
     def last_plan(self) -> RoutingPlan | None:

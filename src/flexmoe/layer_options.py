@@ -30,9 +30,9 @@ _CALL_PARALLEL = tuple(f.name for f in dataclasses.fields(ParallelOptions)
                        if f.name not in ("chooser", "redundant_experts"))
 
 
-def options_from_keywords(given: dict[str, Any], keywords: dict[str, Any]) -> dict[str, Any]:
-    """The three options objects: the given ones (or the defaults) with each keyword replaced in the dataclass
-    that has a field of its name."""
+def options_from_keywords(constructor_options: dict[str, Any], keywords: dict[str, Any]) -> dict[str, Any]:
+    """The three options objects: the constructor's (``{"routing_options": ..., ...}``, None for the defaults)
+    with each keyword replaced in the dataclass that has a field of its name."""
     by_class: dict[str, dict[str, Any]] = {holder: {} for holder in OPTION_CLASSES}
     for name, value in keywords.items():
         holder = next((h for h, c in OPTION_CLASSES.items() if name in _field_names(c)), None)
@@ -41,7 +41,7 @@ def options_from_keywords(given: dict[str, Any], keywords: dict[str, Any]) -> di
         by_class[holder][name] = value
     chosen = {}
     for holder, options_cls in OPTION_CLASSES.items():
-        base = given[holder]
+        base = constructor_options[holder]
         if base is not None and not isinstance(base, options_cls):
             raise TypeError(f"{holder} must be a {options_cls.__name__}, got {type(base).__name__}")
         chosen[holder] = options_cls(**by_class[holder]) if base is None else dataclasses.replace(
@@ -57,20 +57,20 @@ def call_options(routing: RoutingOptions, parallel: ParallelOptions, call_option
                  ) -> tuple[RoutingOptions, ParallelOptions, frozenset[str]]:
     """This call's routing and parallel options: the layer's (``routing``, ``parallel``), with the call's non-None
     keywords replaced; and the names of the parallel options the call gave."""
-    given = {name: value for name, value in call_options.items() if value is not None}
-    unknown = sorted(set(given) - set(_CALL_ROUTING) - set(_CALL_PARALLEL))
+    overrides = {name: value for name, value in call_options.items() if value is not None}
+    unknown = sorted(set(overrides) - set(_CALL_ROUTING) - set(_CALL_PARALLEL))
     if unknown:
         raise TypeError(f"MoELayer.forward() got unexpected keyword argument(s) {unknown}; a call may override "
                         f"{list(_CALL_ROUTING) + list(_CALL_PARALLEL)}")
-    routing_given = {n: v for n, v in given.items() if n in _CALL_ROUTING}
-    if routing_given:
-        routing = dataclasses.replace(routing, **routing_given)
-    parallel_given = {n: v for n, v in given.items() if n in _CALL_PARALLEL}
-    if parallel_given:
-        if "shadow" in parallel_given:
-            parallel_given["shadow"] = resolve_shadow(parallel_given["shadow"]) or False
-        parallel = dataclasses.replace(parallel, **parallel_given)
-    return routing, parallel, frozenset(parallel_given)
+    routing_overrides = {n: v for n, v in overrides.items() if n in _CALL_ROUTING}
+    if routing_overrides:
+        routing = dataclasses.replace(routing, **routing_overrides)
+    pinned = {n: v for n, v in overrides.items() if n in _CALL_PARALLEL}
+    if pinned:
+        if "shadow" in pinned:
+            pinned["shadow"] = resolve_shadow(pinned["shadow"]) or False
+        parallel = dataclasses.replace(parallel, **pinned)
+    return routing, parallel, frozenset(pinned)
 
 
 def expose_options(cls: type) -> None:

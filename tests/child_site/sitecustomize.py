@@ -3,7 +3,7 @@ child, a ``python -m flexmoe train`` say, picks the experts' kernels by the rule
 (conftest's ``kernels_by_rule``), so that a run in a child and one in the test process compute alike, and no
 child times kernels or writes the machine's kernel cache.
 
-Nothing is imported here: the rule is set when the child itself first imports ``flexmoe.kernel_chooser``, so a
+Nothing is imported here: the rule is set when the child itself first imports ``flexmoe.experts.chooser``, so a
 child that checks what importing flexmoe pulls in sees only its own imports."""
 
 import sys
@@ -11,10 +11,10 @@ from importlib.machinery import PathFinder
 
 
 class _KernelsByRule:
-    """A finder that lets the normal one find ``flexmoe.kernel_chooser`` and sets the rule once it has run."""
+    """A finder that lets the normal one find ``flexmoe.experts.chooser`` and sets the rule once it has run."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "flexmoe.kernel_chooser":
+        if name != "flexmoe.experts.chooser":
             return None
         spec = PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:

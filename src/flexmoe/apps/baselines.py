@@ -19,25 +19,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexmoe.expert_weights import gated_unit
 from flexmoe.experts import FeedForwardExperts
+from flexmoe.experts.row_kernels import active_experts_ffn, grouped_expert_ffn, grouped_mm_supported, looped_expert_ffn
+from flexmoe.experts.weights import gated_unit
 from flexmoe.layer import MoELayer
 from flexmoe.routing.plan import make_plan
 from flexmoe.routing.routers import route
-from flexmoe.row_kernels import active_experts_ffn, grouped_expert_ffn, grouped_mm_supported, looped_expert_ffn
 
 __all__ = ["expert_floor", "grouped_floor", "grouped_floor_kind", "padded_bmm_floor", "gshard_einsum_forward"]
 
 
 def expert_floor(experts: FeedForwardExperts, rows: Tensor, counts: list[int]) -> Tensor:
     """rows: ``[N, M]`` sorted by expert, counts: rows per expert -> ``[N, M]``: each expert's FFN on its rows
-    by one ``addmm`` pair per expert through autograd (:func:`flexmoe.row_kernels.looped_expert_ffn` on the experts'
-    weights, with no routing around it), whichever path the layer itself takes (in training it may be the
-    hand-written backward, :func:`flexmoe.row_kernels.segmented_expert_ffn`).
+    by one ``addmm`` pair per expert through autograd (:func:`flexmoe.experts.row_kernels.looped_expert_ffn` on
+    the experts' weights, with no routing around it), whichever path the layer itself takes (in training it may be the
+    hand-written backward, :func:`flexmoe.experts.row_kernels.segmented_expert_ffn`).
 
     Without autograd the floor stays that loop, each expert's unit on its own rows, where the layer's experts
-    may apply the unit once over all rows (:func:`flexmoe.row_kernels.joined_unit_ffn`):
-    :func:`flexmoe.row_kernels.active_experts_ffn`."""
+    may apply the unit once over all rows (:func:`flexmoe.experts.row_kernels.joined_unit_ffn`):
+    :func:`flexmoe.experts.row_kernels.active_experts_ffn`."""
     weights = experts.weights()
     if weights.needs_grad(rows):
         return looped_expert_ffn(rows, counts, weights)
@@ -51,7 +51,7 @@ def grouped_floor_kind(experts: FeedForwardExperts, rows: Tensor) -> str:
 
 def grouped_floor(experts: FeedForwardExperts, rows: Tensor, counts: list[int]) -> Tensor:
     """The same numbers as :func:`expert_floor` (up to float rounding) by a grouped GEMM: ``torch._grouped_mm``
-    where it runs (:func:`flexmoe.row_kernels.grouped_expert_ffn`), else :func:`padded_bmm_floor`."""
+    where it runs (:func:`flexmoe.experts.row_kernels.grouped_expert_ffn`), else :func:`padded_bmm_floor`."""
     if grouped_floor_kind(experts, rows) == "torch._grouped_mm":
         return grouped_expert_ffn(rows, counts, experts.weights())
     return padded_bmm_floor(experts, rows, counts)

@@ -153,7 +153,7 @@ def calibrate_kernels(cache_dir: str, shapes: tuple[tuple[int, int, int, int, bo
     import torch
 
     from flexmoe.experts import FeedForwardExperts
-    from flexmoe.kernel_chooser import KernelChooser, default_cache_path
+    from flexmoe.experts.chooser import KernelChooser, default_cache_path
 
     chooser = KernelChooser(cache_path=default_cache_path(cache_dir))
     calls = []
@@ -189,7 +189,7 @@ def summarize(profile: Profile) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.kernels:
         check_writable_dir(Path(args.kernel_cache).expanduser(), "--kernel-cache")
-        from flexmoe.kernel_chooser import default_cache_path
+        from flexmoe.experts.chooser import default_cache_path
 
         for bucket, kernel in calibrate_kernels(args.kernel_cache).items():
             print(f"{bucket}: {kernel}")

@@ -26,6 +26,7 @@ from flexmoe.apps.errors import UsageError
 from flexmoe.apps.flags import COUNT, NON_NEGATIVE
 from flexmoe.apps.progress import StepBar
 from flexmoe.launch import RanksFailed, spawn_ranks
+from flexmoe.layer import MoELayer
 from flexmoe.tuning.cost_model import LayerConfig, predict
 from flexmoe.tuning.profile import LOCAL_PROFILE_PATH, Profile, load_profile
 
@@ -61,8 +62,6 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "
 
 def distributed_layer_available() -> bool:
     """Whether MoELayer takes ``group=`` (the expert-parallel layer of issue 3)."""
-    from flexmoe.layer import MoELayer
-
     return "group" in inspect.signature(MoELayer.__init__).parameters
 
 
@@ -117,8 +116,6 @@ def _time_steps(layer: Any, x: Any, dense: bool, steps: int, warmup: int, **call
 
 def _build_layer(cfg: dict[str, Any], **extra: Any) -> Any:
     import torch
-
-    from flexmoe.layer import MoELayer
 
     dtype = getattr(torch, cfg["dtype"])
     return MoELayer(cfg["model_dim"], cfg["experts"], cfg["hidden_dim"], k=cfg["k"],
@@ -180,8 +177,6 @@ def _rank_worker(cfg: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]
 
 
 def _layer_class() -> Any:
-    from flexmoe.layer import MoELayer
-
     return MoELayer
 
 

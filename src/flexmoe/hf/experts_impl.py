@@ -18,14 +18,14 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.dispatch import combine, dispatch, sum_choices_by_token
-from flexmoe.expert_weights import ExpertWeights, gated_unit, needs_grad
 from flexmoe.experts import expert_ffn, resolve_activation
-from flexmoe.grouped_linear_op import grouped_experts_ffn
+from flexmoe.experts.chooser import KernelChooser
+from flexmoe.experts.grouped_op import grouped_experts_ffn
+from flexmoe.experts.row_kernels import joined_outputs
+from flexmoe.experts.weights import ExpertWeights, gated_unit, needs_grad
 from flexmoe.hf.families import StoredExperts, expert_unit, stored_experts
-from flexmoe.kernel_chooser import KernelChooser
 from flexmoe.routing.capacity import HOST_ORDER_MAX_PAIRS, order_pairs_on_host
 from flexmoe.routing.plan import plan_from_choices
-from flexmoe.row_kernels import joined_outputs
 
 __all__ = ["flexmoe_experts_forward", "stored_experts_ffn", "register", "IMPLEMENTATION_NAME"]
 
@@ -70,7 +70,7 @@ def _compiled_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights:
     ``fullgraph=True`` holds (as the compiled :class:`~flexmoe.MoELayer`'s dropless path, docs/architecture.md,
     "Compiling the layer"). The plan keeps its counts on the device (:func:`plan_from_choices` while compiling,
     ``N = T * k`` rows), and the experts' matmuls are the ``flexmoe::grouped_linear`` op that reads them there
-    (:func:`~flexmoe.grouped_linear_op.grouped_experts_ffn`; off the CPU in bf16, ``torch._grouped_mm`` with
+    (:func:`~flexmoe.experts.grouped_op.grouped_experts_ffn`; off the CPU in bf16, ``torch._grouped_mm`` with
     device offsets), on views of HF's fused tensors with the unit traced between them.
     ``hidden_states [T, M]``, ``top_k_index`` / ``top_k_weights [T, k]`` -> ``[T, M]``."""
     plan = plan_from_choices(top_k_index, top_k_weights, stored.up.shape[0])

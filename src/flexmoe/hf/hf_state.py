@@ -24,18 +24,29 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 
 from flexmoe.checkpoint import gather_experts
 from flexmoe.hf.families import Family, copy_into_views, shared_mlp_sources, shared_mlp_weights
+from flexmoe.layer import MoELayer
 from flexmoe.parallel.layout import ExpertLayout, shard_expert_state
 
-if TYPE_CHECKING:
-    from flexmoe.hf.block import ConvertedMoeBlock
-    from flexmoe.layer import MoELayer
+
+class ConvertedBlock(Protocol):
+    """What this module reads of a :class:`~flexmoe.hf.block.ConvertedMoeBlock` (which imports this module): its
+    layer, its HF family and the emptied HF block."""
+
+    @property
+    def moe(self) -> MoELayer: ...
+
+    @property
+    def hf_family(self) -> Family: ...
+
+    @property
+    def hf_skeleton(self) -> Any: ...
 
 __all__ = ["ROUTER", "Part", "layer_parts", "layer_values", "write_hf", "layer_requires_grad", "hf_requires_grad",
            "materialize", "experts_like", "layer_module", "hf_scratch", "save_hf_names", "load_hf_names"]
@@ -186,17 +197,17 @@ def materialize(module: nn.Module, like: Tensor) -> None:
 
 def experts_like(moe: MoELayer) -> Tensor:
     """A tensor of the layer's routed experts: their dtype and device, which every copied part shares."""
-    w1 = moe._built_experts.w1  # below any adapter wrapping moe.experts
+    w1 = moe.expert_stage.experts.w1  # below any adapter wrapping moe.experts
     assert isinstance(w1, Tensor)  # FeedForwardExperts' first weight, [E_local, M, H]
     return w1
 
 
-def hf_scratch(block: ConvertedMoeBlock, part: Part) -> nn.Module:
+def hf_scratch(block: ConvertedBlock, part: Part) -> nn.Module:
     """A new HF module of ``part``'s kind, its tensors on ``meta`` (a copy of the block's emptied skeleton part)."""
     return copy.deepcopy(getattr(block.hf_skeleton, part.hf_name))
 
 
-def save_hf_names(block: ConvertedMoeBlock, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def save_hf_names(block: ConvertedBlock, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """State-dict post-hook of a converted block: its entries become HF's block's, in place.
 
     HF's router keeps its entries under HF's name (DeepSeek-V3's ``e_score_correction_bias`` taking the layer's
@@ -229,7 +240,7 @@ def save_hf_names(block: ConvertedMoeBlock, state_dict: dict[str, Any], prefix: 
 
 
 @torch.no_grad()
-def load_hf_names(block: ConvertedMoeBlock, state_dict: dict[str, Any], prefix: str, local_metadata: Any,
+def load_hf_names(block: ConvertedBlock, state_dict: dict[str, Any], prefix: str, local_metadata: Any,
                   strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
     """Load pre-hook of a converted block: HF's names in ``state_dict`` become the layer's, in place.
 
@@ -257,7 +268,7 @@ def load_hf_names(block: ConvertedMoeBlock, state_dict: dict[str, Any], prefix: 
         _load_part(block, part, state_dict, prefix, missing_keys, error_msgs)
 
 
-def _load_part(block: ConvertedMoeBlock, part: Part, state_dict: dict[str, Any], prefix: str,
+def _load_part(block: ConvertedBlock, part: Part, state_dict: dict[str, Any], prefix: str,
                missing_keys: list[str], error_msgs: list[str]) -> None:
     """:func:`load_hf_names` for one part."""
     moe = block.moe

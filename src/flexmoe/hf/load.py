@@ -33,6 +33,7 @@ from flexmoe.hf.block import ConvertedMoeBlock
 from flexmoe.hf.convert import convert
 from flexmoe.hf.hf_state import Part, layer_module, layer_parts
 from flexmoe.hf.stored import Box, SafetensorsReader, StoredTensors, box_shape
+from flexmoe.layer import MoELayer
 from flexmoe.sharding.dcp import own_tensors
 from flexmoe.sharding.fsdp import parallelize
 from flexmoe.sharding.materialize import allocate
@@ -226,8 +227,6 @@ def _traced(part: Part, hf_module: nn.Module) -> dict[str, tuple[str, tuple[int,
 def _set_non_persistent_buffers(model: nn.Module) -> None:
     """Non-persistent buffers are in no checkpoint: flexmoe's (load counters) start at zero, HF's (rotary tables)
     are computed by the model's own ``_init_weights``."""
-    from flexmoe.layer import MoELayer
-
     init = getattr(model, "_init_weights", None)
     inside_layers = {id(m) for layer in model.modules() if isinstance(layer, MoELayer) for m in layer.modules()}
     for module in model.modules():

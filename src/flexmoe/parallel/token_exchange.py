@@ -9,7 +9,7 @@ Here each rank sends:
 * per pair its combine weight (differentiable), which of those rows it reads and which local expert computes
   it, together as one float64 ``[n, 3]`` (one exchange, not two: each is a wait for the slowest rank);
 
-the receiving rank runs its experts fused with the weighted sum (:func:`flexmoe.fused_experts.fused_experts`,
+the receiving rank runs its experts fused with the weighted sum (:func:`flexmoe.experts.fused.fused_experts`,
 or the plain experts then a weighted sum for any other expert path), and sends back one row per token it
 received: the weighted sum of that token's experts on that rank. The source adds up the rows it gets back.
 
@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flexmoe.dispatch import sum_rows_by_token
-from flexmoe.expert_kernels import route_bucket
 from flexmoe.experts import FeedForwardExperts, differentiated_weights, expert_ffn
-from flexmoe.fused_experts import fused_experts, fused_supported
-from flexmoe.kernel_chooser import timed_run
+from flexmoe.experts.chooser import choose_fused_route
+from flexmoe.experts.fused import fused_experts, fused_supported
+from flexmoe.experts.kernels import route_bucket
 from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, exchange, transpose
 from flexmoe.parallel.groups import ExpertGroup
 
@@ -145,28 +145,24 @@ def exchange_tokens(tokens: Tensor, row_token: Tensor, row_weight: Tensor, count
 
 def receiver_fuses(received: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
                    experts: FeedForwardExperts) -> bool:
-    """Whether the receiving rank runs its experts fused (:func:`~flexmoe.fused_experts.fused_experts`) on
+    """Whether the receiving rank runs its experts fused (:func:`~flexmoe.experts.fused.fused_experts`) on
     ``received`` ``[u, M]`` with ``counts[e]`` pairs per local expert: where fused runs (training), and the experts'
-    kernel chooser holds it faster for this bucket (:meth:`~flexmoe.kernel_chooser.KernelChooser.choose_route`:
+    kernel chooser holds it faster for this bucket (:func:`~flexmoe.experts.chooser.choose_fused_route`, forced by
+    ``expert_route``:
     a table every rank took from rank 0, or ``flexmoe calibrate``; without an entry, the plain experts).
 
     Side by side at E=64 k=8 H=256 over 2 ranks, 512 tokens each (128 rows x 256 per local expert), the step took
     0.77 of the row exchange's time fused and 0.87 with the plain experts; over 4 ranks of 4096 tokens each, 1.19 x
     the floor fused against 1.52 plain."""
     weights = experts.weights()
-    if not counts or not fused_supported(received, weights):
+    if not counts or not fused_supported(received, weights) or experts.kernels.route == "rows":
         return False
     bucket = "receiver/" + route_bucket(received, sum(counts), weights)
     token, weight = row_token, row_weight.detach()
-    # The plain experts' kernel first, so that its timing is not timed (only where timing may happen: the rows
-    # gathered for it would otherwise be saved in a checkpointed forward and not in its recomputation).
-    if experts.kernels.known(bucket) is None and experts.kernels.may_time():
-        experts.kernels.prepare(received.index_select(0, token), counts, weights)
-    routes = {"fused": timed_run(lambda x: fused_experts(x, token, weight, counts, weights), received, weights,
-                                 backward=False),
-              "rows": timed_run(lambda x: _plain_experts(x, token, weight, counts, experts), received, weights,
-                                backward=False)}
-    return experts.kernels.choose_route(bucket, routes, rule="rows") == "fused"
+    return choose_fused_route(experts.kernels, bucket, received, weights,
+                              run_fused=lambda x: fused_experts(x, token, weight, counts, weights),
+                              run_rows=lambda x: _plain_experts(x, token, weight, counts, experts),
+                              kernel_rows=lambda: (received.index_select(0, token), counts))
 
 
 def _weighted_experts(received: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],

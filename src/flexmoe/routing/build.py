@@ -53,12 +53,12 @@ def build_plan(
     counts_on_device: the dropless top-k plan with its counts left on the device (no host sync, for
     ``torch.compile``; :func:`~flexmoe.routing.plan.plan_from_pairs`).
     Expert choice and BASE have no padded layout nor counts left on the device: they ignore both.
-    expert_index: ``[T, k]`` choices given instead of the router's (routing replay; top-k selection only, see
+    expert_index: ``[T, k]`` replayed choices, taken instead of the router's (routing replay; top-k selection only, see
     :func:`~flexmoe.routing.plan.make_plan`), else ``ValueError``.
     """
     kind, k = options.selection, options.k
     if expert_index is not None and kind != "topk":
-        raise ValueError(f"given choices (routing replay) need top-k selection, got router={options.router!r}")
+        raise ValueError(f"replayed choices (routing replay) need top-k selection, got router={options.router!r}")
     if kind == "expert_choice":
         return make_expert_choice_plan(logits, k, capacity_factor=options.static_capacity_factor,
                                        capacity=options.capacity)

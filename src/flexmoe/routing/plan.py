@@ -278,12 +278,12 @@ def make_plan(
     ``padded``: the padded layout (every expert ``capacity`` rows, no host sync; see :func:`plan_from_pairs`).
     ``counts_on_device``: dropless without a host sync, the counts left on the device (:func:`plan_from_pairs`).
     ``ties``: how equal scores are broken, "lower" (the lower expert index) or "topk" (as ``torch.topk``).
-    ``expert_index``: ``[T, k]`` choices given instead of the router's (routing replay,
+    ``expert_index``: ``[T, k]`` replayed choices, taken instead of the router's (routing replay,
     :mod:`flexmoe.routing.replay`): the selection bias, the group limit and the topology gate, which only pick,
     are skipped; the weights, the losses and the capacity come from these logits as usual. Not with
     ``random_second`` (its keep decisions would be drawn anew).
 
-    Raises ``ValueError`` for non-finite logits, a k out of range, a negative capacity or bad given choices.
+    Raises ``ValueError`` for non-finite logits, a k out of range, a negative capacity or bad replayed choices.
     """
     if capacity is not None and capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
@@ -298,7 +298,7 @@ def make_plan(
             expert_index = topology.apply(choice_scores, expert_index)
     else:
         if random_second:
-            raise ValueError("given choices (routing replay) cannot be combined with second_expert='random' in "
+            raise ValueError("replayed choices (routing replay) cannot be combined with second_expert='random' in "
                              "training: which 2nd choices run would be drawn anew")
         check_choices(expert_index, num_experts, num_tokens=logits.shape[0], k=k)
         expert_index = expert_index.to(device=logits.device, dtype=torch.long)
@@ -456,7 +456,7 @@ def plan_from_choices(expert_index: Tensor, weight: Tensor, num_experts: int, *,
     Under ``torch.compile`` with every pair active, nothing reaches the host: the choices are checked on the device
     (:func:`check_choices`) and the counts stay in ``tokens_per_expert`` (``host_counts`` None, as
     :func:`plan_from_pairs`' ``counts_on_device``), so a compiled caller must read them there (e.g.
-    :func:`flexmoe.grouped_linear_op.grouped_experts_ffn`), not through ``counts``. With an ``active`` mask the
+    :func:`flexmoe.experts.grouped_op.grouped_experts_ffn`), not through ``counts``. With an ``active`` mask the
     plan still counts on the host (its row count depends on the mask).
     """
     if expert_index.dim() != 2 or weight.shape != expert_index.shape:

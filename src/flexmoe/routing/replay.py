@@ -79,11 +79,11 @@ torch.serialization.add_safe_globals([RoutingRecord])
 class RoutingTap:
     """What a layer asks while recording or replaying (:attr:`MoELayer.routing_tap <flexmoe.MoELayer>`).
 
-    ``given(x, num_experts, k, in_backward)``: the choices ``[T, k]`` this call must take, or None for the router's;
+    ``replayed(x, num_experts, k, in_backward)``: the choices ``[T, k]`` this call must take, or None for the router's;
     ``chosen(x, expert_index)``: the call's choices ``[T, k]``, once made. x is the layer's input ``[..., M]``.
     """
 
-    def given(self, x: Tensor, num_experts: int, k: int, in_backward: bool) -> Tensor | None:
+    def replayed(self, x: Tensor, num_experts: int, k: int, in_backward: bool) -> Tensor | None:
         return None
 
     def chosen(self, x: Tensor, expert_index: Tensor, in_backward: bool) -> None:
@@ -120,7 +120,7 @@ class ReplayingTap(RoutingTap):
         self.calls, self.name = calls, name
         self.next_call = 0
 
-    def given(self, x: Tensor, num_experts: int, k: int, in_backward: bool) -> Tensor | None:
+    def replayed(self, x: Tensor, num_experts: int, k: int, in_backward: bool) -> Tensor | None:
         if in_backward:
             # A recomputation (activation checkpointing) would take the next call's choices, not its own.
             raise ValueError(f"layer {self.name!r}: routing replay under activation checkpointing is not supported "

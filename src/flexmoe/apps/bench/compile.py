@@ -53,7 +53,7 @@ def compiled_vs_eager(cfg: BenchConfig, show: bool = False) -> Measurement:
     torch._dynamo.reset()  # every layer shares forward's code object: start its recompilation budget afresh
     layer = build_layer(cfg)
     x, grad = make_inputs(cfg, cfg.seed + 1)
-    # One graph where capacity mode pads (the CPU: flexmoe.expert_stage.padded_layout); elsewhere the compiled call
+    # One graph where capacity mode pads (the CPU: ExpertStage.plan_layout); elsewhere the compiled call
     # breaks the graph where the counts reach the host, and adaptive capacity (< 0) breaks everywhere.
     fullgraph = cfg.capacity_factor >= 0 and torch.device(cfg.device).type == "cpu"
     compiled = torch.compile(layer, fullgraph=fullgraph)

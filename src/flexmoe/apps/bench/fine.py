@@ -46,7 +46,7 @@ def fine_grained_checks() -> list[SuiteCheck]:
     checks.append(floor_ratio_check("E=64 H=256 k=8 cf=1.25", BenchConfig(experts=64, hidden_dim=256, k=8),
                                     1.10, "fine-grained"))
     # Twice the tokens: 1024 rows per expert, where the layer kept the three stages until the rule went by the
-    # block's size alone (0.755 of their time fused; flexmoe.fused_experts, the rule's comment).
+    # block's size alone (0.755 of their time fused; flexmoe.experts.fused, the rule's comment).
     checks.append(floor_ratio_check("E=64 H=256 k=8 dropless T=8192",
                                     BenchConfig(tokens=8192, experts=64, hidden_dim=256, k=8, capacity_factor=0.0),
                                     1.10, "fine-grained"))

@@ -35,8 +35,8 @@ from flexmoe.apps.baselines import grouped_floor_kind, gshard_einsum_forward
 from flexmoe.apps.bench.config import DTYPES, BenchConfig, build_layer, floor_case, fwd_bwd, make_inputs
 from flexmoe.apps.bench.suite import Measurement, SuiteCheck, SuiteSettings
 from flexmoe.apps.bench.timing import saved_activation_bytes, time_side_by_side
-from flexmoe.expert_kernels import RULE_KERNEL
 from flexmoe.experts import FeedForwardExperts
+from flexmoe.experts.kernels import RULE_KERNEL
 from flexmoe.layer import MoELayer
 
 __all__ = ["bench_single", "format_single", "floor_ratio_check", "memory_check", "layer_checks"]
@@ -264,7 +264,7 @@ def floor_ratio_check(label: str, cfg: BenchConfig, target: float, group: str = 
 def memory_check(label: str, cfg: BenchConfig, wide_experts: int, target: float, group: str = "layer",
                  ) -> SuiteCheck:
     """Activation memory (bytes autograd saves) at ``wide_experts`` over ``cfg``'s, same T, k and H, both layers
-    computing their experts alike (the rule's kernel, :data:`~flexmoe.expert_kernels.RULE_KERNEL`): what is
+    computing their experts alike (the rule's kernel, :data:`~flexmoe.experts.kernels.RULE_KERNEL`): what is
     checked is how the data path's memory grows with E. The chooser may take another route at each E (the fused
     one keeps less), so the note gives both layers' memory with the chooser too."""
     def measure(settings: SuiteSettings) -> Measurement:

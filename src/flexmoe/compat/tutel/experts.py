@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flexmoe.compat.tutel.net import zero_gather
-from flexmoe.expert_weights import ExpertWeights
 from flexmoe.experts import expert_ffn
+from flexmoe.experts.weights import ExpertWeights
 
 __all__ = ["FusedExpertsNetwork", "PaddedExperts", "GatheredExperts"]
 

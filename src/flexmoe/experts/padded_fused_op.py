@@ -1,19 +1,19 @@
-"""The fused experts (:mod:`flexmoe.fused_experts`) on a padded plan, as one ``torch.library`` custom op for
+"""The fused experts (:mod:`flexmoe.experts.fused`) on a padded plan, as one ``torch.library`` custom op for
 compiled training (docs/architecture.md, "Compiling the layer").
 
 Eager training with many small experts gathers each expert's tokens, runs its FFN and adds the weighted output
-into its tokens in one pass (:func:`flexmoe.fused_experts.fused_experts`), without the ``[N, M]`` dispatch and
+into its tokens in one pass (:func:`flexmoe.experts.fused.fused_experts`), without the ``[N, M]`` dispatch and
 combine buffers of the three-stage path. A compiled graph in capacity mode pads every expert to the capacity
 and cannot read the per-expert counts on the host, so it kept the three stages over the padded rows. Here the
 fused pass is ``flexmoe::padded_fused_experts``, opaque to dynamo and inductor (``fullgraph=True`` holds): it
 receives the tokens, the padded plan's ``row_token`` / ``row_weight`` ``[N]`` and the real rows of each
-(expert, sequence) unit as a device tensor (:func:`flexmoe.padded_ffn_op.padded_unit_rows`), reads those on the
-host (the op itself is not traced, only its fake shapes), and runs :func:`~flexmoe.fused_experts.fused_forward`
+(expert, sequence) unit as a device tensor (:func:`flexmoe.experts.padded_op.padded_unit_rows`), reads those on the
+host (the op itself is not traced, only its fake shapes), and runs :func:`~flexmoe.experts.fused.fused_forward`
 over each unit's real rows. What the backward needs (``pre1``, ``pre3``, ``h``) comes out as non-differentiable
-outputs, one ``[capacity, H]`` piece per unit (:func:`flexmoe.padded_ffn_op.unit_pieces`), their padding rows
-never written nor read; the backward is a second custom op over :func:`~flexmoe.fused_experts.fused_backward`.
+outputs, one ``[capacity, H]`` piece per unit (:func:`flexmoe.experts.padded_op.unit_pieces`), their padding rows
+never written nor read; the backward is a second custom op over :func:`~flexmoe.experts.fused.fused_backward`.
 A compiled call whose counts are known only once routed (dropless) runs the same op over its plan's rows packed
-(:data:`flexmoe.padded_ffn_op.PACKED`), the counts again a device tensor the graph never reads.
+(:data:`flexmoe.experts.padded_op.PACKED`), the counts again a device tensor the graph never reads.
 
 Named activations with a closed-form derivative only (the op receives names), no clamp (GPT-OSS keeps the
 three stages).
@@ -26,10 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmoe.expert_weights import ExpertWeights
 from flexmoe.experts import activation_derivative, activation_name, resolve_activation
-from flexmoe.fused_experts import Chunk, fused_backward, fused_forward, fused_size_rule
-from flexmoe.padded_ffn_op import (
+from flexmoe.experts.fused import Chunk, fused_backward, fused_forward, fused_size_rule
+from flexmoe.experts.padded_op import (
     layout_op_runs,
     padded_segments,
     padding_ranges,
@@ -39,6 +38,7 @@ from flexmoe.padded_ffn_op import (
     unit_piece,
     unit_pieces,
 )
+from flexmoe.experts.weights import ExpertWeights
 from flexmoe.routing.plan import RoutingPlan
 
 __all__ = ["padded_chunks", "use_padded_fused", "padded_fused_experts"]
@@ -51,8 +51,8 @@ FUSED_DTYPES = (torch.float32,)  # where the fused experts were measured faster 
 
 
 def padded_chunks(unit_rows: list[int], capacity: int, num_experts: int) -> list[Chunk]:
-    """The chunks (:func:`flexmoe.fused_experts.expert_chunks`' format) of a layout
-    (:func:`flexmoe.padded_ffn_op.padded_segments`, padded or packed): one per unit with rows."""
+    """The chunks (:func:`flexmoe.experts.fused.expert_chunks`' format) of a layout
+    (:func:`flexmoe.experts.padded_op.padded_segments`, padded or packed): one per unit with rows."""
     return [(start, n, [(e, 0, n)]) for e, start, n in padded_segments(unit_rows, capacity, num_experts)]
 
 
@@ -74,7 +74,7 @@ def _kept_views(pre1: list[Tensor], pre3: list[Tensor], h: list[Tensor], chunks:
 def _forward_impl(tokens: Tensor, row_token: Tensor, row_weight: Tensor, unit_rows: Tensor, capacity: int,
                   w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, w3: Tensor | None,
                   b3: Tensor | None, activation: str) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-    """-> ``(y [T, M], pre1, pre3, h)``: the last three in :func:`~flexmoe.padded_ffn_op.unit_pieces` (pre3: none
+    """-> ``(y [T, M], pre1, pre3, h)``: the last three in :func:`~flexmoe.experts.padded_op.unit_pieces` (pre3: none
     without gating), only the real rows written."""
     counts = unit_rows.tolist()
     chunks = padded_chunks(counts, capacity, w1.shape[0])
@@ -152,13 +152,14 @@ register_op_pair(_OP, _forward_impl, _forward_fake, _BACKWARD_OP, _backward_impl
                  _setup_context)
 
 
-def use_padded_fused(tokens: Tensor, plan: RoutingPlan, weights: ExpertWeights) -> bool:
-    """Whether a compiled call's plan (padded, or any other laid out packed: :func:`~flexmoe.padded_ffn_op.
+def use_padded_fused(tokens: Tensor, plan: RoutingPlan, weights: ExpertWeights, size_rule: bool = True) -> bool:
+    """Whether a compiled call's plan (padded, or any other laid out packed: :func:`~flexmoe.experts.padded_op.
     plan_layout`) runs :func:`padded_fused_experts`: the op is there, a named activation with a closed-form
     derivative and no clamp, autograd records, ``FUSED_DTYPES`` on the CPU, no autocast, and the sizes where
-    eager's fused experts measured faster (:func:`~flexmoe.fused_experts.fused_size_rule` on the routed rows: at
+    eager's fused experts measured faster (:func:`~flexmoe.experts.fused.fused_size_rule` on the routed rows: at
     most ``T * k`` in a padded plan, whose padding is never computed, and the plan's ``N`` rows in a packed
-    one, read from the shape so that no count reaches the host)."""
+    one, read from the shape so that no count reaches the host; ``size_rule`` False: at any size, the fused
+    route forced)."""
     if not layout_op_runs(weights, tokens) or (plan.padded and plan.capacity < 1):
         return False  # layout_op_runs: the op is there, a named activation, no autocast
     if activation_derivative(weights.activation) is None or weights.glu_limit is not None:
@@ -169,6 +170,8 @@ def use_padded_fused(tokens: Tensor, plan: RoutingPlan, weights: ExpertWeights) 
         return False
     if not weights.all_like(tokens):
         return False
+    if not size_rule:
+        return True
     routed_rows = min(sum(plan.counts), plan.num_tokens * plan.k) if plan.padded else plan.row_token.shape[0]
     return fused_size_rule(routed_rows, tokens.shape[-1])
 

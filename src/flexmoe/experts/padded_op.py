@@ -8,7 +8,7 @@ opaque to dynamo and inductor (``fullgraph=True`` still holds): it receives the 
 real rows of each unit as a device tensor, reads that on the host (the op is not traced, only its
 ``register_fake`` shapes are), and loops over the units' real rows only: each unit's matmuls and its
 elementwise unit one after the other, written in place (``out=``, the matmul helpers of
-:mod:`flexmoe.segment_ffn`); padding rows output zeros and are never computed, not even elementwise. The
+:mod:`flexmoe.experts.segment_ffn`); padding rows output zeros and are never computed, not even elementwise. The
 pre-activations and the unit's output, kept for the backward, come out as one piece per unit
 (:func:`unit_pieces`). Its
 backward is a second custom op, the same loop: the unit's derivative is the aten kernel eager autograd runs for
@@ -21,7 +21,7 @@ device tensor with ``capacity = PACKED`` (0), the units back to back. The graph 
 count that is 0 or 1 (which dynamo would specialize on, one recompilation per pattern) changes nothing.
 
 Needs ``torch.library.custom_op`` (torch >= 2.4): :func:`padded_op_available` says whether it is there; the
-layer otherwise keeps :func:`flexmoe.row_kernels.padded_expert_ffn`.
+layer otherwise keeps :func:`flexmoe.experts.row_kernels.padded_expert_ffn`.
 """
 
 from collections.abc import Callable
@@ -32,11 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmoe.expert_weights import ExpertWeights, hidden_unit
 from flexmoe.experts import activation_derivative, activation_into, activation_name, resolve_activation
+from flexmoe.experts.row_kernels import padded_expert_ffn
+from flexmoe.experts.segment_ffn import Segment, expert_grad_buffer, linear_into, weight_grad_into
+from flexmoe.experts.weights import ExpertWeights, hidden_unit
 from flexmoe.routing.plan import RoutingPlan
-from flexmoe.row_kernels import padded_expert_ffn
-from flexmoe.segment_ffn import Segment, expert_grad_buffer, linear_into, weight_grad_into
 
 __all__ = ["PACKED", "padded_op_available", "layout_op_runs", "padded_unit_rows", "plan_layout", "padded_segments",
            "padded_experts_forward"]
@@ -81,7 +81,7 @@ def plan_layout(plan: RoutingPlan) -> tuple[Tensor, int]:
 
 
 def padded_segments(unit_rows: list[int], capacity: int, num_experts: int) -> list[Segment]:
-    """The segments (:mod:`flexmoe.segment_ffn`) of a layout: unit ``u = e * B + b`` holds ``unit_rows[u]`` real
+    """The segments (:mod:`flexmoe.experts.segment_ffn`) of a layout: unit ``u = e * B + b`` holds ``unit_rows[u]`` real
     rows starting at row ``u * capacity`` (padded) or right after unit ``u - 1``'s (:data:`PACKED`); units without
     rows left out."""
     units_per_expert = len(unit_rows) // num_experts
@@ -307,7 +307,7 @@ def padded_experts_forward(rows: Tensor, plan: RoutingPlan, weights: ExpertWeigh
     """rows: ``[N, M]`` laid out by ``plan`` (:func:`plan_layout`: padded, or packed where
     :func:`layout_op_runs`) -> ``[N, M]``, the built-in experts' FFN on the real rows (padding rows: zeros, never
     combined) by the custom op where it runs. A padded plan anywhere else takes the batched matmuls over every
-    row, padding included (:func:`flexmoe.row_kernels.padded_expert_ffn`)."""
+    row, padding included (:func:`flexmoe.experts.row_kernels.padded_expert_ffn`)."""
     activation = activation_name(weights.activation)
     if not layout_op_runs(weights, rows) or (plan.padded and plan.capacity < 1):
         if not plan.padded:

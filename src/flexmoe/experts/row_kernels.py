@@ -1,10 +1,10 @@
 """The experts' FFN over rows sorted by expert, computed several ways (docs/architecture.md, "Expert compute").
 
 Every function here takes rows ``[N, M]`` sorted by expert, ``counts[e]`` rows for expert e (``sum(counts) ==
-N``) and the experts' weights (:class:`~flexmoe.expert_weights.ExpertWeights`, ``[E, ...]``; H may be a hidden
+N``) and the experts' weights (:class:`~flexmoe.experts.weights.ExpertWeights`, ``[E, ...]``; H may be a hidden
 shard, the result then a partial sum) and returns ``[N, M]``: the same numbers up to float rounding, at costs
-that depend on the machine, the dtype and the shape. :mod:`flexmoe.expert_kernels` wraps each as a kernel
-object that says which cases it runs; :class:`~flexmoe.kernel_chooser.KernelChooser` picks among them by
+that depend on the machine, the dtype and the shape. :mod:`flexmoe.experts.kernels` wraps each as a kernel
+object that says which cases it runs; :class:`~flexmoe.experts.chooser.KernelChooser` picks among them by
 measurement.
 """
 
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flexmoe.expert_weights import ExpertWeights
-from flexmoe.segment_ffn import addmm_into, segment_expert_ffn
+from flexmoe.experts.segment_ffn import addmm_into, segment_expert_ffn
+from flexmoe.experts.weights import ExpertWeights
 
 __all__ = ["looped_expert_ffn", "active_experts_ffn", "joined_unit_ffn", "segmented_expert_ffn",
            "grouped_expert_ffn", "grouped_mm_supported", "embedding_bag_ffn", "embedding_bag_supported",
@@ -117,7 +117,7 @@ def grouped_expert_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) 
 
 def segmented_expert_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) -> Tensor:
     """The experts' FFN as the per-expert loop with a hand-written backward, one autograd node for all experts
-    (:func:`flexmoe.segment_ffn.segment_expert_ffn`; shapes as there). The same matmuls as
+    (:func:`flexmoe.experts.segment_ffn.segment_expert_ffn`; shapes as there). The same matmuls as
     :func:`looped_expert_ffn`, written into full-size buffers; the elementwise unit runs once over all rows."""
     return segment_expert_ffn(rows, counts, weights)
 

@@ -1,12 +1,12 @@
 """Which expert kernel runs a call: chosen by timing the candidates on the machine at hand, once per case bucket,
 and cached on disk (docs/architecture.md, "Expert compute").
 
-:class:`KernelChooser` answers, for rows, counts and weights, the kernel of :mod:`flexmoe.expert_kernels` to run:
+:class:`KernelChooser` answers, for rows, counts and weights, the kernel of :mod:`flexmoe.experts.kernels` to run:
 
 * a forced kernel (``expert_kernel="segmented"``) wherever it runs, else the rule with a warning;
 * ``"auto"``: the bucket's entry in memory, else in the cache file, else, where several kernels run the case,
   each timed on this call's own rows (forward, and backward when autograd records), the fastest kept and
-  written to the cache file; where no timing may happen the rule (:data:`~flexmoe.expert_kernels.RULE_KERNEL`,
+  written to the cache file; where no timing may happen the rule (:data:`~flexmoe.experts.kernels.RULE_KERNEL`,
   the loop), kept for the bucket in memory.
 
 Timing happens only in a plain call (:func:`~flexmoe.autograd_state.in_plain_call`), never: without a timer,
@@ -44,7 +44,7 @@ from torch import Tensor
 
 from flexmoe.autograd_state import in_plain_call
 from flexmoe.device_clock import synchronize
-from flexmoe.expert_kernels import (
+from flexmoe.experts.kernels import (
     KERNELS,
     ROUTES,
     RULE_KERNEL,
@@ -53,10 +53,11 @@ from flexmoe.expert_kernels import (
     kernel_named,
     supported_kernels,
 )
-from flexmoe.expert_weights import ExpertWeights
+from flexmoe.experts.weights import ExpertWeights
 from flexmoe.version import __version__
 
-__all__ = ["KernelChooser", "Timer", "time_kernel", "time_in_rounds", "timed_call", "timed_run", "default_cache_path",
+__all__ = ["KernelChooser", "choose_fused_route",
+           "Timer", "time_kernel", "time_in_rounds", "timed_call", "timed_run", "default_cache_path",
            "machine_fingerprint", "torch_control_flow", "DEFAULT_CACHE_DIR"]
 
 Timer = Callable[[str, Callable[[], object]], float]  # (kernel name, run it once) -> seconds per run
@@ -128,7 +129,7 @@ def _versions() -> dict[str, str]:
 class KernelChooser:
     """The kernel of each call (module docstring).
 
-    kernel: ``"auto"`` or a kernel name (:data:`~flexmoe.expert_kernels.KERNELS`); cache_path: the JSON file of
+    kernel: ``"auto"`` or a kernel name (:data:`~flexmoe.experts.kernels.KERNELS`); cache_path: the JSON file of
     measured choices (None: kept in memory only); timer: ``timer(name, run) -> seconds`` (None: never time, the
     rule decides what no cache entry says). ``decisions`` maps each bucket seen to its kernel, ``timings`` each
     measured bucket to its candidates' seconds.
@@ -139,13 +140,21 @@ class KernelChooser:
     default_timer: Timer | None = staticmethod(time_kernel)
     default_cache_dir: str | None = DEFAULT_CACHE_DIR
 
-    def __init__(self, kernel: str = "auto", *, cache_path: str | os.PathLike[str] | None = None,
-                 timer: Timer | None = time_kernel) -> None:
+    def __init__(self, kernel: str = "auto", *, route: str = "auto",
+                 cache_path: str | os.PathLike[str] | None = None, timer: Timer | None = time_kernel) -> None:
         if not isinstance(kernel, str):
             raise TypeError(f"expert_kernel must be a str, got {type(kernel).__name__}")
-        if kernel not in ("auto", "fused"):
+        if kernel in ROUTES:
+            raise ValueError(f"expert_kernel={kernel!r} names a route of the expert stage, not a kernel: use "
+                             f"expert_route={kernel!r}")
+        if kernel != "auto":
             kernel_named(kernel)  # a ValueError naming the known kernels
-        self.kernel = kernel
+        if not isinstance(route, str):
+            raise TypeError(f"expert_route must be a str, got {type(route).__name__}")
+        if route not in ("auto", *ROUTES):
+            raise ValueError(f"expert_route must be one of {['auto', *ROUTES]}, got {route!r}")
+        self.kernel, self.route = kernel, route
+        self.last_kernel: str | None = None  # the kernel of the last run() (None before the first)
         self.cache_path = None if cache_path is None else Path(cache_path).expanduser()
         self.timer = timer
         self.times_calls = True  # False on an expert-parallel rank: its peers would time other cases
@@ -155,11 +164,11 @@ class KernelChooser:
         self._warned: set[str] = set()
 
     @classmethod
-    def for_options(cls, kernel: str, cache_dir: str | None) -> KernelChooser:
-        """The chooser of ``ExpertOptions(expert_kernel=kernel, kernel_cache=cache_dir)``: cache_dir None is
-        ``default_cache_dir``; the timer is ``default_timer``."""
+    def for_options(cls, kernel: str, cache_dir: str | None, route: str = "auto") -> KernelChooser:
+        """The chooser of ``ExpertOptions(expert_kernel=kernel, kernel_cache=cache_dir, expert_route=route)``:
+        cache_dir None is ``default_cache_dir``; the timer is ``default_timer``."""
         directory = cls.default_cache_dir if cache_dir is None else cache_dir
-        return cls(kernel, cache_path=None if directory is None else default_cache_path(directory),
+        return cls(kernel, route=route, cache_path=None if directory is None else default_cache_path(directory),
                    timer=cls.default_timer)
 
     # ---- choosing ---------------------------------------------------------------------------------------------
@@ -169,6 +178,7 @@ class KernelChooser:
         that raises is replaced by the loop (for its bucket, from then on) with a warning."""
         case = KernelCase.of(rows, counts, weights)
         kernel = self.kernel_for(case, rows, counts, weights)
+        self.last_kernel = kernel.name
         if kernel.name == RULE_KERNEL or case.compiling:  # a traced call's failure is the compiler's to report
             return kernel.run(rows, counts, weights)
         try:
@@ -179,7 +189,7 @@ class KernelChooser:
             bucket = case.bucket()
             warnings.warn(f"expert kernel {kernel.name!r} failed on {bucket} ({type(error).__name__}: {error}); "
                           f"the loop runs this case instead", RuntimeWarning, stacklevel=2)
-            self.decisions[bucket] = RULE_KERNEL
+            self.decisions[bucket] = self.last_kernel = RULE_KERNEL
             return KERNELS[RULE_KERNEL].run(rows, counts, weights)
 
     def kernel_for(self, case: KernelCase, rows: Tensor | None = None, counts: list[int] | None = None,
@@ -212,9 +222,10 @@ class KernelChooser:
 
     def choose_route(self, bucket: str, routes: dict[str, Callable[[], object]], rule: str) -> str:
         """Which of the expert stage's ``routes`` (name: one timed run, :func:`timed_run`) a call of ``bucket``
-        takes: a forced one, else the measured one (memory, cache file, or timed now), else ``rule``."""
-        if self.kernel in routes:
-            return self.kernel
+        takes: a forced one (``route``), else ``rule`` under a forced kernel (it runs inside the rows route), else
+        the measured one (memory, cache file, or timed now), else ``rule``."""
+        if self.route in routes:
+            return self.route
         if self.kernel != "auto":
             return rule  # a forced row kernel runs inside the rows route
         name = self.decisions.get(bucket) or self._cached(bucket)
@@ -320,6 +331,33 @@ class KernelChooser:
         partial = self.cache_path.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps(content, indent=1, sort_keys=True))
         partial.replace(self.cache_path)  # atomic: a reader sees the old file or the new one
+
+
+def choose_fused_route(kernels: KernelChooser, bucket: str, x: Tensor, weights: ExpertWeights,
+                       run_fused: Callable[[Tensor], Tensor], run_rows: Callable[[Tensor], Tensor],
+                       kernel_rows: Callable[[], tuple[Tensor, list[int]]]) -> bool:
+    """Whether a call of ``bucket`` takes the fused route rather than the rows route: the one fused-against-rows
+    timing, for the layer's expert stage (:class:`~flexmoe.experts.stage.ExpertStage`) and for a token exchange's
+    receiving rank (:mod:`flexmoe.parallel.token_exchange`). x: the route's input (``[T, M]`` tokens or
+    ``[u, M]`` received rows); run_fused / run_rows: one run of each route on it; kernel_rows: the rows route's
+    rows ``[N, M]`` and counts, built only when the rows' kernel is to be timed first.
+
+    A forced route (``kernels.route``) is taken as it is; under a forced kernel, the rows route; else
+    :meth:`KernelChooser.choose_route` (memory, cache file, or timed now; the rule: rows). The caller has checked
+    that both routes run the call."""
+    if kernels.route != "auto" or kernels.kernel != "auto":
+        return kernels.route == "fused"
+    # The rows route's kernel first, so that its timing is not timed. Only where timing may happen: elsewhere (a
+    # checkpointed forward) the rows built for it would be saved, unlike in the recomputation, which knows the
+    # bucket by then.
+    if kernels.known(bucket) is None and kernels.may_time():
+        rows, counts = kernel_rows()
+        kernels.prepare(rows, counts, weights)
+    # The routes are timed forward only (autograd recording): a whole step each would make a cold cache's first
+    # call of a large layer cost three steps; the forward pays the same [N, M] blocks the backward does.
+    routes = {"fused": timed_run(run_fused, x, weights, backward=False),
+              "rows": timed_run(run_rows, x, weights, backward=False)}
+    return kernels.choose_route(bucket, routes, rule="rows") == "fused"
 
 
 def torch_control_flow(error: BaseException) -> bool:

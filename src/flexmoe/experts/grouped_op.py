@@ -2,13 +2,13 @@
 path of the experts whose unit the fused custom ops cannot take by name (docs/architecture.md, "Compiling the
 layer").
 
-:mod:`flexmoe.padded_ffn_op` computes the whole expert FFN in one custom op, which receives the activation by
+:mod:`flexmoe.experts.padded_op` computes the whole expert FFN in one custom op, which receives the activation by
 name. A callable activation (GPT-OSS's ``g * sigmoid(alpha * g)``, any user function) or autocast cannot cross
 that boundary. Here only the matmuls are custom ops, ``flexmoe::grouped_linear``: rows ``[N, in]`` sorted by
 expert, ``tokens_per_expert`` ``[E]`` on the device, weights ``[E, in, out]`` (bias ``[E, out]``) ->
 ``[N, out]``, expert ``e``'s rows times ``w[e]``. The op is opaque to dynamo and inductor (its fake gives the
 shapes, which follow from N alone), reads the counts inside, and loops over the experts with rows (the matmul
-helpers of :mod:`flexmoe.segment_ffn`). The elementwise unit between the two matmuls stays in the traced graph,
+helpers of :mod:`flexmoe.experts.segment_ffn`). The elementwise unit between the two matmuls stays in the traced graph,
 so any traceable activation works and inductor fuses it. This is also how Hugging Face's ``grouped_mm`` experts
 run on the CPU under ``torch.compile``.
 
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexmoe.expert_weights import ExpertWeights
-from flexmoe.padded_ffn_op import register_op_pair
-from flexmoe.segment_ffn import contiguous_segments, expert_grad_buffer, linear_into, weight_grad_into
+from flexmoe.experts.padded_op import register_op_pair
+from flexmoe.experts.segment_ffn import contiguous_segments, expert_grad_buffer, linear_into, weight_grad_into
+from flexmoe.experts.weights import ExpertWeights
 
 __all__ = ["grouped_linear", "grouped_experts_ffn", "device_offsets_linear", "uses_device_offsets"]
 
@@ -94,7 +94,7 @@ def _backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
     return grad_x, None, grad_w, grad_b
 
 
-# Nothing is registered on a torch without the API (before 2.4; flexmoe.padded_ffn_op.padded_op_available).
+# Nothing is registered on a torch without the API (before 2.4; flexmoe.experts.padded_op.padded_op_available).
 register_op_pair(_OP, _forward_impl, _forward_fake, _BACKWARD_OP, _backward_impl, _backward_fake, _backward,
                  _setup_context)
 

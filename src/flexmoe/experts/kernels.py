@@ -4,8 +4,8 @@
 Each kernel is an object with a ``name``, ``supports(case) -> str | None`` (None: it runs this case; else the
 reason it does not: dtype, device, autograd, compile, layout) and ``run(rows, counts, weights) -> [N, M]``
 (rows ``[N, M]`` sorted by expert, ``counts[e]`` rows each, weights ``[E, ...]``:
-:class:`~flexmoe.expert_weights.ExpertWeights`). All compute the same numbers up to float rounding; which one is
-fastest depends on the machine, the dtype and the shape, so :class:`~flexmoe.kernel_chooser.KernelChooser`
+:class:`~flexmoe.experts.weights.ExpertWeights`). All compute the same numbers up to float rounding; which one is
+fastest depends on the machine, the dtype and the shape, so :class:`~flexmoe.experts.chooser.KernelChooser`
 times the supported ones and keeps the fastest per :class:`KernelCase` bucket.
 
 Without a measurement the rule is the plain loop (:data:`RULE_KERNEL`): it runs every case, so it is never
@@ -20,8 +20,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from flexmoe.expert_weights import ExpertWeights
-from flexmoe.row_kernels import (
+from flexmoe.experts.row_kernels import (
     active_experts_ffn,
     embedding_bag_ffn,
     embedding_bag_supported,
@@ -31,6 +30,7 @@ from flexmoe.row_kernels import (
     looped_expert_ffn,
     segmented_expert_ffn,
 )
+from flexmoe.experts.weights import ExpertWeights
 
 __all__ = ["KernelCase", "ExpertKernel", "KERNELS", "RULE_KERNEL", "ROUTES", "kernel_named", "supported_kernels",
            "power_of_two", "route_bucket"]
@@ -43,7 +43,7 @@ class KernelCase:
     device_type, dtype: the rows'; needs_grad: autograd records the call; compiling: traced by
     ``torch.compile``; autocast: autocast is on for the device; rows: N; experts: E; active: experts with rows;
     model_dim: M; hidden: H; glu: gated experts; uniform: every weight has the rows' dtype and device;
-    grouped_layout: the strides ``torch._grouped_mm`` needs (:func:`~flexmoe.row_kernels.grouped_mm_supported`);
+    grouped_layout: the strides ``torch._grouped_mm`` needs (:func:`~flexmoe.experts.row_kernels.grouped_mm_supported`);
     bag_layout: the contiguous weights and index size ``embedding_bag`` needs.
     """
 
@@ -114,7 +114,7 @@ class LoopKernel:
 
 
 class SegmentedKernel:
-    """The per-expert loop with a hand-written backward, one autograd node (:mod:`flexmoe.segment_ffn`)."""
+    """The per-expert loop with a hand-written backward, one autograd node (:mod:`flexmoe.experts.segment_ffn`)."""
 
     name = "segmented"
 
@@ -195,8 +195,8 @@ KERNELS: dict[str, ExpertKernel] = {k.name: k for k in (LoopKernel(), SegmentedK
 RULE_KERNEL = "loop"
 
 
-# The expert stage's routes a chooser may also time (flexmoe.expert_stage): dispatch, experts and combine fused
-# expert by expert, or one after another over rows. "fused" may be forced like a kernel.
+# The expert stage's routes a chooser may also time (flexmoe.experts.stage): dispatch, experts and combine fused
+# expert by expert, or one after another over rows; ExpertOptions.expert_route forces one.
 ROUTES = ("fused", "rows")
 
 
@@ -211,7 +211,7 @@ def route_bucket(tokens: Tensor, num_rows: int, weights: ExpertWeights) -> str:
 def kernel_named(name: str) -> ExpertKernel:
     """The kernel called ``name``; ValueError naming the known ones otherwise."""
     if name not in KERNELS:
-        raise ValueError(f"expert_kernel must be 'auto' or one of {sorted(KERNELS) + ['fused']}, got {name!r}")
+        raise ValueError(f"expert_kernel must be 'auto' or one of {sorted(KERNELS)}, got {name!r}")
     return KERNELS[name]
 
 

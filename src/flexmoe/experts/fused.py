@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from flexmoe.expert_weights import ExpertWeights, hidden_unit
 from flexmoe.experts import activation_derivative, activation_into
-from flexmoe.segment_ffn import add_bias_grad, add_weight_grad, addmm_into, expert_grad_buffer, record_unit
+from flexmoe.experts.segment_ffn import add_bias_grad, add_weight_grad, addmm_into, expert_grad_buffer, record_unit
+from flexmoe.experts.weights import ExpertWeights, hidden_unit
 
 __all__ = ["HiddenUnit", "CHUNK_ROWS", "expert_chunks", "fused_experts", "fused_forward", "fused_backward",
            "fused_size_rule", "fused_supported"]
@@ -272,11 +272,11 @@ def fused_experts(tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts:
                                expert_chunks(counts, chunk_rows), weights)
 
 
-# The compiled padded path has no first call to time (flexmoe.padded_fused_op): it takes the fused op for blocks of
-# rows x model_dim of at least this many elements, where eager's fused experts measured faster on a 2-core CPU
+# The compiled padded path has no first call to time (flexmoe.experts.padded_fused_op): it takes the fused op for
+# blocks of rows x model_dim of at least this many elements, where eager's fused experts measured faster on a 2-core CPU
 # (T=4096 M=512 k=8 fp32: over the loop floor 1.06 at E=64 H=256, three stages 1.18-1.29; above 32 MiB the three
 # stages' blocks are mapped afresh and page-faulted on every call). Eager calls choose by measurement
-# (flexmoe.expert_stage.runs_fused).
+# (flexmoe.experts.stage.runs_fused).
 _FUSED_MIN_ROW_ELEMENTS = 1 << 23  # rows x model_dim: 32 MiB in float32
 
 

@@ -6,8 +6,8 @@ passed to ``MoELayer(experts=...)``.
 
 Under ``torch.compile`` in capacity mode the layer pads every expert to the same number of rows
 (docs/architecture.md, "Compiling the layer"): the built-in experts then compute only the real rows through a
-custom op (:mod:`flexmoe.padded_ffn_op`), or where it cannot run
-:func:`~flexmoe.row_kernels.padded_expert_ffn` on the
+custom op (:mod:`flexmoe.experts.padded_op`), or where it cannot run
+:func:`~flexmoe.experts.row_kernels.padded_expert_ffn` on the
 ``[E, R, M]`` view (batched matmuls); a custom expert module gets its usual call with ``counts = [R] * E``.
 """
 
@@ -23,10 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flexmoe.expert_kernels import KERNELS, RULE_KERNEL
-from flexmoe.expert_weights import ExpertWeights
-from flexmoe.kernel_chooser import KernelChooser
-from flexmoe.row_kernels import padded_expert_ffn
+from flexmoe.experts.chooser import KernelChooser
+from flexmoe.experts.kernels import KERNELS, RULE_KERNEL
+from flexmoe.experts.weights import ExpertWeights
 from flexmoe.validation import check_int, describe_value
 
 __all__ = ["ExpertOptions", "FeedForwardExperts", "ExpertsCall", "differentiated_weights", "expert_ffn",
@@ -100,8 +99,12 @@ class ExpertOptions:
     glu_limit: GPT-OSS's gated unit for ``glu=True`` experts (routed and shared),
         ``activation(min(gate, L)) * (clamp(up, -L, L) + 1)`` with ``L = glu_limit`` (None: ``activation(gate) * up``).
     expert_kernel: how the experts compute their rows: "auto" (timed per case on this machine, cached:
-        :class:`~flexmoe.kernel_chooser.KernelChooser`) or a kernel of :data:`flexmoe.expert_kernels.KERNELS`
-        ("loop", "segmented", "grouped_mm", "embedding_bag", "joined_unit"), which runs wherever it can.
+        :class:`~flexmoe.experts.chooser.KernelChooser`) or a kernel of :data:`flexmoe.experts.kernels.KERNELS`
+        ("loop", "segmented", "grouped_mm", "embedding_bag", "joined_unit"), which runs wherever it can, compiled
+        calls included (elsewhere a warning names it and why, once: :class:`~flexmoe.experts.stage.ExpertStage`).
+    expert_route: how the expert stage runs: "auto" (the fused route where measured faster, per case, as the
+        kernels; the rows route under a forced kernel), "fused" (dispatch, experts and combine fused expert by
+        expert, :mod:`flexmoe.experts.fused`, wherever it runs) or "rows" (dispatch, the experts' kernel, combine).
     kernel_cache: the directory of the measured choices' file, ``kernels-<machine>.json`` (None:
         ``~/.cache/flexmoe``).
     experts_autocast: whether the routed experts' matmuls follow the caller's ``torch.autocast`` (True: in its
@@ -118,6 +121,7 @@ class ExpertOptions:
     shared_gate: bool = False
     glu_limit: float | None = None
     expert_kernel: str = "auto"
+    expert_route: str = "auto"
     kernel_cache: str | None = None
     experts_autocast: bool = True
 
@@ -133,7 +137,8 @@ class ExpertOptions:
         if self.shared_gate and not self.shared_experts:
             raise ValueError("shared_gate gates the shared experts' output: it needs shared_experts >= 1")
         object.__setattr__(self, "glu_limit", check_glu_limit(self.glu_limit, self.glu))
-        KernelChooser(self.expert_kernel, timer=None)  # the expert_kernel's TypeError / ValueError
+        # The expert_kernel's and expert_route's TypeError / ValueError.
+        KernelChooser(self.expert_kernel, route=self.expert_route, timer=None)
         if self.kernel_cache is not None and not isinstance(self.kernel_cache, str):
             raise TypeError(f"kernel_cache must be a directory (str) or None, got {type(self.kernel_cache).__name__}")
         if not isinstance(self.experts_autocast, bool):
@@ -148,7 +153,8 @@ class ExpertOptions:
         """``num_experts`` experts of these options (the layer's local experts, or its shared experts)."""
         return FeedForwardExperts(num_experts, model_dim, hidden_dim, activation=self.activation, glu=self.glu,
                                   bias=self.bias, glu_limit=self.glu_limit, device=device, dtype=dtype,
-                                  kernels=KernelChooser.for_options(self.expert_kernel, self.kernel_cache))
+                                  kernels=KernelChooser.for_options(self.expert_kernel, self.kernel_cache,
+                                                                    self.expert_route))
 
 
 class ExpertsCall:
@@ -202,7 +208,7 @@ class FeedForwardExperts(nn.Module):
         kernels: KernelChooser | None = None,
     ) -> None:
         super().__init__()
-        # Which kernel computes each call (measured per case on this machine); see flexmoe.kernel_chooser.
+        # Which kernel computes each call (measured per case on this machine); see flexmoe.experts.chooser.
         self.kernels = kernels if kernels is not None else KernelChooser.for_options("auto", None)
         self.num_experts = num_experts
         self.model_dim = model_dim
@@ -248,10 +254,6 @@ class FeedForwardExperts(nn.Module):
     def weights(self) -> ExpertWeights:
         """The experts' weights and unit as they read now (inside an adapter's call: the adapted ones)."""
         return ExpertWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation, self.glu_limit)
-
-    def forward_padded(self, x: Tensor) -> Tensor:
-        """x: ``[E, R, M]``, R rows per expert (some of them padding) -> ``[E, R, M]``: :func:`padded_expert_ffn`."""
-        return padded_expert_ffn(x, self.weights())
 
     def ffn_with(self, x: Tensor, counts: list[int], weights: Mapping[str, Tensor | None]) -> Tensor:
         """These experts' activation and gated unit on other weights (gathered, broadcast or a hidden shard):

@@ -2,7 +2,7 @@
 
 Each expert computes ``unit(x w1 + b1, x w3 + b3) w2 + b2`` on its rows. The rows of one call are laid out as
 *segments*, ``(expert, first row, rows)``, back to back, one per expert that has rows. (The compiled padded
-layout, with padding rows between segments, has its own loop in :mod:`flexmoe.padded_ffn_op`, which calls the
+layout, with padding rows between segments, has its own loop in :mod:`flexmoe.experts.padded_op`, which calls the
 matmul helpers here.)
 
 Autograd through the plain per-expert loop records a dozen nodes per expert (split and unbind views, two
@@ -11,7 +11,7 @@ concatenates the row gradients. Here forward and backward are one node: every ma
 full-size buffer (``out=``), the elementwise unit runs once over all rows, and its derivative comes from
 autograd on that elementwise call only, so any activation callable works (the gated unit, GPT-OSS's clamp).
 
-This module needs only torch and :class:`~flexmoe.expert_weights.ExpertWeights`.
+This module needs only torch and :class:`~flexmoe.experts.weights.ExpertWeights`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from flexmoe.expert_weights import ExpertWeights
+from flexmoe.experts.weights import ExpertWeights
 
 __all__ = ["Unit", "Segment", "RecordedUnit", "contiguous_segments", "segment_ffn_forward", "record_unit",
            "segment_ffn_backward", "segment_expert_ffn", "addmm_into", "linear_into", "add_weight_grad",
@@ -46,7 +46,7 @@ def contiguous_segments(counts: Sequence[int]) -> list[Segment]:
 
 def segment_ffn_forward(rows: Tensor, segments: Sequence[Segment],
                         weights: ExpertWeights) -> tuple[Tensor, Tensor, Tensor | None, RecordedUnit]:
-    """rows: ``[N, M]``; weights: ``[E, ...]`` (:class:`~flexmoe.expert_weights.ExpertWeights`).
+    """rows: ``[N, M]``; weights: ``[E, ...]`` (:class:`~flexmoe.experts.weights.ExpertWeights`).
 
     Returns ``(out [N, M], pre1 [N, H], pre3 [N, H] or None, recorded)``: the pre-activations and the unit's
     output and derivative (:func:`record_unit`), what the backward needs. The segments cover every row.

@@ -1,0 +1,392 @@
+"""The expert stage of a :class:`~flexmoe.MoELayer` call: dispatch -> experts -> combine (docs/architecture.md,
+"The data path", "Expert compute").
+
+:class:`ExpertStage` is the one place that decides how a call's experts run, for eager, compiled, dropless,
+padded, decoding and token-exchange calls alike:
+
+* the plan's layout (:meth:`ExpertStage.plan_layout`): compiling, its counts kept on the device or its rows
+  padded to the capacity, so that the call compiles into one graph;
+* the route (:meth:`ExpertStage.run`), ````ExpertOptions.expert_route``:
+
+  - fused: dispatch, the experts and combine expert by expert in one autograd node (:mod:`flexmoe.experts.fused`;
+    compiling, the custom op of :mod:`flexmoe.experts.padded_fused_op`);
+  - token exchange: expert parallelism sending each token once per rank (:mod:`flexmoe.parallel.token_exchange`,
+    whose receiving rank chooses fused or rows by the same timing, :func:`~flexmoe.experts.chooser.
+    choose_fused_route`);
+  - rows: dispatch, the experts over rows sorted by expert, combine;
+
+* the kernel over rows, ``ExpertOptions.expert_kernel``: eager, the one the experts'
+  :class:`~flexmoe.experts.chooser.KernelChooser` picks; compiling, the custom ops that read the counts on the
+  device (:mod:`flexmoe.experts.padded_op`, :mod:`flexmoe.experts.grouped_op`), or a forced kernel where it runs
+  a traced call (the counts then reach the host).
+
+A forced kernel or route that cannot run a call is replaced by what can, with one warning naming it and why.
+After each call the stage reports ``last_route``, ``last_kernel``, ``last_choice`` and ``last_shadowed``,
+written in one place (:meth:`ExpertStage._report`). The stage holds the layer's modules but owns none of them:
+the parameters stay where the layer's state_dict has them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch
+from flexmoe.experts.chooser import KernelChooser, choose_fused_route
+from flexmoe.experts.fused import fused_experts, fused_supported
+from flexmoe.experts.grouped_op import grouped_experts_ffn, uses_device_offsets
+from flexmoe.experts.kernels import KERNELS, KernelCase, route_bucket
+from flexmoe.experts.modules import ExpertOptions, FeedForwardExperts
+from flexmoe.experts.padded_fused_op import padded_fused_experts, use_padded_fused
+from flexmoe.experts.padded_op import layout_op_runs, padded_experts_forward, padded_op_available
+from flexmoe.parallel.expert_parallel import ParallelSetting
+from flexmoe.parallel.options import ParallelOptions
+from flexmoe.parallel.strategy import ExpertStrategy
+from flexmoe.routing.options import RoutingOptions
+from flexmoe.routing.plan import RoutingPlan
+
+__all__ = ["ExpertStage", "PlanLayout", "parameter_dtype"]
+
+# What last_kernel says for the compiled paths that run no kernel of flexmoe.experts.kernels.
+PADDED_OP = "padded_op"  # flexmoe::padded_experts over the real rows (flexmoe.experts.padded_op)
+GROUPED_OP = "grouped_op"  # the matmuls by flexmoe::grouped_linear or torch._grouped_mm (flexmoe.experts.grouped_op)
+PADDED_BMM = "padded_bmm"  # batched matmuls over every padded row (flexmoe.experts.row_kernels.padded_expert_ffn)
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """How a call's plan lays out its rows: ``padded`` (every expert's rows padded to the capacity) and
+    ``counts_on_device`` (the counts never reach the host); both False in an eager call."""
+
+    padded: bool = False
+    counts_on_device: bool = False
+
+
+class ExpertStage:
+    """How one layer's experts run (module docstring).
+
+    experts: the module the layer was built with (below any adapter); options: the layer's
+    :class:`~flexmoe.experts.ExpertOptions`; distributed: the experts are spread over an expert-parallel group;
+    topology_gated: the layer routes by FasterMoE's topology gate (no compiled layout); model_dim: M. The stage
+    holds the experts module, it does not own it (it is no nn.Module): the layer's state_dict keeps its keys. The
+    shared experts come with each call (:meth:`shared_output`): an adapter may wrap them after construction.
+    """
+
+    def __init__(self, experts: nn.Module, options: ExpertOptions, *, distributed: bool, topology_gated: bool,
+                 model_dim: int) -> None:
+        self.experts = experts
+        self.options = options
+        self.distributed = distributed
+        self.topology_gated = topology_gated
+        self.model_dim = model_dim
+        # What the last call ran (None before the first).
+        self.last_route: str | None = None
+        self.last_kernel: str | None = None
+        self.last_choice: ParallelSetting | None = None
+        self.last_shadowed: list[int] = []
+        self._warned: set[str] = set()
+
+    @property
+    def builtin(self) -> FeedForwardExperts | None:
+        """The built-in experts, or None for a custom experts module."""
+        return self.experts if isinstance(self.experts, FeedForwardExperts) else None
+
+    # ---- the plan's layout ----------------------------------------------------------------------------------
+
+    def plan_layout(self, routing: RoutingOptions, tokens: Tensor, training: bool, adapted: bool = False,
+                    ) -> PlanLayout:
+        """tokens: ``[T, M]``. How this call's plan lays out its rows (:class:`PlanLayout`); ``adapted``: an
+        adapter wraps the experts (the custom ops read the weights themselves: no device counts).
+
+        Compiling, top-k routing in one process without the topology gate: in capacity mode (on the CPU only) the
+        rows are padded to the capacity; dropless with every pair kept and one capacity over the call, the counts
+        stay on the device and the built-in experts run by the custom ops that read them there. Every shape is
+        then known before routing and no routed value reaches the host: the call compiles into one graph
+        (docs/architecture.md, "Compiling the layer"). A forced kernel that runs a traced call takes the counts on
+        the host instead (:meth:`_forced_compiled_kernel`).
+
+        The padding is on the CPU only, for now: on CUDA (an H200, torch 2.11) the compiled padded call's backward
+        gave zero gradients (tests/test_compile.py, under make test-gpu; docs/performance.md, "CUDA"), so there a
+        compiled capacity-mode call takes the unpadded path, which breaks the graph where the counts reach the
+        host."""
+        if not torch.compiler.is_compiling() or routing.selection != "topk" or self.topology_gated \
+                or self.distributed:
+            return PlanLayout()
+        if self._forced_compiled_kernel(tokens, training) is not None:
+            return PlanLayout()
+        capacity_mode = routing.capacity is not None or routing.capacity_factor > 0
+        if capacity_mode:
+            return PlanLayout(padded=tokens.device.type == "cpu")
+        on_device = (routing.static_capacity_factor == 0 and routing.capacity_per == "call"
+                     and not (routing.second_expert == "random" and training)
+                     and self.builtin is not None and not adapted and padded_op_available())
+        return PlanLayout(counts_on_device=on_device)
+
+    def _forced_compiled_kernel(self, tokens: Tensor, training: bool) -> str | None:
+        """Under torch.compile, the forced ``expert_kernel`` that runs this call over rows with the counts on the
+        host, or None (``"auto"``, custom experts, or a kernel that cannot run a traced call: warned once, the
+        compiled custom ops run). ``grouped_mm`` where torch's grouped GEMM reads device offsets runs on the
+        device counts instead (:meth:`_grouped_on_device`), so None for it there too."""
+        experts = self.builtin
+        if experts is None or experts.kernels.kernel == "auto":
+            return None
+        kernel = experts.kernels.kernel
+        weights = experts.weights()
+        rows = tokens if tokens.dtype == experts.w1.dtype else tokens.to(experts.w1.dtype)
+        case = KernelCase.of(rows, [rows.shape[0]] + [0] * (weights.num_experts - 1), weights)
+        if kernel == "grouped_mm" and self._device_offsets(rows):
+            return None
+        reason = KERNELS[kernel].supports(case)
+        if reason is None:
+            return kernel
+        self._warn(f"compiled:{kernel}", f"expert_kernel={kernel!r} does not run this compiled call ({reason}); "
+                   f"the compiled custom ops run such calls")
+        return None
+
+    def serves_without_plan(self, routing: RoutingOptions, tokens: Tensor, training: bool) -> bool:
+        """Whether this call (tokens ``[T, M]``) may skip the plan (:func:`flexmoe.decoding.forward_without_plan`:
+        its experts run over rows, :meth:`run_rows`): no autograd, evaluation mode, eager, one process, top-k
+        routing in token order with one capacity over the call, and few enough pairs for combine's scatter-add
+        (decoding and small evaluation batches)."""
+        if torch.is_grad_enabled() or training or torch.compiler.is_compiling():
+            return False
+        if self.distributed:
+            # It falls back to the full path when one of this rank's experts overflows: a decision of this rank
+            # alone, which under expert parallelism would run other exchanges than its peers'.
+            return False
+        if routing.selection != "topk" or self.topology_gated or routing.batch_prioritized:
+            return False
+        return routing.capacity_per == "call" and 0 < tokens.shape[0] * routing.k * self.model_dim <= \
+            SCATTER_MAX_ELEMENTS
+
+    # ---- a call's route -------------------------------------------------------------------------------------
+
+    def run(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions, parallel: ParallelOptions,
+            pinned: frozenset[str], strategy: ExpertStrategy) -> Tensor:
+        """tokens: ``[T, M]`` -> ``[T, M]``, each token's weighted sum over its experts (or, ``score_at="dispatch"``,
+        the plain sum of its experts' outputs on weighted rows), by the route this call takes (module docstring).
+        strategy: the call's expert strategy (:mod:`flexmoe.parallel.strategy`)."""
+
+        def rows_route(t: Tensor) -> Tensor:
+            return self._rows_route(t, plan, routing, parallel, pinned, strategy)
+
+        if self._runs_fused(tokens, plan, routing, rows_route):
+            return self._run_fused(tokens, plan, strategy)
+        sent = self._exchange_tokens(tokens, plan, routing, parallel, pinned, strategy)
+        if sent is not None:
+            return sent
+        return rows_route(tokens)
+
+    def _rows_route(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions, parallel: ParallelOptions,
+                    pinned: frozenset[str], strategy: ExpertStrategy) -> Tensor:
+        """The three stages one after another: dispatch ``[N, M]``, the experts, combine -> ``[T, M]``."""
+        expert_input = dispatch(tokens, plan, scale=routing.score_at == "dispatch")  # [N, M] by expert
+        # Counts left on the device (compiling, dropless) are read there by the experts' custom ops only.
+        counts = [] if plan.host_counts is None else plan.counts
+        layout_plan = plan if self._by_layout(plan, expert_input) else None
+        expert_output = self.run_rows(expert_input, counts, parallel, pinned, strategy, layout_plan)  # [N, M]
+        return combine(expert_output, plan, weighted=routing.score_at == "combine")
+
+    def _runs_fused(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions,
+                    rows_route: Callable[[Tensor], Tensor]) -> bool:
+        """Whether dispatch, the experts and combine run fused, expert by expert (:mod:`flexmoe.experts.fused`):
+        the built-in experts, all in this process, weights applied at combine, and where fused runs (eager:
+        :func:`~flexmoe.experts.fused.fused_supported`, training; compiling: the custom op of
+        :mod:`flexmoe.experts.padded_fused_op`). Then ``expert_route``: "fused" takes it, "rows" never; "auto"
+        takes it where measured faster than the three stages for this call's bucket
+        (:func:`~flexmoe.experts.chooser.choose_fused_route`; compiling, by the op's size rule), unless a row
+        kernel is forced (it runs inside the rows route)."""
+        experts = self.builtin
+        if experts is None or self.distributed or routing.score_at != "combine" or experts.kernels.route == "rows":
+            return False
+        forced, kernel_forced = experts.kernels.route == "fused", experts.kernels.kernel != "auto"
+        weights = experts.weights()
+        if plan.padded or torch.compiler.is_compiling():
+            if self._grouped_on_device(plan, tokens):
+                return False
+            if kernel_forced and not forced:
+                return False
+            runs = use_padded_fused(tokens, plan, weights, size_rule=not forced)
+            if forced and not runs:
+                self._warn("route:compiled", "expert_route='fused' does not run this compiled call (the fused op "
+                           "needs autograd, a named activation with a closed-form derivative, no clamp, no "
+                           "autocast, float32/float64 on the CPU); the rows route runs such calls")
+            return runs
+        if not any(plan.counts):  # no rows: nothing to fuse, nothing to time
+            return False
+        if not fused_supported(tokens, weights):
+            if forced:
+                self._warn("route:eager", "expert_route='fused' does not run this call (the fused experts need "
+                           "autograd, no autocast, the tokens and weights in one dtype and device); the rows "
+                           "route runs such calls")
+            return False
+        if forced or kernel_forced:  # a forced row kernel runs inside the rows route
+            return forced
+        bucket = route_bucket(tokens, plan.row_token.shape[0], weights)
+        return choose_fused_route(experts.kernels, bucket, tokens, weights,
+                                  run_fused=lambda t: self._fused(t, plan, experts),
+                                  run_rows=rows_route,
+                                  kernel_rows=lambda: (dispatch(tokens, plan), plan.counts))
+
+    def _run_fused(self, tokens: Tensor, plan: RoutingPlan, strategy: ExpertStrategy) -> Tensor:
+        """tokens: ``[T, M]`` -> ``[T, M]``, the weighted sum of each token's experts (:func:`fused_experts`)."""
+        experts = self.builtin
+        assert experts is not None  # checked by _runs_fused
+        if self._autocast_off(tokens):
+            with torch.autocast(tokens.device.type, enabled=False):
+                out = self._fused(tokens.to(experts.w1.dtype), plan, experts).to(tokens.dtype)
+        else:
+            out = self._fused(tokens, plan, experts)
+        compiled = plan.padded or torch.compiler.is_compiling()
+        self._report("fused", "padded_fused_op" if compiled else "fused", strategy.last_choice, [])
+        return out
+
+    @staticmethod
+    def _fused(x: Tensor, plan: RoutingPlan, experts: FeedForwardExperts) -> Tensor:
+        if plan.padded or torch.compiler.is_compiling():
+            return padded_fused_experts(x, plan, experts.weights())
+        return fused_experts(x, plan.row_token, plan.row_weight.to(x.dtype), plan.counts, experts.weights())
+
+    def _exchange_tokens(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions,
+                         parallel: ParallelOptions, pinned: frozenset[str], strategy: ExpertStrategy,
+                         ) -> Tensor | None:
+        """tokens: ``[T, M]`` -> ``[T, M]`` when this call's strategy sends each token once per rank instead of
+        one row per (token, expert) pair (:mod:`flexmoe.parallel.token_exchange`; expert parallelism at r = 1,
+        d = 1, weights applied at combine); None: the call dispatches rows."""
+        if not self.distributed or plan.padded or routing.score_at != "combine":
+            return None
+
+        def rows_path(tokens_in: Tensor, run_rows: Callable[[Tensor], Tensor]) -> Tensor:
+            out = self.in_expert_dtype(run_rows, dispatch(tokens_in, plan))  # [N, M] by expert
+            return combine(out, plan)
+
+        chooser = self._chooser()
+        if chooser is not None:
+            chooser.last_kernel = None
+        y = strategy.run_tokens(tokens, plan.row_token, plan.row_weight, plan.counts, parallel, pinned, rows_path)
+        if y is not None:
+            self._report("tokens", None if chooser is None else chooser.last_kernel, strategy.last_choice,
+                         strategy.last_shadowed)
+        return y
+
+    # ---- the experts over rows ------------------------------------------------------------------------------
+
+    def run_rows(self, rows: Tensor, counts: list[int], parallel: ParallelOptions, pinned: frozenset[str],
+                 strategy: ExpertStrategy, layout_plan: RoutingPlan | None = None) -> Tensor:
+        """rows: ``[N, M]`` sorted by global expert -> ``[N, M]`` in rows' dtype, by ``strategy`` (eager: the
+        kernel the experts' chooser picks).
+
+        layout_plan: the rows are this plan's, computed by the built-in experts' custom op
+        (:func:`flexmoe.experts.padded_op.padded_experts_forward`, :meth:`_by_layout`): only the real rows; a
+        plan with its counts on the device whose unit the op cannot take, or where torch's grouped GEMM reads
+        them there, by the grouped matmuls of :func:`flexmoe.experts.grouped_op.grouped_experts_ffn`."""
+        experts, chooser = self.builtin, self._chooser()
+        kernel: list[str | None] = [None]
+
+        def run(expert_rows: Tensor) -> Tensor:
+            if layout_plan is not None and experts is not None:
+                weights = experts.weights()
+                if layout_plan.host_counts is None and (not layout_op_runs(weights, expert_rows)
+                                                        or self._grouped_on_device(layout_plan, expert_rows)):
+                    kernel[0] = GROUPED_OP
+                    return grouped_experts_ffn(expert_rows, layout_plan.tokens_per_expert, weights)
+                kernel[0] = PADDED_OP if layout_op_runs(weights, expert_rows) else PADDED_BMM
+                return padded_experts_forward(expert_rows, layout_plan, weights)
+            if chooser is not None:
+                chooser.last_kernel = None
+            out = strategy.run(expert_rows, counts, parallel, pinned)
+            kernel[0] = None if chooser is None else chooser.last_kernel
+            return out
+
+        out = self.in_expert_dtype(run, rows)
+        self._report("rows", kernel[0], strategy.last_choice, strategy.last_shadowed)
+        return out
+
+    def _by_layout(self, plan: RoutingPlan, rows: Tensor) -> bool:
+        """Whether the built-in experts compute ``rows`` (``[N, M]``, dispatched by ``plan``) by the custom op of
+        :mod:`flexmoe.experts.padded_op`, which reads the counts on the device: always for a padded plan, and
+        while compiling for any other in one process (dropless, adaptive capacity, expert choice, BASE), whose
+        counts then never reach the graph, unless a forced kernel runs the call. Traced as Python ints instead,
+        every count that is 0 or 1 is a value dynamo specializes on: with many experts nearly every call
+        recompiled, until dynamo's limit sent the rest of the forward back to eager (docs/architecture.md,
+        "Compiling the layer")."""
+        if plan.padded or plan.host_counts is None:  # host_counts None: the counts are on the device only
+            return True
+        experts = self.builtin
+        return (torch.compiler.is_compiling() and experts is not None and not self.distributed
+                and layout_op_runs(experts.weights(), rows)
+                and self._forced_compiled_kernel(rows, torch.is_grad_enabled()) is None)
+
+    def _grouped_on_device(self, plan: RoutingPlan, rows: Tensor) -> bool:
+        """Whether a plan with its counts on the device runs the experts' matmuls by ``torch._grouped_mm`` with
+        device offsets (:func:`flexmoe.experts.grouped_op.uses_device_offsets`: off the CPU, bf16), so that no
+        count reaches the host: not by the custom ops, which read them there (docs/architecture.md, "Compiling
+        the layer")."""
+        return plan.host_counts is None and self._device_offsets(rows)
+
+    def _device_offsets(self, rows: Tensor) -> bool:
+        experts = self.builtin
+        if experts is None:
+            return False
+        device_type = rows.device.type
+        autocast = torch.is_autocast_enabled(device_type) and self.options.experts_autocast
+        dtype = torch.get_autocast_dtype(device_type) if autocast else experts.w1.dtype
+        return all(uses_device_offsets(device_type, dtype, w.shape) for w in (experts.w1, experts.w2))
+
+    def in_expert_dtype(self, run: Callable[[Tensor], Tensor], rows: Tensor) -> Tensor:
+        """``run(rows)`` in the experts' dtype, returned in rows' dtype: a float32 layer fed bf16 activations (or
+        the reverse) computes in its parameters' dtype (under autocast, as autocast says, unless
+        ``experts_autocast`` is False: autocast is then off around the experts, which compute in their
+        parameters' dtype as without it)."""
+        expert_dtype = parameter_dtype(self.experts)
+        if expert_dtype is not None and self._autocast_off(rows):
+            with torch.autocast(rows.device.type, enabled=False):
+                return run(rows.to(expert_dtype)).to(rows.dtype)
+        if expert_dtype is None or torch.is_autocast_enabled(rows.device.type) or expert_dtype == rows.dtype:
+            return run(rows)
+        return run(rows.to(expert_dtype)).to(rows.dtype)
+
+    def _autocast_off(self, rows: Tensor) -> bool:
+        """Whether autocast is on for ``rows``' device and ``experts_autocast`` turns it off around the routed
+        experts (ExpertOptions)."""
+        return torch.is_autocast_enabled(rows.device.type) and not self.options.experts_autocast
+
+    # ---- the shared experts ---------------------------------------------------------------------------------
+
+    def shared_output(self, tokens: Tensor, shared: nn.Module, shared_gate: nn.Module | None) -> Tensor:
+        """tokens: ``[T, M]`` -> ``[T, M]``, the sum of the shared experts' outputs (every token through each),
+        scaled by ``shared_gate`` (None: ungated). The layer's modules as they are now (an adapter may wrap them)."""
+        n, num_tokens = self.options.shared_experts, tokens.shape[0]
+        rows = tokens.repeat(n, 1) if n > 1 else tokens  # [n*T, M]: all tokens for shared expert 0, then 1, ...
+        dtype = parameter_dtype(shared)
+        if not torch.is_autocast_enabled(tokens.device.type) and dtype is not None and dtype != rows.dtype:
+            rows = rows.to(dtype)  # as for the routed experts: compute in the parameters' dtype
+        out = shared(rows, [num_tokens] * n).view(n, num_tokens, self.model_dim).sum(0)
+        return out if shared_gate is None else shared_gate(tokens, out)
+
+    # ---- reports ----------------------------------------------------------------------------------------------
+
+    def _report(self, route: str, kernel: str | None, choice: ParallelSetting | None, shadowed: list[int]) -> None:
+        """What the last call ran: the one place that writes the stage's reports."""
+        self.last_route, self.last_kernel = route, kernel
+        self.last_choice, self.last_shadowed = choice, list(shadowed)
+
+    def _chooser(self) -> KernelChooser | None:
+        experts = self.builtin
+        return None if experts is None else experts.kernels
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def parameter_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype of ``module``'s first parameter (None without parameters)."""
+    for p in module.parameters():
+        return p.dtype
+    return None
