@@ -120,3 +120,22 @@ def test_old_module_names_import_the_moved_modules() -> None:
     from flexmoe.expert_kernels import KERNELS as OLD_KERNELS
 
     assert flexmoe.kernel_chooser is flexmoe.experts.chooser and OLD_KERNELS is KERNELS
+
+
+@pytest.mark.parametrize("route", ("auto", "rows"))
+def test_a_forced_rows_route_holds_where_the_chooser_would_take_fused(monkeypatch: pytest.MonkeyPatch,
+                                                                      route: str) -> None:
+    """A timer that makes the fused route the fastest: "auto" takes it (the control), a forced "rows" does not."""
+    from flexmoe.experts.chooser import KernelChooser
+
+    def fused_fastest(name: str, run) -> float:
+        run()
+        return 1.0 if name == "fused" else 2.0
+
+    monkeypatch.setattr(KernelChooser, "default_timer", staticmethod(fused_fastest))
+    moe = MoELayer(M, E, H, k=K, expert_route=route, capacity_factor=0.0)
+    x = torch.randn(12, M, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    ref, _, _ = reference_for_layer(moe, x, k=K, capacity_factor=0.0)
+    got = moe(x)
+    assert moe.expert_stage.last_route == ("fused" if route == "auto" else "rows")
+    torch.testing.assert_close(got.double(), ref.y.detach(), rtol=1e-5, atol=1e-5)
