@@ -345,3 +345,15 @@ def test_cli_train_fsdp_activation_checkpointing_as_a_user_runs_it(tmp_path: Pat
     want = train(tmp_path / "rule", with_child_site=True)
     got = train(tmp_path / "timed", with_child_site=False)
     assert len(want) == 3 and got == pytest.approx(want, rel=1e-5)
+
+
+def test_a_router_may_return_its_sequences_tokens_flattened(timed: Path) -> None:
+    """A router over ``[B, S, M]`` may return ``[B, S, E]`` or ``[B * S, E]`` (HF's Switch router does the latter):
+    both route alike."""
+    torch.manual_seed(0)
+    weight = torch.randn(4, 8)
+    flat = MoELayer(8, 4, 16, k=2, router=_Router(lambda x: x.reshape(-1, 8) @ weight.T))
+    shaped = MoELayer(8, 4, 16, k=2, router=_Router(lambda x: x @ weight.T))
+    shaped.experts.load_state_dict(flat.experts.state_dict())
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(flat(x), shaped(x), rtol=0, atol=0)

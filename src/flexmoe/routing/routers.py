@@ -143,6 +143,10 @@ def check_router_output(logits: object, x: Tensor, num_experts: int) -> None:
         raise TypeError(f"the router must return a tensor of logits [tokens, num_experts={num_experts}], got "
                         f"{type(logits).__name__}")
     expected = (*x.shape[:-1], num_experts)
-    if tuple(logits.shape) != expected:
+    tokens = math.prod(x.shape[:-1])
+    # Either x's leading shape or its tokens flattened: a router that sees sequences [B, S, M] (HF's Switch
+    # router) may return [B * S, E].
+    if tuple(logits.shape) not in (expected, (tokens, num_experts)):
         raise ValueError(f"the router must return logits [tokens, num_experts={num_experts}] for its input "
-                         f"{tuple(x.shape)}, i.e. shape {expected}; got shape {tuple(logits.shape)}")
+                         f"{tuple(x.shape)}, i.e. shape {expected} or {(tokens, num_experts)}; got shape "
+                         f"{tuple(logits.shape)}")
