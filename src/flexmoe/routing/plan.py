@@ -344,29 +344,21 @@ def plan_from_pairs(
     :class:`RoutingPlan`; active: ``[T, k]`` bool, the pairs to dispatch (default all). Inactive pairs are
     *skipped*: they claim no slot, get ``slot == -1``, are left out of ``load`` and counted in ``num_skipped``,
     not in ``num_dropped``. Capacity as in :func:`resolve_capacity` over the active pairs' loads.
-    priority: ``[T]`` the token order within one choice (None: token order).
-    num_sequences: B when every one of the B sequences (``T / B`` consecutive tokens each) has its own capacity
-    (``capacity_per="sequence"``, :mod:`flexmoe.routing.capacity`): slots then count within (expert, sequence)
-    and ``capacity`` is per sequence. None: one capacity over the call.
+    priority: ``[T]`` the token order within one choice (None: token order). num_sequences: B when each of the B
+    sequences (``T / B`` tokens each) has its own capacity (``capacity_per="sequence"``): slots then count within
+    (expert, sequence) and ``capacity`` is per sequence. None: one capacity over the call.
     padded: lay the rows out padded, ``capacity`` rows per (expert, sequence) unit (:func:`_padded_plan`); the
     capacity must then be known before routing (``capacity_factor > 0`` or ``capacity``), else ``ValueError``.
     counts_on_device: nothing reaches the host, for ``torch.compile`` in dropless mode: every pair has a row, so
     ``N = T * k`` is known before routing, and the counts stay in ``tokens_per_expert`` (``host_counts`` and
-    ``host_capacity`` None until read). Only dropless plans with every pair active and one capacity over the
-    call (``capacity_factor == 0``, no ``capacity``, no ``active``, no ``num_sequences``: the capacity read
-    later is the largest count), else ``ValueError``.
+    ``host_capacity`` None until read); dropless plans only (:func:`_check_counts_on_device`).
     z_loss: the plan's z-loss (None: the router z-loss of ``logits``); scores: the plan's ``scores`` (``[T, E]``).
     """
     num_tokens, num_experts = logits.shape
     k = expert_index.shape[1]
     device = logits.device
     num_units = 1 if num_sequences is None else num_sequences
-    if counts_on_device and (capacity is not None or capacity_factor != 0 or active is not None or padded
-                             or num_units > 1):
-        raise ValueError("counts_on_device needs a dropless plan with every pair active and one capacity over the "
-                         f"call (capacity_factor=0, no capacity, no active mask, not padded, no num_sequences), got "
-                         f"capacity_factor={capacity_factor}, capacity={capacity}, active mask: {active is not None}, "
-                         f"padded={padded}, num_sequences={num_sequences}")
+    _check_counts_on_device(counts_on_device, capacity_factor, capacity, active, padded, num_sequences)
     num_active: int | Tensor  # a tensor only in a padded plan, which never brings it to the host
     if active is None:
         masked_index, num_slots_experts, num_active = expert_index, num_experts, num_tokens * k
@@ -394,8 +386,17 @@ def plan_from_pairs(
     capacity_used: int | None = None
     drops = False
     if not counts_on_device:
-        rows, slot, counts, capacity_used, drops = _apply_host_capacity(
-            order, slot, unit_load, active, num_tokens // num_units, num_experts, k, capacity_factor, capacity)
+        unit_list = unit_load.tolist()  # the one host sync: row counts size every later tensor
+        max_load = max((n for row in unit_list for n in row), default=0)
+        host_cap = resolve_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity, max_load)
+        counts, capacity_used = kept_counts(unit_list, host_cap), host_cap
+        # Every pair keeps its row when no unit is over capacity (always so in dropless mode): no masking then.
+        drops = max_load > host_cap
+        if drops:
+            rows = order[slot.view(-1).index_select(0, order) < host_cap]
+        if drops or active is not None:
+            kept = slot < host_cap if active is None else active & (slot < host_cap)
+            slot = torch.where(kept, slot, torch.full_like(slot, -1))
     num_dropped = 0 if counts is None else num_active - sum(counts)
     row_token = torch.div(rows, k, rounding_mode="floor")
 
@@ -421,26 +422,17 @@ def plan_from_pairs(
     )
 
 
-def _apply_host_capacity(order: Tensor, slot: Tensor, unit_load: Tensor, active: Tensor | None, unit_tokens: int,
-                         num_experts: int, k: int, capacity_factor: float,
-                         capacity: int | None) -> tuple[Tensor, Tensor, list[int], int, bool]:
-    """The capacity read on the host and applied: the one host sync of a plan (row counts size every later tensor).
-
-    order: ``[N_active]`` the active pairs sorted by (expert, [seq,] slot); slot: ``[T, k]``; unit_load: ``[E, B]``
-    pairs per (expert, sequence) unit; unit_tokens: T / B. Returns (rows ``[N]`` the kept pairs in order, slot with
-    the dropped and inactive pairs at -1, kept rows per expert, the capacity, whether any pair was dropped).
-    """
-    unit_list = unit_load.tolist()
-    max_load = max((n for row in unit_list for n in row), default=0)
-    host_cap = resolve_capacity(unit_tokens, num_experts, k, capacity_factor, capacity, max_load)
-    counts = kept_counts(unit_list, host_cap)
-    # Every pair keeps its row when no unit is over capacity (always so in dropless mode): no masking then.
-    drops = max_load > host_cap
-    rows = order[slot.view(-1).index_select(0, order) < host_cap] if drops else order
-    if drops or active is not None:
-        kept = slot < host_cap if active is None else active & (slot < host_cap)
-        slot = torch.where(kept, slot, torch.full_like(slot, -1))
-    return rows, slot, counts, host_cap, drops
+def _check_counts_on_device(counts_on_device: bool, capacity_factor: float, capacity: int | None,
+                            active: Tensor | None, padded: bool, num_sequences: int | None) -> None:
+    """``counts_on_device`` needs a dropless plan with every pair active and one capacity over the call
+    (:func:`plan_from_pairs`); ValueError naming what was given otherwise."""
+    num_units = 1 if num_sequences is None else num_sequences
+    if counts_on_device and (capacity is not None or capacity_factor != 0 or active is not None or padded
+                             or num_units > 1):
+        raise ValueError("counts_on_device needs a dropless plan with every pair active and one capacity over the "
+                         f"call (capacity_factor=0, no capacity, no active mask, not padded, no num_sequences), got "
+                         f"capacity_factor={capacity_factor}, capacity={capacity}, active mask: {active is not None}, "
+                         f"padded={padded}, num_sequences={num_sequences}")
 
 
 def plan_from_choices(expert_index: Tensor, weight: Tensor, num_experts: int, *,

@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--host-reads", default=None, metavar="FAMILIES",
       help="count the aten operations and host reads of one forward + backward of Hugging Face blocks (comma-"
            "separated families, or all), HF's grouped_mm experts against the converted block with "
-           "expert_kernel=grouped_mm (flexmoe.apps.bench.host_reads; default: off)")
+           "expert_kernel=grouped_mm, flexmoe.apps.bench.host_reads (default: off)")
     a("--hf-memory-gib", type=POSITIVE, default=1.0,
       help="--hf: skip HF batched_mm where its per-pair weight copies need more than this (default: 1)")
     a("--auto-trials", type=COUNT, default=None,
