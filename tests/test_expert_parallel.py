@@ -94,7 +94,11 @@ CASES: list[tuple[Scenario, Callable[[list[dict]], None] | None]] = [
 ]
 
 
-@pytest.mark.parametrize("case,check", CASES, ids=[case.id for case, _ in CASES])
+# Four ranks on the 2-core CI machine take several times two ranks' time: the default suite runs every scenario at
+# two ranks, the slow step at four as well.
+@pytest.mark.parametrize("case,check", [
+    pytest.param(case, check, id=case.id, marks=[pytest.mark.slow] if case.world > 2 else [])
+    for case, check in CASES])
 def test_scenario(case: Scenario, check: Callable[[list[dict]], None] | None) -> None:
     reports = run_scenario(case)
     failures = failures_of(reports, case.ranks)

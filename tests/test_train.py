@@ -105,6 +105,7 @@ def _popen(out: Path, steps: int, *extra: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # 3 runs of the job (70 s on 2 cores); test_cli's signal tests cover resume in the default suite
 def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path: Path) -> None:
     steps = 300
     ref = _popen(tmp_path / "ref", steps)

@@ -173,6 +173,7 @@ def test_resume_continues_exactly_as_an_uninterrupted_run(tmp_path: Path) -> Non
         json.loads((straight / "summary.json").read_text())["val_accuracy"]
 
 
+@pytest.mark.slow  # the GPT job's compiled run (tests/test_train.py) covers --compile in the default suite
 def test_compiled_run_equals_eager(tmp_path: Path) -> None:
     """--compile (aot_eager here, for speed) trains the cosine-router ViT to the eager run's losses."""
     flags = ["--steps", "20", "--log-every", "10", "--eval-every", "20", "--ckpt-every", "20", "--n-embd", "32",
