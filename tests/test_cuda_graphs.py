@@ -16,7 +16,7 @@ recompiled for another routing would be re-captured on CUDA, and there it is a n
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -30,6 +30,7 @@ transformers = pytest.importorskip(
 import flexmoe.hf as fh  # noqa: E402
 from flexmoe import MoELayer  # noqa: E402
 from reference import reference_for_layer  # noqa: E402
+from test_hf_compile import _graphs, fresh_dynamo  # noqa: E402, F401  (fresh_dynamo: autouse, a fresh dynamo per test)
 from test_hf_convert import batches, tiny_model  # noqa: E402
 
 READ_FREE = dict(expert_kernel="grouped_mm", dtype=torch.bfloat16)
@@ -41,18 +42,6 @@ FORCED_KERNEL_RUNS = pytest.mark.filterwarnings("error:expert_kernel=:RuntimeWar
 # read-free these tests pass, which fails them until this mark is deleted.
 READ_FREE_PENDING = pytest.mark.xfail(raises=torch._dynamo.exc.Unsupported, strict=True,
                                       reason="issue 41 item 1: the grouped path still reads the counts")
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo(one_thread: None) -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _graphs() -> int:
-    """Graphs dynamo compiled so far in this process (``torch._dynamo.reset`` does not zero the counter)."""
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def _graph_breaks() -> int:
