@@ -123,9 +123,11 @@ class _EveryToken(transformers.StoppingCriteria):
 
 
 def _generate(model: Any, ids: Tensor, compile_config: Any = None, criteria: Any = None) -> Any:
-    """Greedy decoding of 8 tokens with a static cache (the cache transformers compiles the decoding step with)."""
+    """Greedy decoding of 8 tokens with a static cache (the cache transformers compiles the decoding step with),
+    compiled as ``compile_config`` says, else eager (on CUDA transformers would compile it by default)."""
     return model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static",
                           output_logits=True, return_dict_in_generate=True, compile_config=compile_config,
+                          disable_compile=compile_config is None,
                           stopping_criteria=transformers.StoppingCriteriaList([criteria] if criteria else []))
 
 
