@@ -63,7 +63,7 @@ def ref_ffn(x: Tensor, p: dict, e: int, act, glu: bool, limit: float | None) -> 
 
 def reference(x: Tensor, p: dict, opt: dict) -> tuple[Tensor, Tensor, list[list[int]], list[int]]:
     """x: ``[B, S, M]`` float64. Returns (y [B, S, M], aux_loss, expert choices per token, kept rows per expert)."""
-    B, S, _ = x.shape
+    B, S, M = x.shape
     E = p["router_w"].shape[0]
     k = opt["k"]
     tokens = x.reshape(B * S, M)
@@ -183,18 +183,20 @@ CASES = {
 }
 
 
-def _build(opt: dict, E: int = 8) -> MoELayer:
+def _build(opt: dict, E: int = 8, model_dim: int = M, hidden: int = H, **options: object) -> MoELayer:
+    """The layer of case ``opt`` in float64 (``options``: other MoELayer keywords, or these replaced)."""
     torch.manual_seed(3)
     activation = _gpt_oss_act if opt["activation"] == "gpt_oss" else opt["activation"]
     layer = MoELayer(
-        M, E, H, k=opt["k"], capacity_factor=opt["cf"], capacity=opt["capacity"], normalize_weights=opt["normalize"],
+        model_dim, E, hidden, k=opt["k"], capacity_factor=opt["cf"], capacity=opt["capacity"],
+        normalize_weights=opt["normalize"],
         score_func=opt["score_func"], num_expert_groups=opt["groups"][0] if opt["groups"] else None,
         num_limited_groups=opt["groups"][1] if opt["groups"] else None, route_scale=opt["route_scale"],
         router_bias=opt["router_bias"], capacity_per=opt["capacity_per"], aux_loss_type=opt["aux"],
         shared_experts=opt["shared"], shared_hidden_dim=opt["shared_hidden"], shared_gate=opt["shared_gate"],
         glu=opt["glu"], glu_limit=opt["limit"], activation=activation,
         balance="bias" if opt["selection_bias"] else "aux", bias_update_rate=0.0,
-        dtype=torch.float64, router_dtype=torch.float64, group="single",
+        **{"dtype": torch.float64, "router_dtype": torch.float64, "group": "single", **options},
     )
     with torch.no_grad():
         for prm in layer.parameters():  # larger than the default init, so that the clamps and groups matter

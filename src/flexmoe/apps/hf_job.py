@@ -243,9 +243,8 @@ class HFCausalLM(MoEModel):
     hf: Any  # a transformers PreTrainedModel (untyped here: transformers is optional)
 
     def __init__(self, hf: nn.Module, cfg: HFJobConfig) -> None:
-        super().__init__()
+        super().__init__(cfg)
         self.hf = hf
-        self.cfg = cfg
         config = hf.config
         self.aux_loss_coef = (float(getattr(config, "router_aux_loss_coef", 0.0))
                               if getattr(config, "output_router_logits", False) else 0.0)

@@ -9,6 +9,7 @@ One layer against the floor (:mod:`flexmoe.apps.bench.layer`), the suite of targ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -133,8 +134,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
                          f"of the {world} ranks")
     if args.device != "cpu" and (args.nproc > 1 or under_torchrun()):
         raise UsageError(f"--device {args.device}: the distributed benchmark runs on CPU ranks (gloo) only")
-    return BenchConfig(args.tokens, args.model_dim, args.hidden_dim, args.experts, args.k, args.capacity_factor,
-                       args.dtype, args.glu, args.steps, args.warmup, args.seed, args.device)
+    # Every field from the flag of its name.
+    return BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)})
 
 
 def _run_host_reads(families: str, as_json: bool) -> int:

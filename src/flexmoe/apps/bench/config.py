@@ -8,7 +8,7 @@ device gets the same numbers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any
 
@@ -19,21 +19,35 @@ from flexmoe.apps.baselines import expert_floor, grouped_floor
 from flexmoe.experts import FeedForwardExperts
 from flexmoe.layer import MoELayer
 
-__all__ = ["DTYPES", "BenchConfig", "build_layer", "random_rows", "make_inputs", "fwd_bwd", "floor_case"]
+__all__ = ["DTYPES", "LayerSizes", "BenchConfig", "build_layer", "random_rows", "make_inputs", "fwd_bwd", "floor_case"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
 
 
-@dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark configuration. ``tokens`` is per rank under torchrun."""
+@dataclass(frozen=True, kw_only=True)
+class LayerSizes:
+    """The sizes of one MoE layer call: ``tokens`` rows of width ``model_dim`` routed to ``k`` of ``experts``
+    experts of hidden size ``hidden_dim``. What a benchmark configuration and an HF block shape
+    (:class:`~flexmoe.apps.bench.hf_blocks.HFShape`) both are; keyword-only, so that a subclass may add a positional
+    field before them (the shape's name)."""
 
     tokens: int = 4096
     model_dim: int = 512
     hidden_dim: int = 1024
     experts: int = 8
     k: int = 2
+
+    def sizes(self) -> dict[str, Any]:
+        """The five sizes (ints) by field name: ``BenchConfig(**shape.sizes(), ...)`` times a layer of ``shape``'s
+        sizes."""
+        return {f.name: getattr(self, f.name) for f in fields(LayerSizes)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig(LayerSizes):
+    """One benchmark configuration (keyword arguments only). ``tokens`` is per rank under torchrun."""
+
     capacity_factor: float = 1.25
     dtype: str = "float32"
     glu: bool = False

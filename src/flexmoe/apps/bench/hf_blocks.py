@@ -5,12 +5,13 @@ seed, the switch between HF's experts implementations, and the check that two ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from flexmoe.apps.bench.config import LayerSizes
 from flexmoe.layer import MoELayer
 
 __all__ = ["FAMILY_NAMES", "BUILT_IN", "HFShape", "SHAPES", "shapes_of", "hf_config", "fill_weights",
@@ -20,14 +21,13 @@ FAMILY_NAMES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gp
 BUILT_IN = ("eager", "grouped_mm", "batched_mm")  # HF's experts implementations that run on any device
 
 
-@dataclass(frozen=True)
-class HFShape:
-    """One block shape: T tokens (one sequence), model dim M, E routed experts of hidden size H, top-k. ``groups``
-    / ``limited_groups``: DeepSeek-V3's ``n_group`` / ``topk_group`` (1 / 1: no group limit)."""
+@dataclass(frozen=True, kw_only=True)
+class HFShape(LayerSizes):
+    """One block shape, named: T tokens (one sequence), model dim M, E routed experts of hidden size H, top-k (by
+    default a fine-grained block: E=64 of H=256, k=8). ``groups`` / ``limited_groups``: DeepSeek-V3's ``n_group``
+    / ``topk_group`` (1 / 1: no group limit). The name is the one positional argument."""
 
-    name: str
-    tokens: int = 4096
-    model_dim: int = 512
+    name: str = field(kw_only=False)
     experts: int = 64
     k: int = 8
     hidden_dim: int = 256

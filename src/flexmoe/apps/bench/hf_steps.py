@@ -16,17 +16,8 @@ import torch
 from torch import nn
 
 from flexmoe.apps.baselines import expert_floor
-from flexmoe.apps.bench.hf_blocks import (
-    SHAPES,
-    HFShape,
-    assert_same,
-    block_output,
-    build_hf_block,
-    converted_layer,
-    fill_weights,
-    hf_config,
-    set_experts_implementation,
-)
+from flexmoe.apps.bench import hf_blocks
+from flexmoe.apps.bench.hf_blocks import SHAPES, HFShape
 from flexmoe.apps.bench.timing import time_side_by_side
 from flexmoe.experts import FeedForwardExperts
 
@@ -54,8 +45,8 @@ def build_causal_lm(family: str, seed: int = 0, shape: HFShape = TRAIN_SHAPE) ->
     if family == "qwen2_moe":
         extra.update(decoder_sparse_step=1, mlp_only_layers=[])
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family, shape, **extra))
-    fill_weights(model, seed)
+    model = AutoModelForCausalLM.from_config(hf_blocks.hf_config(family, shape, **extra))
+    hf_blocks.fill_weights(model, seed)
     return model.train()
 
 
@@ -79,8 +70,8 @@ def bench_train_step(family: str = "qwen3_moe", *, steps: int = 5, warmup: int =
         loss.backward()
         losses[name] = loss.detach()
         grads[name] = model.get_input_embeddings().weight.grad
-    assert_same("converted model", losses["converted"], losses["hf"], "loss")
-    assert_same("converted model", grads["converted"], grads["hf"], "embedding gradient")
+    hf_blocks.assert_same("converted model", losses["converted"], losses["hf"], "loss")
+    hf_blocks.assert_same("converted model", grads["converted"], grads["hf"], "embedding gradient")
     optimizers = {"hf": torch.optim.AdamW(hf_model.parameters(), lr=1e-4),
                   "converted": torch.optim.AdamW(ours.parameters(), lr=1e-4)}
 
@@ -129,16 +120,16 @@ def bench_decode(tokens: tuple[int, ...] = DECODE_TOKENS, *, family: str = "qwen
     rows = []
     for t in tokens:
         shape = replace(SHAPES["fine"], tokens=t, model_dim=model_dim)
-        reference = build_hf_block(family, shape, seed).eval().to(device)
+        reference = hf_blocks.build_hf_block(family, shape, seed).eval().to(device)
         x = torch.randn(1, t, shape.model_dim, generator=torch.Generator().manual_seed(seed + 1)).to(device)
-        modules = {"hf grouped_mm": set_experts_implementation(copy.deepcopy(reference), "grouped_mm"),
-                   "flexmoe impl": set_experts_implementation(copy.deepcopy(reference), "flexmoe"),
+        modules = {"hf grouped_mm": hf_blocks.set_experts_implementation(copy.deepcopy(reference), "grouped_mm"),
+                   "flexmoe impl": hf_blocks.set_experts_implementation(copy.deepcopy(reference), "flexmoe"),
                    "converted": flexmoe.hf.convert(copy.deepcopy(reference)).eval()}
         with torch.no_grad():
-            want = block_output(set_experts_implementation(reference, "eager")(x))
+            want = hf_blocks.block_output(hf_blocks.set_experts_implementation(reference, "eager")(x))
             for name, module in modules.items():
-                assert_same(name, block_output(module(x)), want, "output")
-        moe = converted_layer(modules["converted"])
+                hf_blocks.assert_same(name, hf_blocks.block_output(module(x)), want, "output")
+        moe = hf_blocks.converted_layer(modules["converted"])
         plan = moe.last_plan
         assert plan is not None
         n = calls or max(1, 256 // t)

@@ -15,19 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flexmoe.apps.bench import hf_blocks
 from flexmoe.apps.bench.config import BenchConfig
 from flexmoe.apps.bench.families import floor_with_shared
-from flexmoe.apps.bench.hf_blocks import (
-    BUILT_IN,
-    SHAPES,
-    HFShape,
-    assert_same,
-    block_output,
-    build_hf_block,
-    converted_layer,
-    set_experts_implementation,
-    shapes_of,
-)
+from flexmoe.apps.bench.hf_blocks import SHAPES, HFShape
 from flexmoe.apps.bench.timing import time_side_by_side
 
 __all__ = ["bench_hf_block", "bench_hf", "format_block"]
@@ -50,38 +41,37 @@ def bench_hf_block(family: str, shape: HFShape, *, steps: int = 5, warmup: int =
     import flexmoe.hf
 
     flexmoe.hf.register()
-    reference = build_hf_block(family, shape, seed).to(device)
+    reference = hf_blocks.build_hf_block(family, shape, seed).to(device)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(1, shape.tokens, shape.model_dim, generator=gen).to(device).requires_grad_()
     grad = torch.randn(x.shape, generator=gen).to(device)
     modules: dict[str, nn.Module] = {}
     skipped: list[str] = []
-    for impl in BUILT_IN:
+    for impl in hf_blocks.BUILT_IN:
         need = _batched_mm_bytes(shape) / 2**30
         if impl == "batched_mm" and need > memory_gib:
             skipped.append(f"hf batched_mm: skipped (its per-pair weight copies need {need:.0f} GiB, "
                            f"over --hf-memory-gib {memory_gib:g})")
             continue
-        modules[f"hf {impl}"] = set_experts_implementation(copy.deepcopy(reference), impl)
-    modules["flexmoe impl"] = set_experts_implementation(copy.deepcopy(reference), "flexmoe")
+        modules[f"hf {impl}"] = hf_blocks.set_experts_implementation(copy.deepcopy(reference), impl)
+    modules["flexmoe impl"] = hf_blocks.set_experts_implementation(copy.deepcopy(reference), "flexmoe")
     converted = flexmoe.hf.convert(copy.deepcopy(reference))
     modules["converted"] = converted
 
     def forward(module: nn.Module) -> Tensor:
-        return block_output(module(x))
+        return hf_blocks.block_output(module(x))
 
     # Every case must compute HF eager's function before its time means anything.
     want_out, want_grad = _run_once(modules["hf eager"], forward, x, grad)
     for name, module in modules.items():
         out, x_grad = _run_once(module, forward, x, grad)
-        assert_same(name, out, want_out, "output")
-        assert_same(name, x_grad, want_grad, "input gradient")
-    plan = converted_layer(converted).last_plan
+        hf_blocks.assert_same(name, out, want_out, "output")
+        hf_blocks.assert_same(name, x_grad, want_grad, "input gradient")
+    plan = hf_blocks.converted_layer(converted).last_plan
     assert plan is not None  # set by the forward above
-    floor_cfg = BenchConfig(tokens=shape.tokens, model_dim=shape.model_dim, hidden_dim=shape.hidden_dim,
-                            experts=shape.experts, k=shape.k, seed=seed, device=device)
+    floor_cfg = BenchConfig(**shape.sizes(), seed=seed, device=device)
 
-    floor = floor_with_shared(converted_layer(converted), plan.counts, floor_cfg)
+    floor = floor_with_shared(hf_blocks.converted_layer(converted), plan.counts, floor_cfg)
     cases: dict[str, Callable[[], None]] = {"floor": floor}
     for name, module in modules.items():
         cases[name] = partial(_step, module, forward, x, grad)
@@ -123,7 +113,7 @@ def bench_hf(families: list[str], *, steps: int = 5, warmup: int = 1, seed: int 
     """:func:`bench_hf_block` for every family at each of its shapes, with ``tokens`` and ``model_dim``."""
     blocks = []
     for family in families:
-        for name in shapes_of(family):
+        for name in hf_blocks.shapes_of(family):
             shape = replace(SHAPES[name], tokens=tokens, model_dim=model_dim)
             blocks.append(bench_hf_block(family, shape, steps=steps, warmup=warmup, seed=seed,
                                          memory_gib=memory_gib, show=show, device=device))

@@ -10,7 +10,6 @@ Shapes: B batch, L sequence length (<= block_size), D ``n_embd``, V ``vocab_size
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flexmoe.apps.models.moe_model import Block, MoEModel, MoEModelConfig
+from flexmoe.apps.models.moe_model import MoEModel, MoEModelConfig
 from flexmoe.parallel.materialize import reset_module
 
 __all__ = ["GPTConfig", "GPT"]
@@ -42,18 +41,13 @@ class GPTConfig(MoEModelConfig):
 
 class GPT(MoEModel):
     """Byte/char-level GPT. ``forward(idx [B, L]) -> logits [B, L, V]`` (and the LM loss with targets).
-    ``group``: the expert-parallel process group its MoE layers spread their experts over (None: this process holds
-    every expert)."""
+    ``group``: as :class:`MoEModel`'s."""
 
     def __init__(self, cfg: GPTConfig, group: Any = None) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.group = group
+        super().__init__(cfg, group)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i, causal=True, group=group) for i in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self._add_trunk(cfg, causal=True)
         # Not tied to tok_emb: safetensors stores each tensor once, and at V=256 tying saves little.
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self._init_weights()
@@ -61,20 +55,6 @@ class GPT(MoEModel):
     def _init_weights(self) -> None:
         for name, module in self.named_modules():
             self._init_gpt_style(name, module)
-
-    def _init_gpt_style(self, name: str, module: nn.Module) -> bool:
-        """GPT-2 style: N(0, 0.02) for linears and embeddings, residual projections scaled by 1/sqrt(2 * n_layer)
-        so the residual stream does not grow with depth; False (untouched) for other modules: the experts and
-        the router keep MoELayer's own initialisation, the layer norms theirs."""
-        if not isinstance(module, (nn.Linear, nn.Embedding)) or ".experts" in name or "router" in name:
-            return False
-        std = 0.02
-        if name.endswith("proj"):
-            std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        nn.init.normal_(module.weight, 0.0, std)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-        return True
 
     def init_module(self, name: str, module: nn.Module) -> None:
         """Initialise submodule ``name``'s own parameters as this model does, for
@@ -91,9 +71,7 @@ class GPT(MoEModel):
         if seq > self.cfg.block_size:
             raise ValueError(f"sequence length {seq} exceeds block_size {self.cfg.block_size}")
         pos = torch.arange(seq, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
+        x = self._run_blocks(self.tok_emb(idx) + self.pos_emb(pos))
         logits = self.head(self.ln_f(x))
         loss = None
         if targets is not None:

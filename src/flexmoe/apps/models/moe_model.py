@@ -7,6 +7,7 @@ its MoE layers are found among its submodules, in order.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -172,6 +173,41 @@ class MoEModel(nn.Module):
 
     cfg: Any
     group: Any = None
+
+    def __init__(self, cfg: Any, group: Any = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.group = group
+
+    def _add_trunk(self, cfg: MoEModelConfig, *, causal: bool) -> None:
+        """Register what the GPT and the ViT run between their embeddings and their head (after the embeddings,
+        so that parameters keep that order): dropout, ``cfg.n_layer`` blocks (the MoE ones spread over
+        ``self.group``), the final layer norm."""
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i, causal=causal, group=self.group) for i in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+
+    def _run_blocks(self, x: Tensor) -> Tensor:
+        """x: ``[B, L, n_embd]`` embedded tokens -> dropout, then every block -> ``[B, L, n_embd]`` (``ln_f`` is the
+        caller's: the ViT pools first)."""
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def _init_gpt_style(self, name: str, module: nn.Module) -> bool:
+        """GPT-2 style: N(0, 0.02) for linears and embeddings, residual projections scaled by 1/sqrt(2 * n_layer)
+        so the residual stream does not grow with depth; False (untouched) for other modules: the experts and
+        the router keep MoELayer's own initialisation, the layer norms theirs."""
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or ".experts" in name or "router" in name:
+            return False
+        std = 0.02
+        if name.endswith("proj"):
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        nn.init.normal_(module.weight, 0.0, std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        return True
 
     @property
     def moe_layers(self) -> list[MoELayer]:

@@ -13,7 +13,6 @@ K ``num_classes``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flexmoe.apps.models.moe_model import Block, MoEModel, MoEModelConfig
+from flexmoe.apps.models.moe_model import MoEModel, MoEModelConfig
 
 __all__ = ["ViTConfig", "ViT", "patchify"]
 
@@ -70,34 +69,25 @@ def patchify(images: Tensor, patch_size: int) -> Tensor:
 
 class ViT(MoEModel):
     """``forward(images [B, C, H, W]) -> logits [B, K]`` (and the mean cross-entropy with ``labels [B]``).
-    ``group``: the expert-parallel process group its MoE layers spread their experts over (None: this process holds
-    every expert)."""
+    ``group``: as :class:`MoEModel`'s."""
 
     def __init__(self, cfg: ViTConfig, group: Any = None) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.group = group
+        super().__init__(cfg, group)
         self.patch_emb = nn.Linear(cfg.channels * cfg.patch_size**2, cfg.n_embd)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.n_embd)) if cfg.pool == "cls" else None
         self.pos_emb = nn.Parameter(torch.zeros(1, cfg.num_tokens, cfg.n_embd))
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i, causal=False, group=group) for i in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self._add_trunk(cfg, causal=False)
         self.head = nn.Linear(cfg.n_embd, cfg.num_classes)
         self._init_weights()
 
     def _init_weights(self) -> None:
-        # As the GPT: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer); experts and the router
-        # keep MoELayer's own initialisation.
+        # As the GPT (its linears are all this model has besides the layer norms, experts and router); the class
+        # token and the position table are plain parameters.
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, 0.0, 0.02)
         nn.init.normal_(self.pos_emb, 0.0, 0.02)
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear) and ".experts" not in name and "router" not in name:
-                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj") else 0.02
-                nn.init.normal_(module.weight, 0.0, std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+            self._init_gpt_style(name, module)
 
     def forward(self, images: Tensor, labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """images: ``[B, C, H, W]`` -> (logits ``[B, K]``, mean cross-entropy over ``labels [B]`` or None).
@@ -111,9 +101,7 @@ class ViT(MoEModel):
         x = self.patch_emb(patchify(images, cfg.patch_size))  # [B, N, D]
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # [B, N + 1, D]
-        x = self.drop(x + self.pos_emb)  # [B, tokens, D]
-        for block in self.blocks:
-            x = block(x)
+        x = self._run_blocks(x + self.pos_emb)  # [B, tokens, D]
         pooled = x[:, 0] if self.cls_token is not None else x.mean(dim=1)  # [B, D]
         logits = self.head(self.ln_f(pooled))  # [B, K]
         loss = F.cross_entropy(logits, labels) if labels is not None else None
