@@ -254,7 +254,7 @@ class MoELayer(nn.Module):
         replayed = None if tap is None else tap.replayed(x, self.num_experts, routing.k, backward_now)  # [T, k]
         stage, strategy = self.expert_stage, self.strategy_of(parallel)
         adapted = self.experts is not self._built_experts
-        # The path a GPU takes: no host read in the whole call (docs/architecture.md, "The read-free path").
+        # The path a GPU takes: no host read in the whole call (docs/architecture.md, "Expert compute").
         read_free = replayed is None and stage.read_free(routing, tokens, self.training, adapted)
         if not read_free and stage.serves_without_plan(routing, tokens, self.training):  # decoding: no plan
             served = forward_without_plan(

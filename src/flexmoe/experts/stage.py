@@ -168,7 +168,7 @@ class ExpertStage:
 
     def read_free(self, routing: RoutingOptions, tokens: Tensor, training: bool, adapted: bool = False) -> bool:
         """Whether this call (tokens ``[T, M]``) takes the read-free path (:meth:`run_read_free`): no operation
-        reads the device from the host, forward or backward (docs/architecture.md, "The read-free path").
+        reads the device from the host, forward or backward (docs/architecture.md, "Expert compute").
 
         It is the path of ``expert_kernel="grouped_mm"`` (forced, any device: how the CPU tests count it), and of
         ``"auto"`` off the CPU: there the chooser's timing and the host counts would stall the stream at every

@@ -136,7 +136,7 @@ def assign_slots(
 
 
 def assign_sequence_slots(expert_index: Tensor, num_experts: int, priority: Tensor | None, num_sequences: int,
-                          *, on_device: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                          on_device: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Slots counted per (expert, sequence).
 
     expert_index: ``[T, k]`` with ``T = B * S`` tokens sequence-major (token t is in sequence ``t // S``);

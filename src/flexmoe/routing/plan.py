@@ -379,12 +379,11 @@ def plan_from_pairs(
         # out in priority order among the active pairs only; the virtual expert is then cut off.
         masked_index = torch.where(active, expert_index, torch.full_like(expert_index, num_experts))
         num_slots_experts, num_active = num_experts + 1, active.sum() if padded else int(active.sum())
-    if num_units == 1:
+    if num_units == 1:  # counted on the device when padded (no host read: compiling, or the read-free path)
         slot, load_all, order = assign_slots(masked_index, num_slots_experts, priority, on_device=padded)
         unit_load = load_all[:num_experts].unsqueeze(1)  # [E, 1]
     else:
-        slot, unit_load, order = assign_sequence_slots(masked_index, num_slots_experts, priority, num_units,
-                                                       on_device=padded)
+        slot, unit_load, order = assign_sequence_slots(masked_index, num_slots_experts, priority, num_units, padded)
         unit_load = unit_load[:num_experts]  # [E, B]
     if padded:
         cap = _static_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity)

@@ -1,5 +1,5 @@
 """The dropless top-k plan without a host read: the plan of the path a GPU takes (docs/architecture.md, "Expert
-compute", "The read-free path").
+compute").
 
 On a GPU every value the host reads from the device stalls the stream, and every operation is a kernel launch.
 :func:`read_free_plan` builds the dropless :class:`~flexmoe.routing.RoutingPlan` of a top-k call with neither:
