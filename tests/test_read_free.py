@@ -119,7 +119,7 @@ def test_native_layer_training_call_reads_nothing_and_equals_a_dense_loop(family
         x.grad = None
         counted = count_call(lambda: layer(x))
     assert counted.host_reads == []
-    assert layer.expert_stage.last_kernel == ("grouped_op" if capacity_factor == 0 else "padded_bmm")
+    assert layer.expert_stage.last_kernel == ("grouped_mm" if capacity_factor == 0 else "padded_bmm")
     x_ref = x.detach().double().requires_grad_()
     want = _reference(layer, x_ref, family, capacity_factor)
     want.backward(torch.ones_like(want))

@@ -234,7 +234,7 @@ class ExpertStage:
         ends = plan.expert_ends
         assert ends is not None  # read_free_plan sets it
         out = self.in_expert_dtype(lambda r: experts_ffn_by_ends(r, ends, plan.row_expert, weights), rows)
-        self._report("rows", GROUPED_OP, None, [])
+        self._report("rows", "grouped_mm", None, [])  # the kernel named: torch._grouped_mm, its offsets on the device
         weighted = out if scaled else out * plan.row_weight.to(out.dtype).unsqueeze(-1)
         return weighted.new_zeros(plan.num_tokens, out.shape[-1]).index_add(0, plan.row_token, weighted)
 
