@@ -143,7 +143,7 @@ def test_native_layer_decoding_reads_nothing_and_equals_a_dense_loop(family: str
         x = torch.randn(num_tokens, M, generator=torch.Generator().manual_seed(num_tokens))
         with torch.no_grad():
             for _ in range(2):
-                counted = count_call(lambda: layer(x), backward=False)
+                counted = count_call(lambda x=x: layer(x), backward=False)
             got = layer(x)
         assert counted.host_reads == [], (num_tokens, counted.host_reads)
         _assert_close(got, _reference(layer, x, family, capacity_factor))
