@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -243,3 +244,24 @@ def test_native_dropless_call_needs_no_more_operations_than_a_converted_block() 
         assert counted.host_reads == []
         ops.append(counted.ops)
     assert ops[1] <= ops[0], ops
+
+
+def test_auto_takes_the_read_free_path_off_the_cpu_only() -> None:
+    """The kernel chooser's timing and host counts read the device: off the CPU (tokens that only say they are on
+    CUDA stand for a GPU's: the rule reads their device type and count alone) ``expert_kernel="auto"`` takes the
+    read-free path for bf16 experts whose sizes torch's grouped GEMM aligns, untimed; on the CPU auto keeps
+    measuring, and a forced other kernel is never overridden."""
+    def read_free(kernel: str, dtype: torch.dtype, device: str, **options: Any) -> bool:
+        options = {"capacity_factor": 0.0, **options}
+        layer = flexmoe.MoELayer(M, E, H, k=K, expert_kernel=kernel, dtype=dtype, **options)
+        tokens = SimpleNamespace(device=torch.device(device), shape=(4, M), dtype=dtype)
+        return layer.expert_stage.read_free(layer.routing_options, tokens, training=True)  # type: ignore[arg-type]
+
+    assert read_free("auto", torch.bfloat16, "cuda")
+    assert not read_free("auto", torch.bfloat16, "cpu")
+    assert not read_free("auto", torch.float32, "cuda")  # torch._grouped_mm off the CPU: bf16 (uses_device_offsets)
+    assert not read_free("loop", torch.bfloat16, "cuda")
+    assert not read_free("auto", torch.bfloat16, "cuda", expert_route="fused")
+    assert read_free("auto", torch.bfloat16, "cuda", capacity_factor=1.0)  # the padded layout: any dtype
+    assert read_free("grouped_mm", torch.float32, "cpu")
+    assert not read_free("grouped_mm", torch.float32, "cpu", capacity_factor=-1.0)  # adaptive: sized by the loads
