@@ -16,6 +16,9 @@ Off the CPU (a GPU), bf16 matmuls go to ``torch._grouped_mm`` instead, given the
 tensor (:func:`device_offsets_linear`): nothing is read back to the host, so the compiled layer never waits for the
 device. On the CPU the custom op stays: there a host read costs nothing, and its loop of matmuls measured faster
 than ``torch._grouped_mm`` (the benchmark suite's grouped floor).
+
+The eager read-free path (:meth:`flexmoe.experts.stage.ExpertStage.read_free`) runs :func:`experts_ffn_by_ends`:
+``torch._grouped_mm`` on any device, the offsets made once per call by its plan, never read by the host.
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ padded, decoding and token-exchange calls alike:
     whose receiving rank chooses fused or rows by the same timing, :func:`~flexmoe.experts.chooser.
     choose_fused_route`);
   - rows: dispatch, the experts over rows sorted by expert, combine;
+  - read-free (:meth:`ExpertStage.read_free`, the path a GPU takes: ``expert_kernel="grouped_mm"``, or "auto"
+    off the CPU): the rows route without a single host read, on the plan of
+    :mod:`flexmoe.routing.read_free` (dropless, ``torch._grouped_mm`` over device offsets) or the padded plan
+    (capacity mode, batched matmuls);
 
 * the kernel over rows, ``ExpertOptions.expert_kernel``: eager, the one the experts'
   :class:`~flexmoe.experts.chooser.KernelChooser` picks; compiling, the custom ops that read the counts on the
