@@ -264,4 +264,6 @@ def test_auto_takes_the_read_free_path_off_the_cpu_only() -> None:
     assert not read_free("auto", torch.bfloat16, "cuda", expert_route="fused")
     assert read_free("auto", torch.bfloat16, "cuda", capacity_factor=1.0)  # the padded layout: any dtype
     assert read_free("grouped_mm", torch.float32, "cpu")
+    with pytest.warns(RuntimeWarning, match="bfloat16 elsewhere"):  # torch's CUDA grouped GEMM: bf16 only
+        assert not read_free("grouped_mm", torch.float32, "cuda")
     assert not read_free("grouped_mm", torch.float32, "cpu", capacity_factor=-1.0)  # adaptive: sized by the loads

@@ -149,10 +149,13 @@ def grouped_experts_ffn(rows: Tensor, tokens_per_expert: Tensor, weights: Expert
     return grouped_linear(weights.unit(pre1, pre3), tokens_per_expert, weights.w2, weights.b2)
 
 
-def grouped_mm_runs(dtype: torch.dtype, w_shape: torch.Size | tuple[int, ...]) -> bool:
-    """Whether ``torch._grouped_mm`` takes matmuls of ``dtype`` with weights ``[E, in, out]`` on any device: this
-    torch has it, float32, bfloat16 or float16 (float64 it refuses), ``in`` and ``out`` 16 bytes apart (its
-    alignment; on the CPU, torch 2.13)."""
+def grouped_mm_runs(device_type: str, dtype: torch.dtype, w_shape: torch.Size | tuple[int, ...]) -> bool:
+    """Whether ``torch._grouped_mm`` takes matmuls of ``dtype`` with weights ``[E, in, out]`` on a device of
+    ``device_type``: this torch has it; on the CPU float32, bfloat16 or float16 (float64 it refuses; torch 2.13),
+    elsewhere bfloat16 (:func:`uses_device_offsets`: the checks of its CUDA kernel, as torch's meta function
+    states them); ``in`` and ``out`` 16 bytes apart (its alignment)."""
+    if device_type != "cpu":
+        return uses_device_offsets(device_type, dtype, w_shape)
     if not hasattr(torch, "_grouped_mm") or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     per_16_bytes = 16 // dtype.itemsize

@@ -181,10 +181,9 @@ class ExpertStage:
         batch priority, no random 2nd expert in training, no global balance loss, T >= 1. Capacity mode (a
         capacity known before routing) takes the padded layout, batched matmuls over every expert's
         ``capacity`` rows; dropless, ``torch._grouped_mm`` with the offsets on the device, where it takes the
-        experts' dtype and shapes (:func:`~flexmoe.experts.grouped_op.grouped_mm_runs`; off the CPU, as auto,
-        bf16 only: :func:`~flexmoe.experts.grouped_op.uses_device_offsets`), else the call reads as before, with
-        one warning when grouped_mm was forced. Adaptive capacity (``capacity_factor < 0``) depends on the loads:
-        not read-free."""
+        experts' dtype and shapes (:func:`~flexmoe.experts.grouped_op.grouped_mm_runs`: off the CPU bf16 only),
+        else the call reads as before, with one warning when grouped_mm was forced. Adaptive capacity
+        (``capacity_factor < 0``) depends on the loads: not read-free."""
         experts = self.builtin
         if experts is None or adapted or self.distributed or self.topology_gated or torch.compiler.is_compiling():
             return False
@@ -202,15 +201,14 @@ class ExpertStage:
         if routing.static_capacity_factor < 0:
             return False
         dtype = self._compute_dtype(tokens)
-        shapes = (experts.w1.shape, experts.w2.shape)
-        if on_auto:
-            return all(uses_device_offsets(tokens.device.type, dtype, shape) for shape in shapes)
-        if all(grouped_mm_runs(dtype, shape) for shape in shapes):
+        if all(grouped_mm_runs(tokens.device.type, dtype, w.shape) for w in (experts.w1, experts.w2)):
             return True
-        self._warn("read_free", f"expert_kernel='grouped_mm' cannot run this call without host reads: "
-                   f"torch._grouped_mm takes float32, bfloat16 or float16 matmuls whose sizes are 16 bytes "
-                   f"apart, the experts compute in {dtype} with w1 {tuple(experts.w1.shape)}; such calls count "
-                   f"their rows on the host")
+        if forced:
+            self._warn("read_free", f"expert_kernel='grouped_mm' cannot run this call without host reads: "
+                       f"torch._grouped_mm takes float32, bfloat16 or float16 matmuls on the CPU (bfloat16 "
+                       f"elsewhere) whose sizes are 16 bytes apart, the experts compute in {dtype} on "
+                       f"{tokens.device.type} with w1 {tuple(experts.w1.shape)}; such calls count their rows on "
+                       f"the host")
         return False
 
     def run_read_free(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions) -> Tensor:
