@@ -253,7 +253,10 @@ class MoELayer(nn.Module):
         tap, backward_now = self.routing_tap, in_backward()
         replayed = None if tap is None else tap.replayed(x, self.num_experts, routing.k, backward_now)  # [T, k]
         stage, strategy = self.expert_stage, self.strategy_of(parallel)
-        if stage.serves_without_plan(routing, tokens, self.training):  # decoding: no plan unless it is read
+        adapted = self.experts is not self._built_experts
+        # The path a GPU takes: no host read in the whole call (docs/architecture.md, "Expert compute").
+        read_free = replayed is None and stage.read_free(routing, tokens, self.training, adapted)
+        if not read_free and stage.serves_without_plan(routing, tokens, self.training):  # decoding: no plan
             served = forward_without_plan(
                 DecodingLayer(self.router, self.expert_bias, self.num_experts, stage, strategy, self.shared,
                               self.shared_gate), tokens, routing,
@@ -269,16 +272,20 @@ class MoELayer(nn.Module):
         logits = route(self.router, router_input(tokens, num_sequences), dtype=routing.router_dtype,
                        training=self.training, jitter=routing.jitter, gate_noise=routing.gate_noise,
                        input_dropout=routing.router_input_dropout, num_experts=self.num_experts)  # [T, E]
-        layout = stage.plan_layout(routing, tokens, self.training, adapted=self.experts is not self._built_experts)
+        layout = stage.plan_layout(routing, tokens, self.training, adapted=adapted)
+        padded = layout.padded or (read_free and (routing.capacity is not None or routing.static_capacity_factor > 0))
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
-                          topology=self.topology, num_sequences=num_sequences, padded=layout.padded,
-                          counts_on_device=layout.counts_on_device, expert_index=replayed)
+                          topology=self.topology, num_sequences=num_sequences, padded=padded,
+                          counts_on_device=layout.counts_on_device, expert_index=replayed, read_free=read_free)
         if tap is not None:
             tap.chosen(x, plan.expert_index, backward_now)
         if self.global_balance is not None and self.training and torch.is_grad_enabled():
             plan.aux_loss = self.global_balance.loss(logits, plan.expert_index, routing.score_func,
                                                      accumulate=not backward_now)
-        y = stage.run(tokens, plan, routing, parallel, pinned, strategy)  # [T, M]
+        if read_free:
+            y = stage.run_read_free(tokens, plan, routing)  # [T, M]
+        else:
+            y = stage.run(tokens, plan, routing, parallel, pinned, strategy)  # [T, M]
         if self.shared is not None:
             y = y + stage.shared_output(tokens, self.shared, self.shared_gate).to(y.dtype)
 

@@ -16,6 +16,9 @@ Off the CPU (a GPU), bf16 matmuls go to ``torch._grouped_mm`` instead, given the
 tensor (:func:`device_offsets_linear`): nothing is read back to the host, so the compiled layer never waits for the
 device. On the CPU the custom op stays: there a host read costs nothing, and its loop of matmuls measured faster
 than ``torch._grouped_mm`` (the benchmark suite's grouped floor).
+
+The eager read-free path (:meth:`flexmoe.experts.stage.ExpertStage.read_free`) runs :func:`experts_ffn_by_ends`:
+``torch._grouped_mm`` on any device, the offsets made once per call by its plan, never read by the host.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from flexmoe.experts.padded_op import register_op_pair
 from flexmoe.experts.segment_ffn import contiguous_segments, expert_grad_buffer, linear_into, weight_grad_into
 from flexmoe.experts.weights import ExpertWeights
 
-__all__ = ["grouped_linear", "grouped_experts_ffn", "device_offsets_linear", "uses_device_offsets"]
+__all__ = ["grouped_linear", "grouped_experts_ffn", "device_offsets_linear", "uses_device_offsets", "grouped_mm_runs",
+           "experts_ffn_by_ends"]
 
 # A change to either op's signature needs a new name (inductor's on-disk cache keeps graphs that call it).
 _OP = "flexmoe::grouped_linear"
@@ -143,3 +147,36 @@ def grouped_experts_ffn(rows: Tensor, tokens_per_expert: Tensor, weights: Expert
     pre1 = grouped_linear(rows, tokens_per_expert, weights.w1, weights.b1)  # [N, H]
     pre3 = None if weights.w3 is None else grouped_linear(rows, tokens_per_expert, weights.w3, weights.b3)
     return grouped_linear(weights.unit(pre1, pre3), tokens_per_expert, weights.w2, weights.b2)
+
+
+def grouped_mm_runs(device_type: str, dtype: torch.dtype, w_shape: torch.Size | tuple[int, ...]) -> bool:
+    """Whether ``torch._grouped_mm`` takes matmuls of ``dtype`` with weights ``[E, in, out]`` on a device of
+    ``device_type``: this torch has it; on the CPU float32, bfloat16 or float16 (float64 it refuses; torch 2.13),
+    elsewhere bfloat16 (:func:`uses_device_offsets`: the checks of its CUDA kernel, as torch's meta function
+    states them); ``in`` and ``out`` 16 bytes apart (its alignment)."""
+    if device_type != "cpu":
+        return uses_device_offsets(device_type, dtype, w_shape)
+    if not hasattr(torch, "_grouped_mm") or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    per_16_bytes = 16 // dtype.itemsize
+    return w_shape[-2] % per_16_bytes == 0 and w_shape[-1] % per_16_bytes == 0
+
+
+def experts_ffn_by_ends(rows: Tensor, expert_ends: Tensor, row_expert: Tensor, weights: ExpertWeights) -> Tensor:
+    """The experts' FFN by ``torch._grouped_mm`` without a host read: rows ``[N, M]`` sorted by expert (every row
+    counted), expert_ends ``[E]`` int32 the row after each expert's last (the grouped GEMM's offsets, made once
+    per call, not per matmul), row_expert ``[N]`` each row's expert (for the biases) -> ``[N, M]``. Under autocast
+    the matmuls run in its dtype, as ``torch.mm`` would (``torch._grouped_mm`` is not recast by autocast)."""
+    device_type = rows.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+    def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        if dtype is not None:
+            x, w = x.to(dtype), w.to(dtype)
+            b = None if b is None else b.to(dtype)
+        out = torch._grouped_mm(x, w, offs=expert_ends)
+        return out if b is None else out + b.index_select(0, row_expert)
+
+    pre1 = linear(rows, weights.w1, weights.b1)  # [N, H]
+    pre3 = None if weights.w3 is None else linear(rows, weights.w3, weights.b3)
+    return linear(weights.unit(pre1, pre3), weights.w2, weights.b2)

@@ -14,6 +14,10 @@ padded, decoding and token-exchange calls alike:
     whose receiving rank chooses fused or rows by the same timing, :func:`~flexmoe.experts.chooser.
     choose_fused_route`);
   - rows: dispatch, the experts over rows sorted by expert, combine;
+  - read-free (:meth:`ExpertStage.read_free`, the path a GPU takes: ``expert_kernel="grouped_mm"``, or "auto"
+    off the CPU): the rows route without a single host read, on the plan of
+    :mod:`flexmoe.routing.read_free` (dropless, ``torch._grouped_mm`` over device offsets) or the padded plan
+    (capacity mode, batched matmuls);
 
 * the kernel over rows, ``ExpertOptions.expert_kernel``: eager, the one the experts'
   :class:`~flexmoe.experts.chooser.KernelChooser` picks; compiling, the custom ops that read the counts on the
@@ -38,11 +42,12 @@ from torch import Tensor, nn
 from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch
 from flexmoe.experts.chooser import KernelChooser, choose_fused_route
 from flexmoe.experts.fused import fused_experts, fused_supported
-from flexmoe.experts.grouped_op import grouped_experts_ffn, uses_device_offsets
+from flexmoe.experts.grouped_op import experts_ffn_by_ends, grouped_experts_ffn, grouped_mm_runs, uses_device_offsets
 from flexmoe.experts.kernels import KERNELS, KernelCase, route_bucket
 from flexmoe.experts.modules import ExpertOptions, FeedForwardExperts
 from flexmoe.experts.padded_fused_op import padded_fused_experts, use_padded_fused
 from flexmoe.experts.padded_op import layout_op_runs, padded_experts_forward, padded_op_available
+from flexmoe.experts.row_kernels import padded_expert_ffn
 from flexmoe.parallel.expert_parallel import ParallelSetting
 from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.strategy import ExpertStrategy
@@ -162,6 +167,87 @@ class ExpertStage:
             return False
         return routing.capacity_per == "call" and 0 < tokens.shape[0] * routing.k * self.model_dim <= \
             SCATTER_MAX_ELEMENTS
+
+    # ---- the read-free path ---------------------------------------------------------------------------------
+
+    def read_free(self, routing: RoutingOptions, tokens: Tensor, training: bool, adapted: bool = False) -> bool:
+        """Whether this call (tokens ``[T, M]``) takes the read-free path (:meth:`run_read_free`): no operation
+        reads the device from the host, forward or backward (docs/architecture.md, "Expert compute").
+
+        It is the path of ``expert_kernel="grouped_mm"`` (forced, any device: how the CPU tests count it), and of
+        ``"auto"`` off the CPU: there the chooser's timing and the host counts would stall the stream at every
+        call, so auto takes this path without timing anything (unless ``expert_route="fused"`` is forced). Eager,
+        one process, the built-in experts without an adapter, top-k routing with one capacity over the call, no
+        batch priority, no random 2nd expert in training, no global balance loss, T >= 1. Capacity mode (a
+        capacity known before routing) takes the padded layout, batched matmuls over every expert's
+        ``capacity`` rows; dropless, ``torch._grouped_mm`` with the offsets on the device, where it takes the
+        experts' dtype and shapes (:func:`~flexmoe.experts.grouped_op.grouped_mm_runs`: off the CPU bf16 only),
+        else the call reads as before, with one warning when grouped_mm was forced. Adaptive capacity
+        (``capacity_factor < 0``) depends on the loads: not read-free."""
+        experts = self.builtin
+        if experts is None or adapted or self.distributed or self.topology_gated or torch.compiler.is_compiling():
+            return False
+        kernels = experts.kernels
+        forced = kernels.kernel == "grouped_mm" and kernels.route != "fused"
+        on_auto = kernels.kernel == "auto" and kernels.route != "fused" and tokens.device.type != "cpu"
+        if not (forced or on_auto):
+            return False
+        if (routing.selection != "topk" or routing.capacity_per != "call" or routing.batch_prioritized
+                or routing.aux_loss_type == "global" or (routing.second_expert == "random" and training)
+                or tokens.shape[0] == 0):
+            return False
+        if routing.capacity is not None or routing.static_capacity_factor > 0:
+            return True
+        if routing.static_capacity_factor < 0:
+            return False
+        dtype = self._compute_dtype(tokens)
+        if all(grouped_mm_runs(tokens.device.type, dtype, w.shape) for w in (experts.w1, experts.w2)):
+            return True
+        if forced:
+            self._warn("read_free", f"expert_kernel='grouped_mm' cannot run this call without host reads: "
+                       f"torch._grouped_mm takes float32, bfloat16 or float16 matmuls on the CPU (bfloat16 "
+                       f"elsewhere) whose sizes are 16 bytes apart, the experts compute in {dtype} on "
+                       f"{tokens.device.type} with w1 {tuple(experts.w1.shape)}; such calls count their rows on "
+                       f"the host")
+        return False
+
+    def run_read_free(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions) -> Tensor:
+        """tokens: ``[T, M]`` -> ``[T, M]`` by the read-free path (:meth:`read_free`): dispatch by one gather, the
+        experts by grouped matmuls over ``plan.expert_ends`` (dropless) or batched ones over the padded rows
+        ``[E, C, M]`` (capacity mode), combine by one scatter-add (dropless) or a masked gather per pair (padded:
+        dropped pairs read a zero row). plan: :func:`~flexmoe.routing.read_free.read_free_plan`'s, or the padded
+        plan of ``make_plan(..., padded=True, read_free=True)``."""
+        experts = self.builtin
+        assert experts is not None  # read_free checked it
+        weights = experts.weights()
+        scaled = routing.score_at == "dispatch"
+        rows = tokens.index_select(0, plan.row_token)  # [N, M] by expert
+        if scaled:
+            rows = rows * plan.row_weight.to(rows.dtype).unsqueeze(-1)
+        if plan.padded:
+            num_experts, capacity = weights.num_experts, plan.capacity  # a padded plan's capacity is static
+
+            def ffn(r: Tensor) -> Tensor:
+                return padded_expert_ffn(r.view(num_experts, capacity, r.shape[-1]), weights).flatten(0, 1)
+
+            out = self.in_expert_dtype(ffn, rows)
+            self._report("rows", PADDED_BMM, None, [])
+            return _combine_padded(out, plan, weighted=not scaled)
+        ends = plan.expert_ends
+        assert ends is not None  # read_free_plan sets it
+        out = self.in_expert_dtype(lambda r: experts_ffn_by_ends(r, ends, plan.row_expert, weights), rows)
+        self._report("rows", "grouped_mm", None, [])  # the kernel named: torch._grouped_mm, its offsets on the device
+        weighted = out if scaled else out * plan.row_weight.to(out.dtype).unsqueeze(-1)
+        return weighted.new_zeros(plan.num_tokens, out.shape[-1]).index_add(0, plan.row_token, weighted)
+
+    def _compute_dtype(self, tokens: Tensor) -> torch.dtype:
+        """The dtype the experts' matmuls run in: autocast's where it is on for them, else the parameters'."""
+        experts = self.builtin
+        assert experts is not None
+        device_type = tokens.device.type
+        if torch.is_autocast_enabled(device_type) and self.options.experts_autocast:
+            return torch.get_autocast_dtype(device_type)
+        return experts.w1.dtype
 
     # ---- a call's route -------------------------------------------------------------------------------------
 
@@ -383,6 +469,20 @@ class ExpertStage:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _combine_padded(out: Tensor, plan: RoutingPlan, weighted: bool) -> Tensor:
+    """out: ``[N, M]`` the padded plan's rows -> ``[T, M]``, each token's (weighted) sum over its kept pairs, by one
+    gather of ``[T, k]`` rows with a zero row appended for the pairs without one (dropped: ``pair_row == N``):
+    every shape static, nothing read, and a NaN in an empty row never reaches a token."""
+    pair_row = plan.pair_row
+    assert pair_row is not None  # a padded plan sets it
+    num_tokens, k = pair_row.shape
+    with_zero = torch.cat([out, out.new_zeros(1, out.shape[-1])])  # [N + 1, M]
+    per_pair = with_zero.index_select(0, pair_row.reshape(-1)).view(num_tokens, k, -1)  # [T, k, M]
+    if weighted:
+        per_pair = per_pair * plan.weight.to(out.dtype).unsqueeze(-1)
+    return per_pair.sum(1)
 
 
 def parameter_dtype(module: nn.Module) -> torch.dtype | None:

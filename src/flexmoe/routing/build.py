@@ -26,6 +26,7 @@ from flexmoe.routing.balanced import make_base_plan
 from flexmoe.routing.expert_choice import make_expert_choice_plan
 from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan, make_plan
+from flexmoe.routing.read_free import read_free_plan
 from flexmoe.routing.topology import TopologyGate
 
 __all__ = ["build_plan"]
@@ -43,6 +44,7 @@ def build_plan(
     padded: bool = False,
     counts_on_device: bool = False,
     expert_index: Tensor | None = None,
+    read_free: bool = False,
 ) -> RoutingPlan:
     """The :class:`RoutingPlan` for router logits ``[T, E]`` under ``options``.
 
@@ -55,6 +57,8 @@ def build_plan(
     Expert choice and BASE have no padded layout nor counts left on the device: they ignore both.
     expert_index: ``[T, k]`` replayed choices, taken instead of the router's (routing replay; top-k selection only, see
     :func:`~flexmoe.routing.plan.make_plan`), else ``ValueError``.
+    read_free: top-k routing without a host read (:mod:`flexmoe.routing.read_free`): dropless, the plan of
+    :func:`~flexmoe.routing.read_free.read_free_plan`; in capacity mode the padded plan (``padded`` must be set).
     """
     kind, k = options.selection, options.k
     if expert_index is not None and kind != "topk":
@@ -68,6 +72,8 @@ def build_plan(
         # BASE's test-time rule: each token goes to its best expert(s), without balancing.
         return make_plan(logits, k, capacity_factor=0.0, capacity=options.capacity,
                          normalize_weights=options.normalize_weights, batch_prioritized=options.batch_prioritized)
+    if read_free and not padded:
+        return read_free_plan(logits, options, selection_bias=selection_bias, num_sequences=num_sequences)
     return make_plan(logits, k, capacity_factor=options.static_capacity_factor, capacity=options.capacity,
                      normalize_weights=options.normalize_weights, batch_prioritized=options.batch_prioritized,
                      selection_bias=selection_bias, topology=topology,
@@ -76,4 +82,4 @@ def build_plan(
                      num_limited_groups=options.num_limited_groups, route_scale=options.route_scale,
                      aux_loss_type=options.aux_loss_type, capacity_per=options.capacity_per,
                      num_sequences=num_sequences, padded=padded, counts_on_device=counts_on_device,
-                     ties=options.ties, expert_index=expert_index)
+                     ties=options.ties, expert_index=expert_index, read_free=read_free)

@@ -27,14 +27,16 @@ CAPACITY_PER = ("call", "sequence")
 HOST_ORDER_MAX_PAIRS = 64
 
 
-def count_per_expert(expert_index: Tensor, num_experts: int) -> Tensor:
+def count_per_expert(expert_index: Tensor, num_experts: int, *, on_device: bool = False) -> Tensor:
     """``[E]`` long: how many entries of ``expert_index`` (any shape, values in ``[0, E)``) name each expert.
 
-    Eager: ``torch.bincount``, one op. Traced by ``torch.compile``: a scatter-add into ``[E]``, whose shape is
-    known before the values are, so the graph does not break (docs/architecture.md, "Compiling the layer").
+    Eager: ``torch.bincount``, one op. Traced by ``torch.compile``, or ``on_device`` (the read-free path): a
+    scatter-add into ``[E]``, whose shape is known before the values are, so the host never waits for the device
+    (``bincount`` sizes its output by the largest value: a host read) and a traced graph does not break
+    (docs/architecture.md, "Compiling the layer").
     """
     flat = expert_index.reshape(-1)
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and not on_device:
         return torch.bincount(flat, minlength=num_experts)
     return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
@@ -107,10 +109,13 @@ def assign_slots(
     expert_index: Tensor,
     num_experts: int,
     priority: Tensor | None = None,
+    *,
+    on_device: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Slots in priority order, before any capacity is applied.
 
-    expert_index: ``[T, k]``; priority: ``[T]`` the token order within one choice (None: token order).
+    expert_index: ``[T, k]``; priority: ``[T]`` the token order within one choice (None: token order);
+    on_device: count without a host read (:func:`count_per_expert`).
     Returns ``(slot [T, k], load [E], order [T*k])`` where ``order`` lists the flat pair indices
     ``token * k + choice`` sorted by (expert, slot): a pair's slot is its rank among the pairs of its expert.
     """
@@ -118,7 +123,7 @@ def assign_slots(
     device = expert_index.device
     ranked = expert_index if priority is None else expert_index.index_select(0, priority)
     sorted_expert, by_expert = sort_pairs_by_expert(ranked)
-    load = count_per_expert(ranked, num_experts)
+    load = count_per_expert(ranked, num_experts, on_device=on_device)
     starts = torch.cumsum(load, 0) - load
     slot_sorted = torch.arange(num_tokens * k, device=device) - starts.index_select(0, sorted_expert)
     choice = torch.div(by_expert, num_tokens, rounding_mode="floor")
@@ -130,8 +135,8 @@ def assign_slots(
     return slot.view(num_tokens, k), load, flat_pair
 
 
-def assign_sequence_slots(expert_index: Tensor, num_experts: int, priority: Tensor | None, num_sequences: int
-                          ) -> tuple[Tensor, Tensor, Tensor]:
+def assign_sequence_slots(expert_index: Tensor, num_experts: int, priority: Tensor | None, num_sequences: int,
+                          on_device: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Slots counted per (expert, sequence).
 
     expert_index: ``[T, k]`` with ``T = B * S`` tokens sequence-major (token t is in sequence ``t // S``);
@@ -145,7 +150,7 @@ def assign_sequence_slots(expert_index: Tensor, num_experts: int, priority: Tens
     seq_len = num_tokens // num_sequences
     sequence = torch.arange(num_tokens, device=expert_index.device).div(seq_len, rounding_mode="floor")
     unit = expert_index * num_sequences + sequence.unsqueeze(1)
-    slot, load, order = assign_slots(unit, num_experts * num_sequences, priority)
+    slot, load, order = assign_slots(unit, num_experts * num_sequences, priority, on_device=on_device)
     return slot, load.view(num_experts, num_sequences), order
 
 

@@ -103,6 +103,9 @@ class RoutingPlan:
     padded: bool = False
     pair_row: Tensor | None = None  # [T, k] the row of each pair (N where none); a padded plan sets it
     scores: Tensor | None = None  # [T, E] the router's scores (detached; top-k plans), for the balance metrics
+    # [E] int32, the row after each expert's last, on the device: set by the read-free plan
+    # (flexmoe.routing.read_free), whose grouped matmuls take it as their offsets; None otherwise.
+    expert_ends: Tensor | None = None
 
     @property
     def counts(self) -> list[int]:
@@ -192,19 +195,24 @@ def all_finite(t: Tensor) -> bool:
 
 def check_logits(logits: Tensor, k: int, *, name: str = "logits",
                  nonfinite_message: str = "router logits contain NaN or infinity; check the layer input and the "
-                                          "router weights") -> tuple[int, int]:
+                                          "router weights", read_free: bool = False) -> tuple[int, int]:
     """Every plan builder's input check: logits ``[T, E]``, finite, and 1 <= k <= E. Returns ``(T, E)``.
 
     ``name`` and ``nonfinite_message`` word the errors for callers whose input is not router logits.
+    ``read_free`` (the read-free path, :mod:`flexmoe.routing.read_free`) or compiling: the finiteness is asserted
+    on the device (``torch._assert_async``), without a host read: on the CPU a ``RuntimeError`` with the message
+    at once, on a GPU a device-side assert that surfaces at the next synchronization (asynchronous).
     """
     if logits.dim() != 2:
         raise ValueError(f"{name} must be [tokens, experts], got shape {tuple(logits.shape)}")
     num_tokens, num_experts = logits.shape
     if not 1 <= k <= num_experts:
         raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
-    if torch.compiler.is_compiling():
-        # A traced `if` on a value would end the graph; the check runs inside it (a RuntimeError when it fails).
-        torch._assert_async(torch.isfinite(logits).all(), nonfinite_message)
+    if torch.compiler.is_compiling() or read_free:
+        # A traced `if` on a value would end the graph, and reading it stalls the stream; the check runs on the
+        # device (a RuntimeError when it fails).
+        # |x| < inf is False for an infinity and a NaN: two operations (isfinite decomposes into four).
+        torch._assert_async(logits.detach().abs().lt(math.inf).all(), nonfinite_message)
     elif not all_finite(logits):
         raise ValueError(nonfinite_message)
     return num_tokens, num_experts
@@ -260,6 +268,7 @@ def make_plan(
     counts_on_device: bool = False,
     ties: str = "lower",
     expert_index: Tensor | None = None,
+    read_free: bool = False,
 ) -> RoutingPlan:
     """Build the top-k :class:`RoutingPlan` for router logits.
 
@@ -282,18 +291,21 @@ def make_plan(
     :mod:`flexmoe.routing.replay`): the selection bias, the group limit and the topology gate, which only pick,
     are skipped; the weights, the losses and the capacity come from these logits as usual. Not with
     ``random_second`` (its keep decisions would be drawn anew).
+    ``read_free``: no host read in checking and picking (with ``padded``, none at all; :mod:`flexmoe.routing.
+    read_free`).
 
     Raises ``ValueError`` for non-finite logits, a k out of range, a negative capacity or bad replayed choices.
     """
     if capacity is not None and capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    num_experts = check_logits(logits, k)[1]
+    num_experts = check_logits(logits, k, read_free=read_free)[1]
 
     scores = router_scores(logits, score_func)
     if expert_index is None:
         expert_index, choice_scores = select_experts(scores, k, selection_bias=selection_bias,
                                                      num_expert_groups=num_expert_groups,
-                                                     num_limited_groups=num_limited_groups, ties=ties)
+                                                     num_limited_groups=num_limited_groups, ties=ties,
+                                                     read_free=read_free)
         if topology is not None:
             expert_index = topology.apply(choice_scores, expert_index)
     else:
@@ -367,11 +379,11 @@ def plan_from_pairs(
         # out in priority order among the active pairs only; the virtual expert is then cut off.
         masked_index = torch.where(active, expert_index, torch.full_like(expert_index, num_experts))
         num_slots_experts, num_active = num_experts + 1, active.sum() if padded else int(active.sum())
-    if num_units == 1:
-        slot, load_all, order = assign_slots(masked_index, num_slots_experts, priority)
+    if num_units == 1:  # counted on the device when padded (no host read: compiling, or the read-free path)
+        slot, load_all, order = assign_slots(masked_index, num_slots_experts, priority, on_device=padded)
         unit_load = load_all[:num_experts].unsqueeze(1)  # [E, 1]
     else:
-        slot, unit_load, order = assign_sequence_slots(masked_index, num_slots_experts, priority, num_units)
+        slot, unit_load, order = assign_sequence_slots(masked_index, num_slots_experts, priority, num_units, padded)
         unit_load = unit_load[:num_experts]  # [E, B]
     if padded:
         cap = _static_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity)

@@ -34,17 +34,18 @@ TIES = ("lower", "topk")
 _TOPK_MIN_SCORES = 1 << 15
 
 
-def top_k(probs: Tensor, k: int, ties: str = "lower") -> tuple[Tensor, Tensor]:
+def top_k(probs: Tensor, k: int, ties: str = "lower", *, read_free: bool = False) -> tuple[Tensor, Tensor]:
     """The k largest probabilities of each row, ties broken towards the lower expert index (``ties="topk"``: as
     ``torch.topk`` breaks them, :data:`TIES`).
 
-    probs: ``[T, E]``. Returns ``(values [T, k], indices [T, k])``, largest first.
+    probs: ``[T, E]``. Returns ``(values [T, k], indices [T, k])``, largest first. ``read_free``: never read the
+    device from the host (the read-free path, :mod:`flexmoe.routing.read_free`), as when compiling.
     """
     if ties == "topk":
         values, indices = torch.topk(probs, k, dim=-1)
         return values, indices
     if probs.numel() >= _TOPK_MIN_SCORES:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or read_free:
             if probs.dtype in _KEYED_DTYPES:
                 return top_k_by_unique_keys(probs, k)
         else:
@@ -76,12 +77,14 @@ def top_k_by_unique_keys(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return probs.gather(-1, indices), indices
 
 
-def normalize_topk(probs_topk: Tensor, normalize: bool) -> Tensor:
+def normalize_topk(probs_topk: Tensor, normalize: bool, *, floor: bool = True) -> Tensor:
     """The combine weights ``[T, k]`` of the chosen scores ``[T, k]``: divided by their sum per token when
-    ``normalize`` and k > 1, else the scores themselves."""
+    ``normalize`` and k > 1, else the scores themselves. ``floor=False`` where the sum cannot be 0 (softmax
+    scores: the best of a token's is at least 1 / E): the same numbers, one operation less each way."""
     if normalize and probs_topk.shape[1] > 1:
+        total = probs_topk.sum(dim=-1, keepdim=True)
         # The floor only guards sigmoid scores that all underflowed to 0; it never changes a positive sum.
-        return probs_topk / probs_topk.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(probs_topk.dtype).tiny)
+        return probs_topk / (total.clamp_min(torch.finfo(probs_topk.dtype).tiny) if floor else total)
     return probs_topk
 
 
@@ -90,7 +93,8 @@ def router_scores(logits: Tensor, score_func: str = "softmax") -> Tensor:
     logits are upcast first, as Hugging Face's routers do: rounded probabilities would tie where the logits do
     not), or an elementwise ``sigmoid`` in the logits' dtype."""
     if score_func == "softmax":
-        return torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        # float32 at least; chosen in Python (torch.promote_types would be one more dispatched operation).
+        return torch.softmax(logits, dim=-1, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
     if score_func == "sigmoid":
         return torch.sigmoid(logits)
     raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
@@ -123,7 +127,7 @@ def check_group_options(num_experts: int | None, k: int, num_expert_groups: obje
 
 
 def group_limited_mask(choice_scores: Tensor, num_groups: int, num_limited_groups: int,
-                       ties: str = "lower") -> Tensor:
+                       ties: str = "lower", *, read_free: bool = False) -> Tensor:
     """``[T, E]`` bool, True for the experts of each token's ``num_limited_groups`` best groups.
 
     choice_scores: ``[T, E]``; the experts form ``num_groups`` groups of ``E / num_groups`` consecutive
@@ -133,7 +137,8 @@ def group_limited_mask(choice_scores: Tensor, num_groups: int, num_limited_group
     num_tokens, num_experts = choice_scores.shape
     grouped = choice_scores.view(num_tokens, num_groups, num_experts // num_groups)
     best_two = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :2]
-    _, best_groups = top_k(best_two.sum(dim=-1), num_limited_groups, ties)  # [T, num_limited_groups]
+    _, best_groups = top_k(best_two.sum(dim=-1), num_limited_groups, ties,
+                           read_free=read_free)  # [T, num_limited_groups]
     keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=choice_scores.device)
     keep.scatter_(1, best_groups, True)
     return keep.repeat_interleave(num_experts // num_groups, dim=1)
@@ -147,6 +152,7 @@ def select_experts(
     num_expert_groups: int | None = None,
     num_limited_groups: int | None = None,
     ties: str = "lower",
+    read_free: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Each token's k experts: ``(expert_index [T, k], choice_scores [T, E])``.
 
@@ -155,16 +161,16 @@ def select_experts(
     DeepSeek-V3 router: when k exceeds the eligible experts, every eligible one is picked and the rest of the k
     are masked ones (equal at ``-inf``, so by the tie rule), still weighted by their real scores
     (:func:`routed_weights`). Ties: the lower expert index, or as ``torch.topk`` breaks them with
-    ``ties="topk"``.
+    ``ties="topk"``. ``read_free``: without a host read (:func:`top_k`).
     """
     choice = scores.detach()
     if selection_bias is not None:
         # In the wider of the two dtypes, as HF's DeepSeek-V3 adds its float32 bias to bf16 scores under autocast.
         choice = choice + selection_bias
     if num_expert_groups is not None and num_limited_groups is not None:
-        eligible = group_limited_mask(choice, num_expert_groups, num_limited_groups, ties)
+        eligible = group_limited_mask(choice, num_expert_groups, num_limited_groups, ties, read_free=read_free)
         choice = choice.masked_fill(~eligible, float("-inf"))
-    _, expert_index = top_k(choice, k, ties)
+    _, expert_index = top_k(choice, k, ties, read_free=read_free)
     return expert_index, choice
 
 
@@ -175,12 +181,13 @@ def routed_weights(
     normalize_weights: bool = True,
     route_scale: float = 1.0,
     dtype: torch.dtype | None = None,
+    floor: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``(probs_topk [T, k], weight [T, k])``: the chosen experts' unbiased scores, and the combine weights
     (divided by their sum when ``normalize_weights`` and k > 1, then times ``route_scale``), both in ``dtype``
-    (the logits'; None: the scores')."""
+    (the logits'; None: the scores'). ``floor``: :func:`normalize_topk`'s."""
     probs_topk = scores.gather(1, expert_index)
-    weight = normalize_topk(probs_topk, normalize_weights)
+    weight = normalize_topk(probs_topk, normalize_weights, floor=floor)
     if route_scale != 1.0:
         weight = weight * route_scale
     if dtype is not None:
