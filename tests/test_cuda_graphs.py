@@ -36,12 +36,6 @@ from test_hf_convert import batches, tiny_model  # noqa: E402
 READ_FREE = dict(expert_kernel="grouped_mm", dtype=torch.bfloat16)
 # The forced kernel must run every call here: its "does not run ... the loop runs" warning fails the test.
 FORCED_KERNEL_RUNS = pytest.mark.filterwarnings("error:expert_kernel=:RuntimeWarning")
-# Until the read-free path of issue 41 item 1 is in, the forced grouped kernel builds its routing plan from counts
-# read to the host (flexmoe.routing.plan.plan_from_pairs), a graph break that fullgraph turns into dynamo's
-# Unsupported. Only that error is expected (any other failure fails the test), and strictly: once the path is
-# read-free these tests pass, which fails them until this mark is deleted.
-READ_FREE_PENDING = pytest.mark.xfail(raises=torch._dynamo.exc.Unsupported, strict=True,
-                                      reason="issue 41 item 1: the grouped path still reads the counts")
 
 
 def _graph_breaks() -> int:
@@ -72,7 +66,6 @@ def capture(call: Callable[[Tensor], Tensor], static_x: Tensor) -> Callable[[], 
     return replay
 
 
-@READ_FREE_PENDING
 @FORCED_KERNEL_RUNS
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
 def test_layer_no_grad_call_is_captured_and_replays_eager(capacity_factor: float, device: torch.device) -> None:
@@ -131,7 +124,6 @@ def _generate(model: Any, ids: Tensor, compile_config: Any = None, criteria: Any
                           stopping_criteria=transformers.StoppingCriteriaList([criteria] if criteria else []))
 
 
-@READ_FREE_PENDING
 @FORCED_KERNEL_RUNS
 def test_compiled_generate_captures_once_and_gives_eager_tokens(device: torch.device,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:

@@ -131,6 +131,12 @@ class ExpertStage:
                      and self.builtin is not None and not adapted and padded_op_available())
         return PlanLayout(counts_on_device=on_device)
 
+    @staticmethod
+    def read_free_layout(routing: RoutingOptions) -> PlanLayout:
+        """The plan's layout on the read-free path (:meth:`read_free`), eager or compiled: padded to the capacity
+        in capacity mode (a capacity known before routing, so every shape is too), else dropless rows."""
+        return PlanLayout(padded=routing.capacity is not None or routing.static_capacity_factor > 0)
+
     def _forced_compiled_kernel(self, tokens: Tensor, training: bool) -> str | None:
         """Under torch.compile, the forced ``expert_kernel`` that runs this call over rows with the counts on the
         host, or None (``"auto"``, custom experts, or a kernel that cannot run a traced call: warned once, the
@@ -176,16 +182,17 @@ class ExpertStage:
 
         It is the path of ``expert_kernel="grouped_mm"`` (forced, any device: how the CPU tests count it), and of
         ``"auto"`` off the CPU: there the chooser's timing and the host counts would stall the stream at every
-        call, so auto takes this path without timing anything (unless ``expert_route="fused"`` is forced). Eager,
-        one process, the built-in experts without an adapter, top-k routing with one capacity over the call, no
-        batch priority, no random 2nd expert in training, no global balance loss, T >= 1. Capacity mode (a
+        call, so auto takes this path without timing anything (unless ``expert_route="fused"`` is forced). Eager
+        or compiled (traced, dropless takes it in bf16 only: the grouped GEMM's meta function), one process, the
+        built-in experts without an adapter, top-k routing with one capacity over the call, no batch priority,
+        no random 2nd expert in training, no global balance loss, T >= 1. Capacity mode (a
         capacity known before routing) takes the padded layout, batched matmuls over every expert's
         ``capacity`` rows; dropless, ``torch._grouped_mm`` with the offsets on the device, where it takes the
         experts' dtype and shapes (:func:`~flexmoe.experts.grouped_op.grouped_mm_runs`: off the CPU bf16 only),
         else the call reads as before, with one warning when grouped_mm was forced. Adaptive capacity
         (``capacity_factor < 0``) depends on the loads: not read-free."""
         experts = self.builtin
-        if experts is None or adapted or self.distributed or self.topology_gated or torch.compiler.is_compiling():
+        if experts is None or adapted or self.distributed or self.topology_gated:
             return False
         kernels = experts.kernels
         forced = kernels.kernel == "grouped_mm" and kernels.route != "fused"
@@ -196,14 +203,18 @@ class ExpertStage:
                 or routing.aux_loss_type == "global" or (routing.second_expert == "random" and training)
                 or tokens.shape[0] == 0):
             return False
+        compiling = torch.compiler.is_compiling()
         if routing.capacity is not None or routing.static_capacity_factor > 0:
             return True
         if routing.static_capacity_factor < 0:
             return False
         dtype = self._compute_dtype(tokens)
-        if all(grouped_mm_runs(tokens.device.type, dtype, w.shape) for w in (experts.w1, experts.w2)):
+        # Traced, torch._grouped_mm's meta function is the judge, and it takes bf16 only, on every device; a
+        # compiled float32 call keeps the compiled custom ops, which read the counts on the device.
+        device_type = "meta" if compiling else tokens.device.type
+        if all(grouped_mm_runs(device_type, dtype, w.shape) for w in (experts.w1, experts.w2)):
             return True
-        if forced:
+        if forced and not compiling:
             self._warn("read_free", f"expert_kernel='grouped_mm' cannot run this call without host reads: "
                        f"torch._grouped_mm takes float32, bfloat16 or float16 matmuls on the CPU (bfloat16 "
                        f"elsewhere) whose sizes are 16 bytes apart, the experts compute in {dtype} on "
