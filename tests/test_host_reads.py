@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from flexmoe.apps.bench.host_reads import OpCounter, count_call
+from flexmoe.apps.bench.host_reads import OpCounter, count_call, time_calls
 
 
 def test_every_host_read_is_listed_in_call_order() -> None:
@@ -40,3 +40,18 @@ def test_tolist_is_restored_after_the_counter() -> None:
     with OpCounter():
         pass
     assert torch.Tensor.tolist is original and torch.tensor([1]).tolist() == [1]
+
+
+def test_time_calls_runs_each_call_steps_times_in_turn() -> None:
+    """The timed runs alternate between the calls (side by side), each forward + backward, ``steps`` times."""
+    order: list[str] = []
+    w = torch.ones(3, requires_grad=True)
+
+    def call(name: str) -> torch.Tensor:
+        order.append(name)
+        return w * 2
+
+    seconds = time_calls({"a": lambda: call("a"), "b": lambda: call("b")}, steps=3)
+    assert order == ["a", "b"] * 3
+    assert set(seconds) == {"a", "b"} and all(s > 0 for s in seconds.values())
+    assert torch.equal(w.grad, torch.full((3,), 12.0))  # 6 backward passes of d(2w)/dw with a gradient of ones

@@ -79,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--host-reads", default=None, metavar="FAMILIES",
       help="count the aten operations and host reads of one forward + backward of Hugging Face blocks (comma-"
            "separated families, or all), HF's grouped_mm experts against the converted block with "
-           "expert_kernel=grouped_mm, flexmoe.apps.bench.host_reads (default: off)")
+           "expert_kernel=grouped_mm, flexmoe.apps.bench.host_reads; and the median of --steps timed calls of "
+           "each, side by side (x time; x auto: the block converted on the default kernel choice) (default: off)")
     a("--hf-memory-gib", type=POSITIVE, default=1.0,
       help="--hf: skip HF batched_mm where its per-pair weight copies need more than this (default: 1)")
     a("--auto-trials", type=COUNT, default=None,
@@ -138,7 +139,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)})
 
 
-def _run_host_reads(families: str, as_json: bool) -> int:
+def _run_host_reads(families: str, steps: int, as_json: bool) -> int:
     from flexmoe.apps.bench.hf import FAMILY_NAMES
     from flexmoe.apps.bench.host_reads import count_hf_blocks, format_counts
 
@@ -146,7 +147,7 @@ def _run_host_reads(families: str, as_json: bool) -> int:
     unknown = [n for n in names if n not in FAMILY_NAMES]
     if unknown:
         raise UsageError(f"--host-reads must name families of {', '.join(FAMILY_NAMES)} (or all), got {unknown}")
-    rows = count_hf_blocks(names)
+    rows = count_hf_blocks(names, steps=steps)
     print(json.dumps(rows, indent=1) if as_json else format_counts(rows))
     return 0
 
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"suite": results}, indent=1) if args.json else format_suite_table(results))
         return 0
     if args.host_reads is not None:
-        return _run_host_reads(args.host_reads, args.json)
+        return _run_host_reads(args.host_reads, args.steps, args.json)
     if args.hf is not None:
         from flexmoe.apps.bench.hf import run_hf
         return run_hf(args.hf, steps=cfg.steps, warmup=cfg.warmup, seed=cfg.seed, memory_gib=args.hf_memory_gib,

@@ -16,6 +16,8 @@ the counts of converted Hugging Face blocks against HF's own ``grouped_mm`` expe
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections import Counter
 from collections.abc import Callable
 from types import TracebackType
@@ -99,12 +101,29 @@ def count_call(call: Callable[[], Tensor], backward: bool = True) -> OpCounter:
     return counter
 
 
+def time_calls(calls: dict[str, Callable[[], Tensor]], steps: int) -> dict[str, float]:
+    """The median seconds of ``steps`` forward + backward runs of each call, the calls taken in turn within every
+    step (side by side: a slow moment of the machine costs each the same)."""
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(steps):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            out = call()
+            out.backward(torch.ones(out.shape, dtype=out.dtype, device=out.device))
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in seconds.items()}
+
+
 def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), tokens: tuple[int, ...] = (1, 64),
                     model_dim: int = 64, hidden_dim: int = 32, expert_kernel: str = "grouped_mm",
-                    seed: int = 0) -> list[dict[str, Any]]:
+                    seed: int = 0, steps: int = 0) -> list[dict[str, Any]]:
     """Per family, E and T: aten operations and host reads of one forward + backward of HF's block on its
     ``grouped_mm`` experts and of the same block converted (``flexmoe.hf.convert(..., expert_kernel=...)``), each
-    counted on its second call (the first may time kernels). Tiny shapes: the counts, not the sizes, matter."""
+    counted on its second call (the first may time kernels). Tiny shapes: the counts, not the sizes, matter.
+
+    ``steps`` > 0 also times them (:func:`time_calls`), with the block converted on the default kernel choice
+    beside them: ``x_time`` (converted with ``expert_kernel``) and ``x_time_auto`` over HF's time, the CPU proxy
+    of issue 41 where only host work counts."""
     import copy
 
     import flexmoe.hf
@@ -123,26 +142,37 @@ def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), 
                                 requires_grad=True)
                 blocks = {"hf grouped_mm": set_experts_implementation(copy.deepcopy(reference), "grouped_mm"),
                           "converted": flexmoe.hf.convert(copy.deepcopy(reference), expert_kernel=expert_kernel)}
+                if steps > 0:
+                    blocks["converted auto"] = flexmoe.hf.convert(copy.deepcopy(reference))
                 row: dict[str, Any] = {"family": family, "experts": num_experts, "tokens": num_tokens}
+                calls: dict[str, Callable[[], Tensor]] = {}
                 for name, block in blocks.items():
                     def call(block: torch.nn.Module = block, x: Tensor = x) -> Tensor:
                         return block_output(block(x))
 
+                    calls[name] = call
                     for _ in range(2):
                         counted = count_call(call)
                     row[name] = {"ops": counted.ops, "host_reads": list(counted.host_reads)}
                 row["x_ops"] = row["converted"]["ops"] / row["hf grouped_mm"]["ops"]
+                if steps > 0:
+                    seconds = time_calls(calls, steps)
+                    row["seconds"] = seconds
+                    row["x_time"] = seconds["converted"] / seconds["hf grouped_mm"]
+                    row["x_time_auto"] = seconds["converted auto"] / seconds["hf grouped_mm"]
                 rows.append(row)
     return rows
 
 
 def format_counts(rows: list[dict[str, Any]]) -> str:
     """The table of :func:`count_hf_blocks`: ops (forward + backward) and host reads, converted over HF."""
+    timed = any("x_time" in r for r in rows)
     lines = [f"{'family':<12} {'E':>4} {'T':>4} {'HF ops':>7} {'reads':>5} {'ours':>6} {'reads':>5} {'x ops':>6}"
-             "  our host reads"]
+             + (f" {'x time':>6} {'x auto':>6}" if timed else "") + "  our host reads"]
     for r in rows:
         hf, ours = r["hf grouped_mm"], r["converted"]
+        times = f" {r['x_time']:>6.2f} {r['x_time_auto']:>6.2f}" if timed else ""
         lines.append(f"{r['family']:<12} {r['experts']:>4} {r['tokens']:>4} {hf['ops']:>7} {len(hf['host_reads']):>5} "
-                     f"{ours['ops']:>6} {len(ours['host_reads']):>5} {r['x_ops']:>6.2f}  "
+                     f"{ours['ops']:>6} {len(ours['host_reads']):>5} {r['x_ops']:>6.2f}{times}  "
                      f"{', '.join(ours['host_reads']) or '-'}")
     return "\n".join(lines)
