@@ -18,6 +18,11 @@ rows. Every rank launches and waits at the same program points, so the collectiv
 the same order (which gloo and NCCL require). :func:`start_exchange` / :func:`finish_exchange` wrap this in
 autograd: the backward of ``finish`` launches the gradient exchange and the backward of ``start`` waits for
 it, so autograd can run other work (the previous chunk's expert backward) while gradients travel.
+
+The split matrix is the one value of an exchange the host must read (``all_to_all_single`` takes its sizes as
+Python ints). The ranks exchange their counts on the device; :class:`HostCopy` starts the one device-to-host
+copy of them at once and the caller reads its values only where the exchange of the rows needs them
+(docs/architecture.md, "Experts over ranks").
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from flexmoe.parallel.groups import ExpertGroup
 
 __all__ = [
     "SplitMatrix",
+    "HostCopy",
     "Exchange",
     "FlatAllToAll",
     "HierarchicalAllToAll",
@@ -51,6 +57,36 @@ A2A_ALGORITHMS = ("flat", "2dh")
 
 def transpose(splits: SplitMatrix) -> SplitMatrix:
     return [list(col) for col in zip(*splits)]
+
+
+class HostCopy:
+    """One device-to-host copy of ``values`` (any shape, integers), started now and read by :meth:`tolist`.
+
+    On CUDA the copy goes into pinned host memory with ``non_blocking=True`` and an event marks its end: the host
+    goes on (the rows' gather and sort, building the next exchange) while the stream runs up to the copy, and
+    waits only in :meth:`tolist`. On the CPU the values are already on the host: nothing is copied. Either way
+    :meth:`tolist` is the one read of the host, however often it is called."""
+
+    def __init__(self, values: Tensor) -> None:
+        self._event: Any = None
+        if values.device.type == "cpu":
+            self._host = values
+        else:
+            pin = torch.cuda.is_available()  # pinned memory needs CUDA; elsewhere the copy is a plain one
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=pin)
+            self._host.copy_(values, non_blocking=pin)
+            if values.device.type == "cuda":
+                self._event = torch.cuda.Event()
+                self._event.record(torch.cuda.current_stream(values.device))
+        self._values: Any = None
+
+    def tolist(self) -> Any:
+        """The values as (nested) Python ints: waits for the copy the first time."""
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._values = self._host.tolist()
+        return self._values
 
 
 @dataclass

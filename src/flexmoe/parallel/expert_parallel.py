@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexmoe.experts import FeedForwardExperts, differentiated_weights
-from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, make_exchange, transpose
+from flexmoe.parallel.alltoall import CommStats, Exchange, HostCopy, SplitMatrix, make_exchange, transpose
 from flexmoe.parallel.groups import ExpertGroup
 from flexmoe.parallel.layout import HIDDEN_DIM, ExpertLayout
 from flexmoe.parallel.overlap import pipelined_exchange
@@ -136,12 +136,21 @@ class ExpertParallel:
 
     # ---- counts ---------------------------------------------------------------------------------------
 
-    def gather_counts(self, counts: list[int]) -> list[list[int]]:
-        """Every rank's per-expert row counts, ``[W][E]`` (one small all-gather; the same on every rank)."""
-        mine = torch.tensor(counts, dtype=torch.long)
+    def gather_counts(self, counts: list[int] | Tensor, device: torch.device | str = "cpu") -> list[list[int]]:
+        """Every rank's per-expert row counts, ``[W][E]`` (one small all-gather; the same on every rank).
+
+        counts: ``[E]`` this rank's (or any ``[C]`` ints per rank), as Python ints or a tensor; device: where
+        they are exchanged (the rows' device; a tensor's own). The split sizes of the exchanges come from here:
+        the one read of the host (:class:`~flexmoe.parallel.alltoall.HostCopy`), not one per rank."""
+        return self.start_gather_counts(counts, device).tolist()
+
+    def start_gather_counts(self, counts: list[int] | Tensor, device: torch.device | str = "cpu") -> HostCopy:
+        """:meth:`gather_counts`, its host copy started but not yet read (``.tolist()`` reads it)."""
+        mine = counts.to(torch.long) if isinstance(counts, Tensor) else \
+            torch.tensor(counts, dtype=torch.long, device=device)
         parts = [torch.empty_like(mine) for _ in range(self.eg.world_size)]
         self.eg.call("expert-count exchange", lambda: dist.all_gather(parts, mine, group=self.eg.group))
-        return [p.tolist() for p in parts]
+        return HostCopy(torch.stack(parts))  # [W, C]: one copy to the host for all ranks' counts
 
     # ---- the forward ----------------------------------------------------------------------------------
 

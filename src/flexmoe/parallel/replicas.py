@@ -189,7 +189,7 @@ class ReplicatedExperts:
         ep, setting = self.ep, options.setting
         experts = ep.experts
         assert isinstance(experts, FeedForwardExperts)  # check_replicas_supported at construction
-        all_counts = ep.gather_counts(counts)
+        all_counts = ep.gather_counts(counts, rows.device)
         if torch.is_grad_enabled():
             self.state.load += torch.tensor(all_counts, dtype=torch.long).sum(0).to(self.state.load.device)
         placement = self.state.placement

@@ -114,7 +114,7 @@ class _GroupStrategy:
 
     def run(self, rows: Tensor, counts: list[int], options: ParallelOptions,
             pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
-        return self.run_counted(rows, counts, self.ep.gather_counts(counts), options, pinned)
+        return self.run_counted(rows, counts, self.ep.gather_counts(counts, rows.device), options, pinned)
 
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
                    options: ParallelOptions, pinned: AbstractSet[str], rows_path: RowsPath) -> Tensor | None:
@@ -175,7 +175,8 @@ class AutoExperts(_GroupStrategy):
         # tokens may be sent, how many tokens it sends each rank (each all-gather waits for the slowest rank).
         local = (local_route(row_token, counts, tokens.shape[0], self.ep.eg.world_size)
                  if options.token_exchange and self.ep.can_send_tokens else None)
-        gathered = self.ep.gather_counts(counts + (local.tokens_to if local is not None else []))
+        mine = torch.tensor(counts, dtype=torch.long, device=tokens.device)
+        gathered = self.ep.gather_counts(mine if local is None else torch.cat([mine, local.tokens_to]))
         all_counts = [row[:len(counts)] for row in gathered]
         bucket, setting = self._choose(all_counts, tokens.dtype, options, pinned)
         # Every candidate is timed from the tokens to the combined output: sending rows needs the dispatch and
@@ -242,7 +243,7 @@ class ShadowedExperts:
     def run(self, rows: Tensor, counts: list[int], options: ParallelOptions,
             pinned: AbstractSet[str] = NOTHING_PINNED) -> Tensor:
         ep = self.inner.ep
-        all_counts = ep.gather_counts(counts)
+        all_counts = ep.gather_counts(counts, rows.device)
         self.last_shadowed = self._choose(all_counts, options)
         if not self.last_shadowed:
             return self.inner.run_counted(rows, counts, all_counts, options, pinned)

@@ -31,7 +31,7 @@ from flexmoe.experts import FeedForwardExperts, differentiated_weights, expert_f
 from flexmoe.experts.chooser import choose_fused_route
 from flexmoe.experts.fused import fused_experts, fused_supported
 from flexmoe.experts.kernels import route_bucket
-from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, exchange, transpose
+from flexmoe.parallel.alltoall import CommStats, Exchange, HostCopy, SplitMatrix, exchange, transpose
 from flexmoe.parallel.groups import ExpertGroup
 
 __all__ = ["LocalRoute", "TokenRoute", "local_route", "pairs_per_rank", "token_route", "route_from_counts",
@@ -40,27 +40,62 @@ __all__ = ["LocalRoute", "TokenRoute", "local_route", "pairs_per_rank", "token_r
 
 @dataclass
 class LocalRoute:
-    """What one rank sends in :func:`exchange_tokens`, before any exchange of counts.
+    """What one rank sends in :func:`exchange_tokens`, before any exchange of counts; all on the rows' device.
 
-    send_token: ``[u]`` the local tokens sent, by destination rank then token; pair_slot: ``[N]`` per local pair
-    (the plan's row order, which is by destination), the index of its token among the tokens sent to its
-    destination; pair_expert: ``[N]`` its expert's index on the destination; tokens_to: ``[W]`` how many tokens
-    go to each rank (the pairs are :func:`pairs_per_rank` of the counts)."""
+    sent: ``[W, T]`` whether token t goes to rank w; pair_slot: ``[N]`` per local pair (the plan's row order, which
+    is by destination), the index of its token among the tokens sent to its destination; pair_expert: ``[N]`` its
+    expert's index on the destination; tokens_to: ``[W]`` how many tokens go to each rank (the pairs are
+    :func:`pairs_per_rank` of the counts). Nothing here is read on the host: the tokens sent
+    (:meth:`send_token`) are taken once their number is known from the count exchange."""
 
-    send_token: Tensor
+    sent: Tensor
     pair_slot: Tensor
     pair_expert: Tensor
-    tokens_to: list[int]
+    tokens_to: Tensor
+
+    def send_token(self, sent_tokens: int) -> Tensor:
+        """``[u]`` the local tokens sent, by destination rank then token, given their number ``u`` (the sum of
+        ``tokens_to``, read on the host with the split sizes): a ``nonzero`` of known size reads nothing."""
+        flat = torch.nonzero_static(self.sent.reshape(-1), size=sent_tokens).squeeze(1)  # [u] w * T + t
+        return flat.remainder(self.sent.shape[1])
 
 
-@dataclass
 class TokenRoute:
     """Who sends what to whom in one call of :func:`exchange_tokens` (the split matrices are the same on every
-    rank): this rank's :class:`LocalRoute` and the ``W x W`` rows of tokens / pairs rank a sends to rank b."""
+    rank): this rank's :class:`LocalRoute` and every rank's per-expert pair counts and tokens per destination,
+    ``[W][E + W]``, exchanged on the device. Their host copy is read at the first use of a split matrix
+    (:class:`~flexmoe.parallel.alltoall.HostCopy`, the one read of the call); ``gathered`` may be that copy or
+    counts a caller read already (``parallel="auto"``: :func:`route_from_counts`)."""
 
-    local: LocalRoute
-    token_splits: SplitMatrix
-    pair_splits: SplitMatrix
+    def __init__(self, local: LocalRoute, gathered: HostCopy | list[list[int]], num_experts: int) -> None:
+        self.local, self._gathered, self.num_experts = local, gathered, num_experts
+        self._read: tuple[SplitMatrix, SplitMatrix, list[list[int]]] | None = None
+
+    def _values(self) -> tuple[SplitMatrix, SplitMatrix, list[list[int]]]:
+        if self._read is None:
+            rows = self._gathered if isinstance(self._gathered, list) else self._gathered.tolist()
+            all_counts = [row[:self.num_experts] for row in rows]
+            world = len(rows)
+            self._read = ([row[self.num_experts:] for row in rows], [pairs_per_rank(c, world) for c in all_counts],
+                          all_counts)
+        return self._read
+
+    @property
+    def token_splits(self) -> SplitMatrix:
+        """``W x W``: the tokens rank a sends to rank b."""
+        return self._values()[0]
+
+    @property
+    def pair_splits(self) -> SplitMatrix:
+        """``W x W``: the (token, expert) pairs rank a sends to rank b."""
+        return self._values()[1]
+
+    def local_counts(self, rank: int) -> list[int]:
+        """``[E / W]``: the pairs ``rank`` receives per local expert, over every source."""
+        all_counts = self._values()[2]
+        local_experts = self.num_experts // len(all_counts)
+        first = rank * local_experts
+        return [sum(row[first + j] for row in all_counts) for j in range(local_experts)]
 
 
 def local_route(row_token: Tensor, counts: list[int], num_tokens: int, world: int) -> LocalRoute:
@@ -70,17 +105,15 @@ def local_route(row_token: Tensor, counts: list[int], num_tokens: int, world: in
     local_experts = num_experts // world
     device = row_token.device
     row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device),
-                                         torch.tensor(counts, device=device))  # [N]
+                                         torch.tensor(counts, device=device), output_size=row_token.shape[0])  # [N]
     row_rank = row_expert.div(local_experts, rounding_mode="floor")
     sent = torch.zeros(world, num_tokens, dtype=torch.bool, device=device)
     sent[row_rank, row_token] = True  # [W, T]: token t goes to rank w
     position = sent.reshape(-1).cumsum(0).sub_(1).view(world, num_tokens)  # its row among all tokens sent
     tokens_to = sent.sum(1)  # [W]
     first = tokens_to.cumsum(0) - tokens_to  # [W] the first row sent to each rank
-    return LocalRoute(send_token=sent.nonzero()[:, 1],
-                      pair_slot=position[row_rank, row_token] - first[row_rank],
-                      pair_expert=row_expert - row_rank * local_experts,
-                      tokens_to=tokens_to.tolist())
+    return LocalRoute(sent=sent, pair_slot=position[row_rank, row_token] - first[row_rank],
+                      pair_expert=row_expert - row_rank * local_experts, tokens_to=tokens_to)
 
 
 def pairs_per_rank(counts: list[int], world: int) -> list[int]:
@@ -90,20 +123,20 @@ def pairs_per_rank(counts: list[int], world: int) -> list[int]:
 
 
 def token_route(row_token: Tensor, counts: list[int], num_tokens: int, eg: ExpertGroup) -> TokenRoute:
-    """The route of a plan's rows over ``eg`` (:func:`local_route`): one all-gather of the ``[2, W]`` counts."""
+    """The route of a plan's rows over ``eg`` (:func:`local_route`): one all-gather on the device of each rank's
+    ``[E + W]`` per-expert counts and tokens per destination, its host copy started here and read later."""
     local = local_route(row_token, counts, num_tokens, eg.world_size)
-    mine = torch.tensor([local.tokens_to, pairs_per_rank(counts, eg.world_size)])  # [2, W]
+    mine = torch.cat([torch.tensor(counts, dtype=torch.long, device=row_token.device), local.tokens_to])  # [E + W]
     parts = [torch.empty_like(mine) for _ in range(eg.world_size)]
     eg.call("token-count exchange", lambda: dist.all_gather(parts, mine, group=eg.group))
-    return TokenRoute(local, [p[0].tolist() for p in parts], [p[1].tolist() for p in parts])
+    return TokenRoute(local, HostCopy(torch.stack(parts)), len(counts))
 
 
 def route_from_counts(local: LocalRoute, tokens_to: SplitMatrix, all_counts: list[list[int]]) -> TokenRoute:
-    """The route of :func:`token_route` from counts already exchanged: every rank's ``tokens_to`` and its
-    per-expert counts ``[W][E]`` (whose sums per destination are the pairs), so that a caller that gathers the
-    per-expert counts anyway (``parallel="auto"``) needs no second all-gather."""
-    world = len(all_counts)
-    return TokenRoute(local, tokens_to, [pairs_per_rank(row, world) for row in all_counts])
+    """The route of :func:`token_route` from counts already exchanged and read: every rank's ``tokens_to`` and
+    its per-expert counts ``[W][E]`` (whose sums per destination are the pairs), so that a caller that gathers
+    the per-expert counts anyway (``parallel="auto"``) needs no second all-gather."""
+    return TokenRoute(local, [c + t for c, t in zip(all_counts, tokens_to)], len(all_counts[0]))
 
 
 def exchange_tokens(tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
@@ -112,35 +145,43 @@ def exchange_tokens(tokens: Tensor, row_token: Tensor, row_weight: Tensor, count
     """tokens: ``[T, M]``; row_token / row_weight: ``[N]`` a plan's rows (sorted by global expert, weights in
     tokens' dtype), counts: ``[E]``; experts: this rank's ``E / W`` experts; route: the rows' route if the
     caller has it (None: :func:`token_route`) -> ``[T, M]``: each token's weighted sum over its experts (module
-    docstring)."""
+    docstring).
+
+    The host reads the counts once (the split sizes of all three exchanges: the tokens, their pairs and, with
+    the token splits transposed, the sums coming back), as late as it can: the pairs are built while the copy
+    of the counts travels."""
     if route is None:
-        route = token_route(row_token, counts, tokens.shape[0], eg)
+        route = token_route(row_token, counts, tokens.shape[0], eg)  # the count exchange; its copy starts
     local = route.local
-    rank, local_experts = eg.rank, experts.w1.shape[0]
-    received = exchange(tokens.index_select(0, local.send_token), transport, route.token_splits, stats)
+    rank = eg.rank
     # Per pair its weight, its token among those sent to its destination and its local expert, in one exchange
     # (each exchange is a wait for the slowest rank): float64 holds the indices exactly (below 2^53).
     pairs = torch.stack([row_weight.to(torch.float64), local.pair_slot.to(torch.float64),
                          local.pair_expert.to(torch.float64)], dim=1)
-    received_pairs = exchange(pairs, transport, route.pair_splits, stats)  # [n, 3]
+    token_splits, pair_splits = route.token_splits, route.pair_splits  # the read: waits for the count copy
+    send_token = local.send_token(sum(token_splits[rank]))
+    received = exchange(tokens.index_select(0, send_token), transport, token_splits, stats)
+    received_pairs = exchange(pairs, transport, pair_splits, stats)  # [n, 3]
     weight = received_pairs[:, 0].to(tokens.dtype)
     pair_slot, local_expert = received_pairs[:, 1].detach().long(), received_pairs[:, 2].detach().long()
     # Each source's tokens follow the previous sources' in `received`: its pairs' slots start after theirs.
-    from_source = torch.tensor([row[rank] for row in route.token_splits], device=tokens.device)
-    pairs_from = torch.tensor([row[rank] for row in route.pair_splits], device=tokens.device)
-    token_offset = torch.repeat_interleave(from_source.cumsum(0) - from_source, pairs_from)
+    from_source = [row[rank] for row in token_splits]
+    pairs_from = [row[rank] for row in pair_splits]
+    token_offset = torch.repeat_interleave(
+        torch.tensor([sum(from_source[:src]) for src in range(len(from_source))], device=tokens.device),
+        torch.tensor(pairs_from, device=tokens.device), output_size=sum(pairs_from))
     order = torch.argsort(local_expert, stable=True)  # pairs by local expert, sources in order
     local_token = (pair_slot + token_offset).index_select(0, order)
     local_weight = weight.index_select(0, order)
-    local_counts = torch.bincount(local_expert, minlength=local_experts).tolist()
+    local_counts = route.local_counts(rank)  # [E / W] from the counts read above: no bincount
     partial = _weighted_experts(received, local_token, local_weight, local_counts, experts)  # [u', M]
     if torch.is_grad_enabled() and not partial.requires_grad:
         # No pairs here that need a gradient: still join the gradient exchange, which every rank must run.
         anchor = received if received.requires_grad else next(iter(differentiated_weights(experts)), None)
         if anchor is not None:
             partial = partial + anchor.reshape(-1)[:0].sum().to(partial.dtype)
-    back = exchange(partial, transport, transpose(route.token_splits), stats)  # [u, M]
-    return tokens.new_zeros(tokens.shape).index_add(0, local.send_token, back.to(tokens.dtype))
+    back = exchange(partial, transport, transpose(token_splits), stats)  # [u, M]
+    return tokens.new_zeros(tokens.shape).index_add(0, send_token, back.to(tokens.dtype))
 
 
 def receiver_fuses(received: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
