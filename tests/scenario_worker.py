@@ -123,17 +123,24 @@ def gathered_grads(ep: MoELayer, layout: ExpertLayout, world: int) -> dict[str, 
 
 
 def check_case(tag, ref, ep, layout, rank, world, failures, tokens=EP_TOKENS, skewed=False, cold=False,
-               x_grad=True, global_grads=False, tol=1e-9, **call) -> dict:
+               x_grad=True, global_grads=False, tol=1e-9, counter=None, **call) -> dict:
     """This rank's output, input grad (if ``x_grad``) and router grads against the reference; expert grads as
     this rank's shard of the reference's, or (``global_grads``, which also checks the no-grad output) gathered
-    into global form. Returns the reference's routed rows per rank and expert and the shadowed experts."""
+    into global form. Returns the reference's routed rows per rank and expert and the shadowed experts.
+    counter: an :class:`~flexmoe.apps.bench.host_reads.OpCounter` around the layer's forward and backward only;
+    the number of its reads in the forward is returned as ``"forward_reads"``."""
+    from contextlib import nullcontext
+
     xs, ws = inputs(world, tokens, skewed, cold)
     want, total, counts = reference(ref, xs, ws, rank)
     ep.zero_grad(set_to_none=True)
     dtype, device = ep.experts.w1.dtype, ep.experts.w1.device
     x = xs[rank].to(device, dtype, copy=True).requires_grad_(x_grad)
-    y = ep(x, **call)
-    (y * ws[rank].to(device, dtype)).sum().backward()
+    w = ws[rank].to(device, dtype)
+    with counter if counter is not None else nullcontext():
+        y = ep(x, **call)
+        forward_reads = len(counter.host_reads) if counter is not None else 0
+        (y * w).sum().backward()
     compare(f"{tag} output", y.detach(), want["y"], failures, tol)
     if x_grad:
         compare(f"{tag} x.grad", x.grad, want["x.grad"], failures, tol)
@@ -148,7 +155,7 @@ def check_case(tag, ref, ep, layout, rank, world, failures, tokens=EP_TOKENS, sk
         local = shard_expert_state(total, layout, rank)
         for n, p in ep.experts.named_parameters():
             compare(f"{tag} experts.{n}.grad", p.grad, local[n], failures, tol)
-    return {"counts": counts, "shadowed": list(ep.last_shadowed)}
+    return {"counts": counts, "shadowed": list(ep.last_shadowed), "forward_reads": forward_reads}
 
 
 # --- expert parallelism ----------------------------------------------------------------------------------------
@@ -260,6 +267,51 @@ def scenario_token_exchange(rank: int, world: int, out: dict) -> None:
                     failures.append(f"{tag} raised:\n{traceback.format_exc()}")
                 cases += 1
     out["failures"], out["cases"] = failures, cases
+
+
+def scenario_host_reads(rank: int, world: int, out: dict) -> None:
+    """The host reads of one expert-parallel layer call, forward and backward (dropless and capacity, sending
+    tokens and rows, flat, 2dh and d=2 chunks), counted per flexmoe module by the operation counter: the
+    expert-parallel code (``flexmoe.parallel``) reads the host once per call, the split sizes of the count
+    exchange, and its exchanges all take their sizes from that read (the dispatch exchange; the combine
+    exchange, the same splits transposed; the token exchange's pairs); the backward reads nothing. Dropless,
+    every other read is the routing plan's (built on the host under expert parallelism). Outputs and gradients
+    equal one process."""
+    from flexmoe.apps.bench.host_reads import OpCounter
+
+    failures: list[str] = []
+    reads: dict[str, dict[str, list[str]]] = {}
+    for cf in (0.0, 1.0):
+        ref, ep, layout = make_pair(2 * world, 2, cf, world, rank)
+        for name, call in (("tokens", {}), ("rows", dict(token_exchange=False)),
+                           ("rows 2dh", dict(token_exchange=False, a2a="2dh", ranks_per_node=1)),
+                           ("rows d=2", dict(overlap_degree=2)))[:4 if cf == 0.0 else 2]:
+            tag = f"[cf={cf} {name}]"
+            counter = OpCounter()
+            try:
+                forward = check_case(tag, ref, ep, layout, rank, world, failures, global_grads=False,
+                                     counter=counter, **call)["forward_reads"]
+            except Exception:
+                failures.append(f"{tag} raised:\n{traceback.format_exc()}")
+                continue
+            route = "tokens" if name == "tokens" else "rows"
+            if ep.expert_stage.last_route != route:
+                failures.append(f"{tag}: the call ran the {ep.expert_stage.last_route} route, not {route}")
+            sites = [f"{r}@{m}" for r, m in zip(counter.host_reads, counter.read_sites)]
+            reads[tag] = {"forward": sites[:forward], "backward": sites[forward:]}
+            exchange_reads = [s for s in sites[:forward] if "@flexmoe.parallel." in s]
+            if exchange_reads != ["tolist@flexmoe.parallel.alltoall"]:
+                failures.append(f"{tag}: the expert-parallel code read the host {len(exchange_reads)} times in the "
+                                f"forward, want once (the count exchange's split sizes): {exchange_reads}")
+            # In capacity mode the rows route's dispatch and combine (flexmoe.dispatch, the same code as in one
+            # process) select the kept pairs by a boolean mask, forward and backward: not an exchange's read.
+            backward = [s for s in sites[forward:] if cf == 0.0 or "@flexmoe.dispatch" not in s]
+            if backward:
+                failures.append(f"{tag}: the backward read the host: {backward}")
+            others = [s for s in sites[:forward] if "@flexmoe.routing." not in s and "@flexmoe.parallel." not in s]
+            if cf == 0.0 and others:
+                failures.append(f"{tag}: reads outside the plan and the count exchange: {others}")
+    out["failures"], out["cases"], out["reads"] = failures, len(reads), reads
 
 
 class _SendTokens:
@@ -780,6 +832,7 @@ SCENARIOS = {
     "ep_equivalence": scenario_ep_equivalence,
     "ep_on_device": scenario_ep_on_device,
     "token_exchange": scenario_token_exchange,
+    "host_reads": scenario_host_reads,
     "evaluation": scenario_evaluation,
     "auto": scenario_auto,
     "ddp": scenario_ddp,

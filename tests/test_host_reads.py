@@ -55,3 +55,14 @@ def test_time_calls_runs_each_call_steps_times_in_turn() -> None:
     assert order == ["a", "b"] * 3
     assert set(seconds) == {"a", "b"} and all(s > 0 for s in seconds.values())
     assert torch.equal(w.grad, torch.full((3,), 12.0))  # 6 backward passes of d(2w)/dw with a gradient of ones
+
+
+def test_each_read_names_the_flexmoe_module_it_came_from() -> None:
+    """The plan's counts (routing.capacity's bincount, read by the plan), then a read outside flexmoe."""
+    from flexmoe.routing.capacity import count_per_expert
+
+    with OpCounter() as c:
+        count_per_expert(torch.tensor([[0, 2], [2, 1]]), 3).tolist()
+        torch.tensor([1]).item()
+    assert c.host_reads == ["bincount", "tolist", "_local_scalar_dense"]
+    assert c.read_sites == ["flexmoe.routing.capacity", "-", "-"]

@@ -17,6 +17,7 @@ the counts of converted Hugging Face blocks against HF's own ``grouped_mm`` expe
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -48,15 +49,30 @@ def _reads_host(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> boo
     return False
 
 
+def _read_site() -> str:
+    """The innermost flexmoe module (other than this one) on the caller's stack, ``"-"`` if none: where a read
+    happens, by module, so that a test can tell the routing plan's reads from the expert-parallel exchange's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("flexmoe.") and module != __name__:
+            return str(module)
+        frame = frame.f_back  # type: ignore[assignment]
+    return "-"
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten operations dispatched inside ``with OpCounter() as c:`` (``c.ops``, ``c.by_name``) and
-    lists the host reads among them (``c.host_reads``, names in call order), forward and backward alike."""
+    lists the host reads among them (``c.host_reads``, names in call order), forward and backward alike;
+    ``c.read_sites`` names the flexmoe module each read came from (``"flexmoe.parallel.alltoall"``), in the
+    same order."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
         self.by_name: Counter[str] = Counter()
         self.host_reads: list[str] = []
+        self.read_sites: list[str] = []
         self._tolist: Callable[..., Any] | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -67,15 +83,17 @@ class OpCounter(TorchDispatchMode):
         self.by_name[name] += 1
         if _reads_host(name, args, kwargs):
             self.host_reads.append(name.removeprefix("aten.").removesuffix(".default"))
+            self.read_sites.append(_read_site())
         return func(*args, **kwargs)
 
     def __enter__(self) -> OpCounter:
         # tolist() copies the values out without dispatching an operation: wrap it for the counter's lifetime.
         original = torch.Tensor.tolist
-        reads = self.host_reads
+        reads, sites = self.host_reads, self.read_sites
 
         def tolist(t: Tensor) -> Any:
             reads.append("tolist")
+            sites.append(_read_site())
             return original(t)
 
         self._tolist = original
