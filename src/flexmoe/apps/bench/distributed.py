@@ -185,7 +185,7 @@ def _floor_step(layer: MoELayer, x: Tensor, cfg: BenchConfig, sleep_ms: float | 
     with torch.no_grad():
         layer(x)
     assert layer.last_plan is not None  # set by the forward above
-    local = _local_counts(layer, ep.gather_counts(layer.last_plan.counts))
+    local = _local_counts(layer, ep.gather_counts(layer.last_plan.counts, x.device))
     step = floor_case(layer, local, cfg)[0] if sleep_ms is None else _stall_floor(layer.experts, local, cfg)
     return _synced(step)
 
