@@ -163,3 +163,19 @@ def test_expert_parallel_on_one_device(device: torch.device, world: int, backend
     want = "cuda:0" if device.type == "cuda" and torch.cuda.device_count() == 1 else None
     assert all(rep["device"] == (want or rep["device"]) and rep["device"].startswith(device.type) for rep in reports)
     assert all(rep["cases"] >= 3 for rep in reports)
+
+
+def test_host_copy_reads_the_host_once(device: torch.device) -> None:
+    """An exchange's split sizes: one copy of the ``[W, C]`` counts, started at once (on CUDA pinned and
+    non-blocking) and read by the first ``tolist``; a second ``tolist`` reads nothing again. The values are the
+    counts, also when the device writes over its tensor after the copy was started."""
+    from flexmoe.apps.bench.host_reads import OpCounter
+    from flexmoe.parallel.alltoall import HostCopy
+
+    counts = torch.tensor([[3, 0, 2], [1, 4, 0]], device=device)
+    with OpCounter() as c:
+        copy = HostCopy(counts)
+        counts.add_(10)  # the device moves on; the copy holds the values at its start
+        first, again = copy.tolist(), copy.tolist()
+    assert first == again == [[3, 0, 2], [1, 4, 0]]
+    assert c.host_reads == ["tolist"]

@@ -63,21 +63,19 @@ class HostCopy:
     """One device-to-host copy of ``values`` (any shape, integers), started now and read by :meth:`tolist`.
 
     On CUDA the copy goes into pinned host memory with ``non_blocking=True`` and an event marks its end: the host
-    goes on (the rows' gather and sort, building the next exchange) while the stream runs up to the copy, and
-    waits only in :meth:`tolist`. On the CPU the values are already on the host: nothing is copied. Either way
+    goes on (building the pairs of the token exchange) while the stream runs up to the copy, and waits only in
+    :meth:`tolist`. Elsewhere it is a plain copy. Either way the values are those at the copy's start, and
     :meth:`tolist` is the one read of the host, however often it is called."""
 
     def __init__(self, values: Tensor) -> None:
         self._event: Any = None
-        if values.device.type == "cpu":
-            self._host = values
-        else:
-            pin = torch.cuda.is_available()  # pinned memory needs CUDA; elsewhere the copy is a plain one
-            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=pin)
-            self._host.copy_(values, non_blocking=pin)
-            if values.device.type == "cuda":
-                self._event = torch.cuda.Event()
-                self._event.record(torch.cuda.current_stream(values.device))
+        on_cuda = values.device.type == "cuda"
+        # A non-blocking copy to pageable memory would be a blocking one: pin it (which only CUDA can).
+        self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=on_cuda and torch.cuda.is_available())
+        self._host.copy_(values, non_blocking=on_cuda)
+        if on_cuda:  # the host waits for this event only, not for the work queued after the copy
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(values.device))
         self._values: Any = None
 
     def tolist(self) -> Any:
