@@ -55,7 +55,9 @@ def build_optimizer(model: nn.Module, tcfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def lr_at(step: int, tcfg: TrainConfig) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at the last step (a function of step only)."""
+    """The learning rate of 0-based step ``step`` (a function of step only): linear warm-up to ``lr`` over the first
+    ``warmup`` steps, then cosine decay toward ``min_lr``, which step ``steps`` (one past the last) would reach: the
+    last step trains a little above ``min_lr``."""
     if step < tcfg.warmup:
         return tcfg.lr * (step + 1) / tcfg.warmup
     progress = (step - tcfg.warmup) / max(tcfg.steps - tcfg.warmup, 1)
