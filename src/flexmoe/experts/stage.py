@@ -50,7 +50,7 @@ from flexmoe.experts.padded_op import layout_op_runs, padded_experts_forward, pa
 from flexmoe.experts.row_kernels import padded_expert_ffn
 from flexmoe.parallel.expert_parallel import ParallelSetting
 from flexmoe.parallel.options import ParallelOptions
-from flexmoe.parallel.strategy import ExpertStrategy
+from flexmoe.parallel.strategy import AllToAllExperts, ExpertStrategy
 from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan
 
@@ -222,6 +222,21 @@ class ExpertStage:
                        f"the host")
         return False
 
+    def exchange_read_free(self, routing: RoutingOptions, tokens: Tensor, training: bool, adapted: bool,
+                           strategy: ExpertStrategy) -> bool:
+        """Whether this call (tokens ``[T, M]``) under expert parallelism builds its plan without a host read
+        (:func:`~flexmoe.routing.read_free.read_free_plan`, its counts left on the device), so that the call's
+        one read is the split sizes of its exchanges (:meth:`~flexmoe.parallel.strategy.AllToAllExperts.
+        run_device_counts`): the static all-to-all strategy (not shadowing, the pairwise schedule, replicas or
+        ``parallel="auto"``, which read the counts on the host as before), dropless top-k routing with one capacity
+        over the call, no batch priority, no random 2nd expert in training, no global balance loss, no topology
+        gate or adapter, T >= 1 (docs/architecture.md, "One host read per exchange")."""
+        return (self.distributed and isinstance(strategy, AllToAllExperts) and not adapted
+                and not self.topology_gated and routing.selection == "topk" and routing.capacity is None
+                and routing.static_capacity_factor == 0 and routing.capacity_per == "call"
+                and not routing.batch_prioritized and routing.aux_loss_type != "global"
+                and not (routing.second_expert == "random" and training) and tokens.shape[0] > 0)
+
     def run_read_free(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions) -> Tensor:
         """tokens: ``[T, M]`` -> ``[T, M]`` by the read-free path (:meth:`read_free`): dispatch by one gather, the
         experts by grouped matmuls over ``plan.expert_ends`` (dropless) or batched ones over the padded rows
@@ -267,6 +282,9 @@ class ExpertStage:
         """tokens: ``[T, M]`` -> ``[T, M]``, each token's weighted sum over its experts (or, ``score_at="dispatch"``,
         the plain sum of its experts' outputs on weighted rows), by the route this call takes (module docstring).
         strategy: the call's expert strategy (:mod:`flexmoe.parallel.strategy`)."""
+
+        if self.distributed and plan.host_counts is None and isinstance(strategy, AllToAllExperts):
+            return self._exchange_device_counts(tokens, plan, routing, parallel, strategy)
 
         def rows_route(t: Tensor) -> Tensor:
             return self._rows_route(t, plan, routing, parallel, pinned, strategy)
@@ -368,6 +386,26 @@ class ExpertStage:
         if y is not None:
             self._report("tokens", None if chooser is None else chooser.last_kernel, strategy.last_choice,
                          strategy.last_shadowed)
+        return y
+
+    def _exchange_device_counts(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions,
+                                parallel: ParallelOptions, strategy: AllToAllExperts) -> Tensor:
+        """tokens: ``[T, M]`` -> ``[T, M]`` under expert parallelism, on a plan whose counts are on the device
+        (:meth:`exchange_read_free`): tokens or rows through the exchange, whose split sizes are the one host
+        read of the call (:meth:`~flexmoe.parallel.strategy.AllToAllExperts.run_device_counts`)."""
+        scaled = routing.score_at == "dispatch"
+
+        def rows_path(tokens_in: Tensor, run_rows: Callable[[Tensor], Tensor]) -> Tensor:
+            out = self.in_expert_dtype(run_rows, dispatch(tokens_in, plan, scale=scaled))  # [N, M] by expert
+            return combine(out, plan, weighted=not scaled)
+
+        chooser = self._chooser()
+        if chooser is not None:
+            chooser.last_kernel = None
+        y, sent_tokens = strategy.run_device_counts(tokens, plan.row_token, plan.row_weight, plan.tokens_per_expert,
+                                                    parallel, rows_path, send_tokens=not scaled)
+        self._report("tokens" if sent_tokens else "rows", None if chooser is None else chooser.last_kernel,
+                     strategy.last_choice, strategy.last_shadowed)
         return y
 
     # ---- the experts over rows ------------------------------------------------------------------------------
