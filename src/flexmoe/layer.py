@@ -276,7 +276,7 @@ class MoELayer(nn.Module):
         logits = route(self.router, router_input(tokens, num_sequences), dtype=routing.router_dtype,
                        training=self.training, jitter=routing.jitter, gate_noise=routing.gate_noise,
                        input_dropout=routing.router_input_dropout, num_experts=self.num_experts)  # [T, E]
-        layout = stage.read_free_layout(routing) if read_free else \
+        layout = stage.read_free_layout(routing) if plan_read_free else \
             stage.plan_layout(routing, tokens, self.training, adapted=adapted)
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
                           topology=self.topology, num_sequences=num_sequences, padded=layout.padded,

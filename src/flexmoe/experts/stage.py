@@ -228,12 +228,17 @@ class ExpertStage:
         (:func:`~flexmoe.routing.read_free.read_free_plan`, its counts left on the device), so that the call's
         one read is the split sizes of its exchanges (:meth:`~flexmoe.parallel.strategy.AllToAllExperts.
         run_device_counts`): the static all-to-all strategy (not shadowing, the pairwise schedule, replicas or
-        ``parallel="auto"``, which read the counts on the host as before), dropless top-k routing with one capacity
-        over the call, no batch priority, no random 2nd expert in training, no global balance loss, no topology
-        gate or adapter, T >= 1 (docs/architecture.md, "One host read per exchange")."""
+        ``parallel="auto"``, which read the counts on the host as before), top-k routing with one capacity over
+        the call, no batch priority, no random 2nd expert in training, no global balance loss, no topology gate or
+        adapter, T >= 1; dropless, or a capacity given as a number (``capacity``): the plan is then padded, every
+        rank sending each expert exactly that many rows, and the call reads nothing (:meth:`~flexmoe.parallel.
+        strategy.AllToAllExperts.run_padded`). A capacity factor makes each rank's capacity depend on its number
+        of tokens, which its peers would have to read: such calls read as before (docs/architecture.md, "One host
+        read per exchange")."""
+        dropless = routing.capacity is None and routing.static_capacity_factor == 0
         return (self.distributed and isinstance(strategy, AllToAllExperts) and not adapted
-                and not self.topology_gated and routing.selection == "topk" and routing.capacity is None
-                and routing.static_capacity_factor == 0 and routing.capacity_per == "call"
+                and not self.topology_gated and routing.selection == "topk"
+                and (dropless or routing.capacity is not None) and routing.capacity_per == "call"
                 and not routing.batch_prioritized and routing.aux_loss_type != "global"
                 and not (routing.second_expert == "random" and training) and tokens.shape[0] > 0)
 
@@ -283,7 +288,7 @@ class ExpertStage:
         the plain sum of its experts' outputs on weighted rows), by the route this call takes (module docstring).
         strategy: the call's expert strategy (:mod:`flexmoe.parallel.strategy`)."""
 
-        if self.distributed and plan.host_counts is None and isinstance(strategy, AllToAllExperts):
+        if self.distributed and (plan.padded or plan.host_counts is None) and isinstance(strategy, AllToAllExperts):
             return self._exchange_device_counts(tokens, plan, routing, parallel, strategy)
 
         def rows_route(t: Tensor) -> Tensor:
@@ -392,8 +397,21 @@ class ExpertStage:
                                 parallel: ParallelOptions, strategy: AllToAllExperts) -> Tensor:
         """tokens: ``[T, M]`` -> ``[T, M]`` under expert parallelism, on a plan whose counts are on the device
         (:meth:`exchange_read_free`): tokens or rows through the exchange, whose split sizes are the one host
-        read of the call (:meth:`~flexmoe.parallel.strategy.AllToAllExperts.run_device_counts`)."""
+        read of the call (:meth:`~flexmoe.parallel.strategy.AllToAllExperts.run_device_counts`); a padded plan's
+        rows by the exchange of fixed splits, which reads nothing (:meth:`~flexmoe.parallel.strategy.
+        AllToAllExperts.run_padded`)."""
         scaled = routing.score_at == "dispatch"
+        if plan.padded:
+            rows = tokens.index_select(0, plan.row_token)  # [E * C, M] by expert, the empty rows included
+            if scaled:
+                rows = rows * plan.row_weight.to(rows.dtype).unsqueeze(-1)
+            capacity = plan.capacity  # a padded plan's is static
+            chooser = self._chooser()
+            if chooser is not None:
+                chooser.last_kernel = None
+            out = self.in_expert_dtype(lambda r: strategy.run_padded(r, capacity, parallel), rows)
+            self._report("rows", None if chooser is None else chooser.last_kernel, strategy.last_choice, [])
+            return _combine_padded(out, plan, weighted=not scaled)
 
         def rows_path(tokens_in: Tensor, run_rows: Callable[[Tensor], Tensor]) -> Tensor:
             out = self.in_expert_dtype(run_rows, dispatch(tokens_in, plan, scale=scaled))  # [N, M] by expert

@@ -168,6 +168,17 @@ class AllToAllExperts(_GroupStrategy):
 
         return rows_path(tokens, run_rows), False
 
+    def run_padded(self, rows: Tensor, capacity: int, options: ParallelOptions) -> Tensor:
+        """rows: ``[E * C, M]`` a padded plan's, every expert ``capacity`` (C) rows, the empty ones included ->
+        ``[E * C, M]``, each row through its expert. Every rank sends each expert exactly C rows (the same C on
+        every rank: a capacity given as a number), so the split sizes are known before routing and the exchange
+        reads nothing from the device; the experts compute the empty rows too, which no pair reads back."""
+        setting = options.setting
+        self.ep.check(setting)
+        self.last_choice = setting
+        counts = [capacity] * self.ep.layout.num_experts
+        return self.ep.run(rows, counts, [counts] * self.ep.eg.world_size, setting)
+
 
 class PairwiseExperts(_GroupStrategy):
     """The exchange as W-1 pairwise steps overlapping the expert compute (FasterMoE's smart schedule)."""
