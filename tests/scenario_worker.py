@@ -324,8 +324,33 @@ def scenario_host_reads(rank: int, world: int, out: dict) -> None:
             if cf == 0.0 and sites[:forward] != ["tolist@flexmoe.parallel.alltoall"]:
                 failures.append(f"{tag}: the forward read the host {forward} times, want once (the split sizes): "
                                 f"{sites[:forward]}")
+    # The last rank without tokens: it counts on the host (dropless) or joins the padded exchange with C empty rows
+    # per expert, and runs the same exchanges as its peers; outputs and global expert gradients equal one process.
+    for mode, cf, both in (("cf=0.0", 0.0, None), ("capacity=5", None, {"capacity": 5})):
+        for name, call in (("tokens", {}), ("rows", dict(token_exchange=False))):
+            tag = f"[{mode} {name}, rank {world - 1} without tokens]"
+            try:
+                ref, ep, layout = make_pair(2 * world, 2, cf, world, rank, both=both)
+                xs, ws = inputs(world, EP_TOKENS)
+                xs[-1], ws[-1] = xs[-1][:0], ws[-1][:0]
+                want, total, _ = reference(ref, xs, ws, rank)
+                x = xs[rank].clone().requires_grad_(True)
+                y = ep(x, **call)
+                (y * ws[rank]).sum().backward()
+                compare(f"{tag} output", y.detach(), want["y"], failures)
+                compare(f"{tag} x.grad", x.grad, want["x.grad"], failures)
+                for n, g in gathered_grads(ep, layout, world).items():
+                    compare(f"{tag} experts.{n}.grad (global)", g, total[n], failures)
+            except Exception:
+                failures.append(f"{tag} raised:\n{traceback.format_exc()}")
+            reads[tag] = {}
     # Padded, experts sharded over the ranks (E < W), at every valid r: nothing read either.
-    ref, ep, layout = make_pair(world // 2, 1, None, world, rank, both={"capacity": 8})
+    try:
+        ref, ep, layout = make_pair(world // 2, 1, None, world, rank, both={"capacity": 8})
+    except Exception:
+        failures.append(f"[capacity=8 E={world // 2}] raised:\n{traceback.format_exc()}")
+        out["failures"], out["cases"], out["reads"] = failures, len(reads), reads
+        return
     for r in ep._ep.valid_r():
         tag = f"[capacity=8 E={world // 2} r={r}]"
         counter = OpCounter()

@@ -230,17 +230,19 @@ class ExpertStage:
         run_device_counts`): the static all-to-all strategy (not shadowing, the pairwise schedule, replicas or
         ``parallel="auto"``, which read the counts on the host as before), top-k routing with one capacity over
         the call, no batch priority, no random 2nd expert in training, no global balance loss, no topology gate or
-        adapter, T >= 1; dropless, or a capacity given as a number (``capacity``): the plan is then padded, every
+        adapter; dropless with T >= 1, or a capacity given as a number (``capacity``): the plan is then padded, every
         rank sending each expert exactly that many rows, and the call reads nothing (:meth:`~flexmoe.parallel.
         strategy.AllToAllExperts.run_padded`). A capacity factor makes each rank's capacity depend on its number
         of tokens, which its peers would have to read: such calls read as before (docs/architecture.md, "One host
         read per exchange")."""
-        dropless = routing.capacity is None and routing.static_capacity_factor == 0
+        # A rank without tokens joins the padded exchange too (its peers' splits count on its C rows per expert);
+        # dropless, it counts on the host, and the exchanges it runs are the same.
+        dropless = routing.capacity is None and routing.static_capacity_factor == 0 and tokens.shape[0] > 0
         return (self.distributed and isinstance(strategy, AllToAllExperts) and not adapted
                 and not self.topology_gated and routing.selection == "topk"
                 and (dropless or routing.capacity is not None) and routing.capacity_per == "call"
                 and not routing.batch_prioritized and routing.aux_loss_type != "global"
-                and not (routing.second_expert == "random" and training) and tokens.shape[0] > 0)
+                and not (routing.second_expert == "random" and training))
 
     def run_read_free(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions) -> Tensor:
         """tokens: ``[T, M]`` -> ``[T, M]`` by the read-free path (:meth:`read_free`): dispatch by one gather, the
@@ -402,7 +404,10 @@ class ExpertStage:
         AllToAllExperts.run_padded`)."""
         scaled = routing.score_at == "dispatch"
         if plan.padded:
-            rows = tokens.index_select(0, plan.row_token)  # [E * C, M] by expert, the empty rows included
+            # [E * C, M] by expert, the empty rows included. A rank without tokens sends only empty rows, gathered
+            # from a zero row after its tokens so that its backward joins the gradient exchange as its peers do.
+            source = tokens if tokens.shape[0] else torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])
+            rows = source.index_select(0, plan.row_token)
             if scaled:
                 rows = rows * plan.row_weight.to(rows.dtype).unsqueeze(-1)
             capacity = plan.capacity  # a padded plan's is static
@@ -546,7 +551,7 @@ def _combine_padded(out: Tensor, plan: RoutingPlan, weighted: bool) -> Tensor:
     assert pair_row is not None  # a padded plan sets it
     num_tokens, k = pair_row.shape
     with_zero = torch.cat([out, out.new_zeros(1, out.shape[-1])])  # [N + 1, M]
-    per_pair = with_zero.index_select(0, pair_row.reshape(-1)).view(num_tokens, k, -1)  # [T, k, M]
+    per_pair = with_zero.index_select(0, pair_row.reshape(-1)).view(num_tokens, k, out.shape[-1])  # [T, k, M]
     if weighted:
         per_pair = per_pair * plan.weight.to(out.dtype).unsqueeze(-1)
     return per_pair.sum(1)
