@@ -257,7 +257,7 @@ class MoELayer(nn.Module):
         # The path a GPU takes: no host read in the whole call (docs/architecture.md, "Expert compute").
         read_free = replayed is None and stage.read_free(routing, tokens, self.training, adapted)
         # Under expert parallelism the plan reads nothing either where the exchange takes its counts on the device:
-        # the split sizes are then the call's one read (docs/architecture.md, "One host read per exchange").
+        # the split sizes are then the call's one read (docs/architecture.md, "Experts over ranks").
         plan_read_free = read_free or (replayed is None and stage.exchange_read_free(routing, tokens, self.training,
                                                                                      adapted, strategy))
         if not read_free and stage.serves_without_plan(routing, tokens, self.training):  # decoding: no plan

@@ -233,8 +233,8 @@ class ExpertStage:
         adapter; dropless with T >= 1, or a capacity given as a number (``capacity``): the plan is then padded, every
         rank sending each expert exactly that many rows, and the call reads nothing (:meth:`~flexmoe.parallel.
         strategy.AllToAllExperts.run_padded`). A capacity factor makes each rank's capacity depend on its number
-        of tokens, which its peers would have to read: such calls read as before (docs/architecture.md, "One host
-        read per exchange")."""
+        of tokens, which its peers would have to read: such calls read as before (docs/architecture.md,
+        "Experts over ranks")."""
         # A rank without tokens joins the padded exchange too (its peers' splits count on its C rows per expert);
         # dropless, it counts on the host, and the exchanges it runs are the same.
         dropless = routing.capacity is None and routing.static_capacity_factor == 0 and tokens.shape[0] > 0
