@@ -324,6 +324,21 @@ def scenario_host_reads(rank: int, world: int, out: dict) -> None:
             if cf == 0.0 and sites[:forward] != ["tolist@flexmoe.parallel.alltoall"]:
                 failures.append(f"{tag}: the forward read the host {forward} times, want once (the split sizes): "
                                 f"{sites[:forward]}")
+    # Weights applied at dispatch (rows scaled before the experts): rows only, the same reads.
+    for mode, cf, both, want in (("cf=0.0", 0.0, {"score_at": "dispatch"}, ["tolist@flexmoe.parallel.alltoall"]),
+                                 ("capacity=5", None, {"score_at": "dispatch", "capacity": 5}, [])):
+        tag = f"[{mode} score_at=dispatch]"
+        counter = OpCounter()
+        try:
+            ref, ep, layout = make_pair(2 * world, 2, cf, world, rank, both=both)
+            forward = check_case(tag, ref, ep, layout, rank, world, failures, counter=counter)["forward_reads"]
+        except Exception:
+            failures.append(f"{tag} raised:\n{traceback.format_exc()}")
+            continue
+        sites = [f"{r}@{m}" for r, m in zip(counter.host_reads, counter.read_sites)]
+        reads[tag] = {"forward": sites[:forward], "backward": sites[forward:]}
+        if sites != want or ep.expert_stage.last_route != "rows":
+            failures.append(f"{tag}: reads {sites} (want {want}), route {ep.expert_stage.last_route} (want rows)")
     # The last rank without tokens: it counts on the host (dropless) or joins the padded exchange with C empty rows
     # per expert, and runs the same exchanges as its peers; outputs and global expert gradients equal one process.
     for mode, cf, both in (("cf=0.0", 0.0, None), ("capacity=5", None, {"capacity": 5})):
