@@ -275,30 +275,42 @@ def scenario_host_reads(rank: int, world: int, out: dict) -> None:
     expert-parallel code (``flexmoe.parallel``) reads the host once per call, the split sizes of the count
     exchange, and its exchanges all take their sizes from that read (the dispatch exchange; the combine
     exchange, the same splits transposed; the token exchange's pairs); the backward reads nothing. Dropless,
-    every other read is the routing plan's (built on the host under expert parallelism). Outputs and gradients
+    that is the forward's only read: the plan leaves its counts on the device. With a capacity given as a number
+    the padded exchange (every rank sends each expert exactly C rows) reads nothing at all. Outputs and gradients
     equal one process."""
     from flexmoe.apps.bench.host_reads import OpCounter
 
     failures: list[str] = []
     reads: dict[str, dict[str, list[str]]] = {}
-    for cf in (0.0, 1.0):
-        ref, ep, layout = make_pair(2 * world, 2, cf, world, rank)
+    # A capacity given as a number is every rank's: the padded exchange (C rows per expert from each rank).
+    for mode, cf, both in (("cf=0.0", 0.0, None), ("cf=1.0", 1.0, None), ("capacity=5", None, {"capacity": 5})):
+        ref, ep, layout = make_pair(2 * world, 2, cf, world, rank, both=both)
+        padded = cf is None
         for name, call in (("tokens", {}), ("rows", dict(token_exchange=False)),
                            ("rows 2dh", dict(token_exchange=False, a2a="2dh", ranks_per_node=1)),
-                           ("rows d=2", dict(overlap_degree=2)))[:4 if cf == 0.0 else 2]:
-            tag = f"[cf={cf} {name}]"
+                           ("rows d=2", dict(overlap_degree=2)), ("r=0", dict(r=0)))[:2 if cf == 1.0 else 4 + padded]:
+            tag = f"[{mode} {name}]"
             counter = OpCounter()
             try:
-                forward = check_case(tag, ref, ep, layout, rank, world, failures, global_grads=False,
-                                     counter=counter, **call)["forward_reads"]
+                case = check_case(tag, ref, ep, layout, rank, world, failures, global_grads=False, counter=counter,
+                                  **call)
             except Exception:
                 failures.append(f"{tag} raised:\n{traceback.format_exc()}")
+                continue
+            forward = case["forward_reads"]
+            sites = [f"{r}@{m}" for r, m in zip(counter.host_reads, counter.read_sites)]
+            reads[tag] = {"forward": sites[:forward], "backward": sites[forward:]}
+            if padded:  # fixed splits: nothing to read, forward or backward; and the capacity did drop pairs
+                if sites:
+                    failures.append(f"{tag}: the padded exchange read the host: {sites}")
+                if ep.expert_stage.last_route != "rows":
+                    failures.append(f"{tag}: the call ran the {ep.expert_stage.last_route} route, not rows")
+                if all(sum(c) == 2 * EP_TOKENS for c in case["counts"]):
+                    failures.append(f"{tag}: no rank dropped a pair at capacity 5: {case['counts']}")
                 continue
             route = "tokens" if name == "tokens" else "rows"
             if ep.expert_stage.last_route != route:
                 failures.append(f"{tag}: the call ran the {ep.expert_stage.last_route} route, not {route}")
-            sites = [f"{r}@{m}" for r, m in zip(counter.host_reads, counter.read_sites)]
-            reads[tag] = {"forward": sites[:forward], "backward": sites[forward:]}
             exchange_reads = [s for s in sites[:forward] if "@flexmoe.parallel." in s]
             if exchange_reads != ["tolist@flexmoe.parallel.alltoall"]:
                 failures.append(f"{tag}: the expert-parallel code read the host {len(exchange_reads)} times in the "
@@ -308,9 +320,63 @@ def scenario_host_reads(rank: int, world: int, out: dict) -> None:
             backward = [s for s in sites[forward:] if cf == 0.0 or "@flexmoe.dispatch" not in s]
             if backward:
                 failures.append(f"{tag}: the backward read the host: {backward}")
-            others = [s for s in sites[:forward] if "@flexmoe.routing." not in s and "@flexmoe.parallel." not in s]
-            if cf == 0.0 and others:
-                failures.append(f"{tag}: reads outside the plan and the count exchange: {others}")
+            # Dropless, the plan reads nothing (its counts stay on the device): the split sizes are the one read.
+            if cf == 0.0 and sites[:forward] != ["tolist@flexmoe.parallel.alltoall"]:
+                failures.append(f"{tag}: the forward read the host {forward} times, want once (the split sizes): "
+                                f"{sites[:forward]}")
+    # Weights applied at dispatch (rows scaled before the experts): rows only, the same reads.
+    for mode, cf, both, want in (("cf=0.0", 0.0, {"score_at": "dispatch"}, ["tolist@flexmoe.parallel.alltoall"]),
+                                 ("capacity=5", None, {"score_at": "dispatch", "capacity": 5}, [])):
+        tag = f"[{mode} score_at=dispatch]"
+        counter = OpCounter()
+        try:
+            ref, ep, layout = make_pair(2 * world, 2, cf, world, rank, both=both)
+            forward = check_case(tag, ref, ep, layout, rank, world, failures, counter=counter)["forward_reads"]
+        except Exception:
+            failures.append(f"{tag} raised:\n{traceback.format_exc()}")
+            continue
+        sites = [f"{r}@{m}" for r, m in zip(counter.host_reads, counter.read_sites)]
+        reads[tag] = {"forward": sites[:forward], "backward": sites[forward:]}
+        if sites != want or ep.expert_stage.last_route != "rows":
+            failures.append(f"{tag}: reads {sites} (want {want}), route {ep.expert_stage.last_route} (want rows)")
+    # The last rank without tokens: it counts on the host (dropless) or joins the padded exchange with C empty rows
+    # per expert, and runs the same exchanges as its peers; outputs and global expert gradients equal one process.
+    for mode, cf, both in (("cf=0.0", 0.0, None), ("capacity=5", None, {"capacity": 5})):
+        for name, call in (("tokens", {}), ("rows", dict(token_exchange=False))):
+            tag = f"[{mode} {name}, rank {world - 1} without tokens]"
+            try:
+                ref, ep, layout = make_pair(2 * world, 2, cf, world, rank, both=both)
+                xs, ws = inputs(world, EP_TOKENS)
+                xs[-1], ws[-1] = xs[-1][:0], ws[-1][:0]
+                want, total, _ = reference(ref, xs, ws, rank)
+                x = xs[rank].clone().requires_grad_(True)
+                y = ep(x, **call)
+                (y * ws[rank]).sum().backward()
+                compare(f"{tag} output", y.detach(), want["y"], failures)
+                compare(f"{tag} x.grad", x.grad, want["x.grad"], failures)
+                for n, g in gathered_grads(ep, layout, world).items():
+                    compare(f"{tag} experts.{n}.grad (global)", g, total[n], failures)
+            except Exception:
+                failures.append(f"{tag} raised:\n{traceback.format_exc()}")
+            reads[tag] = {}
+    # Padded, experts sharded over the ranks (E < W), at every valid r: nothing read either.
+    try:
+        ref, ep, layout = make_pair(world // 2, 1, None, world, rank, both={"capacity": 8})
+    except Exception:
+        failures.append(f"[capacity=8 E={world // 2}] raised:\n{traceback.format_exc()}")
+        out["failures"], out["cases"], out["reads"] = failures, len(reads), reads
+        return
+    for r in ep._ep.valid_r():
+        tag = f"[capacity=8 E={world // 2} r={r}]"
+        counter = OpCounter()
+        try:
+            check_case(tag, ref, ep, layout, rank, world, failures, counter=counter, r=r)
+        except Exception:
+            failures.append(f"{tag} raised:\n{traceback.format_exc()}")
+            continue
+        reads[tag] = {"forward": list(counter.host_reads), "backward": []}
+        if counter.host_reads:
+            failures.append(f"{tag}: the padded exchange read the host: {counter.host_reads}")
     out["failures"], out["cases"], out["reads"] = failures, len(reads), reads
 
 

@@ -68,8 +68,9 @@ CASES: list[tuple[Scenario, Callable[[list[dict]], None] | None]] = [
       for w in (2, 4)],
     (Scenario("host_reads", 2, "one layer call (forward + backward; sending tokens and rows, flat, 2dh, d=2, "
               "dropless and capacity) reads the host once in the expert-parallel code, the count exchange's "
-              "split sizes, and nothing in the backward; outputs and gradients equal one process"),
-     _many_cases(6)),
+              "split sizes (dropless: its only read), and nothing in the backward; capacity=C (the padded exchange) "
+              "reads nothing; outputs and gradients equal one process"),
+     _many_cases(10)),
     *[(Scenario("evaluation", w, "evaluation (eval, no grad) where one rank's tokens overflow an expert and the "
                 "others' do not: the ranks run the same exchanges and each output equals one process", timeout=120),
        _many_cases(12)) for w in (2, 4)],

@@ -256,6 +256,10 @@ class MoELayer(nn.Module):
         adapted = self.experts is not self._built_experts
         # The path a GPU takes: no host read in the whole call (docs/architecture.md, "Expert compute").
         read_free = replayed is None and stage.read_free(routing, tokens, self.training, adapted)
+        # Under expert parallelism the plan reads nothing either where the exchange takes its counts on the device:
+        # the split sizes are then the call's one read (docs/architecture.md, "Experts over ranks").
+        plan_read_free = read_free or (replayed is None and stage.exchange_read_free(routing, tokens, self.training,
+                                                                                     adapted, strategy))
         if not read_free and stage.serves_without_plan(routing, tokens, self.training):  # decoding: no plan
             served = forward_without_plan(
                 DecodingLayer(self.router, self.expert_bias, self.num_experts, stage, strategy, self.shared,
@@ -272,11 +276,11 @@ class MoELayer(nn.Module):
         logits = route(self.router, router_input(tokens, num_sequences), dtype=routing.router_dtype,
                        training=self.training, jitter=routing.jitter, gate_noise=routing.gate_noise,
                        input_dropout=routing.router_input_dropout, num_experts=self.num_experts)  # [T, E]
-        layout = stage.read_free_layout(routing) if read_free else \
+        layout = stage.read_free_layout(routing) if plan_read_free else \
             stage.plan_layout(routing, tokens, self.training, adapted=adapted)
         plan = build_plan(logits, routing, training=self.training, selection_bias=self.expert_bias,
                           topology=self.topology, num_sequences=num_sequences, padded=layout.padded,
-                          counts_on_device=layout.counts_on_device, expert_index=replayed, read_free=read_free)
+                          counts_on_device=layout.counts_on_device, expert_index=replayed, read_free=plan_read_free)
         if tap is not None:
             tap.chosen(x, plan.expert_index, backward_now)
         if self.global_balance is not None and self.training and torch.is_grad_enabled():

@@ -50,7 +50,7 @@ from flexmoe.experts.padded_op import layout_op_runs, padded_experts_forward, pa
 from flexmoe.experts.row_kernels import padded_expert_ffn
 from flexmoe.parallel.expert_parallel import ParallelSetting
 from flexmoe.parallel.options import ParallelOptions
-from flexmoe.parallel.strategy import ExpertStrategy
+from flexmoe.parallel.strategy import AllToAllExperts, ExpertStrategy
 from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan
 
@@ -222,6 +222,28 @@ class ExpertStage:
                        f"the host")
         return False
 
+    def exchange_read_free(self, routing: RoutingOptions, tokens: Tensor, training: bool, adapted: bool,
+                           strategy: ExpertStrategy) -> bool:
+        """Whether this call (tokens ``[T, M]``) under expert parallelism builds its plan without a host read
+        (:func:`~flexmoe.routing.read_free.read_free_plan`, its counts left on the device), so that the call's
+        one read is the split sizes of its exchanges (:meth:`~flexmoe.parallel.strategy.AllToAllExperts.
+        run_device_counts`): the static all-to-all strategy (not shadowing, the pairwise schedule, replicas or
+        ``parallel="auto"``, which read the counts on the host as before), top-k routing with one capacity over
+        the call, no batch priority, no random 2nd expert in training, no global balance loss, no topology gate or
+        adapter; dropless with T >= 1, or a capacity given as a number (``capacity``): the plan is then padded, every
+        rank sending each expert exactly that many rows, and the call reads nothing (:meth:`~flexmoe.parallel.
+        strategy.AllToAllExperts.run_padded`). A capacity factor makes each rank's capacity depend on its number
+        of tokens, which its peers would have to read: such calls read as before (docs/architecture.md,
+        "Experts over ranks")."""
+        # A rank without tokens joins the padded exchange too (its peers' splits count on its C rows per expert);
+        # dropless, it counts on the host, and the exchanges it runs are the same.
+        dropless = routing.capacity is None and routing.static_capacity_factor == 0 and tokens.shape[0] > 0
+        return (self.distributed and isinstance(strategy, AllToAllExperts) and not adapted
+                and not self.topology_gated and routing.selection == "topk"
+                and (dropless or routing.capacity is not None) and routing.capacity_per == "call"
+                and not routing.batch_prioritized and routing.aux_loss_type != "global"
+                and not (routing.second_expert == "random" and training))
+
     def run_read_free(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions) -> Tensor:
         """tokens: ``[T, M]`` -> ``[T, M]`` by the read-free path (:meth:`read_free`): dispatch by one gather, the
         experts by grouped matmuls over ``plan.expert_ends`` (dropless) or batched ones over the padded rows
@@ -267,6 +289,9 @@ class ExpertStage:
         """tokens: ``[T, M]`` -> ``[T, M]``, each token's weighted sum over its experts (or, ``score_at="dispatch"``,
         the plain sum of its experts' outputs on weighted rows), by the route this call takes (module docstring).
         strategy: the call's expert strategy (:mod:`flexmoe.parallel.strategy`)."""
+
+        if self.distributed and (plan.padded or plan.host_counts is None) and isinstance(strategy, AllToAllExperts):
+            return self._exchange_device_counts(tokens, plan, routing, parallel, strategy)
 
         def rows_route(t: Tensor) -> Tensor:
             return self._rows_route(t, plan, routing, parallel, pinned, strategy)
@@ -368,6 +393,42 @@ class ExpertStage:
         if y is not None:
             self._report("tokens", None if chooser is None else chooser.last_kernel, strategy.last_choice,
                          strategy.last_shadowed)
+        return y
+
+    def _exchange_device_counts(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions,
+                                parallel: ParallelOptions, strategy: AllToAllExperts) -> Tensor:
+        """tokens: ``[T, M]`` -> ``[T, M]`` under expert parallelism, on a plan whose counts are on the device
+        (:meth:`exchange_read_free`): tokens or rows through the exchange, whose split sizes are the one host
+        read of the call (:meth:`~flexmoe.parallel.strategy.AllToAllExperts.run_device_counts`); a padded plan's
+        rows by the exchange of fixed splits, which reads nothing (:meth:`~flexmoe.parallel.strategy.
+        AllToAllExperts.run_padded`)."""
+        scaled = routing.score_at == "dispatch"
+        if plan.padded:
+            # [E * C, M] by expert, the empty rows included. A rank without tokens sends only empty rows, gathered
+            # from a zero row after its tokens so that its backward joins the gradient exchange as its peers do.
+            source = tokens if tokens.shape[0] else torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])
+            rows = source.index_select(0, plan.row_token)
+            if scaled:
+                rows = rows * plan.row_weight.to(rows.dtype).unsqueeze(-1)
+            capacity = plan.capacity  # a padded plan's is static
+            chooser = self._chooser()
+            if chooser is not None:
+                chooser.last_kernel = None
+            out = self.in_expert_dtype(lambda r: strategy.run_padded(r, capacity, parallel), rows)
+            self._report("rows", None if chooser is None else chooser.last_kernel, strategy.last_choice, [])
+            return _combine_padded(out, plan, weighted=not scaled)
+
+        def rows_path(tokens_in: Tensor, run_rows: Callable[[Tensor], Tensor]) -> Tensor:
+            out = self.in_expert_dtype(run_rows, dispatch(tokens_in, plan, scale=scaled))  # [N, M] by expert
+            return combine(out, plan, weighted=not scaled)
+
+        chooser = self._chooser()
+        if chooser is not None:
+            chooser.last_kernel = None
+        y, sent_tokens = strategy.run_device_counts(tokens, plan.row_token, plan.row_weight, plan.tokens_per_expert,
+                                                    parallel, rows_path, send_tokens=not scaled)
+        self._report("tokens" if sent_tokens else "rows", None if chooser is None else chooser.last_kernel,
+                     strategy.last_choice, strategy.last_shadowed)
         return y
 
     # ---- the experts over rows ------------------------------------------------------------------------------
@@ -490,7 +551,7 @@ def _combine_padded(out: Tensor, plan: RoutingPlan, weighted: bool) -> Tensor:
     assert pair_row is not None  # a padded plan sets it
     num_tokens, k = pair_row.shape
     with_zero = torch.cat([out, out.new_zeros(1, out.shape[-1])])  # [N + 1, M]
-    per_pair = with_zero.index_select(0, pair_row.reshape(-1)).view(num_tokens, k, -1)  # [T, k, M]
+    per_pair = with_zero.index_select(0, pair_row.reshape(-1)).view(num_tokens, k, out.shape[-1])  # [T, k, M]
     if weighted:
         per_pair = per_pair * plan.weight.to(out.dtype).unsqueeze(-1)
     return per_pair.sum(1)

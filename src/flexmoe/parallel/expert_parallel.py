@@ -207,12 +207,12 @@ class ExpertParallel:
         return (w1.dtype == tokens.dtype and w1.device == tokens.device
                 and not torch.is_autocast_enabled(tokens.device.type))
 
-    def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
+    def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int] | Tensor,
                    setting: ParallelSetting, route: TokenRoute | None = None) -> Tensor:
         """tokens: ``[T, M]``; row_token / row_weight: ``[N]`` a plan's rows, sorted by global expert, counts
-        ``[E]``; route: their route when the caller exchanged the counts already
-        (:func:`~flexmoe.parallel.token_exchange.route_from_counts`) -> ``[T, M]``: each token's weighted sum
-        over its experts, where :meth:`serves_tokens` holds."""
+        ``[E]`` (Python ints, or a tensor on the tokens' device, not read); route: their route when the caller
+        exchanged the counts already (:func:`~flexmoe.parallel.token_exchange.route_from_counts`) -> ``[T, M]``:
+        each token's weighted sum over its experts, where :meth:`serves_tokens` holds."""
         self.check(setting)
         return exchange_tokens(tokens, row_token, row_weight.to(tokens.dtype), counts, self._builtin_experts(),
                                self.eg, self.transport(setting), self.stats, route)

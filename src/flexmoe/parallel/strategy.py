@@ -144,6 +144,41 @@ class AllToAllExperts(_GroupStrategy):
         self.last_choice = setting
         return self.ep.run_tokens(tokens, row_token, row_weight, counts, setting)
 
+    def run_device_counts(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: Tensor,
+                          options: ParallelOptions, rows_path: RowsPath, send_tokens: bool) -> tuple[Tensor, bool]:
+        """A call whose plan left its counts on the device (``counts``: ``[E]``, never read here; ``row_token`` /
+        ``row_weight``: ``[N]`` its rows sorted by expert): ``[T, M]`` and whether tokens were sent.
+
+        The call's one host read is the split sizes: every rank's counts, all-gathered on the device, their copy
+        to the host started before anything else runs and read where the first exchange needs it. Sending tokens
+        (``send_tokens`` and :meth:`~ExpertParallel.serves_tokens`), :func:`~flexmoe.parallel.token_exchange.
+        token_route` gathers them with the tokens per destination; sending rows, the gather starts before
+        ``rows_path`` (the caller's dispatch, the experts, combine) dispatches, and every host number of the
+        exchange (this rank's counts, the splits, the rows per local expert) comes from that one read."""
+        setting = options.setting
+        self.ep.check(setting)
+        self.last_choice = setting
+        if send_tokens and self.ep.serves_tokens(setting, tokens):
+            return self.ep.run_tokens(tokens, row_token, row_weight, counts, setting), True
+        gathered = self.ep.start_gather_counts(counts)  # [W, E], in flight while the rows are dispatched
+
+        def run_rows(rows: Tensor) -> Tensor:
+            all_counts = gathered.tolist()  # the read
+            return self.ep.run(rows, all_counts[self.ep.eg.rank], all_counts, setting)
+
+        return rows_path(tokens, run_rows), False
+
+    def run_padded(self, rows: Tensor, capacity: int, options: ParallelOptions) -> Tensor:
+        """rows: ``[E * C, M]`` a padded plan's, every expert ``capacity`` (C) rows, the empty ones included ->
+        ``[E * C, M]``, each row through its expert. Every rank sends each expert exactly C rows (the same C on
+        every rank: a capacity given as a number), so the split sizes are known before routing and the exchange
+        reads nothing from the device; the experts compute the empty rows too, which no pair reads back."""
+        setting = options.setting
+        self.ep.check(setting)
+        self.last_choice = setting
+        counts = [capacity] * self.ep.layout.num_experts
+        return self.ep.run(rows, counts, [counts] * self.ep.eg.world_size, setting)
+
 
 class PairwiseExperts(_GroupStrategy):
     """The exchange as W-1 pairwise steps overlapping the expert compute (FasterMoE's smart schedule)."""

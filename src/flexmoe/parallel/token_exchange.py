@@ -98,14 +98,16 @@ class TokenRoute:
         return [sum(row[first + j] for row in all_counts) for j in range(local_experts)]
 
 
-def local_route(row_token: Tensor, counts: list[int], num_tokens: int, world: int) -> LocalRoute:
+def local_route(row_token: Tensor, counts: list[int] | Tensor, num_tokens: int, world: int) -> LocalRoute:
     """This rank's part of the route of a plan's rows (``row_token: [N]`` sorted by global expert, ``counts:
-    [E]``) over ``world`` ranks holding ``E / W`` whole experts each (rank i the experts ``i*E/W ..``)."""
+    [E]``, Python ints or a tensor on the rows' device: nothing here reads it) over ``world`` ranks holding
+    ``E / W`` whole experts each (rank i the experts ``i*E/W ..``)."""
     num_experts = len(counts)
     local_experts = num_experts // world
     device = row_token.device
     row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device),
-                                         torch.tensor(counts, device=device), output_size=row_token.shape[0])  # [N]
+                                         torch.as_tensor(counts, device=device),
+                                         output_size=row_token.shape[0])  # [N]
     row_rank = row_expert.div(local_experts, rounding_mode="floor")
     sent = torch.zeros(world, num_tokens, dtype=torch.bool, device=device)
     sent[row_rank, row_token] = True  # [W, T]: token t goes to rank w
@@ -122,11 +124,12 @@ def pairs_per_rank(counts: list[int], world: int) -> list[int]:
     return [sum(counts[w * local_experts:(w + 1) * local_experts]) for w in range(world)]
 
 
-def token_route(row_token: Tensor, counts: list[int], num_tokens: int, eg: ExpertGroup) -> TokenRoute:
-    """The route of a plan's rows over ``eg`` (:func:`local_route`): one all-gather on the device of each rank's
-    ``[E + W]`` per-expert counts and tokens per destination, its host copy started here and read later."""
+def token_route(row_token: Tensor, counts: list[int] | Tensor, num_tokens: int, eg: ExpertGroup) -> TokenRoute:
+    """The route of a plan's rows over ``eg`` (:func:`local_route`; ``counts`` ``[E]`` as there): one all-gather
+    on the device of each rank's ``[E + W]`` per-expert counts and tokens per destination, its host copy started
+    here and read later."""
     local = local_route(row_token, counts, num_tokens, eg.world_size)
-    mine = torch.cat([torch.tensor(counts, dtype=torch.long, device=row_token.device), local.tokens_to])  # [E + W]
+    mine = torch.cat([torch.as_tensor(counts, dtype=torch.long, device=row_token.device), local.tokens_to])  # [E+W]
     parts = [torch.empty_like(mine) for _ in range(eg.world_size)]
     eg.call("token-count exchange", lambda: dist.all_gather(parts, mine, group=eg.group))
     return TokenRoute(local, HostCopy(torch.stack(parts)), len(counts))
@@ -139,11 +142,12 @@ def route_from_counts(local: LocalRoute, tokens_to: SplitMatrix, all_counts: lis
     return TokenRoute(local, [c + t for c, t in zip(all_counts, tokens_to)], len(all_counts[0]))
 
 
-def exchange_tokens(tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int],
+def exchange_tokens(tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int] | Tensor,
                     experts: FeedForwardExperts, eg: ExpertGroup, transport: Exchange,
                     stats: CommStats | None = None, route: TokenRoute | None = None) -> Tensor:
     """tokens: ``[T, M]``; row_token / row_weight: ``[N]`` a plan's rows (sorted by global expert, weights in
-    tokens' dtype), counts: ``[E]``; experts: this rank's ``E / W`` experts; route: the rows' route if the
+    tokens' dtype), counts: ``[E]`` (Python ints, or a tensor on the tokens' device that is never read: the
+    split sizes are the one read); experts: this rank's ``E / W`` experts; route: the rows' route if the
     caller has it (None: :func:`token_route`) -> ``[T, M]``: each token's weighted sum over its experts (module
     docstring).
 

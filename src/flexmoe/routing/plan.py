@@ -526,6 +526,9 @@ def _padded_plan(
     row_pair = row_pair.masked_fill(empty, 0)
     tokens_per_expert = unit_load.clamp(max=cap).sum(dim=1)
     num_dropped = num_active - tokens_per_expert.sum()
+    # No pairs (a rank without tokens joining a padded exchange): every row is empty, and there is no weight to
+    # gather from.
+    row_weight = weight.new_zeros(num_rows) if num_pairs == 0 else weight.reshape(-1)[row_pair].masked_fill(empty, 0)
 
     return RoutingPlan(
         expert_index=expert_index,
@@ -534,7 +537,7 @@ def _padded_plan(
         probs_topk=probs_topk,
         row_token=torch.div(row_pair, k, rounding_mode="floor"),
         row_choice=row_pair % k,
-        row_weight=weight.reshape(-1)[row_pair].masked_fill(empty, 0),
+        row_weight=row_weight,
         tokens_per_expert=tokens_per_expert,
         load=unit_load.sum(dim=1),
         host_counts=[num_units * cap] * num_experts,
