@@ -43,18 +43,18 @@ __all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block", "copi
            "InitWithConvertedBlocks"]
 
 
-def _linear_logits(router: nn.Module, x: Tensor) -> Tensor:
+def _linear_logits(router: Any, x: Tensor) -> Tensor:
     """Mixtral's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's routers: ``F.linear`` of the flattened tokens."""
     return F.linear(x.reshape(-1, router.hidden_dim), router.weight)
 
 
-def _float32_linear_logits(router: nn.Module, x: Tensor) -> Tensor:
+def _float32_linear_logits(router: Any, x: Tensor) -> Tensor:
     """DeepSeek-V3's router: ``F.linear`` of the tokens and the weight cast to float32 (under autocast the
     linear map still runs in autocast's dtype, as in HF's forward)."""
     return F.linear(x.view(-1, router.hidden_dim).type(torch.float32), router.weight.type(torch.float32))
 
 
-def _biased_linear_logits(router: nn.Module, x: Tensor) -> Tensor:
+def _biased_linear_logits(router: Any, x: Tensor) -> Tensor:
     """GPT-OSS's router: ``F.linear`` with its bias, on the tokens as given."""
     return F.linear(x, router.weight, router.bias)
 
@@ -64,7 +64,7 @@ def _biased_linear_logits(router: nn.Module, x: Tensor) -> Tensor:
 # a subclass, a parametrized class (torch.nn.utils.parametrize, PEFT's target_parameters) or another version's
 # class of the same name elsewhere runs its own forward. tests/test_hf_router_logits.py checks each against the
 # module's forward.
-_DIRECT_LOGITS: dict[tuple[str, str], Callable[[nn.Module, Tensor], Tensor]] = {
+_DIRECT_LOGITS: dict[tuple[str, str], Callable[[Any, Tensor], Tensor]] = {
     ("transformers.models.mixtral.modeling_mixtral", "MixtralTopKRouter"): _linear_logits,
     ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeTopKRouter"): _linear_logits,
     ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter"): _linear_logits,
@@ -74,7 +74,7 @@ _DIRECT_LOGITS: dict[tuple[str, str], Callable[[nn.Module, Tensor], Tensor]] = {
 }
 
 
-def direct_logits_of(router: nn.Module) -> Callable[[nn.Module, Tensor], Tensor] | None:
+def direct_logits_of(router: nn.Module) -> Callable[[Any, Tensor], Tensor] | None:
     """The function computing ``router``'s logits as its class's forward does (:data:`_DIRECT_LOGITS`), or None
     for a class flexmoe does not know or whose forward was replaced on the instance."""
     cls = type(router)
