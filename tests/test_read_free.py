@@ -216,10 +216,10 @@ def test_converted_block_reads_nothing_equals_hf_and_counts_about_its_operations
         counts.append(counted)
         grads.append((block_output(block(x)), xi.grad))
     assert counts[1].host_reads == []
-    # HF's router's top-k is not run (flexmoe.hf.block.HFRouterLogits), w1 and w3 share one grouped GEMM: a few
-    # operations more than HF's block at most (1.00-1.05x; main's 1.07-1.13x fails these bounds, but Qwen2-MoE's
-    # 1.04x); GPT-OSS's biases and clamped unit take more (1.21x, main 1.22x).
-    bound = {"mixtral": 1.05, "qwen2_moe": 1.05, "qwen3_moe": 1.05, "olmoe": 1.06, "deepseek_v3": 1.01,
+    # HF's router's top-k is not run (flexmoe.hf.block.HFRouterLogits), w1 and w3 share one grouped GEMM, one shared
+    # expert is one matmul: at most a few operations more than HF's block (0.98-1.05x; main's 1.04-1.13x fails
+    # these bounds); GPT-OSS's biases and clamped unit take more (1.21x, main 1.22x).
+    bound = {"mixtral": 1.05, "qwen2_moe": 1.02, "qwen3_moe": 1.05, "olmoe": 1.06, "deepseek_v3": 1.0,
              "gpt_oss": 1.25}[family]
     assert counts[1].ops <= bound * counts[0].ops, (counts[1].ops, counts[0].ops)
     (hf_out, hf_grad), (our_out, our_grad) = grads
