@@ -186,5 +186,5 @@ def experts_ffn_by_ends(rows: Tensor, expert_ends: Tensor, row_expert: Tensor, w
         # GEMM loops over every expert, forward and backward, so one fewer saves more than the copy of the weights.
         both = linear(rows, torch.cat([weights.w1, w3], dim=-1),
                       None if b1 is None or b3 is None else torch.cat([b1, b3], dim=-1))  # [N, 2H]
-        pre1, pre3 = both.split(weights.hidden, dim=-1)  # [N, H] each
+        pre1, pre3 = both.split_with_sizes((weights.hidden, weights.hidden), dim=-1)  # [N, H] each
     return linear(weights.unit(pre1, pre3), weights.w2, weights.b2)
