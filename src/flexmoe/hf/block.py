@@ -7,8 +7,8 @@ its weight stays the one parameter of the gate, and because the module keeps its
 recorders (hooked on that class) still collect ``router_logits``, so ``output_router_logits=True`` gives HF's
 auxiliary loss; while nothing hooks it, a router class whose forward flexmoe knows has its logits computed as that
 forward does, without its top-k (:class:`HFRouterLogits`). The experts (and shared experts) are copied into the
-layer; only this rank's experts under expert parallelism. The HF block itself is kept, emptied (its expert tensors on the ``meta`` device), as the
-skeleton :meth:`ConvertedMoeBlock.to_hf` fills again. The block's ``state_dict`` / ``load_state_dict`` speak HF's
+layer; only this rank's experts under expert parallelism. The HF block itself is kept, emptied (its expert
+tensors on the ``meta`` device), as the skeleton :meth:`ConvertedMoeBlock.to_hf` fills again. The block's ``state_dict`` / ``load_state_dict`` speak HF's
 block's names and layout (:mod:`flexmoe.hf.hf_state`).
 """
 
