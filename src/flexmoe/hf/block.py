@@ -1,15 +1,15 @@
 """The flexmoe block that stands in for a Hugging Face sparse-MoE block (docs/architecture.md, "Hugging Face
 models (flexmoe.hf)").
 
-:class:`ConvertedMoeBlock` is a thin module around a :class:`~flexmoe.MoELayer`: ``forward`` is the layer's, on
-the block's input ``[batch, seq, M]``. The router is HF's own router module, run through :class:`HFRouterLogits`:
-its weight stays the one parameter of the gate, and because the module keeps its class, transformers' output
-recorders (hooked on that class) still collect ``router_logits``, so ``output_router_logits=True`` gives HF's
-auxiliary loss; while nothing hooks it, a router class whose forward flexmoe knows has its logits computed as that
-forward does, without its top-k (:class:`HFRouterLogits`). The experts (and shared experts) are copied into the
-layer; only this rank's experts under expert parallelism. The HF block itself is kept, emptied (its expert
-tensors on the ``meta`` device), as the skeleton :meth:`ConvertedMoeBlock.to_hf` fills again. The block's ``state_dict`` / ``load_state_dict`` speak HF's
-block's names and layout (:mod:`flexmoe.hf.hf_state`).
+:class:`ConvertedMoeBlock` is a thin module around a :class:`~flexmoe.MoELayer`: ``forward`` is the layer's, on the
+block's input ``[batch, seq, M]``. The router is HF's own router module, run through :class:`HFRouterLogits`: its
+weight stays the one parameter of the gate, and because the module keeps its class, transformers' output recorders
+(hooked on that class) still collect ``router_logits``, so ``output_router_logits=True`` gives HF's auxiliary loss;
+while nothing hooks it, a router class whose forward flexmoe knows has its logits computed as that forward does,
+without its top-k (:class:`HFRouterLogits`). The experts (and shared experts) are copied into the layer; only this
+rank's experts under expert parallelism. The HF block itself is kept, emptied (its expert tensors on the ``meta``
+device), as the skeleton :meth:`ConvertedMoeBlock.to_hf` fills again. The block's ``state_dict`` /
+``load_state_dict`` speak HF's block's names and layout (:mod:`flexmoe.hf.hf_state`).
 """
 
 from __future__ import annotations
