@@ -202,7 +202,7 @@ def _hf_pair(family: str, num_tokens: int = 64) -> tuple[Any, Any, HFShape]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_converted_block_reads_nothing_equals_hf_and_counts_at_most_1_3x_its_operations(family: str) -> None:
+def test_converted_block_reads_nothing_equals_hf_and_counts_about_its_operations(family: str) -> None:
     hf, converted, shape = _hf_pair(family)
     x = torch.randn(1, shape.tokens, shape.model_dim, generator=torch.Generator().manual_seed(3))
     grads = []
@@ -216,7 +216,12 @@ def test_converted_block_reads_nothing_equals_hf_and_counts_at_most_1_3x_its_ope
         counts.append(counted)
         grads.append((block_output(block(x)), xi.grad))
     assert counts[1].host_reads == []
-    assert counts[1].ops <= 1.3 * counts[0].ops, (counts[1].ops, counts[0].ops)
+    # HF's router's top-k is not run (flexmoe.hf.block.HFRouterLogits), w1 and w3 share one grouped GEMM, one shared
+    # expert is one matmul: at most a few operations more than HF's block (0.98-1.05x; main's 1.04-1.13x fails
+    # these bounds); GPT-OSS's biases and clamped unit take more (1.21x, main 1.22x).
+    bound = {"mixtral": 1.05, "qwen2_moe": 1.02, "qwen3_moe": 1.05, "olmoe": 1.06, "deepseek_v3": 1.0,
+             "gpt_oss": 1.25}[family]
+    assert counts[1].ops <= bound * counts[0].ops, (counts[1].ops, counts[0].ops)
     (hf_out, hf_grad), (our_out, our_grad) = grads
     torch.testing.assert_close(our_out, hf_out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(our_grad, hf_grad, rtol=1e-4, atol=1e-5)

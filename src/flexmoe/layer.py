@@ -266,8 +266,8 @@ class MoELayer(nn.Module):
                               self.shared_gate), tokens, routing,
                 parallel, pinned, num_sequences, replayed)
             if served is not None:
-                y, self._deferred_plan, chosen = served
-                self._last_plan = None
+                y, deferred, chosen = served
+                self._keep_plan(None, deferred)
                 if tap is not None:
                     tap.chosen(x, chosen, backward_now)
                 return y.to(x.dtype).reshape(x.shape)
@@ -296,8 +296,14 @@ class MoELayer(nn.Module):
         if self.pending_load is not None and self.training and not backward_now:
             # Counted once per forward; a recomputation under activation checkpointing runs inside backward.
             self.pending_load += plan.load.detach()
-        self._last_plan, self._deferred_plan = plan, None
+        self._keep_plan(plan, None)
         return y.to(x.dtype).reshape(x.shape)
+
+    def _keep_plan(self, plan: RoutingPlan | None, deferred: Callable[[], RoutingPlan] | None) -> None:
+        """Keep the call's plan (or the function that builds it when first read) for :attr:`last_plan`. Plain
+        attributes, written past ``nn.Module.__setattr__``, whose checks for parameters, buffers and modules cost
+        a measurable share of a small call's host time."""
+        self.__dict__["_last_plan"], self.__dict__["_deferred_plan"] = plan, deferred
 
     def strategy_of(self, options: ParallelOptions) -> ExpertStrategy:
         """The strategy of a call with ``options``: the layer's own unless the call changed them."""

@@ -57,6 +57,8 @@ def call_options(routing: RoutingOptions, parallel: ParallelOptions, call_option
                  ) -> tuple[RoutingOptions, ParallelOptions, frozenset[str]]:
     """This call's routing and parallel options: the layer's (``routing``, ``parallel``), with the call's non-None
     keywords replaced; and the names of the parallel options the call gave."""
+    if not call_options:  # the common call, without keywords: the layer's own options, nothing to merge
+        return routing, parallel, frozenset()
     overrides = {name: value for name, value in call_options.items() if value is not None}
     unknown = sorted(set(overrides) - set(_CALL_ROUTING) - set(_CALL_PARALLEL))
     if unknown:

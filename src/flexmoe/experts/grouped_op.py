@@ -177,6 +177,14 @@ def experts_ffn_by_ends(rows: Tensor, expert_ends: Tensor, row_expert: Tensor, w
         out = torch._grouped_mm(x, w, offs=expert_ends)
         return out if b is None else out + b.index_select(0, row_expert)
 
-    pre1 = linear(rows, weights.w1, weights.b1)  # [N, H]
-    pre3 = None if weights.w3 is None else linear(rows, weights.w3, weights.b3)
+    w3, b1, b3 = weights.w3, weights.b1, weights.b3
+    if w3 is None or (b1 is None) != (b3 is None):
+        pre1 = linear(rows, weights.w1, b1)  # [N, H]
+        pre3 = None if w3 is None else linear(rows, w3, b3)
+    else:
+        # Gated experts: w1 and w3 side by side in one grouped GEMM ([N, 2H]), as HF's gate_up_proj. Each grouped
+        # GEMM loops over every expert, forward and backward, so one fewer saves more than the copy of the weights.
+        both = linear(rows, torch.cat([weights.w1, w3], dim=-1),
+                      None if b1 is None or b3 is None else torch.cat([b1, b3], dim=-1))  # [N, 2H]
+        pre1, pre3 = both.split_with_sizes((weights.hidden, weights.hidden), dim=-1)  # [N, H] each
     return linear(weights.unit(pre1, pre3), weights.w2, weights.b2)

@@ -523,7 +523,9 @@ class ExpertStage:
         dtype = parameter_dtype(shared)
         if not torch.is_autocast_enabled(tokens.device.type) and dtype is not None and dtype != rows.dtype:
             rows = rows.to(dtype)  # as for the routed experts: compute in the parameters' dtype
-        out = shared(rows, [num_tokens] * n).view(n, num_tokens, self.model_dim).sum(0)
+        out = shared(rows, [num_tokens] * n)  # [n*T, M]
+        if n > 1:  # one shared expert's rows are already the sum
+            out = out.view(n, num_tokens, self.model_dim).sum(0)
         return out if shared_gate is None else shared_gate(tokens, out)
 
     # ---- reports ----------------------------------------------------------------------------------------------

@@ -1,14 +1,15 @@
 """The flexmoe block that stands in for a Hugging Face sparse-MoE block (docs/architecture.md, "Hugging Face
 models (flexmoe.hf)").
 
-:class:`ConvertedMoeBlock` is a thin module around a :class:`~flexmoe.MoELayer`: ``forward`` is the layer's, on
-the block's input ``[batch, seq, M]``. The router is HF's own router module, run through :class:`HFRouterLogits`:
-its weight stays the one parameter of the gate, and because the module keeps its class, transformers' output
-recorders (hooked on that class) still collect ``router_logits``, so ``output_router_logits=True`` gives HF's
-auxiliary loss. The experts (and shared experts) are copied into the layer; only this rank's experts under
-expert parallelism. The HF block itself is kept, emptied (its expert tensors on the ``meta`` device), as the
-skeleton :meth:`ConvertedMoeBlock.to_hf` fills again. The block's ``state_dict`` / ``load_state_dict`` speak HF's
-block's names and layout (:mod:`flexmoe.hf.hf_state`).
+:class:`ConvertedMoeBlock` is a thin module around a :class:`~flexmoe.MoELayer`: ``forward`` is the layer's, on the
+block's input ``[batch, seq, M]``. The router is HF's own router module, run through :class:`HFRouterLogits`: its
+weight stays the one parameter of the gate, and because the module keeps its class, transformers' output recorders
+(hooked on that class) still collect ``router_logits``, so ``output_router_logits=True`` gives HF's auxiliary loss;
+while nothing hooks it, a router class whose forward flexmoe knows has its logits computed as that forward does,
+without its top-k (:class:`HFRouterLogits`). The experts (and shared experts) are copied into the layer; only this
+rank's experts under expert parallelism. The HF block itself is kept, emptied (its expert tensors on the ``meta``
+device), as the skeleton :meth:`ConvertedMoeBlock.to_hf` fills again. The block's ``state_dict`` /
+``load_state_dict`` speak HF's block's names and layout (:mod:`flexmoe.hf.hf_state`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.modules import module as _torch_module
 from torch.nn.utils import parametrize
 
 from flexmoe.hf.families import Family, experts_implementation
@@ -41,11 +44,67 @@ __all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block", "copi
            "InitWithConvertedBlocks"]
 
 
+def _linear_logits(router: Any, x: Tensor) -> Tensor:
+    """Mixtral's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's routers: ``F.linear`` of the flattened tokens."""
+    return F.linear(x.reshape(-1, router.hidden_dim), router.weight)
+
+
+def _float32_linear_logits(router: Any, x: Tensor) -> Tensor:
+    """DeepSeek-V3's router: ``F.linear`` of the tokens and the weight cast to float32 (under autocast the
+    linear map still runs in autocast's dtype, as in HF's forward)."""
+    return F.linear(x.view(-1, router.hidden_dim).type(torch.float32), router.weight.type(torch.float32))
+
+
+def _biased_linear_logits(router: Any, x: Tensor) -> Tensor:
+    """GPT-OSS's router: ``F.linear`` with its bias, on the tokens as given."""
+    return F.linear(x, router.weight, router.bias)
+
+
+# Element 0 of the tuple each of these HF router classes returns, computed as its forward computes it, without the
+# softmax, top-k and normalisation whose results flexmoe's plan would throw away. Keyed by (module, class name):
+# a subclass, a parametrized class (torch.nn.utils.parametrize, PEFT's target_parameters) or another version's
+# class of the same name elsewhere runs its own forward. tests/test_hf_router_logits.py checks each against the
+# module's forward.
+_DIRECT_LOGITS: dict[tuple[str, str], Callable[[Any, Tensor], Tensor]] = {
+    ("transformers.models.mixtral.modeling_mixtral", "MixtralTopKRouter"): _linear_logits,
+    ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeTopKRouter"): _linear_logits,
+    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter"): _linear_logits,
+    ("transformers.models.olmoe.modeling_olmoe", "OlmoeTopKRouter"): _linear_logits,
+    ("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3TopkRouter"): _float32_linear_logits,
+    ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssTopKRouter"): _biased_linear_logits,
+}
+
+
+def direct_logits_of(router: nn.Module) -> Callable[[Any, Tensor], Tensor] | None:
+    """The function computing ``router``'s logits as its class's forward does (:data:`_DIRECT_LOGITS`), or None
+    for a class flexmoe does not know or whose forward was replaced on the instance."""
+    cls = type(router)
+    if "forward" in router.__dict__:
+        return None
+    return _DIRECT_LOGITS.get((cls.__module__, cls.__qualname__))
+
+
+def runs_unobserved(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run its forward and nothing else: no forward or backward hook on it, no
+    global module hook (``torch.nn.modules.module.register_module_forward_hook``, ...), not compiled by
+    ``module.compile()``; torch's own condition for ``Module.__call__``'s plain path. transformers' output
+    recorders (``output_router_logits=True``, kept once installed) are forward hooks: a hooked router runs."""
+    hooked = (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+              or module._backward_pre_hooks or _torch_module._global_forward_hooks
+              or _torch_module._global_forward_pre_hooks or _torch_module._global_backward_hooks
+              or _torch_module._global_backward_pre_hooks)
+    return not hooked and getattr(module, "_compiled_call_impl", None) is None
+
+
 class HFRouterLogits(nn.Module):
     """HF's router module as flexmoe's gate: tokens ``[T, M]`` (or ``[B, S, M]``) -> its logits ``[T, E]``,
     element ``logits_at`` of the tuple it returns (its own choices are not used, flexmoe makes the plan), in
     ``score_dtype`` (None: as the router made them), the dtype HF's block computes its scores in: under autocast
-    the router's linear map gives bf16 logits, which HF's softmax families upcast and DeepSeek-V3 does not."""
+    the router's linear map gives bf16 logits, which HF's softmax families upcast and DeepSeek-V3 does not.
+
+    When nothing observes the router (no hook, :func:`runs_unobserved`) and its class is one whose forward flexmoe
+    knows (:func:`direct_logits_of`), the logits are computed as that forward computes them, without its top-k
+    and weights: the same tensor in fewer operations. Otherwise the module runs, so its hooks see its output."""
 
     def __init__(self, hf_router: nn.Module, *, logits_at: int = 0, score_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -54,7 +113,12 @@ class HFRouterLogits(nn.Module):
         self.score_dtype = score_dtype
 
     def forward(self, x: Tensor) -> Tensor:
-        logits = self.hf_router(x)[self.logits_at]
+        router = self.hf_router
+        direct = direct_logits_of(router) if self.logits_at == 0 else None
+        if direct is not None and runs_unobserved(router):
+            logits = direct(router, x)
+        else:
+            logits = router(x)[self.logits_at]
         logits = logits.reshape(-1, logits.shape[-1])
         return logits if self.score_dtype is None else logits.to(self.score_dtype)
 
