@@ -162,6 +162,10 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype, w_shape: torch.Size | 
     return w_shape[-2] % per_16_bytes == 0 and w_shape[-1] % per_16_bytes == 0
 
 
+# The largest w1 ([E, M, H] elements) whose w1 and w3 are joined per call (experts_ffn_by_ends): 4 MiB in float32.
+JOIN_GATED_MAX_ELEMENTS = 1 << 20
+
+
 def experts_ffn_by_ends(rows: Tensor, expert_ends: Tensor, row_expert: Tensor, weights: ExpertWeights) -> Tensor:
     """The experts' FFN by ``torch._grouped_mm`` without a host read: rows ``[N, M]`` sorted by expert (every row
     counted), expert_ends ``[E]`` int32 the row after each expert's last (the grouped GEMM's offsets, made once
@@ -178,12 +182,13 @@ def experts_ffn_by_ends(rows: Tensor, expert_ends: Tensor, row_expert: Tensor, w
         return out if b is None else out + b.index_select(0, row_expert)
 
     w3, b1, b3 = weights.w3, weights.b1, weights.b3
-    if w3 is None or (b1 is None) != (b3 is None):
+    if w3 is None or (b1 is None) != (b3 is None) or weights.w1.numel() > JOIN_GATED_MAX_ELEMENTS:
         pre1 = linear(rows, weights.w1, b1)  # [N, H]
         pre3 = None if w3 is None else linear(rows, w3, b3)
     else:
-        # Gated experts: w1 and w3 side by side in one grouped GEMM ([N, 2H]), as HF's gate_up_proj. Each grouped
-        # GEMM loops over every expert, forward and backward, so one fewer saves more than the copy of the weights.
+        # Small gated experts: w1 and w3 side by side in one grouped GEMM ([N, 2H]), as HF's gate_up_proj. Where
+        # the call's time is host work, one grouped GEMM fewer (forward and backward) saves more than the copy of
+        # the weights; large experts skip the per-call copy of 2 * E * H * M values (and of their gradients).
         both = linear(rows, torch.cat([weights.w1, w3], dim=-1),
                       None if b1 is None or b3 is None else torch.cat([b1, b3], dim=-1))  # [N, 2H]
         pre1, pre3 = both.split_with_sizes((weights.hidden, weights.hidden), dim=-1)  # [N, H] each
