@@ -17,6 +17,7 @@ not hang.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -60,7 +61,16 @@ def pass_pause_to_ranks(step: int) -> None:
     flexmoe.launch.launch_ranks = paused_ranks
 
 
+def start_with_default_stop_signals() -> None:
+    """SIGINT and SIGTERM as a Python started from a terminal has them. A suite run as a background job inherits
+    SIGINT ignored (a non-interactive shell ignores it for its ``&`` jobs), and flexmoe rightly leaves an ignored
+    signal ignored: the victim would never stop, and its test would measure how the suite was launched."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 if __name__ == "__main__":
+    start_with_default_stop_signals()
     pause_step = int(sys.argv[1])
     pause_at(pause_step)
     pass_pause_to_ranks(pause_step)
