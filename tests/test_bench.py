@@ -237,6 +237,7 @@ def test_suite_units_keep_a_shared_launch_together() -> None:
     assert process_units(ep_checks()) == [[0, 1], [2]]
 
 
+@pytest.mark.slow  # 12 s
 def test_isolated_suite_measures_in_a_fresh_process_and_reports_a_dead_one() -> None:
     from flexmoe.apps.bench.compile import DROPLESS_GRAPH_BREAKS
     from flexmoe.apps.bench.suite import SuiteSettings, run_suite_isolated

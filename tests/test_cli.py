@@ -241,6 +241,7 @@ def test_only_rank_zero_prints_a_user_error_under_torchrun(tmp_path: Path) -> No
 # ------------------------------------------------------------------------------------------- counts
 
 
+@pytest.mark.slow  # 19 s: a 2-rank job (test_train_device runs one in the default suite)
 def test_two_ranks_report_the_global_parameter_counts(tmp_path: Path) -> None:
     from flexmoe.apps.models import GPT, GPTConfig
 

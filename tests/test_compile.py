@@ -123,6 +123,7 @@ def test_capacity_mode_compiles_fullgraph_and_matches_the_reference(case: str, d
     _assert_matches_reference(got, grads, ref, x64, params)
 
 
+@pytest.mark.slow  # 13 s
 def test_dynamic_shapes_compile_once_in_capacity_mode() -> None:
     """``torch.compile(dynamic=True)``: one graph for every number of tokens, each call equal to the reference.
     Dynamo makes the float capacity_factor a symbol there; the capacity must still reach the dispatch."""
@@ -145,8 +146,8 @@ def test_dynamic_shapes_compile_once_in_capacity_mode() -> None:
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1  # no recompilation for a new T
 
 
-@pytest.mark.parametrize("dynamic", [None, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["automatic-dynamic", "dynamic"])
+@pytest.mark.slow  # 27 s per case; the default suite compiles per-call capacities in the padded-op tests
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic-dynamic", "dynamic"])
 def test_per_call_capacity_options_compile_and_match_the_reference(dynamic: bool | None) -> None:
     """A compiled layer called with its own per-call ``capacity_factor`` (training at one, evaluating at
     another, as GShard does) and ``capacity``: dynamo makes a float that changes between calls symbolic, and

@@ -98,6 +98,7 @@ def test_two_rank_step_equals_single_process_step(two_rank_run) -> None:
         torch.testing.assert_close(ckpt_b.model[name], t, rtol=1e-4, atol=2e-4, msg=name)
 
 
+@pytest.mark.slow  # 16 s: a 4-rank load
 def test_checkpoint_from_two_ranks_loads_on_one_and_four(two_rank_run, tmp_path: Path) -> None:
     _, two = two_rank_run
     ckpt = two / "checkpoints" / "step_000003"

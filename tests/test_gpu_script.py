@@ -36,6 +36,7 @@ def test_the_script_parses() -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow  # 21 s: it collects the whole suite
 def test_dry_run_collects_every_part_and_names_the_commands(tmp_path: Path) -> None:
     done = _script("--dry-run", "--budget", "480", str(tmp_path / "out"))
     assert done.returncode == 0, done.stdout + done.stderr

@@ -156,6 +156,7 @@ def test_resume_from_corrupted_checkpoint_fails_clearly(tmp_path: Path, capsys) 
     assert str(weights) in err and "truncated: tensor '" in err
 
 
+@pytest.mark.slow  # 17 s
 def test_compiled_run_equals_eager_and_its_checkpoint_resumes_eager(tmp_path: Path, capsys) -> None:
     """--compile trains the same model: the eager run is the reference, step by step. A compiled run's
     checkpoint keeps the eager parameter names (nn.Module.compile, in place), so an eager --resume continues
