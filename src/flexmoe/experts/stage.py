@@ -403,6 +403,9 @@ class ExpertStage:
         rows by the exchange of fixed splits, which reads nothing (:meth:`~flexmoe.parallel.strategy.
         AllToAllExperts.run_padded`)."""
         scaled = routing.score_at == "dispatch"
+        chooser = self._chooser()
+        if chooser is not None:
+            chooser.last_kernel = None  # the kernel this call's experts run, reported below
         if plan.padded:
             # [E * C, M] by expert, the empty rows included. A rank without tokens sends only empty rows, gathered
             # from a zero row after its tokens so that its backward joins the gradient exchange as its peers do.
@@ -411,9 +414,6 @@ class ExpertStage:
             if scaled:
                 rows = rows * plan.row_weight.to(rows.dtype).unsqueeze(-1)
             capacity = plan.capacity  # a padded plan's is static
-            chooser = self._chooser()
-            if chooser is not None:
-                chooser.last_kernel = None
             out = self.in_expert_dtype(lambda r: strategy.run_padded(r, capacity, parallel), rows)
             self._report("rows", None if chooser is None else chooser.last_kernel, strategy.last_choice, [])
             return _combine_padded(out, plan, weighted=not scaled)
@@ -422,9 +422,6 @@ class ExpertStage:
             out = self.in_expert_dtype(run_rows, dispatch(tokens_in, plan, scale=scaled))  # [N, M] by expert
             return combine(out, plan, weighted=not scaled)
 
-        chooser = self._chooser()
-        if chooser is not None:
-            chooser.last_kernel = None
         y, sent_tokens = strategy.run_device_counts(tokens, plan.row_token, plan.row_weight, plan.tokens_per_expert,
                                                     parallel, rows_path, send_tokens=not scaled)
         self._report("tokens" if sent_tokens else "rows", None if chooser is None else chooser.last_kernel,
