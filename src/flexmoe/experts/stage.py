@@ -199,9 +199,7 @@ class ExpertStage:
         on_auto = kernels.kernel == "auto" and kernels.route != "fused" and tokens.device.type != "cpu"
         if not (forced or on_auto):
             return False
-        if (routing.selection != "topk" or routing.capacity_per != "call" or routing.batch_prioritized
-                or routing.aux_loss_type == "global" or (routing.second_expert == "random" and training)
-                or tokens.shape[0] == 0):
+        if not _plain_topk(routing, training) or tokens.shape[0] == 0:
             return False
         compiling = torch.compiler.is_compiling()
         if routing.capacity is not None or routing.static_capacity_factor > 0:
@@ -239,10 +237,8 @@ class ExpertStage:
         # dropless, it counts on the host, and the exchanges it runs are the same.
         dropless = routing.capacity is None and routing.static_capacity_factor == 0 and tokens.shape[0] > 0
         return (self.distributed and isinstance(strategy, AllToAllExperts) and not adapted
-                and not self.topology_gated and routing.selection == "topk"
-                and (dropless or routing.capacity is not None) and routing.capacity_per == "call"
-                and not routing.batch_prioritized and routing.aux_loss_type != "global"
-                and not (routing.second_expert == "random" and training))
+                and not self.topology_gated and _plain_topk(routing, training)
+                and (dropless or routing.capacity is not None))
 
     def run_read_free(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions) -> Tensor:
         """tokens: ``[T, M]`` -> ``[T, M]`` by the read-free path (:meth:`read_free`): dispatch by one gather, the
@@ -540,6 +536,13 @@ class ExpertStage:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _plain_topk(routing: RoutingOptions, training: bool) -> bool:
+    """Whether the call's routing is the plain top-k that a plan without host reads serves: top-k selection, one
+    capacity over the call, no batch priority, no global balance loss, no random 2nd expert in training."""
+    return (routing.selection == "topk" and routing.capacity_per == "call" and not routing.batch_prioritized
+            and routing.aux_loss_type != "global" and not (routing.second_expert == "random" and training))
 
 
 def _combine_padded(out: Tensor, plan: RoutingPlan, weighted: bool) -> Tensor:
