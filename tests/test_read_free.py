@@ -6,6 +6,7 @@ dispatch at most 1.3x the aten operations of HF's ``grouped_mm`` experts."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -165,6 +166,13 @@ def test_dropless_plan_fields_match_the_default_plan() -> None:
         assert torch.equal(getattr(got, field), getattr(want, field)), field
     for field in ("weight", "row_weight", "aux_loss", "z_loss"):
         torch.testing.assert_close(getattr(got, field), getattr(want, field))
+    # The read-free plan is written past the dataclass __init__: every field of RoutingPlan must be there, equal.
+    for field in dataclasses.fields(want):
+        got_value, want_value = getattr(got, field.name), getattr(want, field.name)
+        if isinstance(want_value, torch.Tensor):
+            torch.testing.assert_close(got_value, want_value, msg=field.name)
+        elif field.name not in ("expert_ends",):  # the read-free plan's own field (None in the default plan)
+            assert got_value == want_value, field.name
 
 
 def test_non_finite_logits_and_bad_shapes_still_raise_clearly() -> None:

@@ -297,7 +297,7 @@ class MoELayer(nn.Module):
             # Counted once per forward; a recomputation under activation checkpointing runs inside backward.
             self.pending_load += plan.load.detach()
         self._keep_plan(plan, None)
-        return y.to(x.dtype).reshape(x.shape)
+        return (y if y.dtype == x.dtype else y.to(x.dtype)).reshape(x.shape)
 
     def _keep_plan(self, plan: RoutingPlan | None, deferred: Callable[[], RoutingPlan] | None) -> None:
         """Keep the call's plan (or the function that builds it when first read) for :attr:`last_plan`. Plain

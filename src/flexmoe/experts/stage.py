@@ -33,7 +33,7 @@ the parameters stay where the layer's state_dict has them.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -265,9 +265,11 @@ class ExpertStage:
         ends = plan.expert_ends
         assert ends is not None  # read_free_plan sets it
         out = self.in_expert_dtype(lambda r: experts_ffn_by_ends(r, ends, plan.row_expert, weights), rows)
-        self._report("rows", "grouped_mm", None, [])  # the kernel named: torch._grouped_mm, its offsets on the device
-        weighted = out if scaled else out * plan.row_weight.to(out.dtype).unsqueeze(-1)
-        return weighted.new_zeros(plan.num_tokens, out.shape[-1]).index_add(0, plan.row_token, weighted)
+        self._report("rows", "grouped_mm", None, ())  # the kernel named: torch._grouped_mm, its offsets on the device
+        if not scaled:
+            row_weight = plan.row_weight
+            out = out * (row_weight if row_weight.dtype == out.dtype else row_weight.to(out.dtype)).unsqueeze(-1)
+        return out.new_zeros(plan.num_tokens, out.shape[-1]).index_add(0, plan.row_token, out)
 
     def _compute_dtype(self, tokens: Tensor) -> torch.dtype:
         """The dtype the experts' matmuls run in: autocast's where it is on for them, else the parameters'."""
@@ -493,7 +495,10 @@ class ExpertStage:
         the reverse) computes in its parameters' dtype (under autocast, as autocast says, unless
         ``experts_autocast`` is False: autocast is then off around the experts, which compute in their
         parameters' dtype as without it)."""
-        expert_dtype = parameter_dtype(self.experts)
+        builtin = self.builtin
+        expert_dtype = builtin.w1.dtype if builtin is not None else parameter_dtype(self.experts)
+        if expert_dtype == rows.dtype and not torch.is_autocast_enabled(rows.device.type):
+            return run(rows)  # the common call: nothing to cast, no autocast to switch off
         if expert_dtype is not None and self._autocast_off(rows):
             with torch.autocast(rows.device.type, enabled=False):
                 return run(rows.to(expert_dtype)).to(rows.dtype)
@@ -523,7 +528,8 @@ class ExpertStage:
 
     # ---- reports ----------------------------------------------------------------------------------------------
 
-    def _report(self, route: str, kernel: str | None, choice: ParallelSetting | None, shadowed: list[int]) -> None:
+    def _report(self, route: str, kernel: str | None, choice: ParallelSetting | None,
+                shadowed: Sequence[int]) -> None:
         """What the last call ran: the one place that writes the stage's reports."""
         self.last_route, self.last_kernel = route, kernel
         self.last_choice, self.last_shadowed = choice, list(shadowed)

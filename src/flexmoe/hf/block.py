@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from torch.nn.modules import module as _torch_module
 from torch.nn.utils import parametrize
 
-from flexmoe.hf.families import Family, experts_implementation
+from flexmoe.hf.families import Family, experts_implementation, implementation_named_by
 from flexmoe.hf.hf_state import (
     experts_like,
     hf_requires_grad,
@@ -119,7 +119,8 @@ class HFRouterLogits(nn.Module):
             logits = direct(router, x)
         else:
             logits = router(x)[self.logits_at]
-        logits = logits.reshape(-1, logits.shape[-1])
+        if logits.dim() != 2:
+            logits = logits.reshape(-1, logits.shape[-1])
         return logits if self.score_dtype is None else logits.to(self.score_dtype)
 
 
@@ -139,7 +140,10 @@ class ConvertedMoeBlock(nn.Module):
         self.family = family.name
         # The experts implementation HF's config named at conversion (None: the block has no config): a later
         # set_experts_implementation changes the config this block shares with the model, not its computation.
-        self.converted_under = experts_implementation(getattr(hf_skeleton, "experts", None))
+        hf_experts = getattr(hf_skeleton, "experts", None)
+        self.converted_under = experts_implementation(hf_experts)
+        # The config the model's set_experts_implementation changes (shared with the model, read at every call).
+        self.__dict__["_hf_config"] = getattr(hf_experts, "config", None)
         self.returns_router_scores = family.returns_router_scores
         self.expert_dropout = expert_dropout
         self.moe = moe
@@ -175,7 +179,7 @@ class ConvertedMoeBlock(nn.Module):
         (``model.set_experts_implementation``, or ``generate()`` switching ``grouped_mm`` to ``batched_mm`` for
         decoding off the CPU): this block computes its experts with flexmoe whatever the config names. Not an
         error, since ``generate()`` makes that switch by itself."""
-        now = experts_implementation(getattr(self.hf_skeleton, "experts", None))
+        now = implementation_named_by(self.__dict__["_hf_config"])
         if now != self.converted_under:
             # One message per implementation name: Python's warning registry then shows it once, not per block.
             warnings.warn(f"experts_implementation={now!r} does not apply to the blocks flexmoe.hf.convert "

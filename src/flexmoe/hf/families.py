@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from flexmoe.experts import resolve_activation
 
 __all__ = ["Family", "SwitchFamily", "FAMILIES", "family_of", "StoredExperts", "stored_experts", "expert_weights",
-           "expert_sources", "copy_into_views", "expert_unit", "experts_implementation", "shared_mlp_weights",
+           "expert_sources", "copy_into_views", "expert_unit", "experts_implementation",
+           "implementation_named_by", "shared_mlp_weights",
            "shared_mlp_sources"]
 
 # HF's activation names that flexmoe has under a name of its own (same function); others pass as a callable.
@@ -45,9 +46,20 @@ def _gpt_oss_glu(gate: Tensor, alpha: float) -> Tensor:
 def experts_implementation(experts: Any) -> str | None:
     """The name of the implementation HF's experts module runs (``config._experts_implementation``:
     "grouped_mm", "batched_mm", "eager", "flexmoe", ...; None where it has no config: its own forward)."""
-    config = getattr(experts, "config", None)
-    name = getattr(config, "_experts_implementation", None)
+    return implementation_named_by(getattr(experts, "config", None))
+
+
+def implementation_named_by(config: Any) -> str | None:
+    """The experts implementation ``config`` names (:func:`experts_implementation`; None for no config or no name).
+    Read from the config's own attributes where this transformers keeps it there: a converted block asks at every
+    call, and the config's ``__getattribute__`` (attribute maps, per-layer checks) costs that call measurable host
+    time."""
+    stored = getattr(config, "__dict__", {}).get("_experts_implementation_internal", _ABSENT)
+    name = getattr(config, "_experts_implementation", None) if stored is _ABSENT else stored
     return name if isinstance(name, str) else None
+
+
+_ABSENT = object()
 
 
 def expert_unit(experts: Any) -> tuple[str | Callable[[Tensor], Tensor], float | None]:

@@ -21,7 +21,6 @@ read_free=True)``), every expert ``capacity`` rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,27 +30,24 @@ from flexmoe.routing.capacity import assign_slots, count_per_expert, sort_pairs_
 from flexmoe.routing.losses import balance_loss, router_z_loss
 from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan, check_logits
-from flexmoe.routing.scores import routed_weights, router_scores, select_experts
+from flexmoe.routing.scores import routed_weights, router_scores, select_experts, top_k, topk_weights
 
-__all__ = ["Later", "DeferredPlan", "read_free_plan"]
+__all__ = ["LATER", "PlanSources", "DeferredPlan", "read_free_plan"]
 
 
-class Later:
-    """A plan field's value computed by ``compute()`` when first read, then kept (one value for every field that
-    shares this instance: ``tokens_per_expert`` and ``load``)."""
+class _Later:
+    """The marker of a :class:`DeferredPlan` field not computed yet."""
 
-    def __init__(self, compute: Callable[[], Any]) -> None:
-        self._compute: Callable[[], Any] | None = compute
-        self._value: Any = None
+    def __repr__(self) -> str:
+        return "<computed when first read>"
 
-    def __call__(self) -> Any:
-        if self._compute is not None:
-            self._value, self._compute = self._compute(), None
-        return self._value
+
+LATER: Any = _Later()
 
 
 class _Deferred:
-    """A field of :class:`DeferredPlan` that may hold a :class:`Later`: reading it computes the value once."""
+    """A field of :class:`DeferredPlan` that may hold :data:`LATER`: reading it asks the plan's sources for the
+    value once, then keeps it."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -60,20 +56,60 @@ class _Deferred:
         if plan is None:
             return self
         value = plan.__dict__[self.name]
-        if isinstance(value, Later):
-            value = value()
-            plan.__dict__[self.name] = value
+        if value is LATER:
+            value = plan.__dict__[self.name] = getattr(plan.sources, self.name)()
         return value
 
     def __set__(self, plan: Any, value: Any) -> None:
         plan.__dict__[self.name] = value
 
 
+class PlanSources:
+    """What a read-free plan's deferred fields are computed from, and how (one method per field): the choices
+    ``expert_index`` ``[T, k]``, the rows' pairs ``by_expert`` ``[N]``, the scores ``[T, E]`` and logits, under
+    the call's grad mode (a loss read after the call is as differentiable as the eager plan's)."""
+
+    def __init__(self, logits: Tensor, scores: Tensor, expert_index: Tensor, by_expert: Tensor,
+                 options: RoutingOptions, num_sequences: int | None) -> None:
+        self.logits, self.scores_, self.expert_index, self.by_expert = logits, scores, expert_index, by_expert
+        self.options, self.num_sequences = options, num_sequences
+        self.grad_mode = torch.is_grad_enabled()
+        self._counts: Tensor | None = None
+
+    def slot(self) -> Tensor:
+        return assign_slots(self.expert_index, self.scores_.shape[1], on_device=True)[0]
+
+    def row_choice(self) -> Tensor:
+        return torch.div(self.by_expert, self.expert_index.shape[0], rounding_mode="floor")
+
+    def tokens_per_expert(self) -> Tensor:
+        if self._counts is None:  # one tensor for tokens_per_expert and load
+            self._counts = count_per_expert(self.expert_index, self.scores_.shape[1], on_device=True)
+        return self._counts
+
+    load = tokens_per_expert
+
+    def aux_loss(self) -> Tensor:
+        with torch.set_grad_enabled(self.grad_mode):
+            return balance_loss(self.options.aux_loss_type, self.scores_, self.expert_index,
+                                score_func=self.options.score_func, num_sequences=self.num_sequences)
+
+    def z_loss(self) -> Tensor:
+        with torch.set_grad_enabled(self.grad_mode):
+            softmax = self.options.score_func == "softmax"
+            return router_z_loss(self.logits, self.scores_ if softmax else None)
+
+    def scores(self) -> Tensor:
+        return self.scores_.detach()
+
+
 class DeferredPlan(RoutingPlan):
-    """A :class:`~flexmoe.routing.RoutingPlan` whose fields below may be given as :class:`Later` values, computed
-    when first read; ``row_expert`` is the sorted experts the plan was built from (no host read)."""
+    """A :class:`~flexmoe.routing.RoutingPlan` whose fields below may hold :data:`LATER`, computed by its
+    ``sources`` (:class:`PlanSources`) when first read; ``row_expert`` is the sorted experts the plan was built
+    from (no host read)."""
 
     row_experts: Tensor  # [N] the expert of each row, set by read_free_plan
+    sources: PlanSources
 
     @property
     def row_expert(self) -> Tensor:
@@ -82,7 +118,8 @@ class DeferredPlan(RoutingPlan):
 
 
 # Set on the subclass only: the plain RoutingPlan (the compiled paths trace it) keeps plain attributes.
-for _name in ("slot", "row_choice", "tokens_per_expert", "load", "aux_loss", "z_loss", "scores"):
+_DEFERRED_FIELDS = ("slot", "row_choice", "tokens_per_expert", "load", "aux_loss", "z_loss", "scores")
+for _name in _DEFERRED_FIELDS:
     _field = _Deferred()
     _field.__set_name__(DeferredPlan, _name)
     setattr(DeferredPlan, _name, _field)
@@ -98,13 +135,19 @@ def read_free_plan(logits: Tensor, options: RoutingOptions, *, selection_bias: T
     k = options.k
     num_tokens, num_experts = check_logits(logits, k, read_free=True)
     scores = router_scores(logits, options.score_func)  # [T, E]
-    expert_index, _ = select_experts(scores, k, selection_bias=selection_bias,
-                                     num_expert_groups=options.num_expert_groups,
-                                     num_limited_groups=options.num_limited_groups, ties=options.ties,
-                                     read_free=True)  # [T, k]
-    probs_topk, weight = routed_weights(scores, expert_index, normalize_weights=options.normalize_weights,
-                                        route_scale=options.route_scale, dtype=logits.dtype,
-                                        floor=options.score_func != "softmax")
+    floor = options.score_func != "softmax"
+    if selection_bias is None and options.num_expert_groups is None:
+        # The chosen scores are the top-k's values (the same elements, with their gradient): no gather.
+        chosen, expert_index = top_k(scores, k, options.ties, read_free=True)  # [T, k] each
+        probs_topk, weight = topk_weights(chosen, normalize_weights=options.normalize_weights,
+                                          route_scale=options.route_scale, dtype=logits.dtype, floor=floor)
+    else:
+        expert_index, _ = select_experts(scores, k, selection_bias=selection_bias,
+                                         num_expert_groups=options.num_expert_groups,
+                                         num_limited_groups=options.num_limited_groups, ties=options.ties,
+                                         read_free=True)  # [T, k]
+        probs_topk, weight = routed_weights(scores, expert_index, normalize_weights=options.normalize_weights,
+                                            route_scale=options.route_scale, dtype=logits.dtype, floor=floor)
     # [N] choice-major pairs p = choice * T + token in slot order, and their experts (sorted).
     sorted_expert, by_expert = sort_pairs_by_expert(expert_index)
     experts = torch.arange(num_experts, device=logits.device)
@@ -112,37 +155,13 @@ def read_free_plan(logits: Tensor, options: RoutingOptions, *, selection_bias: T
     row_token = by_expert % num_tokens
     # take reads weight.t() ([k, T]) in its logical order: element p is weight[p % T, p // T], no copy.
     row_weight = torch.take(weight.t(), by_expert)
-    grad_mode = torch.is_grad_enabled()
-
-    def with_call_grad_mode(compute: Callable[[], Tensor]) -> Later:
-        def run() -> Tensor:
-            with torch.set_grad_enabled(grad_mode):
-                return compute()
-        return Later(run)
-
-    counts = Later(lambda: count_per_expert(expert_index, num_experts, on_device=True))
-    fields: dict[str, Any] = dict(
-        expert_index=expert_index,
-        slot=Later(lambda: assign_slots(expert_index, num_experts, on_device=True)[0]),
-        weight=weight,
-        probs_topk=probs_topk,
-        row_token=row_token,
-        row_choice=Later(lambda: torch.div(by_expert, num_tokens, rounding_mode="floor")),
-        row_weight=row_weight,
-        tokens_per_expert=counts,
-        load=counts,
-        host_counts=None,
-        host_capacity=None,
-        num_dropped=0,
-        dropped_fraction=0.0,
-        aux_loss=with_call_grad_mode(lambda: balance_loss(options.aux_loss_type, scores, expert_index,
-                                                          score_func=options.score_func,
-                                                          num_sequences=num_sequences)),
-        z_loss=with_call_grad_mode(lambda: router_z_loss(logits,
-                                                         scores if options.score_func == "softmax" else None)),
-        scores=Later(scores.detach),
-        expert_ends=ends,
-    )
-    plan = DeferredPlan(**fields)
-    plan.row_experts = sorted_expert
+    plan = DeferredPlan.__new__(DeferredPlan)
+    # The fields written straight into the instance: the dataclass __init__ and the fields' descriptors cost a
+    # small call measurable host time, and every field below is set (RoutingPlan has no __post_init__).
+    plan.__dict__.update(
+        expert_index=expert_index, weight=weight, probs_topk=probs_topk, row_token=row_token,
+        row_weight=row_weight, host_counts=None, host_capacity=None, num_dropped=0, dropped_fraction=0.0,
+        num_skipped=0, kind="topk", padded=False, pair_row=None, expert_ends=ends, row_experts=sorted_expert,
+        sources=PlanSources(logits, scores, expert_index, by_expert, options, num_sequences),
+        **dict.fromkeys(_DEFERRED_FIELDS, LATER))
     return plan

@@ -127,7 +127,8 @@ def route(
     logits = router(h)
     if num_experts is not None:
         check_router_output(logits, h, num_experts)
-    logits = logits.reshape(-1, logits.shape[-1])  # [T, E]
+    if logits.dim() != 2:
+        logits = logits.reshape(-1, logits.shape[-1])  # [T, E]
     if dtype is not None:
         logits = logits.to(dtype)
     if training and gate_noise > 0:
@@ -142,6 +143,8 @@ def check_router_output(logits: object, x: Tensor, num_experts: int) -> None:
     if not isinstance(logits, Tensor):
         raise TypeError(f"the router must return a tensor of logits [tokens, num_experts={num_experts}], got "
                         f"{type(logits).__name__}")
+    if x.dim() == 2 and logits.dim() == 2 and logits.shape[0] == x.shape[0] and logits.shape[1] == num_experts:
+        return  # the common case, [T, M] -> [T, E], told without building the shapes below
     expected = (*x.shape[:-1], num_experts)
     tokens = math.prod(x.shape[:-1])
     # Either x's leading shape or its tokens flattened: a router that sees sequences [B, S, M] (HF's Switch

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["SCORE_FUNCS", "TIES", "top_k", "top_k_by_unique_keys", "normalize_topk", "router_scores",
+__all__ = ["SCORE_FUNCS", "TIES", "top_k", "top_k_by_unique_keys", "normalize_topk", "topk_weights", "router_scores",
            "group_limited_mask", "select_experts", "routed_weights", "check_group_options"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -186,10 +186,17 @@ def routed_weights(
     """``(probs_topk [T, k], weight [T, k])``: the chosen experts' unbiased scores, and the combine weights
     (divided by their sum when ``normalize_weights`` and k > 1, then times ``route_scale``), both in ``dtype``
     (the logits'; None: the scores'). ``floor``: :func:`normalize_topk`'s."""
-    probs_topk = scores.gather(1, expert_index)
+    return topk_weights(scores.gather(1, expert_index), normalize_weights=normalize_weights,
+                        route_scale=route_scale, dtype=dtype, floor=floor)
+
+
+def topk_weights(probs_topk: Tensor, *, normalize_weights: bool = True, route_scale: float = 1.0,
+                 dtype: torch.dtype | None = None, floor: bool = True) -> tuple[Tensor, Tensor]:
+    """:func:`routed_weights` from the chosen scores ``probs_topk`` ``[T, k]`` themselves (a top-k's values):
+    ``(probs_topk, weight)``, both ``[T, k]`` in ``dtype``."""
     weight = normalize_topk(probs_topk, normalize_weights, floor=floor)
     if route_scale != 1.0:
         weight = weight * route_scale
-    if dtype is not None:
+    if dtype is not None and dtype != probs_topk.dtype:
         probs_topk, weight = probs_topk.to(dtype), weight.to(dtype)
     return probs_topk, weight
