@@ -619,3 +619,20 @@ def test_qwen3_next_block_routes_as_hf_under_autocast():
     # Sums of O(10) bf16 products: within a few bf16 roundings of the output's scale.
     scale = float(expected.abs().max())
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-2 * scale)
+
+
+def test_setting_the_experts_implementation_after_conversion_warns_once_and_keeps_flexmoe_experts():
+    """model.set_experts_implementation after convert changes the config the converted blocks share with the
+    model: they say so in one warning (the blocks read the config at every call, through a shortcut into its
+    attributes) and compute as before."""
+    import warnings
+
+    model = fh.convert(tiny_model("qwen3_moe")).eval()
+    ids = batches(1, seed=3)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing changed yet: no warning
+        before = model(ids).logits
+    model.set_experts_implementation("batched_mm")
+    with pytest.warns(UserWarning, match="experts_implementation='batched_mm' does not apply"):
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=0, atol=0)

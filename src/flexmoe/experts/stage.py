@@ -210,7 +210,8 @@ class ExpertStage:
         # Traced, torch._grouped_mm's meta function is the judge, and it takes bf16 only, on every device; a
         # compiled float32 call keeps the compiled custom ops, which read the counts on the device.
         device_type = "meta" if compiling else tokens.device.type
-        if all(grouped_mm_runs(device_type, dtype, w.shape) for w in (experts.w1, experts.w2)):
+        if grouped_mm_runs(device_type, dtype, experts.w1.shape) and grouped_mm_runs(device_type, dtype,
+                                                                                    experts.w2.shape):
             return True
         if forced and not compiling:
             self._warn("read_free", f"expert_kernel='grouped_mm' cannot run this call without host reads: "

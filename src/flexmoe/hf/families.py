@@ -54,7 +54,12 @@ def implementation_named_by(config: Any) -> str | None:
     Read from the config's own attributes where this transformers keeps it there: a converted block asks at every
     call, and the config's ``__getattribute__`` (attribute maps, per-layer checks) costs that call measurable host
     time."""
-    stored = getattr(config, "__dict__", {}).get("_experts_implementation_internal", _ABSENT)
+    if config is None:
+        return None
+    try:
+        stored = object.__getattribute__(config, "__dict__").get("_experts_implementation_internal", _ABSENT)
+    except AttributeError:  # a config object without instance attributes (slots)
+        stored = _ABSENT
     name = getattr(config, "_experts_implementation", None) if stored is _ABSENT else stored
     return name if isinstance(name, str) else None
 
