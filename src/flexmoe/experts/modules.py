@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from flexmoe.experts.chooser import KernelChooser
 from flexmoe.experts.kernels import KERNELS, RULE_KERNEL
+from flexmoe.experts.row_kernels import one_expert_ffn
 from flexmoe.experts.weights import ExpertWeights
 from flexmoe.validation import check_int, describe_value
 
@@ -249,7 +250,14 @@ class FeedForwardExperts(nn.Module):
             return counts.run()
         if len(counts) != self.num_experts:
             raise ValueError(f"counts must have {self.num_experts} entries (one per expert), got {len(counts)}")
-        return expert_ffn(x, counts, self.weights(), self.kernels)
+        kernels = self.kernels
+        if self.num_experts == 1 and kernels.kernel in ("auto", "grouped_mm") and x.shape[0] == counts[0] > 0:
+            # One expert (a shared expert): one matmul per weight is what every kernel computes, and the floor;
+            # choosing a kernel (its case, its checks, a first timing) would cost such a call more host time than
+            # its matmuls on a small call. The grouped_mm kernel's own one-expert branch.
+            kernels.last_kernel = "grouped_mm"
+            return one_expert_ffn(x, self.weights())
+        return expert_ffn(x, counts, self.weights(), kernels)
 
     def weights(self) -> ExpertWeights:
         """The experts' weights and unit as they read now (inside an adapter's call: the adapted ones)."""

@@ -19,7 +19,7 @@ from torch import Tensor
 from flexmoe.experts.segment_ffn import addmm_into, segment_expert_ffn
 from flexmoe.experts.weights import ExpertWeights
 
-__all__ = ["looped_expert_ffn", "active_experts_ffn", "joined_unit_ffn", "segmented_expert_ffn",
+__all__ = ["looped_expert_ffn", "one_expert_ffn", "active_experts_ffn", "joined_unit_ffn", "segmented_expert_ffn",
            "grouped_expert_ffn", "grouped_mm_supported", "embedding_bag_ffn", "embedding_bag_supported",
            "padded_expert_ffn", "joined_outputs", "check_counts", "all_like"]
 
@@ -91,6 +91,16 @@ def embedding_bag_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) -
     return _ffn(rows, linear, weights)
 
 
+def one_expert_ffn(rows: Tensor, weights: ExpertWeights) -> Tensor:
+    """rows ``[N, M]`` through the one expert of ``weights`` (``[1, ...]``) -> ``[N, M]``: a plain matmul per
+    weight, what every kernel computes for one expert (shared experts, usually), and the same products as the
+    grouped GEMM's one group (bitwise, on the CPU) for less host work per call and no offsets to make."""
+    def matmul(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        out = x @ w.squeeze(0)
+        return out if b is None else out + b  # b: [1, out]
+    return _ffn(rows, matmul, weights)
+
+
 def grouped_expert_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) -> Tensor:
     """The experts' FFN as one ``torch._grouped_mm`` per weight matrix over all experts at once. Each expert's
     rows are one group (``offs``: where each group ends); the biases are gathered per row. Needs a dtype the
@@ -100,12 +110,7 @@ def grouped_expert_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) 
     if num_rows == 0:
         return rows.new_zeros(0, weights.model_dim)
     if len(counts) == 1:
-        # One expert (shared experts, usually): its one group is a plain matmul, the same products as the grouped
-        # GEMM's (bitwise, on the CPU) for less host work per call and no offsets to make.
-        def matmul(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-            out = x @ w.squeeze(0)
-            return out if b is None else out + b  # b: [1, out]
-        return _ffn(rows, matmul, weights)
+        return one_expert_ffn(rows, weights)
     sizes = torch.tensor(counts, device=rows.device)
     ends = sizes.cumsum(0).to(torch.int32)
     has_bias = any(b is not None for b in (weights.b1, weights.b2, weights.b3))
