@@ -135,6 +135,9 @@ def test_native_layer_training_call_reads_nothing_and_equals_a_dense_loop(family
     plan = layer.last_plan
     assert plan is not None and sum(plan.counts) == (64 * K if capacity_factor == 0 else sum(plan.counts))
     assert torch.isfinite(layer.aux_loss) and layer.aux_loss.requires_grad
+    if layer.pending_load is not None:  # balance="bias": three training forwards of x, each counting its choices
+        chosen = plan.expert_index.flatten().tolist()
+        assert layer.pending_load.tolist() == [3 * chosen.count(e) for e in range(E)]
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])

@@ -295,7 +295,7 @@ class MoELayer(nn.Module):
 
         if self.pending_load is not None and self.training and not backward_now:
             # Counted once per forward; a recomputation under activation checkpointing runs inside backward.
-            self.pending_load += plan.load.detach()
+            plan.add_load_to(self.pending_load)
         self._keep_plan(plan, None)
         return (y if y.dtype == x.dtype else y.to(x.dtype)).reshape(x.shape)
 

@@ -107,6 +107,10 @@ class RoutingPlan:
     # (flexmoe.routing.read_free), whose grouped matmuls take it as their offsets; None otherwise.
     expert_ends: Tensor | None = None
 
+    def add_load_to(self, total: Tensor) -> None:
+        """``total += load``: this plan's pairs per expert added to a running count ``[E]`` (balance="bias")."""
+        total += self.load.detach()
+
     @property
     def counts(self) -> list[int]:
         """``[E]`` the rows each expert computes, as Python ints (read from the device once if not yet there)."""
