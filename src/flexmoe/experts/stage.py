@@ -33,7 +33,7 @@ the parameters stay where the layer's state_dict has them.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -266,7 +266,7 @@ class ExpertStage:
         ends = plan.expert_ends
         assert ends is not None  # read_free_plan sets it
         out = self.in_expert_dtype(lambda r: experts_ffn_by_ends(r, ends, plan.row_expert, weights), rows)
-        self._report("rows", "grouped_mm", None, ())  # the kernel named: torch._grouped_mm, its offsets on the device
+        self._report("rows", "grouped_mm", None, [])  # the kernel named: torch._grouped_mm, its offsets on the device
         if not scaled:
             row_weight = plan.row_weight
             out = out * (row_weight if row_weight.dtype == out.dtype else row_weight.to(out.dtype)).unsqueeze(-1)
@@ -529,8 +529,7 @@ class ExpertStage:
 
     # ---- reports ----------------------------------------------------------------------------------------------
 
-    def _report(self, route: str, kernel: str | None, choice: ParallelSetting | None,
-                shadowed: Sequence[int]) -> None:
+    def _report(self, route: str, kernel: str | None, choice: ParallelSetting | None, shadowed: list[int]) -> None:
         """What the last call ran: the one place that writes the stage's reports."""
         self.last_route, self.last_kernel = route, kernel
         self.last_choice, self.last_shadowed = choice, list(shadowed)
