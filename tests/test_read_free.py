@@ -285,33 +285,46 @@ def test_auto_takes_the_read_free_path_off_the_cpu_only() -> None:
     assert not read_free("grouped_mm", torch.float32, "cpu", capacity_factor=-1.0)  # adaptive: sized by the loads
 
 
-@pytest.mark.parametrize("model_dim, hidden_dim, joined", [(16, 8, True), (512, 1024, False)],
-                         ids=["small-joined", "large-separate"])
-def test_gated_experts_join_w1_w3_only_while_small(model_dim: int, hidden_dim: int, joined: bool) -> None:
-    """Small gated experts run w1 and w3 as one grouped GEMM over their joined weights (host work dominates); large
-    ones (w1 over JOIN_GATED_MAX_ELEMENTS) run two, not copying 2 * E * H * M values per call. Both equal a float64
-    loop over the experts, forward and input gradient."""
+@pytest.mark.parametrize("model_dim, hidden_dim, layout, gemms, cats", [
+    (16, 8, "side-by-side", 2, 1), (16, 8, "apart", 2, 1),
+    (512, 1024, "side-by-side", 2, 0), (512, 1024, "apart", 3, 0)],
+    ids=["small-copied", "small-apart-copied", "large-viewed", "large-apart-separate"])
+def test_gated_experts_join_w1_w3(model_dim: int, hidden_dim: int, layout: str, gemms: int, cats: int) -> None:
+    """Gated experts run w1 and w3 as one grouped GEMM over the joined ``[E, M, 2H]`` weight: with
+    ``joined_gate_up`` the built-in experts store the two side by side, and large ones (w1 of
+    SIDE_BY_SIDE_MIN_BYTES or more) are viewed as one without a copy; small ones are copied (host work dominates
+    there); large weights in their own storage (``apart``, the default layout) run two GEMMs, never copying
+    2 * E * H * M values per call. Every case equals a float64 loop over the experts: output, input gradient and
+    every weight's gradient."""
     from flexmoe.apps.bench.host_reads import OpCounter
-    from flexmoe.experts.grouped_op import JOIN_GATED_MAX_ELEMENTS, experts_ffn_by_ends
+    from flexmoe.experts.grouped_op import JOIN_GATED_MAX_ELEMENTS, SIDE_BY_SIDE_MIN_BYTES, experts_ffn_by_ends
 
     num_experts = 4
     torch.manual_seed(0)
-    layer = flexmoe.MoELayer(model_dim, num_experts, hidden_dim, k=1, activation="silu", glu=True, bias=False)
-    assert (layer.experts.w1.numel() > JOIN_GATED_MAX_ELEMENTS) == (not joined)
+    layer = flexmoe.MoELayer(model_dim, num_experts, hidden_dim, k=1, activation="silu", glu=True, bias=False,
+                             joined_gate_up=layout == "side-by-side")
+    experts = layer.experts
+    large = experts.w1.numel() * 4 >= SIDE_BY_SIDE_MIN_BYTES
+    assert large == (experts.w1.numel() > JOIN_GATED_MAX_ELEMENTS) == (model_dim == 512)
+    shared = experts.w3.untyped_storage().data_ptr() == experts.w1.untyped_storage().data_ptr()
+    assert shared == (layout == "side-by-side")
     sizes = [3, 0, 2, 3]
     rows = torch.randn(sum(sizes), model_dim, requires_grad=True)
     row_expert = torch.repeat_interleave(torch.arange(num_experts), torch.tensor(sizes))
     ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
     with OpCounter() as counter:
-        out = experts_ffn_by_ends(rows, ends, row_expert, layer.experts.weights())
-    assert counter.by_name["aten._grouped_mm.default"] == (2 if joined else 3)
+        out = experts_ffn_by_ends(rows, ends, row_expert, experts.weights())
+    assert counter.by_name["aten._grouped_mm.default"] == gemms
+    assert counter.by_name.get("aten.cat.default", 0) == cats
     upstream = torch.randn(out.shape)  # a dense gradient (torch._grouped_mm's backward refuses an expanded one)
     (out * upstream).sum().backward()
 
-    w1, w2, w3 = (getattr(layer.experts, n).detach().double() for n in ("w1", "w2", "w3"))
+    w1, w2, w3 = (getattr(experts, n).detach().double().requires_grad_() for n in ("w1", "w2", "w3"))
     x = rows.detach().double().requires_grad_()
     want = torch.stack([(torch.nn.functional.silu(x[i] @ w1[e]) * (x[i] @ w3[e])) @ w2[e]
                         for i, e in enumerate(row_expert.tolist())])
     (want * upstream.double()).sum().backward()
     torch.testing.assert_close(out.double(), want.detach(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(rows.grad.double(), x.grad, rtol=1e-4, atol=1e-4)
+    for name, reference in (("w1", w1), ("w2", w2), ("w3", w3)):
+        torch.testing.assert_close(getattr(experts, name).grad.double(), reference.grad, rtol=1e-4, atol=1e-4)

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from flexmoe.experts.padded_op import register_op_pair
 from flexmoe.experts.segment_ffn import contiguous_segments, expert_grad_buffer, linear_into, weight_grad_into
+from flexmoe.experts.side_by_side import side_by_side
 from flexmoe.experts.weights import ExpertWeights
 
 __all__ = ["grouped_linear", "grouped_experts_ffn", "device_offsets_linear", "uses_device_offsets", "grouped_mm_runs",
@@ -162,8 +163,24 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype, w_shape: torch.Size | 
     return w_shape[-2] % per_16_bytes == 0 and w_shape[-1] % per_16_bytes == 0
 
 
-# The largest w1 ([E, M, H] elements) whose w1 and w3 are joined per call (experts_ffn_by_ends): 4 MiB in float32.
+# The largest w1 ([E, M, H] elements) whose w1 and w3 are joined by a copy per call (experts_ffn_by_ends): 4 MiB
+# in float32.
 JOIN_GATED_MAX_ELEMENTS = 1 << 20
+# The smallest w1 (bytes) whose w1 and w3, side by side in one storage, are joined as a view: the view's autograd
+# function costs more host time than the copy of smaller weights (measured on a Qwen3-MoE block, M=64 H=32, on
+# the CPU: copying won at E=16, the view at E=32 and 64).
+SIDE_BY_SIDE_MIN_BYTES = 1 << 18
+
+
+def joined(first: Tensor, second: Tensor) -> Tensor | None:
+    """``[..., H]`` twice -> ``cat([first, second], -1)`` ``[..., 2H]``: a view where the two sit side by side in
+    one storage (as the built-in experts allocate them: flexmoe.experts.side_by_side) and are large, a copy where
+    small; None for large weights in separate storage (the caller runs them apart rather than copy them)."""
+    if first.numel() * first.element_size() >= SIDE_BY_SIDE_MIN_BYTES:
+        view = side_by_side(first, second)
+        if view is not None:
+            return view
+    return torch.cat([first, second], dim=-1) if first.numel() <= JOIN_GATED_MAX_ELEMENTS else None
 
 
 def experts_ffn_by_ends(rows: Tensor, expert_ends: Tensor, row_expert: Tensor, weights: ExpertWeights) -> Tensor:
@@ -181,15 +198,14 @@ def experts_ffn_by_ends(rows: Tensor, expert_ends: Tensor, row_expert: Tensor, w
         out = torch._grouped_mm(x, w, offs=expert_ends)
         return out if b is None else out + b.index_select(0, row_expert)
 
-    w3, b1, b3 = weights.w3, weights.b1, weights.b3
-    if w3 is None or (b1 is None) != (b3 is None) or weights.w1.numel() > JOIN_GATED_MAX_ELEMENTS:
-        pre1 = linear(rows, weights.w1, b1)  # [N, H]
+    w1, w3, b1, b3 = weights.w1, weights.w3, weights.b1, weights.b3
+    gate_up = None if w3 is None or (b1 is None) != (b3 is None) else joined(w1, w3)  # [E, M, 2H]
+    if gate_up is None:
+        pre1 = linear(rows, w1, b1)  # [N, H]
         pre3 = None if w3 is None else linear(rows, w3, b3)
     else:
-        # Small gated experts: w1 and w3 side by side in one grouped GEMM ([N, 2H]), as HF's gate_up_proj. Where
-        # the call's time is host work, one grouped GEMM fewer (forward and backward) saves more than the copy of
-        # the weights; large experts skip the per-call copy of 2 * E * H * M values (and of their gradients).
-        both = linear(rows, torch.cat([weights.w1, w3], dim=-1),
-                      None if b1 is None or b3 is None else torch.cat([b1, b3], dim=-1))  # [N, 2H]
+        # Gated experts: w1 and w3 side by side in one grouped GEMM ([N, 2H]), as HF's gate_up_proj: one grouped
+        # GEMM fewer, forward and backward, where the call's time is host work.
+        both = linear(rows, gate_up, None if b1 is None or b3 is None else torch.cat([b1, b3], dim=-1))  # [N, 2H]
         pre1, pre3 = both.split_with_sizes((weights.hidden, weights.hidden), dim=-1)  # [N, H] each
     return linear(weights.unit(pre1, pre3), weights.w2, weights.b2)

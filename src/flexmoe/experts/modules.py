@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from flexmoe.experts.chooser import KernelChooser
 from flexmoe.experts.kernels import KERNELS, RULE_KERNEL
 from flexmoe.experts.row_kernels import one_expert_ffn
+from flexmoe.experts.side_by_side import side_by_side_halves, sit_side_by_side
 from flexmoe.experts.weights import ExpertWeights
 from flexmoe.validation import check_int, describe_value
 
@@ -112,6 +113,12 @@ class ExpertOptions:
         dtype) or compute in the experts' parameters' dtype with autocast off around them (False: as HF's
         ``grouped_mm`` experts implementation does, ``torch._grouped_mm`` being no autocast op; ``flexmoe.hf.convert``
         sets it from the HF model's ``experts_implementation``). Every kernel then computes alike.
+    joined_gate_up: gated experts keep ``w1`` and ``w3`` (``b1`` and ``b3``) as the two halves of one
+        ``[E, M, 2H]`` storage, the layout of HF's ``gate_up_proj`` (:mod:`flexmoe.experts.side_by_side`): the
+        ``grouped_mm`` kernel then reads both as one weight without copying ``2 * E * M * H`` values per call
+        (large experts; small ones are copied either way). The parameters, their names and values are the same;
+        they are not contiguous, which FSDP2's ``fully_shard`` refuses: keep it False (the default) for a model
+        sharded by FSDP.
     """
 
     activation: str | Callable[[Tensor], Tensor] = "gelu"
@@ -125,6 +132,7 @@ class ExpertOptions:
     expert_route: str = "auto"
     kernel_cache: str | None = None
     experts_autocast: bool = True
+    joined_gate_up: bool = False
 
     def __post_init__(self) -> None:
         resolve_activation(self.activation)
@@ -144,6 +152,8 @@ class ExpertOptions:
             raise TypeError(f"kernel_cache must be a directory (str) or None, got {type(self.kernel_cache).__name__}")
         if not isinstance(self.experts_autocast, bool):
             raise TypeError(f"experts_autocast must be a bool, got {type(self.experts_autocast).__name__}")
+        if not isinstance(self.joined_gate_up, bool):
+            raise TypeError(f"joined_gate_up must be a bool, got {type(self.joined_gate_up).__name__}")
 
     def describe(self) -> dict[str, Any]:
         """Every field as a value that compares equal across processes (callables by name)."""
@@ -153,7 +163,8 @@ class ExpertOptions:
               dtype: torch.dtype | None = None) -> FeedForwardExperts:
         """``num_experts`` experts of these options (the layer's local experts, or its shared experts)."""
         return FeedForwardExperts(num_experts, model_dim, hidden_dim, activation=self.activation, glu=self.glu,
-                                  bias=self.bias, glu_limit=self.glu_limit, device=device, dtype=dtype,
+                                  bias=self.bias, glu_limit=self.glu_limit, joined_gate_up=self.joined_gate_up,
+                                  device=device, dtype=dtype,
                                   kernels=KernelChooser.for_options(self.expert_kernel, self.kernel_cache,
                                                                     self.expert_route))
 
@@ -204,6 +215,7 @@ class FeedForwardExperts(nn.Module):
         glu: bool = False,
         bias: bool = True,
         glu_limit: float | None = None,
+        joined_gate_up: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         kernels: KernelChooser | None = None,
@@ -217,19 +229,35 @@ class FeedForwardExperts(nn.Module):
         self.glu = glu
         self.activation = resolve_activation(activation)
         self.glu_limit = check_glu_limit(glu_limit, glu)
+        if not isinstance(joined_gate_up, bool):
+            raise TypeError(f"joined_gate_up must be a bool, got {type(joined_gate_up).__name__}")
+        self.joined_gate_up = joined_gate_up and glu
+
         def param(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
 
-        self.w1 = param(num_experts, model_dim, hidden_dim)
+        def gated_pair(*shape: int) -> tuple[nn.Parameter, nn.Parameter]:
+            if not self.joined_gate_up:
+                return param(*shape), param(*shape)
+            # w1 and w3 (b1 and b3) as the halves of one [..., 2H] storage: the gated GEMM reads both without a
+            # copy (flexmoe.experts.side_by_side).
+            first, second = side_by_side_halves(torch.empty(*shape[:-1], 2 * shape[-1], device=device, dtype=dtype))
+            return nn.Parameter(first), nn.Parameter(second)
+
+        # Registered in the order w1, w2, w3, b1, b2, b3 (the state dict's, the optimizer's).
+        w1, w3 = gated_pair(num_experts, model_dim, hidden_dim) if glu else (param(num_experts, model_dim, hidden_dim),
+                                                                              None)
+        self.w1 = w1  # [E, M, H]
         self.w2 = param(num_experts, hidden_dim, model_dim)
-        self.w3 = param(num_experts, model_dim, hidden_dim) if glu else None
+        self.w3 = w3
         self.b1: nn.Parameter | None = None
         self.b2: nn.Parameter | None = None
         self.b3: nn.Parameter | None = None
         if bias:
-            self.b1 = param(num_experts, hidden_dim)
+            b1, b3 = gated_pair(num_experts, hidden_dim) if glu else (param(num_experts, hidden_dim), None)
+            self.b1 = b1
             self.b2 = param(num_experts, model_dim)
-            self.b3 = param(num_experts, hidden_dim) if glu else None
+            self.b3 = b3
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -240,6 +268,35 @@ class FeedForwardExperts(nn.Module):
         for b, fan_in in ((self.b1, self.model_dim), (self.b3, self.model_dim), (self.b2, self.hidden_dim)):
             if b is not None:
                 nn.init.uniform_(b, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> FeedForwardExperts:
+        # module.to / .float / .cuda give each parameter its own storage: lay the gated pairs side by side again.
+        super()._apply(fn, recurse)
+        self.lay_gated_pairs_side_by_side()
+        return self
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.deepcopy and unpickling: Parameter's deepcopy clones each parameter into its own storage.
+        super().__setstate__(state)
+        self.lay_gated_pairs_side_by_side()
+
+    def lay_gated_pairs_side_by_side(self) -> None:
+        """Puts ``w1`` and ``w3`` (``b1`` and ``b3``) back into one ``[..., 2H]`` storage where something gave them
+        their own (the parameters stay the same objects, their values unchanged); a no-op without
+        ``joined_gate_up``, where they already share one, or where they are not plain tensors (sharded)."""
+        if not getattr(self, "joined_gate_up", False):
+            return
+        for first_name, second_name in (("w1", "w3"), ("b1", "b3")):
+            first, second = getattr(self, first_name), getattr(self, second_name)
+            if not isinstance(first, nn.Parameter) or not isinstance(second, nn.Parameter):
+                continue
+            if type(first.data) is not Tensor or type(second.data) is not Tensor or first.shape != second.shape:
+                continue
+            if first.dtype != second.dtype or first.device != second.device or sit_side_by_side(first, second):
+                continue
+            with torch.no_grad():
+                joined = torch.cat([first.data, second.data], dim=-1)
+            first.data, second.data = side_by_side_halves(joined)
 
     def forward(self, x: Tensor, counts: list[int] | ExpertsCall) -> Tensor:
         """x: ``[N, M]`` rows sorted by expert, counts: ``[E]`` rows per expert -> ``[N, M]``.

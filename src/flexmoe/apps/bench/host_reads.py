@@ -140,8 +140,9 @@ def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), 
     counted on its second call (the first may time kernels). Tiny shapes: the counts, not the sizes, matter.
 
     ``steps`` > 0 also times them (:func:`time_calls`), with the block converted on the default kernel choice
-    beside them: ``x_time`` (converted with ``expert_kernel``) and ``x_time_auto`` over HF's time, the CPU proxy
-    of issue 41 where only host work counts."""
+    and the block converted with ``joined_gate_up=True`` beside them: ``x_time`` (converted with
+    ``expert_kernel``), ``x_time_auto`` and ``x_time_joined`` over HF's time, the CPU proxy of issue 41 where
+    only host work counts."""
     import copy
 
     import flexmoe.hf
@@ -162,6 +163,8 @@ def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), 
                           "converted": flexmoe.hf.convert(copy.deepcopy(reference), expert_kernel=expert_kernel)}
                 if steps > 0:
                     blocks["converted auto"] = flexmoe.hf.convert(copy.deepcopy(reference))
+                    blocks["converted joined"] = flexmoe.hf.convert(copy.deepcopy(reference),
+                                                                    expert_kernel=expert_kernel, joined_gate_up=True)
                 row: dict[str, Any] = {"family": family, "experts": num_experts, "tokens": num_tokens}
                 calls: dict[str, Callable[[], Tensor]] = {}
                 for name, block in blocks.items():
@@ -178,6 +181,7 @@ def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), 
                     row["seconds"] = seconds
                     row["x_time"] = seconds["converted"] / seconds["hf grouped_mm"]
                     row["x_time_auto"] = seconds["converted auto"] / seconds["hf grouped_mm"]
+                    row["x_time_joined"] = seconds["converted joined"] / seconds["hf grouped_mm"]
                 rows.append(row)
     return rows
 
@@ -186,10 +190,10 @@ def format_counts(rows: list[dict[str, Any]]) -> str:
     """The table of :func:`count_hf_blocks`: ops (forward + backward) and host reads, converted over HF."""
     timed = any("x_time" in r for r in rows)
     lines = [f"{'family':<12} {'E':>4} {'T':>4} {'HF ops':>7} {'reads':>5} {'ours':>6} {'reads':>5} {'x ops':>6}"
-             + (f" {'x time':>6} {'x auto':>6}" if timed else "") + "  our host reads"]
+             + (f" {'x time':>6} {'x auto':>6} {'x join':>6}" if timed else "") + "  our host reads"]
     for r in rows:
         hf, ours = r["hf grouped_mm"], r["converted"]
-        times = f" {r['x_time']:>6.2f} {r['x_time_auto']:>6.2f}" if timed else ""
+        times = f" {r['x_time']:>6.2f} {r['x_time_auto']:>6.2f} {r['x_time_joined']:>6.2f}" if timed else ""
         lines.append(f"{r['family']:<12} {r['experts']:>4} {r['tokens']:>4} {hf['ops']:>7} {len(hf['host_reads']):>5} "
                      f"{ours['ops']:>6} {len(ours['host_reads']):>5} {r['x_ops']:>6.2f}{times}  "
                      f"{', '.join(ours['host_reads']) or '-'}")

@@ -1,0 +1,139 @@
+"""Gated experts' w1 and w3 (b1 and b3) in one storage: the joined view, its gradient, and the layout surviving
+what users do to a module (flexmoe.experts.side_by_side)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from flexmoe.experts.modules import FeedForwardExperts
+from flexmoe.experts.side_by_side import side_by_side, side_by_side_halves, sit_side_by_side
+
+
+def _experts(**kwargs: object) -> FeedForwardExperts:
+    torch.manual_seed(0)
+    return FeedForwardExperts(3, 8, 4, activation="silu", glu=True, joined_gate_up=True,
+                              **kwargs)  # type: ignore[arg-type]
+
+
+def _shares_storage(first: torch.Tensor, second: torch.Tensor) -> bool:
+    return first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+
+
+def test_gated_experts_allocate_w1_w3_and_b1_b3_side_by_side() -> None:
+    experts = _experts()
+    assert sit_side_by_side(experts.w1, experts.w3) and sit_side_by_side(experts.b1, experts.b3)
+    assert not _shares_storage(experts.w1, experts.w2) and experts.w1.shape == experts.w3.shape == (3, 8, 4)
+    # The joined view is cat([w1, w3], -1) element for element, without a copy.
+    view = side_by_side(experts.w1, experts.w3)
+    assert view is not None and view.data_ptr() == experts.w1.data_ptr()
+    assert torch.equal(view, torch.cat([experts.w1, experts.w3], dim=-1))
+    # Initialisation drew w1 and w3 apart (not the same values twice).
+    assert not torch.equal(experts.w1, experts.w3)
+    # Ungated experts have no pair; without joined_gate_up (the default) every parameter is contiguous (FSDP2
+    # shards only those), and nothing re-lays them.
+    plain = FeedForwardExperts(3, 8, 4, glu=False, joined_gate_up=True)
+    assert plain.w3 is None and plain.w1.is_contiguous() and not plain.joined_gate_up
+    apart = FeedForwardExperts(3, 8, 4, glu=True).double()
+    assert all(p.is_contiguous() for p in apart.parameters()) and not sit_side_by_side(apart.w1, apart.w3)
+    with pytest.raises(TypeError, match="joined_gate_up must be a bool"):
+        FeedForwardExperts(3, 8, 4, glu=True, joined_gate_up=1)  # type: ignore[arg-type]
+
+
+def test_halves_that_do_not_sit_side_by_side_get_none() -> None:
+    joined = torch.randn(3, 8, 8)
+    first, second = side_by_side_halves(joined)
+    assert sit_side_by_side(first, second)
+    assert not sit_side_by_side(second, first)  # wrong order
+    assert not sit_side_by_side(first, second.clone())  # own storage
+    assert not sit_side_by_side(first[:, :, :3], second[:, :, :3])  # rows 8 apart, not 6
+    assert not sit_side_by_side(first, second.double())
+    assert side_by_side(first.clone(), second.clone()) is None
+    quarters = torch.randn(3, 8, 16)
+    assert not sit_side_by_side(quarters[..., :4], quarters[..., 4:8])  # rows 16 apart, not 8
+
+
+def test_the_views_gradient_reaches_both_parameters() -> None:
+    """The joined view's backward against cat's (an independent reference: torch's own op)."""
+    experts = _experts()
+    upstream = torch.randn(3, 8, 8)
+    (side_by_side(experts.w1, experts.w3) * upstream).sum().backward()  # type: ignore[operator]
+    w1 = experts.w1.detach().clone().requires_grad_()
+    w3 = experts.w3.detach().clone().requires_grad_()
+    (torch.cat([w1, w3], dim=-1) * upstream).sum().backward()
+    torch.testing.assert_close(experts.w1.grad, w1.grad, rtol=0, atol=0)
+    torch.testing.assert_close(experts.w3.grad, w3.grad, rtol=0, atol=0)
+    # A second backward accumulates, as for any parameter.
+    (side_by_side(experts.w1, experts.w3) * upstream).sum().backward()  # type: ignore[operator]
+    torch.testing.assert_close(experts.w1.grad, 2 * w1.grad, rtol=0, atol=0)
+    with torch.no_grad():
+        view = side_by_side(experts.w1, experts.w3)
+    assert view is not None and not view.requires_grad
+
+
+@pytest.mark.parametrize("change", ["double", "to-dtype", "deepcopy", "load_state_dict", "assign"])
+def test_the_layout_survives_what_users_do_to_a_module(change: str) -> None:
+    experts = _experts()
+    values = {name: tensor.detach().clone() for name, tensor in experts.state_dict().items()}
+    w1_param = experts.w1
+    if change == "double":
+        experts = experts.double()
+    elif change == "to-dtype":
+        experts = experts.to(torch.bfloat16).to(torch.float32)
+    elif change == "deepcopy":
+        experts = copy.deepcopy(experts)
+    elif change == "load_state_dict":
+        other = _experts()
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(1.0)
+        experts.load_state_dict(other.state_dict())
+        values = {name: tensor.detach().clone() for name, tensor in other.state_dict().items()}
+    else:  # assign: the loaded tensors replace the parameters, their layout broken until the next _apply
+        experts.load_state_dict({name: t.clone() for name, t in experts.state_dict().items()}, assign=True)
+        assert not sit_side_by_side(experts.w1, experts.w3)
+        experts.lay_gated_pairs_side_by_side()
+    assert sit_side_by_side(experts.w1, experts.w3) and sit_side_by_side(experts.b1, experts.b3)
+    if change in ("double", "to-dtype", "load_state_dict"):
+        assert experts.w1 is w1_param  # the same parameter object (an optimizer holding it still holds it)
+    for name, tensor in experts.state_dict().items():
+        torch.testing.assert_close(tensor.float(), values[name].float(), rtol=1e-2 if change == "to-dtype" else 0,
+                                   atol=1e-2 if change == "to-dtype" else 0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_converted_block_with_joined_gate_up_computes_hf_s_function(family: str) -> None:
+    """``flexmoe.hf.convert(..., joined_gate_up=True)`` on the read-free path (the grouped kernel viewing w1|w3):
+    HF's output and input gradient (HF's own block, grouped_mm experts, is the reference), the same weight
+    gradients as the default layout's copy, and HF's state dict back. 64 experts of M=64, H=32: the joined weight
+    is viewed, not copied (w1 is 512 KiB)."""
+    import flexmoe.hf
+    from flexmoe.apps.bench.hf_blocks import HFShape, block_output, build_hf_block, set_experts_implementation
+    from flexmoe.experts.grouped_op import SIDE_BY_SIDE_MIN_BYTES
+
+    shape = HFShape("count", tokens=5, model_dim=64, experts=64, k=4, hidden_dim=32, groups=1, limited_groups=1)
+    hf = set_experts_implementation(build_hf_block(family, shape, 0), "grouped_mm")
+    joined = flexmoe.hf.convert(copy.deepcopy(hf), expert_kernel="grouped_mm", joined_gate_up=True)
+    apart = flexmoe.hf.convert(copy.deepcopy(hf), expert_kernel="grouped_mm")
+    experts, apart_experts = joined.moe.experts, apart.moe.experts
+    assert sit_side_by_side(experts.w1, experts.w3) and not sit_side_by_side(apart_experts.w1, apart_experts.w3)
+    assert experts.w1.numel() * experts.w1.element_size() >= SIDE_BY_SIDE_MIN_BYTES
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(joined.state_dict()[name], tensor), name
+    torch.manual_seed(1)
+    x = torch.randn(1, 5, 64)
+    grads = {}
+    for name, block in (("hf", hf), ("joined", joined), ("apart", apart)):
+        xi = x.clone().requires_grad_()
+        out = block_output(block(xi))
+        out.backward(torch.ones_like(out))
+        grads[name] = (out.detach(), xi.grad)
+    for got in (grads["joined"], grads["apart"]):
+        torch.testing.assert_close(got[0], grads["hf"][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[1], grads["hf"][1], rtol=1e-5, atol=1e-6)
+    for name in ("w1", "w2", "w3", "b1", "b2", "b3"):
+        got, want = getattr(experts, name), getattr(apart_experts, name)
+        if want is not None:
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
