@@ -228,10 +228,11 @@ def test_converted_block_reads_nothing_equals_hf_and_counts_about_its_operations
         grads.append((block_output(block(x)), xi.grad))
     assert counts[1].host_reads == []
     # HF's router's top-k is not run (flexmoe.hf.block.HFRouterLogits), w1 and w3 share one grouped GEMM, one shared
-    # expert is one matmul, the chosen scores are the top-k's values: fewer operations than HF's block (0.94-0.98x
-    # here; 70ae2ac's 0.98-1.05x fails these bounds); GPT-OSS's biases and clamped unit take more (1.16x).
-    bound = {"mixtral": 0.97, "qwen2_moe": 0.97, "qwen3_moe": 0.97, "olmoe": 0.98, "deepseek_v3": 0.95,
-             "gpt_oss": 1.16}[family]
+    # expert is one matmul, the chosen scores are the top-k's values, renormalized softmax weights are the softmax
+    # of the chosen logits: fewer operations than HF's block (0.86-0.98x here; 70ae2ac's 0.98-1.05x fails these
+    # bounds, e017d52's 0.95x for Mixtral and Qwen3-MoE too); GPT-OSS's biases and clamped unit take more (1.09x).
+    bound = {"mixtral": 0.9, "qwen2_moe": 0.97, "qwen3_moe": 0.9, "olmoe": 0.98, "deepseek_v3": 0.95,
+             "gpt_oss": 1.1}[family]
     assert counts[1].ops <= bound * counts[0].ops, (counts[1].ops, counts[0].ops)
     (hf_out, hf_grad), (our_out, our_grad) = grads
     torch.testing.assert_close(our_out, hf_out, rtol=1e-4, atol=1e-5)

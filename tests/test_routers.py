@@ -565,3 +565,39 @@ def test_bias_with_topology_gate_and_random_second_expert_together() -> None:
             assert plan.weight[t].tolist() == pytest.approx([v / sum(p) for v in p], abs=1e-12)
         assert (plan.num_skipped > 0) == training
         assert sum(plan.counts) == 80 - plan.num_skipped and plan.num_dropped == 0
+
+
+@pytest.mark.parametrize("route_scale", [1.0, 2.5])
+def test_renormalized_softmax_weights_are_the_softmax_of_the_chosen_logits(route_scale: float) -> None:
+    """The weights of every softmax plan builder (make_plan, read_free_plan, decoding) for normalize_weights, k > 1:
+    ``softmax(logits)[chosen] / sum`` by a plain float64 loop, value and gradient to the logits (the backward goes
+    through the chosen logits only)."""
+    from flexmoe.routing.options import RoutingOptions
+    from flexmoe.routing.plan import make_plan
+    from flexmoe.routing.read_free import read_free_plan
+
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(6, 8)).requires_grad_()
+    upstream = torch.randn(6, 3)
+    want_logits = logits.detach().double().requires_grad_()
+    rows = []
+    plan = make_plan(logits, 3, capacity_factor=0.0, route_scale=route_scale)
+    for t in range(6):
+        probs = [math.exp(v) for v in want_logits[t].tolist()]
+        chosen = sorted(range(8), key=lambda e: -probs[e])[:3]
+        assert plan.expert_index[t].tolist() == chosen
+        p = torch.softmax(want_logits[t], dim=0)[chosen]
+        rows.append(route_scale * p / p.sum())
+    want = torch.stack(rows)
+    (want * upstream.double()).sum().backward()
+    options = RoutingOptions(k=3, capacity_factor=0.0, route_scale=route_scale)
+    read_free = read_free_plan(logits, options)
+    # Bit for bit: expert-parallel ranks (read-free) and one process (make_plan) must agree exactly.
+    assert torch.equal(read_free.weight, plan.weight)
+    for built in (plan, read_free):
+        torch.testing.assert_close(built.weight.double(), want.detach(), rtol=1e-6, atol=1e-7)
+        logits.grad = None
+        (built.weight * upstream).sum().backward(retain_graph=True)
+        torch.testing.assert_close(logits.grad.double(), want_logits.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(built.probs_topk.double(), torch.softmax(want_logits, 1).gather(
+            1, built.expert_index).detach(), rtol=1e-6, atol=1e-7)

@@ -77,7 +77,8 @@ def forward_without_plan(layer: DecodingLayer, tokens: Tensor, routing: RoutingO
                                    max_load):
         return None
     _, weight = routed_weights(scores, expert_index, normalize_weights=routing.normalize_weights,
-                               route_scale=routing.route_scale, dtype=logits.dtype)  # [T, k]
+                               route_scale=routing.route_scale, dtype=logits.dtype,
+                               softmax_of=logits if routing.score_func == "softmax" else None)  # [T, k]
     weight = weight.to(tokens.dtype)
     scaled = routing.score_at == "dispatch"
     if few_pairs:

@@ -319,7 +319,8 @@ def make_plan(
         check_choices(expert_index, num_experts, num_tokens=logits.shape[0], k=k)
         expert_index = expert_index.to(device=logits.device, dtype=torch.long)
     probs_topk, weight = routed_weights(scores, expert_index, normalize_weights=normalize_weights,
-                                        route_scale=route_scale, dtype=logits.dtype)
+                                        route_scale=route_scale, dtype=logits.dtype,
+                                        softmax_of=logits if score_func == "softmax" else None)
     return plan_from_pairs(
         logits, expert_index, probs_topk, weight,
         active=sample_second_expert(probs_topk, generator) if random_second else None,

@@ -30,7 +30,7 @@ from flexmoe.routing.capacity import assign_slots, count_per_expert, sort_pairs_
 from flexmoe.routing.losses import balance_loss, router_z_loss
 from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan, check_logits
-from flexmoe.routing.scores import routed_weights, router_scores, select_experts, top_k, topk_weights
+from flexmoe.routing.scores import routed_weights, router_scores, select_experts, softmax_of_chosen, top_k, topk_weights
 
 __all__ = ["LATER", "PlanSources", "DeferredPlan", "read_free_plan"]
 
@@ -145,18 +145,26 @@ def read_free_plan(logits: Tensor, options: RoutingOptions, *, selection_bias: T
     num_tokens, num_experts = check_logits(logits, k, read_free=True)
     scores = router_scores(logits, options.score_func)  # [T, E]
     floor = options.score_func != "softmax"
+    softmax_of = logits if options.score_func == "softmax" else None
     if selection_bias is None and options.num_expert_groups is None:
         # The chosen scores are the top-k's values (the same elements, with their gradient): no gather.
         chosen, expert_index = top_k(scores, k, options.ties, read_free=True)  # [T, k] each
-        probs_topk, weight = topk_weights(chosen, normalize_weights=options.normalize_weights,
-                                          route_scale=options.route_scale, dtype=logits.dtype, floor=floor)
+        if softmax_of is not None and options.normalize_weights and k > 1:
+            # The same weights as make_plan's, by the same operations (routed_weights).
+            weight = softmax_of_chosen(logits.gather(1, expert_index), scores.dtype, options.route_scale,
+                                       logits.dtype)
+            probs_topk = chosen if chosen.dtype == logits.dtype else chosen.to(logits.dtype)
+        else:
+            probs_topk, weight = topk_weights(chosen, normalize_weights=options.normalize_weights,
+                                              route_scale=options.route_scale, dtype=logits.dtype, floor=floor)
     else:
         expert_index, _ = select_experts(scores, k, selection_bias=selection_bias,
                                          num_expert_groups=options.num_expert_groups,
                                          num_limited_groups=options.num_limited_groups, ties=options.ties,
                                          read_free=True)  # [T, k]
         probs_topk, weight = routed_weights(scores, expert_index, normalize_weights=options.normalize_weights,
-                                            route_scale=options.route_scale, dtype=logits.dtype, floor=floor)
+                                            route_scale=options.route_scale, dtype=logits.dtype, floor=floor,
+                                            softmax_of=softmax_of)
     # [N] choice-major pairs p = choice * T + token in slot order, and their experts (sorted).
     sorted_expert, by_expert = sort_pairs_by_expert(expert_index)
     experts = torch.arange(num_experts, device=logits.device)

@@ -11,7 +11,9 @@ The layer's top-k routing, step by step (docs/architecture.md, routing contract)
    takes masked ones too, :func:`select_experts`);
 4. the k best eligible choice scores, ties to the lower expert index (:func:`flexmoe.routing.plan.top_k`);
 5. weights from the unbiased scores of the chosen experts, renormalised over the k (k > 1) when asked, times
-   ``route_scale``, :func:`routed_weights`.
+   ``route_scale``, :func:`routed_weights`. Renormalised softmax scores are the softmax over the chosen logits
+   (every other expert's term cancels), which is how they are computed: one softmax over ``[T, k]`` in place of a
+   sum and a divide, whose backward takes a third of the operations.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["SCORE_FUNCS", "TIES", "top_k", "top_k_by_unique_keys", "normalize_topk", "topk_weights", "router_scores",
-           "group_limited_mask", "select_experts", "routed_weights", "check_group_options"]
+           "group_limited_mask", "select_experts", "routed_weights", "softmax_of_chosen", "check_group_options"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 # How equal scores are broken: "lower" (the lower expert index, a stable sort: the same on every device and
@@ -184,12 +186,30 @@ def routed_weights(
     route_scale: float = 1.0,
     dtype: torch.dtype | None = None,
     floor: bool = True,
+    softmax_of: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(probs_topk [T, k], weight [T, k])``: the chosen experts' unbiased scores, and the combine weights
     (divided by their sum when ``normalize_weights`` and k > 1, then times ``route_scale``), both in ``dtype``
-    (the logits'; None: the scores'). ``floor``: :func:`normalize_topk`'s."""
-    return topk_weights(scores.gather(1, expert_index), normalize_weights=normalize_weights,
-                        route_scale=route_scale, dtype=dtype, floor=floor)
+    (the logits'; None: the scores'). ``floor``: :func:`normalize_topk`'s. ``softmax_of``: the logits ``[T, E]``
+    where ``scores`` are their softmax: renormalised weights are then the softmax over the chosen logits
+    (:func:`softmax_of_chosen`), the same numbers by fewer operations."""
+    probs_topk = scores.gather(1, expert_index)
+    if softmax_of is not None and normalize_weights and expert_index.shape[1] > 1:
+        weight = softmax_of_chosen(softmax_of.gather(1, expert_index), scores.dtype, route_scale, dtype)
+        return (probs_topk if dtype is None or dtype == probs_topk.dtype else probs_topk.to(dtype)), weight
+    return topk_weights(probs_topk, normalize_weights=normalize_weights, route_scale=route_scale, dtype=dtype,
+                        floor=floor)
+
+
+def softmax_of_chosen(chosen_logits: Tensor, score_dtype: torch.dtype, route_scale: float = 1.0,
+                      dtype: torch.dtype | None = None) -> Tensor:
+    """The renormalised softmax weights ``[T, k]`` of each token's chosen logits ``chosen_logits`` ``[T, k]``:
+    ``softmax(logits)[chosen] / softmax(logits)[chosen].sum()`` is ``softmax(logits[chosen])``. Computed in
+    ``score_dtype`` (the scores', float32 at least), times ``route_scale``, in ``dtype`` (None: ``score_dtype``)."""
+    weight = torch.softmax(chosen_logits, dim=-1, dtype=score_dtype)
+    if route_scale != 1.0:
+        weight = weight * route_scale
+    return weight if dtype is None or dtype == weight.dtype else weight.to(dtype)
 
 
 def topk_weights(probs_topk: Tensor, *, normalize_weights: bool = True, route_scale: float = 1.0,
