@@ -245,8 +245,10 @@ class FeedForwardExperts(nn.Module):
             return nn.Parameter(first), nn.Parameter(second)
 
         # Registered in the order w1, w2, w3, b1, b2, b3 (the state dict's, the optimizer's).
-        w1, w3 = gated_pair(num_experts, model_dim, hidden_dim) if glu else (param(num_experts, model_dim, hidden_dim),
-                                                                              None)
+        if glu:
+            w1, w3 = gated_pair(num_experts, model_dim, hidden_dim)
+        else:
+            w1, w3 = param(num_experts, model_dim, hidden_dim), None
         self.w1 = w1  # [E, M, H]
         self.w2 = param(num_experts, hidden_dim, model_dim)
         self.w3 = w3
