@@ -894,6 +894,32 @@ def scenario_families(rank: int, world: int, out: dict) -> None:
     out["failures"], out["cases"] = failures, cases
 
 
+def scenario_joined_gate_up(rank: int, world: int, out: dict) -> None:
+    """Gated experts with ``joined_gate_up`` (w1|w3 and b1|b3 halves of one storage, non-contiguous parameters)
+    over expert parallelism, float32, forced onto the grouped_mm kernel: every rank's experts keep the layout
+    after taking the reference's shard, and outputs, input, router and global expert gradients equal one
+    process (float64), dropless and with a capacity, sending tokens and rows."""
+    from flexmoe.experts.side_by_side import sit_side_by_side
+
+    failures: list[str] = []
+    cases = 0
+    glu = {"glu": True, "activation": "silu"}
+    for E, k, cf in ((2 * world, 2, 0.0), (2 * world, 2, 1.0), (world, 1, 0.0)):
+        ref, ep, layout = make_pair(E, k, cf, world, rank, both=glu, dtype=torch.float32, joined_gate_up=True,
+                                    expert_kernel="grouped_mm")
+        experts = ep.experts
+        if not (sit_side_by_side(experts.w1, experts.w3) and sit_side_by_side(experts.b1, experts.b3)):
+            failures.append(f"[E={E}] the local experts lost the side-by-side layout")
+        for call in (dict(), dict(token_exchange=False)):
+            tag = f"[E={E} k={k} cf={cf} {call}]"
+            try:
+                check_case(tag, ref, ep, layout, rank, world, failures, global_grads=True, tol=2e-4, **call)
+            except Exception:
+                failures.append(f"{tag} raised:\n{traceback.format_exc()}")
+            cases += 1
+    out["failures"], out["cases"] = failures, cases
+
+
 SCENARIOS = {
     "ep_equivalence": scenario_ep_equivalence,
     "ep_on_device": scenario_ep_on_device,
@@ -911,6 +937,7 @@ SCENARIOS = {
     "topology": scenario_topology,
     "routing_ep": scenario_routing_ep,
     "families": scenario_families,
+    "joined_gate_up": scenario_joined_gate_up,
 }
 
 # The scenarios of parallelize (FSDP2 with expert parallelism) live in their own file; one registry serves both.
