@@ -128,8 +128,10 @@ def test_old_module_names_import_the_moved_modules() -> None:
 @pytest.mark.parametrize("route", ("auto", "rows"))
 def test_a_forced_rows_route_holds_where_the_chooser_would_take_fused(monkeypatch: pytest.MonkeyPatch,
                                                                       route: str) -> None:
-    """A timer that makes the fused route the fastest: "auto" takes it (the control), a forced "rows" does not."""
+    """A timer that makes the fused route the fastest: "auto" takes it (the control), a forced "rows" does not. A
+    call of more rows than the CPU's read-free rule takes (CPU_READ_FREE_MAX_ROWS), so that auto times it."""
     from flexmoe.experts.chooser import KernelChooser
+    from flexmoe.experts.stage import CPU_READ_FREE_MAX_ROWS
 
     def fused_fastest(name: str, run) -> float:
         run()
@@ -137,7 +139,8 @@ def test_a_forced_rows_route_holds_where_the_chooser_would_take_fused(monkeypatc
 
     monkeypatch.setattr(KernelChooser, "default_timer", staticmethod(fused_fastest))
     moe = MoELayer(M, E, H, k=K, expert_route=route, capacity_factor=0.0)
-    x = torch.randn(12, M, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = torch.randn(CPU_READ_FREE_MAX_ROWS // K + 1, M, generator=torch.Generator().manual_seed(1),
+                    requires_grad=True)
     ref, _, _ = reference_for_layer(moe, x, k=K, capacity_factor=0.0)
     got = moe(x)
     assert moe.expert_stage.last_route == ("fused" if route == "auto" else "rows")

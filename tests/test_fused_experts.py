@@ -242,7 +242,8 @@ def test_layer_under_activation_checkpointing(monkeypatch: pytest.MonkeyPatch) -
 
 def test_a_training_call_takes_it_where_its_chooser_measured_it_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first call times both routes (forward + backward); that call and the next take the faster, fused;
-    against the same layer in float64 on the rule's route, the three stages."""
+    against the same layer in float64 on the rule's route, the three stages. A call of more rows than the CPU's
+    read-free rule takes (expert_stage.CPU_READ_FREE_MAX_ROWS): smaller float32 training calls are not timed."""
     from flexmoe.experts.chooser import KernelChooser
 
     timer = FakeTimer({"fused": 1.0, "rows": 2.0})
@@ -250,8 +251,9 @@ def test_a_training_call_takes_it_where_its_chooser_measured_it_faster(monkeypat
     calls = count_calls(monkeypatch, expert_stage, "fused_experts")
     torch.manual_seed(2)
     moe = MoELayer(32, 16, 8, k=4, capacity_factor=0.0)
-    x = torch.randn(64, 32, requires_grad=True)
-    grad_y = torch.randn(64, 32)
+    num_tokens = expert_stage.CPU_READ_FREE_MAX_ROWS // 4 + 1
+    x = torch.randn(num_tokens, 32, requires_grad=True)
+    grad_y = torch.randn(num_tokens, 32)
     (moe(x) * grad_y).sum().backward()
     assert calls == [1] and timer.calls.count("fused") == timer.calls.count("rows") == 1
     monkeypatch.setattr(KernelChooser, "default_timer", None)

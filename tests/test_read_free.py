@@ -32,9 +32,9 @@ NATIVE = {
 }
 
 
-def _layer(family: str, capacity_factor: float, seed: int = 0) -> flexmoe.MoELayer:
+def _layer(family: str, capacity_factor: float, seed: int = 0, expert_kernel: str = "grouped_mm") -> flexmoe.MoELayer:
     torch.manual_seed(seed)
-    layer = flexmoe.MoELayer(M, E, H, k=K, capacity_factor=capacity_factor, expert_kernel="grouped_mm",
+    layer = flexmoe.MoELayer(M, E, H, k=K, capacity_factor=capacity_factor, expert_kernel=expert_kernel,
                              **NATIVE[family])
     with torch.no_grad():
         for p in layer.parameters():
@@ -114,7 +114,19 @@ def _assert_close(got: Tensor, want: Tensor) -> None:
 @pytest.mark.parametrize("family", list(NATIVE))
 def test_native_layer_training_call_reads_nothing_and_equals_a_dense_loop(family: str,
                                                                           capacity_factor: float) -> None:
-    layer = _layer(family, capacity_factor)
+    _check_training_call(_layer(family, capacity_factor), family, capacity_factor)
+
+
+@pytest.mark.parametrize("family", list(NATIVE))
+def test_auto_on_the_cpu_runs_a_small_training_call_read_free(family: str) -> None:
+    """The default kernel choice on the CPU: a small dropless float32 training call takes the read-free path (the
+    rule of expert_stage.CPU_READ_FREE_MAX_ROWS), reads nothing, and equals the dense loop."""
+    _check_training_call(_layer(family, 0.0, expert_kernel="auto"), family, 0.0)
+
+
+def _check_training_call(layer: flexmoe.MoELayer, family: str, capacity_factor: float) -> None:
+    """Two training calls of ``layer`` on 64 tokens: the second reads nothing from the device; the output, the input
+    gradient and every parameter's gradient equal the dense loop's (:func:`_reference`)."""
     x = torch.randn(64, M, generator=torch.Generator().manual_seed(1), requires_grad=True)
     for _ in range(2):  # the second call: nothing left to set up
         layer.zero_grad()
@@ -263,19 +275,31 @@ def test_native_dropless_call_needs_no_more_operations_than_a_converted_block() 
     assert ops[1] <= ops[0], ops
 
 
-def test_auto_takes_the_read_free_path_off_the_cpu_only() -> None:
+def test_auto_takes_the_read_free_path_off_the_cpu_and_for_small_training_calls_on_it() -> None:
     """The kernel chooser's timing and host counts read the device: off the CPU (tokens that only say they are on
     CUDA stand for a GPU's: the rule reads their device type and count alone) ``expert_kernel="auto"`` takes the
-    read-free path for bf16 experts whose sizes torch's grouped GEMM aligns, untimed; on the CPU auto keeps
-    measuring, and a forced other kernel is never overridden."""
-    def read_free(kernel: str, dtype: torch.dtype, device: str, **options: Any) -> bool:
+    read-free path for bf16 experts whose sizes torch's grouped GEMM aligns, untimed. On the CPU auto takes it for
+    dropless float32 calls that record autograd and compute at most CPU_READ_FREE_MAX_ROWS rows, and keeps
+    measuring every other call; a forced other kernel is never overridden."""
+    from flexmoe.experts.stage import CPU_READ_FREE_MAX_ROWS
+
+    def read_free(kernel: str, dtype: torch.dtype, device: str, num_tokens: int = 4, **options: Any) -> bool:
         options = {"capacity_factor": 0.0, **options}
         layer = flexmoe.MoELayer(M, E, H, k=K, expert_kernel=kernel, dtype=dtype, **options)
-        tokens = SimpleNamespace(device=torch.device(device), shape=(4, M), dtype=dtype)
+        tokens = SimpleNamespace(device=torch.device(device), shape=(num_tokens, M), dtype=dtype)
         return layer.expert_stage.read_free(layer.routing_options, tokens, training=True)  # type: ignore[arg-type]
 
     assert read_free("auto", torch.bfloat16, "cuda")
     assert not read_free("auto", torch.bfloat16, "cpu")
+    assert read_free("auto", torch.float32, "cpu")
+    assert read_free("auto", torch.float32, "cpu", num_tokens=CPU_READ_FREE_MAX_ROWS // K)
+    assert not read_free("auto", torch.float32, "cpu", num_tokens=CPU_READ_FREE_MAX_ROWS // K + 1)
+    assert not read_free("auto", torch.float32, "cpu", capacity_factor=1.0)
+    assert not read_free("auto", torch.float32, "cpu", expert_route="fused")
+    with torch.no_grad():  # decoding and evaluation keep their own path
+        assert not read_free("auto", torch.float32, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not read_free("auto", torch.float32, "cpu")
     assert not read_free("auto", torch.float32, "cuda")  # torch._grouped_mm off the CPU: bf16 (uses_device_offsets)
     assert not read_free("loop", torch.bfloat16, "cuda")
     assert not read_free("auto", torch.bfloat16, "cuda", expert_route="fused")

@@ -61,6 +61,14 @@ PADDED_OP = "padded_op"  # flexmoe::padded_experts over the real rows (flexmoe.e
 GROUPED_OP = "grouped_op"  # the matmuls by flexmoe::grouped_linear or torch._grouped_mm (flexmoe.experts.grouped_op)
 PADDED_BMM = "padded_bmm"  # batched matmuls over every padded row (flexmoe.experts.row_kernels.padded_expert_ffn)
 
+# On the CPU, "auto" takes the read-free path for dropless float32 calls that record autograd and compute at most
+# this many rows (T * k): there the call's time is host work, which the read-free path has least of. Measured on
+# a 2-core AVX2 CPU (converted Qwen3-MoE and Mixtral blocks, forward + backward, against the host-count routes the
+# chooser times): read-free 0.92 against 1.29 of HF's time at 512 rows, 0.88 against 0.93-0.95 at 2048, the
+# chooser's route ahead from 4096 rows (0.85 against 0.93). Calls without autograd keep the decoding path, which
+# measured faster still (docs/performance.md, "Auto on the CPU").
+CPU_READ_FREE_MAX_ROWS = 2048
+
 
 @dataclass(frozen=True)
 class PlanLayout:
@@ -182,7 +190,9 @@ class ExpertStage:
 
         It is the path of ``expert_kernel="grouped_mm"`` (forced, any device: how the CPU tests count it), and of
         ``"auto"`` off the CPU: there the chooser's timing and the host counts would stall the stream at every
-        call, so auto takes this path without timing anything (unless ``expert_route="fused"`` is forced). Eager
+        call, so auto takes this path without timing anything (unless ``expert_route="fused"`` is forced). On the
+        CPU auto takes it, untimed too, for small dropless float32 calls that record autograd
+        (:data:`CPU_READ_FREE_MAX_ROWS`), whose time is host work; larger ones are timed as before. Eager
         or compiled (traced, dropless takes it in bf16 only: the grouped GEMM's meta function), one process, the
         built-in experts without an adapter, top-k routing with one capacity over the call, no batch priority,
         no random 2nd expert in training, no global balance loss, T >= 1. Capacity mode (a
@@ -196,7 +206,8 @@ class ExpertStage:
             return False
         kernels = experts.kernels
         forced = kernels.kernel == "grouped_mm" and kernels.route != "fused"
-        on_auto = kernels.kernel == "auto" and kernels.route != "fused" and tokens.device.type != "cpu"
+        on_auto = kernels.kernel == "auto" and kernels.route != "fused" and (
+            tokens.device.type != "cpu" or _host_bound_on_cpu(routing, tokens, experts.w1.dtype))
         if not (forced or on_auto):
             return False
         if not _plain_topk(routing, training) or tokens.shape[0] == 0:
@@ -549,6 +560,15 @@ def _plain_topk(routing: RoutingOptions, training: bool) -> bool:
     capacity over the call, no batch priority, no global balance loss, no random 2nd expert in training."""
     return (routing.selection == "topk" and routing.capacity_per == "call" and not routing.batch_prioritized
             and routing.aux_loss_type != "global" and not (routing.second_expert == "random" and training))
+
+
+def _host_bound_on_cpu(routing: RoutingOptions, tokens: Tensor, expert_dtype: torch.dtype) -> bool:
+    """Whether "auto" takes the read-free path for this CPU call (tokens ``[T, M]``): eager, dropless, autograd
+    recording, float32 tokens and experts, no autocast, at most :data:`CPU_READ_FREE_MAX_ROWS` rows (a call whose
+    time is host work)."""
+    return (torch.is_grad_enabled() and not torch.compiler.is_compiling() and tokens.dtype == torch.float32
+            and expert_dtype == torch.float32 and not torch.is_autocast_enabled("cpu") and routing.capacity is None
+            and routing.static_capacity_factor == 0 and tokens.shape[0] * routing.k <= CPU_READ_FREE_MAX_ROWS)
 
 
 def _combine_padded(out: Tensor, plan: RoutingPlan, weighted: bool) -> Tensor:
