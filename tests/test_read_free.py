@@ -124,16 +124,25 @@ def test_auto_on_the_cpu_runs_a_small_training_call_read_free(family: str) -> No
     _check_training_call(_layer(family, 0.0, expert_kernel="auto"), family, 0.0)
 
 
-def _check_training_call(layer: flexmoe.MoELayer, family: str, capacity_factor: float) -> None:
-    """Two training calls of ``layer`` on 64 tokens: the second reads nothing from the device; the output, the input
-    gradient and every parameter's gradient equal the dense loop's (:func:`_reference`)."""
-    x = torch.randn(64, M, generator=torch.Generator().manual_seed(1), requires_grad=True)
+@pytest.mark.parametrize("family", list(NATIVE))
+def test_few_rows_run_on_gathered_weights_read_free(family: str) -> None:
+    """No more rows than experts (3 tokens, k=2, E=8): on the CPU each row is multiplied by its expert's gathered
+    weights (experts_ffn_by_row_weights), experts without rows get zero gradients, and nothing is read."""
+    _check_training_call(_layer(family, 0.0), family, 0.0, num_tokens=3, kernel="gathered_bmm")
+
+
+def _check_training_call(layer: flexmoe.MoELayer, family: str, capacity_factor: float, num_tokens: int = 64,
+                         kernel: str | None = None) -> None:
+    """Two training calls of ``layer`` on ``num_tokens`` tokens: the second reads nothing from the device and runs
+    ``kernel`` (None: grouped_mm dropless, padded_bmm with a capacity); the output, the input gradient and every
+    parameter's gradient equal the dense loop's (:func:`_reference`)."""
+    x = torch.randn(num_tokens, M, generator=torch.Generator().manual_seed(1), requires_grad=True)
     for _ in range(2):  # the second call: nothing left to set up
         layer.zero_grad()
         x.grad = None
         counted = count_call(lambda: layer(x))
     assert counted.host_reads == []
-    assert layer.expert_stage.last_kernel == ("grouped_mm" if capacity_factor == 0 else "padded_bmm")
+    assert layer.expert_stage.last_kernel == (kernel or ("grouped_mm" if capacity_factor == 0 else "padded_bmm"))
     x_ref = x.detach().double().requires_grad_()
     want = _reference(layer, x_ref, family, capacity_factor)
     want.backward(torch.ones_like(want))
@@ -145,7 +154,7 @@ def _check_training_call(layer: flexmoe.MoELayer, family: str, capacity_factor: 
         _assert_close(param.grad, ref_params[name].grad)
     # The counts stay readable, read when asked: the loads of the dense loop's choices (dropless).
     plan = layer.last_plan
-    assert plan is not None and sum(plan.counts) == (64 * K if capacity_factor == 0 else sum(plan.counts))
+    assert plan is not None and sum(plan.counts) == (num_tokens * K if capacity_factor == 0 else sum(plan.counts))
     assert torch.isfinite(layer.aux_loss) and layer.aux_loss.requires_grad
     if layer.pending_load is not None:  # balance="bias": three training forwards of x, each counting its choices
         chosen = plan.expert_index.flatten().tolist()

@@ -42,7 +42,14 @@ from torch import Tensor, nn
 from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch
 from flexmoe.experts.chooser import KernelChooser, choose_fused_route
 from flexmoe.experts.fused import fused_experts, fused_supported
-from flexmoe.experts.grouped_op import experts_ffn_by_ends, grouped_experts_ffn, grouped_mm_runs, uses_device_offsets
+from flexmoe.experts.grouped_op import (
+    experts_ffn_by_ends,
+    experts_ffn_by_row_weights,
+    gathers_row_weights,
+    grouped_experts_ffn,
+    grouped_mm_runs,
+    uses_device_offsets,
+)
 from flexmoe.experts.kernels import KERNELS, KernelCase, route_bucket
 from flexmoe.experts.modules import ExpertOptions, FeedForwardExperts
 from flexmoe.experts.padded_fused_op import padded_fused_experts, use_padded_fused
@@ -60,6 +67,7 @@ __all__ = ["ExpertStage", "PlanLayout", "parameter_dtype"]
 PADDED_OP = "padded_op"  # flexmoe::padded_experts over the real rows (flexmoe.experts.padded_op)
 GROUPED_OP = "grouped_op"  # the matmuls by flexmoe::grouped_linear or torch._grouped_mm (flexmoe.experts.grouped_op)
 PADDED_BMM = "padded_bmm"  # batched matmuls over every padded row (flexmoe.experts.row_kernels.padded_expert_ffn)
+GATHERED_BMM = "gathered_bmm"  # each row times its expert's gathered weights (grouped_op.experts_ffn_by_row_weights)
 
 # On the CPU, "auto" takes the read-free path for dropless float32 calls that record autograd and compute at most
 # this many rows (T * k): there the call's time is host work, which the read-free path has least of. Measured on
@@ -276,8 +284,12 @@ class ExpertStage:
             return _combine_padded(out, plan, weighted=not scaled)
         ends = plan.expert_ends
         assert ends is not None  # read_free_plan sets it
-        out = self.in_expert_dtype(lambda r: experts_ffn_by_ends(r, ends, plan.row_expert, weights), rows)
-        self._report("rows", "grouped_mm", None, [])  # the kernel named: torch._grouped_mm, its offsets on the device
+        if gathers_row_weights(rows, weights.num_experts):
+            out = self.in_expert_dtype(lambda r: experts_ffn_by_row_weights(r, plan.row_expert, weights), rows)
+            self._report("rows", GATHERED_BMM, None, [])
+        else:
+            out = self.in_expert_dtype(lambda r: experts_ffn_by_ends(r, ends, plan.row_expert, weights), rows)
+            self._report("rows", "grouped_mm", None, [])  # torch._grouped_mm, its offsets on the device
         if not scaled:
             row_weight = plan.row_weight
             out = out * (row_weight if row_weight.dtype == out.dtype else row_weight.to(out.dtype)).unsqueeze(-1)
