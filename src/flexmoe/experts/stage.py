@@ -74,7 +74,7 @@ GATHERED_BMM = "gathered_bmm"  # each row times its expert's gathered weights (g
 # a 2-core AVX2 CPU (converted Qwen3-MoE and Mixtral blocks, forward + backward, against the host-count routes the
 # chooser times): read-free 0.92 against 1.29 of HF's time at 512 rows, 0.88 against 0.93-0.95 at 2048, the
 # chooser's route ahead from 4096 rows (0.85 against 0.93). Calls without autograd keep the decoding path, which
-# measured faster still (docs/performance.md, "Auto on the CPU").
+# measured faster still (docs/performance.md, "The CPU proxy, fifth pass").
 CPU_READ_FREE_MAX_ROWS = 2048
 
 
