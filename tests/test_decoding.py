@@ -297,3 +297,24 @@ def test_pair_sums_with_missing_pairs_match_a_dense_loop() -> None:
     poisoned[0, 0] = float("inf")
     out = _sum_pair_rows(poisoned, pairs, weight, every_pair_has_row=False)
     assert bool(torch.isfinite(out[~uses_row0]).all()) and bool(torch.isinf(out[uses_row0, 0]).all())
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_half_precision_decoding_rounds_as_the_full_path(autocast: bool) -> None:
+    """bf16 experts (a bf16 layer, or float32 under bf16 autocast), k=4: the call without a plan rounds each
+    weighted row and each add of the combine as the full path does (and HF's blocks), so the two are equal to the
+    bit; an embedding_bag sum (float32 inside, rounded once) differed in the last bf16 place. Both stay within
+    bf16 rounding of the float64 dense loop."""
+    dtype = torch.float32 if autocast else torch.bfloat16
+    torch.manual_seed(41)
+    moe = MoELayer(M, 12, 32, k=4, capacity_factor=0.0, dtype=dtype)
+    x = make_input((8, M), seed=42, dtype=dtype)
+    outputs = []
+    for training in (False, True):  # eval: no plan; training mode: the full path
+        moe.train(training)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outputs.append(moe(x))
+    assert outputs[0].dtype == outputs[1].dtype
+    assert torch.equal(outputs[0], outputs[1])
+    ref, _, _ = reference_for_layer(moe.eval(), x, k=4, capacity_factor=0.0)
+    assert_close(outputs[0].double(), ref.y.double(), 3e-2, "output")

@@ -166,6 +166,25 @@ def test_single_block_converts_and_comes_back():
         torch.testing.assert_close(back(x), expected, rtol=0, atol=0)
 
 
+def test_converted_blocks_take_the_models_mode_and_give_it_back():
+    """A model in eval (as from_pretrained returns it) converts into blocks in eval: Mixtral's router jitter
+    (training only) stays off, so the logits are HF's eval logits; the mode set on the converted model is the one
+    to_hf's blocks come back in."""
+    ref = tiny_model("mixtral", router_jitter_noise=0.5).eval()
+    model = fh.convert(copy.deepcopy(ref), group="single")
+    assert [m.training for m in model.modules()] == [False] * len(list(model.modules()))
+    ids = batches(1, seed=6)[0]
+    with torch.no_grad():
+        expected = ref(ids).logits
+        torch.testing.assert_close(model(ids).logits, expected, **TOL)
+        torch.testing.assert_close(model(ids).logits, expected, **TOL)
+    model.train()
+    fh.to_hf(model)
+    assert all(m.training for m in model.modules())
+    trained_mode = fh.convert(tiny_model("mixtral").train(), group="single")
+    assert all(m.training for m in moe_blocks(trained_mode)[0].modules())
+
+
 # ------------------------------------------------------------------------------------------- training
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+import torch
 from torch import Tensor, nn
 
 from flexmoe.dispatch import sum_choices_by_token, sum_rows_by_token
@@ -82,7 +83,7 @@ def forward_without_plan(layer: DecodingLayer, tokens: Tensor, routing: RoutingO
     weight = weight.to(tokens.dtype)
     scaled = routing.score_at == "dispatch"
     if few_pairs:
-        row_token, pair_row, by_expert = order.index_tensors(tokens.device, with_row_pair=scaled)
+        row_token, pair_row, by_expert = order.index_tensors(tokens.device, with_row_pair=True)
     else:
         _, by_expert = sort_pairs_by_expert(expert_index)  # [T*k] choice-major pairs in row order
         row_token = by_expert % num_tokens
@@ -91,7 +92,9 @@ def forward_without_plan(layer: DecodingLayer, tokens: Tensor, routing: RoutingO
         rows = rows * weight.t().reshape(-1).index_select(0, by_expert).unsqueeze(-1)
     out = layer.stage.run_rows(rows, counts, parallel, pinned, layer.strategy)
     combine_weight = None if scaled else weight.to(out.dtype)
-    if few_pairs:
+    # In half precision (bf16 experts, autocast) each weighted row is rounded before a sum that rounds at each
+    # add, as the full path's combine and HF's blocks do; embedding_bag would add in float32 and round once.
+    if few_pairs and out.dtype not in (torch.float16, torch.bfloat16):
         y = sum_choices_by_token(out, pair_row, combine_weight, num_tokens)
     else:
         row_weight = None if combine_weight is None else \

@@ -256,7 +256,7 @@ class ConvertedMoeBlock(nn.Module):
         if moe.expert_bias is not None and hasattr(router, "e_score_correction_bias"):
             with torch.no_grad():  # DeepSeek-V3's e_score_correction_bias, carried by expert_bias while converted
                 router.e_score_correction_bias.copy_(moe.expert_bias)
-        return block
+        return block.train(self.training)  # the skeleton kept the mode it had when converted
 
 
 def build_converted_block(block: Any, family: Family, *, group: object | None,
@@ -287,7 +287,10 @@ def build_converted_block(block: Any, family: Family, *, group: object | None,
     # Free the HF copies: the skeleton keeps shapes only.
     for part in parts:
         getattr(block, part.hf_name).to("meta")
-    return ConvertedMoeBlock(family, moe, block, expert_dropout=family.expert_dropout(block))
+    converted = ConvertedMoeBlock(family, moe, block, expert_dropout=family.expert_dropout(block))
+    # In the HF block's mode: a model from from_pretrained is in eval, and a block left in training would jitter,
+    # compute losses and skip the decoding path there.
+    return converted.train(block.training)
 
 
 def copied_requires_grad(block: Any, family: Family) -> dict[str, dict[str, bool]]:
