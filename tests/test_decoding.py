@@ -318,3 +318,24 @@ def test_half_precision_decoding_rounds_as_the_full_path(autocast: bool) -> None
     assert torch.equal(outputs[0], outputs[1])
     ref, _, _ = reference_for_layer(moe.eval(), x, k=4, capacity_factor=0.0)
     assert_close(outputs[0].double(), ref.y.double(), 3e-2, "output")
+
+
+@pytest.mark.parametrize("options", [{}, {"normalize_weights": False}])
+def test_last_weight_is_the_plans_weight_without_building_it(monkeypatch: pytest.MonkeyPatch, options: dict) -> None:
+    """``last_weight``: the ``[T, k]`` weights of the last call, read without building the plan a no-grad
+    evaluation call defers (GPT-OSS's converted block returns them at every step); equal to the float64 dense
+    reference's weights, and to the plan's once it is built, on both paths."""
+    moe = make_layer(k=3, capacity_factor=0.0, num_experts=8, seed=50, **options).eval()
+    assert moe.last_weight is None
+    x = make_input(seed=51)
+    builds = count_plan_builds(monkeypatch)
+    with torch.no_grad():
+        moe(x)
+    served = moe.last_weight
+    assert builds == []
+    ref, _, _ = reference_for_layer(moe, x, k=3, capacity_factor=0.0, **options)
+    assert_close(served, ref.weight, TOL64, "weights")
+    assert torch.equal(served, moe.last_plan.weight)
+    moe.train()(x)  # the full path
+    assert moe.last_weight is moe.last_plan.weight
+    assert_close(moe.last_weight, ref.weight, TOL64, "weights on the full path")

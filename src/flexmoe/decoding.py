@@ -47,9 +47,10 @@ class DecodingLayer:
 
 def forward_without_plan(layer: DecodingLayer, tokens: Tensor, routing: RoutingOptions, parallel: ParallelOptions,
                          pinned: frozenset[str], num_sequences: int | None, replayed: Tensor | None = None,
-                         ) -> tuple[Tensor, Callable[[], RoutingPlan], Tensor] | None:
-    """tokens: ``[T, M]`` -> ``([T, M], the plan's builder, the choices [T, k])`` (or None when an expert is over
-    its capacity: the full path then drops the pairs), computing only what the output needs (docs/architecture.md,
+                         ) -> tuple[Tensor, Callable[[], RoutingPlan], Tensor, Tensor] | None:
+    """tokens: ``[T, M]`` -> ``([T, M], the plan's builder, the choices [T, k], their weights [T, k])`` (or None
+    when an expert is over its capacity: the full path then drops the pairs), computing only what the output needs
+    (the weights are the plan's ``weight``, in the router's dtype; docs/architecture.md,
     "Decoding"). replayed: ``[T, k]`` choices to take instead of the router's (routing replay).
 
     The same routing functions as :func:`~flexmoe.routing.plan.make_plan` pick the experts and weights, and
@@ -77,10 +78,10 @@ def forward_without_plan(layer: DecodingLayer, tokens: Tensor, routing: RoutingO
     if max_load > resolve_capacity(num_tokens, num_experts, k, routing.capacity_factor, routing.capacity,
                                    max_load):
         return None
-    _, weight = routed_weights(scores, expert_index, normalize_weights=routing.normalize_weights,
-                               route_scale=routing.route_scale, dtype=logits.dtype,
-                               softmax_of=logits if routing.score_func == "softmax" else None)  # [T, k]
-    weight = weight.to(tokens.dtype)
+    _, routing_weight = routed_weights(scores, expert_index, normalize_weights=routing.normalize_weights,
+                                       route_scale=routing.route_scale, dtype=logits.dtype,
+                                       softmax_of=logits if routing.score_func == "softmax" else None)  # [T, k]
+    weight = routing_weight.to(tokens.dtype)
     scaled = routing.score_at == "dispatch"
     if few_pairs:
         row_token, pair_row, by_expert = order.index_tensors(tokens.device, with_row_pair=True)
@@ -105,7 +106,7 @@ def forward_without_plan(layer: DecodingLayer, tokens: Tensor, routing: RoutingO
     # The bias as it was for this call (a later update must not change what this call's plan says).
     bias = None if layer.expert_bias is None else layer.expert_bias.clone()
     return y, partial(build_plan, logits, routing, selection_bias=bias, num_sequences=num_sequences,
-                      expert_index=replayed), expert_index
+                      expert_index=replayed), expert_index, routing_weight
 
 
 def router_input(tokens: Tensor, num_sequences: int | None) -> Tensor:

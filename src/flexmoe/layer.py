@@ -224,6 +224,7 @@ class MoELayer(nn.Module):
         # The last call's plan; after a call served without one, the function that builds it when first read.
         self._last_plan: RoutingPlan | None = None
         self._deferred_plan: Callable[[], RoutingPlan] | None = None
+        self._last_weight: Tensor | None = None
         # Routing replay's recorder or replayer while flexmoe.record_routing / replay_routing runs, else None.
         self.routing_tap: RoutingTap | None = None
 
@@ -266,8 +267,8 @@ class MoELayer(nn.Module):
                               self.shared_gate), tokens, routing,
                 parallel, pinned, num_sequences, replayed)
             if served is not None:
-                y, deferred, chosen = served
-                self._keep_plan(None, deferred)
+                y, deferred, chosen, weight = served
+                self._keep_plan(None, deferred, weight)
                 if tap is not None:
                     tap.chosen(x, chosen, backward_now)
                 return y.to(x.dtype).reshape(x.shape)
@@ -296,14 +297,16 @@ class MoELayer(nn.Module):
         if self.pending_load is not None and self.training and not backward_now:
             # Counted once per forward; a recomputation under activation checkpointing runs inside backward.
             plan.add_load_to(self.pending_load)
-        self._keep_plan(plan, None)
+        self._keep_plan(plan, None, plan.weight)
         return (y if y.dtype == x.dtype else y.to(x.dtype)).reshape(x.shape)
 
-    def _keep_plan(self, plan: RoutingPlan | None, deferred: Callable[[], RoutingPlan] | None) -> None:
-        """Keep the call's plan (or the function that builds it when first read) for :attr:`last_plan`. Plain
-        attributes, written past ``nn.Module.__setattr__``, whose checks for parameters, buffers and modules cost
-        a measurable share of a small call's host time."""
+    def _keep_plan(self, plan: RoutingPlan | None, deferred: Callable[[], RoutingPlan] | None,
+                   weight: Tensor) -> None:
+        """Keep the call's plan (or the function that builds it when first read) for :attr:`last_plan`, and its
+        ``[T, k]`` weights for :attr:`last_weight`. Plain attributes, written past ``nn.Module.__setattr__``, whose
+        checks for parameters, buffers and modules cost a measurable share of a small call's host time."""
         self.__dict__["_last_plan"], self.__dict__["_deferred_plan"] = plan, deferred
+        self.__dict__["_last_weight"] = weight
 
     def strategy_of(self, options: ParallelOptions) -> ExpertStrategy:
         """The strategy of a call with ``options``: the layer's own unless the call changed them."""
@@ -351,6 +354,13 @@ class MoELayer(nn.Module):
         if self._deferred_plan is not None:
             self._last_plan, self._deferred_plan = self._deferred_plan(), None
         return self._last_plan
+
+    @property
+    def last_weight(self) -> Tensor | None:
+        """``[T, k]``: the last call's routing weight of each token's choices, ``last_plan.weight``, without
+        building the plan a no-grad evaluation call leaves for later (what GPT-OSS's converted block returns beside
+        its output at every decoding step). None before the first call."""
+        return self._last_weight
 
     @property
     def aux_loss(self) -> Tensor | None:

@@ -166,9 +166,9 @@ class ConvertedMoeBlock(nn.Module):
             self._say_if_implementation_changed()
         out = self.moe(hidden_states)
         if self.returns_router_scores:
-            plan = self.moe.last_plan
-            assert plan is not None  # set by the forward just run
-            return out, plan.weight
+            weight = self.moe.last_weight
+            assert weight is not None  # set by the forward just run
+            return out, weight
         return out
 
     def extra_repr(self) -> str:
