@@ -131,6 +131,22 @@ def test_few_rows_run_on_gathered_weights_read_free(family: str) -> None:
     _check_training_call(_layer(family, 0.0), family, 0.0, num_tokens=3, kernel="gathered_bmm")
 
 
+@pytest.mark.parametrize("family", list(NATIVE))
+def test_auto_on_the_cpu_runs_a_decoding_step_read_free(family: str) -> None:
+    """The default kernel choice on the CPU for a no-grad evaluation call of no more rows than experts (2 tokens,
+    k=2, E=8: a decoding step): the read-free path on gathered weights, nothing read, the dense loop's output."""
+    layer = _layer(family, 0.0, expert_kernel="auto").eval()
+    x = torch.randn(2, M, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for _ in range(2):
+            counted = count_call(lambda: layer(x), backward=False)
+        got = layer(x)
+    want = _reference(layer, x.double(), family, 0.0)
+    assert counted.host_reads == []
+    assert layer.expert_stage.last_kernel == "gathered_bmm"
+    _assert_close(got, want)
+
+
 def _check_training_call(layer: flexmoe.MoELayer, family: str, capacity_factor: float, num_tokens: int = 64,
                          kernel: str | None = None) -> None:
     """Two training calls of ``layer`` on ``num_tokens`` tokens: the second reads nothing from the device and runs
@@ -288,8 +304,9 @@ def test_auto_takes_the_read_free_path_off_the_cpu_and_for_small_training_calls_
     """The kernel chooser's timing and host counts read the device: off the CPU (tokens that only say they are on
     CUDA stand for a GPU's: the rule reads their device type and count alone) ``expert_kernel="auto"`` takes the
     read-free path for bf16 experts whose sizes torch's grouped GEMM aligns, untimed. On the CPU auto takes it for
-    dropless float32 calls that record autograd and compute at most CPU_READ_FREE_MAX_ROWS rows, and keeps
-    measuring every other call; a forced other kernel is never overridden."""
+    dropless float32 calls that record autograd and compute at most CPU_READ_FREE_MAX_ROWS rows, or no more rows
+    than experts without autograd, and keeps measuring every other call; a forced other kernel is never
+    overridden."""
     from flexmoe.experts.stage import CPU_READ_FREE_MAX_ROWS
 
     def read_free(kernel: str, dtype: torch.dtype, device: str, num_tokens: int = 4, **options: Any) -> bool:
@@ -305,8 +322,9 @@ def test_auto_takes_the_read_free_path_off_the_cpu_and_for_small_training_calls_
     assert not read_free("auto", torch.float32, "cpu", num_tokens=CPU_READ_FREE_MAX_ROWS // K + 1)
     assert not read_free("auto", torch.float32, "cpu", capacity_factor=1.0)
     assert not read_free("auto", torch.float32, "cpu", expert_route="fused")
-    with torch.no_grad():  # decoding and evaluation keep their own path
-        assert not read_free("auto", torch.float32, "cpu")
+    with torch.no_grad():  # decoding: no more rows than experts (each row on its gathered weights), else its own path
+        assert read_free("auto", torch.float32, "cpu", num_tokens=E // K)
+        assert not read_free("auto", torch.float32, "cpu", num_tokens=E // K + 1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not read_free("auto", torch.float32, "cpu")
     assert not read_free("auto", torch.float32, "cuda")  # torch._grouped_mm off the CPU: bf16 (uses_device_offsets)

@@ -215,7 +215,8 @@ class ExpertStage:
         kernels = experts.kernels
         forced = kernels.kernel == "grouped_mm" and kernels.route != "fused"
         on_auto = kernels.kernel == "auto" and kernels.route != "fused" and (
-            tokens.device.type != "cpu" or _host_bound_on_cpu(routing, tokens, experts.w1.dtype))
+            tokens.device.type != "cpu" or _host_bound_on_cpu(routing, tokens, experts.w1.dtype,
+                                                              experts.w1.shape[0]))
         if not (forced or on_auto):
             return False
         if not _plain_topk(routing, training) or tokens.shape[0] == 0:
@@ -574,13 +575,16 @@ def _plain_topk(routing: RoutingOptions, training: bool) -> bool:
             and routing.aux_loss_type != "global" and not (routing.second_expert == "random" and training))
 
 
-def _host_bound_on_cpu(routing: RoutingOptions, tokens: Tensor, expert_dtype: torch.dtype) -> bool:
-    """Whether "auto" takes the read-free path for this CPU call (tokens ``[T, M]``): eager, dropless, autograd
-    recording, float32 tokens and experts, no autocast, at most :data:`CPU_READ_FREE_MAX_ROWS` rows (a call whose
-    time is host work)."""
-    return (torch.is_grad_enabled() and not torch.compiler.is_compiling() and tokens.dtype == torch.float32
+def _host_bound_on_cpu(routing: RoutingOptions, tokens: Tensor, expert_dtype: torch.dtype, num_experts: int) -> bool:
+    """Whether "auto" takes the read-free path for this CPU call (tokens ``[T, M]``): eager, dropless, float32
+    tokens and experts, no autocast, and few rows: at most :data:`CPU_READ_FREE_MAX_ROWS` when it records autograd
+    (a call whose time is host work), no more than the experts without (a decoding step, whose rows then run on
+    their gathered weights: :func:`~flexmoe.experts.grouped_op.gathers_row_weights`)."""
+    rows = tokens.shape[0] * routing.k
+    few = rows <= CPU_READ_FREE_MAX_ROWS if torch.is_grad_enabled() else rows <= num_experts
+    return (few and not torch.compiler.is_compiling() and tokens.dtype == torch.float32
             and expert_dtype == torch.float32 and not torch.is_autocast_enabled("cpu") and routing.capacity is None
-            and routing.static_capacity_factor == 0 and tokens.shape[0] * routing.k <= CPU_READ_FREE_MAX_ROWS)
+            and routing.static_capacity_factor == 0)
 
 
 def _combine_padded(out: Tensor, plan: RoutingPlan, weighted: bool) -> Tensor:
