@@ -43,7 +43,8 @@ def test_tolist_is_restored_after_the_counter() -> None:
 
 
 def test_time_calls_runs_each_call_steps_times_in_turn() -> None:
-    """The timed runs alternate between the calls (side by side), each forward + backward, ``steps`` times."""
+    """The timed runs alternate between the calls (side by side), the order rotated every step so that none
+    always runs first, each forward + backward (or forward only), ``steps`` times."""
     order: list[str] = []
     w = torch.ones(3, requires_grad=True)
 
@@ -51,10 +52,12 @@ def test_time_calls_runs_each_call_steps_times_in_turn() -> None:
         order.append(name)
         return w * 2
 
-    seconds = time_calls({"a": lambda: call("a"), "b": lambda: call("b")}, steps=3)
-    assert order == ["a", "b"] * 3
-    assert set(seconds) == {"a", "b"} and all(s > 0 for s in seconds.values())
-    assert torch.equal(w.grad, torch.full((3,), 12.0))  # 6 backward passes of d(2w)/dw with a gradient of ones
+    seconds = time_calls({"a": lambda: call("a"), "b": lambda: call("b"), "c": lambda: call("c")}, steps=4)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert set(seconds) == {"a", "b", "c"} and all(s > 0 for s in seconds.values())
+    assert torch.equal(w.grad, torch.full((3,), 24.0))  # 12 backward passes of d(2w)/dw with a gradient of ones
+    time_calls({"a": lambda: call("a")}, steps=2, backward=False)
+    assert torch.equal(w.grad, torch.full((3,), 24.0)) and order[-2:] == ["a", "a"]
 
 
 def test_each_read_names_the_flexmoe_module_it_came_from() -> None:

@@ -80,8 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="count the aten operations and host reads of one forward + backward of Hugging Face blocks (comma-"
            "separated families, or all), HF's grouped_mm experts against the converted block with "
            "expert_kernel=grouped_mm, flexmoe.apps.bench.host_reads; and the median of --steps timed calls of "
-           "each, side by side (x time; x auto: the block converted on the default kernel choice; x join: converted "
-           "with joined_gate_up=True) (default: off)")
+           "each, side by side, their order rotated (x time; x auto: the block converted on the default kernel "
+           "choice; x join: converted with joined_gate_up=True; x eval: a no-grad forward in eval mode, default "
+           "choice, a decoding step at T=1) (default: off)")
     a("--hf-memory-gib", type=POSITIVE, default=1.0,
       help="--hf: skip HF batched_mm where its per-pair weight copies need more than this (default: 1)")
     a("--auto-trials", type=COUNT, default=None,
