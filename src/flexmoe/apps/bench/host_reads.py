@@ -188,10 +188,14 @@ def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), 
                     row["x_time_auto"] = seconds["converted auto"] / seconds["hf grouped_mm"]
                     row["x_time_joined"] = seconds["converted joined"] / seconds["hf grouped_mm"]
                     evaluated = {name: blocks[name].eval() for name in ("hf grouped_mm", "converted auto")}
-                    x_eval = x.detach()
+                    eval_calls: dict[str, Callable[[], Tensor]] = {}
+                    for name, block in evaluated.items():
+                        def eval_call(block: torch.nn.Module = block, x: Tensor = x.detach()) -> Tensor:
+                            return block_output(block(x))
+
+                        eval_calls[name] = eval_call
                     with torch.no_grad():
-                        eval_seconds = time_calls({name: lambda b=block, x=x_eval: block_output(b(x))
-                                                   for name, block in evaluated.items()}, steps, backward=False)
+                        eval_seconds = time_calls(eval_calls, steps, backward=False)
                     row["eval_seconds"] = eval_seconds
                     row["x_time_eval"] = eval_seconds["converted auto"] / eval_seconds["hf grouped_mm"]
                 rows.append(row)
