@@ -189,8 +189,9 @@ def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), 
                     row["x_time_joined"] = seconds["converted joined"] / seconds["hf grouped_mm"]
                     evaluated = {name: blocks[name].eval() for name in ("hf grouped_mm", "converted auto")}
                     eval_calls: dict[str, Callable[[], Tensor]] = {}
+                    x_eval = x.detach()
                     for name, block in evaluated.items():
-                        def eval_call(block: torch.nn.Module = block, x: Tensor = x.detach()) -> Tensor:
+                        def eval_call(block: torch.nn.Module = block, x: Tensor = x_eval) -> Tensor:
                             return block_output(block(x))
 
                         eval_calls[name] = eval_call
