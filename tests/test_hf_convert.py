@@ -186,24 +186,27 @@ def test_converted_blocks_take_the_models_mode_and_give_it_back():
 
 
 def test_gpt_oss_decoding_call_returns_hf_router_scores_without_a_plan(monkeypatch):
-    """GPT-OSS's block returns ``(hidden_states, router_scores)``: an eval no-grad call (decoding) returns HF's
-    output and scores, both read without building the plan the call leaves for later."""
+    """GPT-OSS's block returns ``(hidden_states, router_scores)``: an eval no-grad call returns HF's output and
+    scores, on the plan-free decoding path (the loop kernel: auto takes the read-free path at 4 experts) without
+    building the plan the call leaves for later, and on the default choice."""
     import flexmoe.decoding
     import flexmoe.layer
 
     block = tiny_model("gpt_oss").eval().model.layers[0].mlp
     x = torch.randn(1, 3, 16, generator=torch.Generator().manual_seed(2))
+    builds = []
+    for module in (flexmoe.layer, flexmoe.decoding):
+        real = module.build_plan
+        monkeypatch.setattr(module, "build_plan", lambda *a, real=real, **kw: builds.append(1) or real(*a, **kw))
     with torch.no_grad():
         expected = block(x)
-        converted = fh.convert(copy.deepcopy(block), group="single")
-        builds = []
-        for module in (flexmoe.layer, flexmoe.decoding):
-            real = module.build_plan
-            monkeypatch.setattr(module, "build_plan", lambda *a, real=real, **kw: builds.append(1) or real(*a, **kw))
-        out, scores = converted(x)
-    assert builds == []
-    torch.testing.assert_close(out, expected[0], **TOL)
-    torch.testing.assert_close(scores, expected[1], **TOL)
+        for kernel in ("loop", "auto"):
+            converted = fh.convert(copy.deepcopy(block), group="single", expert_kernel=kernel)
+            builds.clear()
+            out, scores = converted(x)
+            assert builds == ([] if kernel == "loop" else [1]), kernel
+            torch.testing.assert_close(out, expected[0], **TOL)
+            torch.testing.assert_close(scores, expected[1], **TOL)
 
 
 # ------------------------------------------------------------------------------------------- training

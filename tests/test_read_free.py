@@ -305,13 +305,14 @@ def test_auto_takes_the_read_free_path_off_the_cpu_and_for_small_training_calls_
     CUDA stand for a GPU's: the rule reads their device type and count alone) ``expert_kernel="auto"`` takes the
     read-free path for bf16 experts whose sizes torch's grouped GEMM aligns, untimed. On the CPU auto takes it for
     dropless float32 calls that record autograd and compute at most CPU_READ_FREE_MAX_ROWS rows, or no more rows
-    than experts without autograd, and keeps measuring every other call; a forced other kernel is never
-    overridden."""
-    from flexmoe.experts.stage import CPU_READ_FREE_MAX_ROWS
+    than experts or among at most CPU_READ_FREE_MAX_EXPERTS experts without autograd, and keeps measuring every
+    other call; a forced other kernel is never overridden."""
+    from flexmoe.experts.stage import CPU_READ_FREE_MAX_EXPERTS, CPU_READ_FREE_MAX_ROWS
 
-    def read_free(kernel: str, dtype: torch.dtype, device: str, num_tokens: int = 4, **options: Any) -> bool:
+    def read_free(kernel: str, dtype: torch.dtype, device: str, num_tokens: int = 4, num_experts: int = E,
+                  **options: Any) -> bool:
         options = {"capacity_factor": 0.0, **options}
-        layer = flexmoe.MoELayer(M, E, H, k=K, expert_kernel=kernel, dtype=dtype, **options)
+        layer = flexmoe.MoELayer(M, num_experts, H, k=K, expert_kernel=kernel, dtype=dtype, **options)
         tokens = SimpleNamespace(device=torch.device(device), shape=(num_tokens, M), dtype=dtype)
         return layer.expert_stage.read_free(layer.routing_options, tokens, training=True)  # type: ignore[arg-type]
 
@@ -322,9 +323,14 @@ def test_auto_takes_the_read_free_path_off_the_cpu_and_for_small_training_calls_
     assert not read_free("auto", torch.float32, "cpu", num_tokens=CPU_READ_FREE_MAX_ROWS // K + 1)
     assert not read_free("auto", torch.float32, "cpu", capacity_factor=1.0)
     assert not read_free("auto", torch.float32, "cpu", expert_route="fused")
-    with torch.no_grad():  # decoding: no more rows than experts (each row on its gathered weights), else its own path
-        assert read_free("auto", torch.float32, "cpu", num_tokens=E // K)
-        assert not read_free("auto", torch.float32, "cpu", num_tokens=E // K + 1)
+    with torch.no_grad():  # no more rows than experts (a decoding step), or few experts; else the decoding path
+        many = CPU_READ_FREE_MAX_EXPERTS + 1
+        assert read_free("auto", torch.float32, "cpu", num_tokens=many // K, num_experts=many)
+        assert not read_free("auto", torch.float32, "cpu", num_tokens=many // K + 1, num_experts=many)
+        assert read_free("auto", torch.float32, "cpu", num_tokens=CPU_READ_FREE_MAX_ROWS // K,
+                         num_experts=CPU_READ_FREE_MAX_EXPERTS)
+        assert not read_free("auto", torch.float32, "cpu", num_tokens=CPU_READ_FREE_MAX_ROWS // K + 1,
+                             num_experts=CPU_READ_FREE_MAX_EXPERTS)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not read_free("auto", torch.float32, "cpu")
     assert not read_free("auto", torch.float32, "cuda")  # torch._grouped_mm off the CPU: bf16 (uses_device_offsets)

@@ -73,9 +73,15 @@ GATHERED_BMM = "gathered_bmm"  # each row times its expert's gathered weights (g
 # this many rows (T * k): there the call's time is host work, which the read-free path has least of. Measured on
 # a 2-core AVX2 CPU (converted Qwen3-MoE and Mixtral blocks, forward + backward, against the host-count routes the
 # chooser times): read-free 0.92 against 1.29 of HF's time at 512 rows, 0.88 against 0.93-0.95 at 2048, the
-# chooser's route ahead from 4096 rows (0.85 against 0.93). Calls without autograd keep the decoding path, which
-# measured faster still (docs/performance.md, "The CPU proxy, fifth pass").
+# chooser's route ahead from 4096 rows (0.85 against 0.93) (docs/performance.md, "The CPU proxy, fifth pass").
 CPU_READ_FREE_MAX_ROWS = 2048
+# Without autograd (evaluation, decoding) the plan-free decoding path is the other candidate: read-free takes the
+# calls of no more rows than experts, and those of at most this many experts. Measured the same way, no-grad eval
+# forwards (converted Mixtral, Qwen3-MoE, GPT-OSS blocks over HF's, k=4-8, two runs): at E=8 read-free 0.94-1.27x
+# HF's time against 1.04-1.60x for the decoding path at T=16-64, 0.87-1.01 against 0.89-1.12 at T=256; at E=16
+# T=64 1.00-1.32 against 1.13-1.34; at E=32-64 T=16-64 the decoding path's chosen kernels lead (0.50-1.09 against
+# 1.03-1.26) (docs/performance.md, "The CPU proxy, sixth pass").
+CPU_READ_FREE_MAX_EXPERTS = 16
 
 
 @dataclass(frozen=True)
@@ -577,11 +583,14 @@ def _plain_topk(routing: RoutingOptions, training: bool) -> bool:
 
 def _host_bound_on_cpu(routing: RoutingOptions, tokens: Tensor, expert_dtype: torch.dtype, num_experts: int) -> bool:
     """Whether "auto" takes the read-free path for this CPU call (tokens ``[T, M]``): eager, dropless, float32
-    tokens and experts, no autocast, and few rows: at most :data:`CPU_READ_FREE_MAX_ROWS` when it records autograd
-    (a call whose time is host work), no more than the experts without (a decoding step, whose rows then run on
-    their gathered weights: :func:`~flexmoe.experts.grouped_op.gathers_row_weights`)."""
+    tokens and experts, no autocast, at most :data:`CPU_READ_FREE_MAX_ROWS` rows, and, without autograd, no more
+    rows than experts (a decoding step: its rows then run on their gathered weights,
+    :func:`~flexmoe.experts.grouped_op.gathers_row_weights`) or at most :data:`CPU_READ_FREE_MAX_EXPERTS` experts
+    (the grouped GEMM's loop over them is short). Such calls' time is host work, which the chooser's timed
+    routes, reading the counts, add to."""
     rows = tokens.shape[0] * routing.k
-    few = rows <= CPU_READ_FREE_MAX_ROWS if torch.is_grad_enabled() else rows <= num_experts
+    few = rows <= CPU_READ_FREE_MAX_ROWS and (torch.is_grad_enabled() or rows <= num_experts
+                                              or num_experts <= CPU_READ_FREE_MAX_EXPERTS)
     return (few and not torch.compiler.is_compiling() and tokens.dtype == torch.float32
             and expert_dtype == torch.float32 and not torch.is_autocast_enabled("cpu") and routing.capacity is None
             and routing.static_capacity_factor == 0)
