@@ -343,6 +343,35 @@ def test_auto_takes_the_read_free_path_off_the_cpu_and_for_small_training_calls_
     assert not read_free("grouped_mm", torch.float32, "cpu", capacity_factor=-1.0)  # adaptive: sized by the loads
 
 
+def test_gathered_rows_and_no_grad_read_free_calls_are_bounded_by_size() -> None:
+    """The gathered weights copy N * M * H values per weight: at most GATHER_MAX_VALUES (and N <= E), on the CPU
+    only. Without autograd auto takes the read-free path for rows that gather, or among at most
+    CPU_READ_FREE_MAX_EXPERTS experts for at most CPU_READ_FREE_MAX_NO_GRAD_VALUES values of rows x M x H; larger
+    calls (a decoding step of large experts) keep the decoding path, whose weighted sums read less."""
+    from flexmoe.experts.grouped_op import GATHER_MAX_VALUES, gathers_row_weights
+    from flexmoe.experts.stage import CPU_READ_FREE_MAX_EXPERTS, CPU_READ_FREE_MAX_NO_GRAD_VALUES
+
+    side = 128  # M = H: 16384 values per row
+    many = flexmoe.MoELayer(side, 64, side, k=K, capacity_factor=0.0)
+    few = flexmoe.MoELayer(side, CPU_READ_FREE_MAX_EXPERTS, side, k=K, capacity_factor=0.0)
+    cpu, most = torch.device("cpu"), GATHER_MAX_VALUES // side**2
+    assert 0 < most < 64
+    assert gathers_row_weights(cpu, most, many.experts.weights())
+    assert not gathers_row_weights(cpu, most + 1, many.experts.weights())
+    assert not gathers_row_weights(torch.device("meta"), 1, many.experts.weights())
+    assert not gathers_row_weights(cpu, CPU_READ_FREE_MAX_EXPERTS + 1, few.experts.weights())  # N > E
+
+    def read_free(layer: flexmoe.MoELayer, num_tokens: int) -> bool:
+        tokens = torch.zeros(num_tokens, side)
+        return layer.expert_stage.read_free(layer.routing_options, tokens, training=False)
+
+    with torch.no_grad():
+        assert read_free(many, most // K) and not read_free(many, most // K + 1)
+        largest = CPU_READ_FREE_MAX_NO_GRAD_VALUES // side**2 // K
+        assert read_free(few, largest) and not read_free(few, largest + 1)
+    assert read_free(many, most // K + 1)  # recording autograd: up to CPU_READ_FREE_MAX_ROWS rows
+
+
 @pytest.mark.parametrize("model_dim, hidden_dim, layout, gemms, cats", [
     (16, 8, "side-by-side", 2, 1), (16, 8, "apart", 2, 1),
     (512, 1024, "side-by-side", 2, 0), (512, 1024, "apart", 3, 0)],

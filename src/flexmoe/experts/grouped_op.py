@@ -36,7 +36,8 @@ from flexmoe.experts.side_by_side import side_by_side
 from flexmoe.experts.weights import ExpertWeights
 
 __all__ = ["grouped_linear", "grouped_experts_ffn", "device_offsets_linear", "uses_device_offsets", "grouped_mm_runs",
-           "experts_ffn_by_ends", "gathers_row_weights", "experts_ffn_by_row_weights"]
+           "experts_ffn_by_ends", "GATHER_MAX_VALUES", "gathers_row_weights",
+           "experts_ffn_by_row_weights"]
 
 # A change to either op's signature needs a new name (inductor's on-disk cache keeps graphs that call it).
 _OP = "flexmoe::grouped_linear"
@@ -213,13 +214,21 @@ def experts_ffn_by_ends(rows: Tensor, expert_ends: Tensor, row_expert: Tensor, w
     return linear(weights.unit(pre1, pre3), weights.w2, weights.b2)
 
 
-def gathers_row_weights(rows: Tensor, num_experts: int) -> bool:
-    """Whether the read-free path runs :func:`experts_ffn_by_row_weights` for rows ``[N, M]``: on the CPU, with N
-    <= E, where the gathered weights are no larger than the weights themselves. Measured on a 2-core AVX2 CPU (M=64,
-    H=32, gated, forward + backward): 2.5x faster than the grouped GEMMs at E=64 N=8 (441 against 1124 us), 2.4x at
-    E=N=64, even at E=8 N=2; at M=256 H=128 E=N=16 the two are level, at N=4E the grouped GEMMs 2.5x faster. Off
-    the CPU the grouped GEMM reads the active experts' weights in place, where a gather would copy them."""
-    return rows.device.type == "cpu" and rows.shape[0] <= num_experts
+# The most values of one weight the gathered path copies for a call (N * M * H): measured on a 2-core AVX2 CPU
+# (gated, forward + backward, against the grouped GEMMs) 2.4-2.5x faster at M=64 H=32 up to E=N=64 (131072), level
+# at M=256 H=128 E=N=16 (524288); a converted Qwen3-MoE block at E=64 k=8 M=512 H=256 ran 0.98x HF's time at T=1
+# (1M values) and 1.98x at T=8, and 1.5-5.1x without autograd, where the decoding path ran 0.50-0.70x.
+GATHER_MAX_VALUES = 1 << 18
+
+
+def gathers_row_weights(device: torch.device, num_rows: int, weights: ExpertWeights) -> bool:
+    """Whether the read-free path runs :func:`experts_ffn_by_row_weights` for ``num_rows`` rows N on ``device``:
+    on the CPU, with N <= E (the gathered weights are no larger than the weights themselves) and at most
+    :data:`GATHER_MAX_VALUES` values of a weight gathered (N * M * H: the copy must stay small beside the host
+    work it saves). Off the CPU the grouped GEMM reads the active experts' weights in place, where a gather would
+    copy them."""
+    return device.type == "cpu" and num_rows <= weights.num_experts and \
+        num_rows * weights.model_dim * weights.hidden <= GATHER_MAX_VALUES
 
 
 def experts_ffn_by_row_weights(rows: Tensor, row_expert: Tensor, weights: ExpertWeights) -> Tensor:

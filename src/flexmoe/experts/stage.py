@@ -55,6 +55,7 @@ from flexmoe.experts.modules import ExpertOptions, FeedForwardExperts
 from flexmoe.experts.padded_fused_op import padded_fused_experts, use_padded_fused
 from flexmoe.experts.padded_op import layout_op_runs, padded_experts_forward, padded_op_available
 from flexmoe.experts.row_kernels import padded_expert_ffn
+from flexmoe.experts.weights import ExpertWeights
 from flexmoe.parallel.expert_parallel import ParallelSetting
 from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.strategy import AllToAllExperts, ExpertStrategy
@@ -82,6 +83,9 @@ CPU_READ_FREE_MAX_ROWS = 2048
 # T=64 1.00-1.32 against 1.13-1.34; at E=32-64 T=16-64 the decoding path's chosen kernels lead (0.50-1.09 against
 # 1.03-1.26) (docs/performance.md, "The CPU proxy, sixth pass").
 CPU_READ_FREE_MAX_EXPERTS = 16
+# ... and of at most this many values of rows x M x H (the measured sizes, up to 1024 rows at M=64 H=32): above,
+# the decoding path's kernels (embedding_bag's weighted sums) read less than the grouped GEMMs.
+CPU_READ_FREE_MAX_NO_GRAD_VALUES = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -221,8 +225,7 @@ class ExpertStage:
         kernels = experts.kernels
         forced = kernels.kernel == "grouped_mm" and kernels.route != "fused"
         on_auto = kernels.kernel == "auto" and kernels.route != "fused" and (
-            tokens.device.type != "cpu" or _host_bound_on_cpu(routing, tokens, experts.w1.dtype,
-                                                              experts.w1.shape[0]))
+            tokens.device.type != "cpu" or _host_bound_on_cpu(routing, tokens, experts.weights()))
         if not (forced or on_auto):
             return False
         if not _plain_topk(routing, training) or tokens.shape[0] == 0:
@@ -291,7 +294,7 @@ class ExpertStage:
             return _combine_padded(out, plan, weighted=not scaled)
         ends = plan.expert_ends
         assert ends is not None  # read_free_plan sets it
-        if gathers_row_weights(rows, weights.num_experts):
+        if gathers_row_weights(rows.device, rows.shape[0], weights):
             out = self.in_expert_dtype(lambda r: experts_ffn_by_row_weights(r, plan.row_expert, weights), rows)
             self._report("rows", GATHERED_BMM, None, [])
         else:
@@ -581,19 +584,24 @@ def _plain_topk(routing: RoutingOptions, training: bool) -> bool:
             and routing.aux_loss_type != "global" and not (routing.second_expert == "random" and training))
 
 
-def _host_bound_on_cpu(routing: RoutingOptions, tokens: Tensor, expert_dtype: torch.dtype, num_experts: int) -> bool:
+def _host_bound_on_cpu(routing: RoutingOptions, tokens: Tensor, weights: ExpertWeights) -> bool:
     """Whether "auto" takes the read-free path for this CPU call (tokens ``[T, M]``): eager, dropless, float32
-    tokens and experts, no autocast, at most :data:`CPU_READ_FREE_MAX_ROWS` rows, and, without autograd, no more
-    rows than experts (a decoding step: its rows then run on their gathered weights,
-    :func:`~flexmoe.experts.grouped_op.gathers_row_weights`) or at most :data:`CPU_READ_FREE_MAX_EXPERTS` experts
-    (the grouped GEMM's loop over them is short). Such calls' time is host work, which the chooser's timed
-    routes, reading the counts, add to."""
-    rows = tokens.shape[0] * routing.k
-    few = rows <= CPU_READ_FREE_MAX_ROWS and (torch.is_grad_enabled() or rows <= num_experts
-                                              or num_experts <= CPU_READ_FREE_MAX_EXPERTS)
-    return (few and not torch.compiler.is_compiling() and tokens.dtype == torch.float32
-            and expert_dtype == torch.float32 and not torch.is_autocast_enabled("cpu") and routing.capacity is None
-            and routing.static_capacity_factor == 0)
+    tokens and experts, no autocast, at most :data:`CPU_READ_FREE_MAX_ROWS` rows, and, without autograd, either
+    rows that run on their gathered weights (:func:`~flexmoe.experts.grouped_op.gathers_row_weights`: a decoding
+    step of small experts) or at most :data:`CPU_READ_FREE_MAX_EXPERTS` experts and
+    :data:`CPU_READ_FREE_MAX_NO_GRAD_VALUES` values of rows x M x H. Such calls' time is host work, which the
+    chooser's timed routes, reading the counts, add to; larger no-grad calls keep the decoding path's kernels."""
+    num_tokens, model_dim = tokens.shape
+    rows = num_tokens * routing.k
+    if rows > CPU_READ_FREE_MAX_ROWS or torch.compiler.is_compiling() or tokens.dtype != torch.float32 \
+            or weights.w1.dtype != torch.float32 or torch.is_autocast_enabled("cpu") or routing.capacity is not None \
+            or routing.static_capacity_factor != 0:
+        return False
+    if torch.is_grad_enabled():
+        return True
+    return gathers_row_weights(tokens.device, rows, weights) or (
+        weights.num_experts <= CPU_READ_FREE_MAX_EXPERTS
+        and rows * model_dim * weights.hidden <= CPU_READ_FREE_MAX_NO_GRAD_VALUES)
 
 
 def _combine_padded(out: Tensor, plan: RoutingPlan, weighted: bool) -> Tensor:
