@@ -78,10 +78,10 @@ GATHERED_BMM = "gathered_bmm"  # each row times its expert's gathered weights (g
 CPU_READ_FREE_MAX_ROWS = 2048
 # Without autograd (evaluation, decoding) the plan-free decoding path is the other candidate: read-free takes the
 # calls of no more rows than experts, and those of at most this many experts. Measured the same way, no-grad eval
-# forwards (converted Mixtral, Qwen3-MoE, GPT-OSS blocks over HF's, k=4-8, two runs): at E=8 read-free 0.94-1.27x
-# HF's time against 1.04-1.60x for the decoding path at T=16-64, 0.87-1.01 against 0.89-1.12 at T=256; at E=16
+# forwards (converted Mixtral, Qwen3-MoE, GPT-OSS blocks over HF's, k=4-8, M=64 H=32): at E=8 read-free 0.72-1.27x
+# HF's time against 1.16-1.60x for the decoding path at T=16-64, 0.87-1.01 against 1.08-1.12 at T=256; at E=16
 # T=64 1.00-1.32 against 1.13-1.34; at E=32-64 T=16-64 the decoding path's chosen kernels lead (0.50-1.09 against
-# 1.03-1.26) (docs/performance.md, "The CPU proxy, sixth pass").
+# 1.01-1.26) (docs/performance.md, "The CPU proxy, sixth pass").
 CPU_READ_FREE_MAX_EXPERTS = 16
 # ... and of at most this many values of rows x M x H (the measured sizes, up to 1024 rows at M=64 H=32): above,
 # the decoding path's kernels (embedding_bag's weighted sums) read less than the grouped GEMMs.
