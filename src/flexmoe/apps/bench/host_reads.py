@@ -122,7 +122,7 @@ def count_call(call: Callable[[], Tensor], backward: bool = True) -> OpCounter:
 def time_calls(calls: dict[str, Callable[[], Tensor]], steps: int, backward: bool = True) -> dict[str, float]:
     """The median seconds of ``steps`` runs of each call (with ``backward``, forward + backward), the calls taken
     in turn within every step (side by side: a slow moment of the machine costs each the same), their order
-    rotated every step: in a fixed order the call after HF's read 2-10% faster than the same code run later."""
+    rotated every step so that none always runs first (as :func:`flexmoe.apps.bench.timing.time_side_by_side`)."""
     names = list(calls)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for step in range(steps):
