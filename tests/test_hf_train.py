@@ -31,6 +31,7 @@ from flexmoe.apps import cli  # noqa: E402
 from flexmoe.apps.data import TokenData  # noqa: E402
 from flexmoe.apps.hf_job import HFJobConfig, build_hf_model  # noqa: E402
 from flexmoe.checkpoint import expert_param_names, latest_checkpoint, load_checkpoint  # noqa: E402
+from flexmoe.hf.block import ConvertedMoeBlock  # noqa: E402
 from flexmoe.launch import spawn_ranks  # noqa: E402
 from flexmoe.layer import MoELayer, update_expert_biases  # noqa: E402
 
@@ -143,6 +144,31 @@ def test_export_loads_in_plain_transformers_with_the_trained_logits(arch: str, t
     fresh, _ = build_hf_model(trained.cfg, seed=1337, pretrained=False)
     with torch.no_grad():
         assert (fresh.hf(input_ids=x).logits - ours).abs().max() > 1e-3
+
+
+def test_hf_model_trains_in_training_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """from_pretrained gives a model in eval, and convert keeps each block's mode: the loop puts every module in
+    training mode before its first step (router jitter, bias updates and dropout are training's)."""
+    from flexmoe.apps import train_loop
+
+    saved = tmp_path / "saved"
+    assert _train(["--hf-arch", "mixtral", "--out", str(tmp_path / "a"), "--steps", "1", "--export-hf", str(saved),
+                   *TINY]) == 0
+    seen: dict = {}
+    real = train_loop.build_optimizer
+
+    def capture(model, tcfg):  # the modes at the first forward (the run's last evaluation sets training after it)
+        def first_forward(module, args):
+            seen.setdefault("eval", [name for name, m in module.named_modules() if not m.training])
+            seen.setdefault("blocks", sum(isinstance(m, ConvertedMoeBlock) for m in module.modules()))
+
+        model.register_forward_pre_hook(first_forward)
+        return real(model, tcfg)
+
+    monkeypatch.setattr(train_loop, "build_optimizer", capture)
+    assert _train(["--hf-model", str(saved), "--out", str(tmp_path / "b"), "--steps", "2", *TINY]) == 0
+    assert seen["blocks"] > 0
+    assert seen["eval"] == []
 
 
 def test_hf_model_fine_tunes_a_saved_model_and_exports_it_again(tmp_path: Path) -> None:

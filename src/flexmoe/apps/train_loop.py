@@ -257,6 +257,9 @@ class _Run:
         """Train from the start (or resumed) step to ``tcfg.steps``: Ctrl-C / SIGTERM save at the end of the
         step, then raise :class:`Interrupted`."""
         tcfg = self.tcfg
+        # Training mode for every module: a model from HF's from_pretrained (--hf-model) comes in eval, and its
+        # converted blocks with it (no router jitter, no bias updates, no dropout).
+        self.model.train()
         self.bar = step_bar(tcfg, self.start_step, self.label, show=self.rank == 0)
         log_file = open(self.out / "metrics.jsonl", "a") if self.rank == 0 else None
         self.t0 = time.perf_counter() - self.elapsed
