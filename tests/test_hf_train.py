@@ -152,8 +152,7 @@ def test_hf_model_trains_in_training_mode(tmp_path: Path, monkeypatch: pytest.Mo
     from flexmoe.apps import train_loop
 
     saved = tmp_path / "saved"
-    assert _train(["--hf-arch", "mixtral", "--out", str(tmp_path / "a"), "--steps", "1", "--export-hf", str(saved),
-                   *TINY]) == 0
+    transformers.AutoModelForCausalLM.from_config(_tiny_config("mixtral")).save_pretrained(saved)
     seen: dict = {}
     real = train_loop.build_optimizer
 
