@@ -93,6 +93,9 @@ def test_nccl_without_cuda_is_one_line_before_launching(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+# 27 s on 2 cores: the slow step on the CPU (test_distributed's two-rank step, in the default run, compares the
+# same job's losses, loads and weights); the device script runs it on CUDA (-m device).
+@pytest.mark.slow
 def test_two_gloo_ranks_train_as_one_process(tmp_path: Path, device: torch.device) -> None:
     """``--nproc 2 --backend gloo`` on ``device`` (both ranks on one GPU under ``--device cuda``) against one
     process on the same device: the same losses to float rounding (each rank half the batch, the experts spread,
