@@ -187,16 +187,11 @@ def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), 
                     row["x_time"] = seconds["converted"] / seconds["hf grouped_mm"]
                     row["x_time_auto"] = seconds["converted auto"] / seconds["hf grouped_mm"]
                     row["x_time_joined"] = seconds["converted joined"] / seconds["hf grouped_mm"]
-                    evaluated = {name: blocks[name].eval() for name in ("hf grouped_mm", "converted auto")}
-                    eval_calls: dict[str, Callable[[], Tensor]] = {}
-                    x_eval = x.detach()
-                    for name, block in evaluated.items():
-                        def eval_call(block: torch.nn.Module = block, x: Tensor = x_eval) -> Tensor:
-                            return block_output(block(x))
-
-                        eval_calls[name] = eval_call
-                    with torch.no_grad():
-                        eval_seconds = time_calls(eval_calls, steps, backward=False)
+                    evaluated = ("hf grouped_mm", "converted auto")
+                    for name in evaluated:
+                        blocks[name].eval()
+                    with torch.no_grad():  # the same calls, in eval mode, recording nothing
+                        eval_seconds = time_calls({name: calls[name] for name in evaluated}, steps, backward=False)
                     row["eval_seconds"] = eval_seconds
                     row["x_time_eval"] = eval_seconds["converted auto"] / eval_seconds["hf grouped_mm"]
                 rows.append(row)
