@@ -191,13 +191,17 @@ def test_native_layer_decoding_reads_nothing_and_equals_a_dense_loop(family: str
         _assert_close(got, _reference(layer, x, family, capacity_factor))
 
 
-def test_dropless_plan_fields_match_the_default_plan() -> None:
-    """The read-free plan's deferred fields (slots, choices, counts, losses) are the default eager plan's."""
+@pytest.mark.parametrize("num_tokens", [64, 3], ids=["grouped", "gathered"])
+def test_dropless_plan_fields_match_the_default_plan(num_tokens: int) -> None:
+    """The read-free plan's deferred fields (rows, slots, choices, counts, losses) are the default eager plan's,
+    also where the call ran on gathered weights without sorting its rows (3 tokens: computed when read)."""
     layer = _layer("softmax", 0.0)
     default = copy.deepcopy(layer)
     default.expert_stage.experts.kernels.kernel = "auto"  # the CPU's default path: the chooser, host counts
-    x = torch.randn(64, M, generator=torch.Generator().manual_seed(2))
+    default.expert_stage.experts.kernels.route = "rows"  # ... the full plan, not the plan-free decoding call
+    x = torch.randn(num_tokens, M, generator=torch.Generator().manual_seed(2))
     layer(x)
+    assert layer.expert_stage.last_kernel == ("grouped_mm" if num_tokens == 64 else "gathered_bmm")
     default(x)
     got, want = layer.last_plan, default.last_plan
     assert got is not None and want is not None
@@ -213,6 +217,33 @@ def test_dropless_plan_fields_match_the_default_plan() -> None:
             torch.testing.assert_close(got_value, want_value, msg=field.name)
         elif field.name not in ("expert_ends",):  # the read-free plan's own field (None in the default plan)
             assert got_value == want_value, field.name
+
+
+def test_gathered_rows_run_in_token_order_without_a_sort() -> None:
+    """A call of no more rows than experts on the CPU (the gathered path) runs each token's pairs where they are,
+    never sorting them by expert, in training and without autograd; its plan's rows, read after the call, are
+    still the slot-order rows of the routing contract (a reference listing pairs by expert, then choice, then
+    token), with ``expert_ends`` the running count of rows per expert."""
+    torch.manual_seed(0)
+    # ties="topk": torch.topk picks the choices (the default ties, "lower", sorts each token's E scores).
+    layer = flexmoe.MoELayer(M, E, H, k=K, capacity_factor=0.0, expert_kernel="grouped_mm", ties="topk",
+                             **NATIVE["softmax"])
+    x = torch.randn(3, M, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            counted = count_call(lambda: layer(x), backward=grad)
+        assert layer.expert_stage.last_kernel == "gathered_bmm"
+        assert counted.host_reads == []
+        assert not any("sort" in name for name in counted.by_name), counted.by_name
+    plan = layer.last_plan
+    assert plan is not None
+    choices = plan.expert_index.tolist()
+    pairs = sorted(((e, c, t) for t, row in enumerate(choices) for c, e in enumerate(row)))
+    assert plan.row_token.tolist() == [t for _, _, t in pairs]
+    assert plan.row_expert.tolist() == [e for e, _, _ in pairs]
+    assert plan.row_choice.tolist() == [c for _, c, _ in pairs]
+    assert plan.row_weight.tolist() == [plan.weight[t, c].item() for _, c, t in pairs]
+    assert plan.expert_ends.tolist() == [sum(1 for p in pairs if p[0] <= e) for e in range(E)]
 
 
 def test_non_finite_logits_and_bad_shapes_still_raise_clearly() -> None:

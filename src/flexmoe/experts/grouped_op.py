@@ -179,7 +179,8 @@ def joined(first: Tensor, second: Tensor) -> Tensor | None:
     """``[..., H]`` twice -> ``cat([first, second], -1)`` ``[..., 2H]``: a view where the two sit side by side in
     one storage (as the built-in experts allocate them: flexmoe.experts.side_by_side) and are large, a copy where
     small; None for large weights in separate storage (the caller runs them apart rather than copy them)."""
-    if first.numel() * first.element_size() >= SIDE_BY_SIDE_MIN_BYTES:
+    records = torch.is_grad_enabled() and (first.requires_grad or second.requires_grad)
+    if not records or first.numel() * first.element_size() >= SIDE_BY_SIDE_MIN_BYTES:
         view = side_by_side(first, second)
         if view is not None:
             return view

@@ -274,12 +274,15 @@ class ExpertStage:
         """tokens: ``[T, M]`` -> ``[T, M]`` by the read-free path (:meth:`read_free`): dispatch by one gather, the
         experts by grouped matmuls over ``plan.expert_ends`` (dropless) or batched ones over the padded rows
         ``[E, C, M]`` (capacity mode), combine by one scatter-add (dropless) or a masked gather per pair (padded:
-        dropped pairs read a zero row). plan: :func:`~flexmoe.routing.read_free.read_free_plan`'s, or the padded
-        plan of ``make_plan(..., padded=True, read_free=True)``."""
+        dropped pairs read a zero row); few dropless rows on the CPU by :meth:`_run_on_gathered_weights`.
+        plan: :func:`~flexmoe.routing.read_free.read_free_plan`'s, or the padded plan of ``make_plan(...,
+        padded=True, read_free=True)``."""
         experts = self.builtin
         assert experts is not None  # read_free checked it
         weights = experts.weights()
         scaled = routing.score_at == "dispatch"
+        if not plan.padded and gathers_row_weights(tokens.device, plan.expert_index.numel(), weights):
+            return self._run_on_gathered_weights(tokens, plan, weights, scaled)
         rows = tokens.index_select(0, plan.row_token)  # [N, M] by expert
         if scaled:
             rows = rows * plan.row_weight.to(rows.dtype).unsqueeze(-1)
@@ -294,16 +297,29 @@ class ExpertStage:
             return _combine_padded(out, plan, weighted=not scaled)
         ends = plan.expert_ends
         assert ends is not None  # read_free_plan sets it
-        if gathers_row_weights(rows.device, rows.shape[0], weights):
-            out = self.in_expert_dtype(lambda r: experts_ffn_by_row_weights(r, plan.row_expert, weights), rows)
-            self._report("rows", GATHERED_BMM, None, [])
-        else:
-            out = self.in_expert_dtype(lambda r: experts_ffn_by_ends(r, ends, plan.row_expert, weights), rows)
-            self._report("rows", "grouped_mm", None, [])  # torch._grouped_mm, its offsets on the device
+        out = self.in_expert_dtype(lambda r: experts_ffn_by_ends(r, ends, plan.row_expert, weights), rows)
+        self._report("rows", "grouped_mm", None, [])  # torch._grouped_mm, its offsets on the device
         if not scaled:
             row_weight = plan.row_weight
             out = out * (row_weight if row_weight.dtype == out.dtype else row_weight.to(out.dtype)).unsqueeze(-1)
         return out.new_zeros(plan.num_tokens, out.shape[-1]).index_add(0, plan.row_token, out)
+
+    def _run_on_gathered_weights(self, tokens: Tensor, plan: RoutingPlan, weights: ExpertWeights,
+                                 scaled: bool) -> Tensor:
+        """tokens: ``[T, M]`` -> ``[T, M]`` for few rows (:func:`~flexmoe.experts.grouped_op.gathers_row_weights`):
+        the pairs in token order (row ``t * k + j`` is token t's j-th choice), each on its own expert's gathered
+        weights, so that no row needs sorting by expert; combined by a weighted sum over each token's k rows."""
+        num_tokens, k = plan.expert_index.shape
+        rows = tokens.unsqueeze(1).expand(num_tokens, k, tokens.shape[1]).reshape(num_tokens * k, -1)  # [N, M]
+        weight = plan.weight.reshape(-1, 1)  # [N, 1]
+        if scaled:
+            rows = rows * weight.to(rows.dtype)
+        row_expert = plan.expert_index.reshape(-1)
+        out = self.in_expert_dtype(lambda r: experts_ffn_by_row_weights(r, row_expert, weights), rows)
+        self._report("rows", GATHERED_BMM, None, [])
+        if not scaled:
+            out = out * (weight if weight.dtype == out.dtype else weight.to(out.dtype))
+        return out.view(num_tokens, k, -1).sum(1)
 
     def _compute_dtype(self, tokens: Tensor) -> torch.dtype:
         """The dtype the experts' matmuls run in: autocast's where it is on for them, else the parameters'."""

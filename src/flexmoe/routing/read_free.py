@@ -8,8 +8,9 @@ On a GPU every value the host reads from the device stalls the stream, and every
 * the rows are the pairs in slot order by one stable sort (``N = T * k``, known before routing), and the row
   after each expert's last (``expert_ends``, ``[E]`` int32, the offsets ``torch._grouped_mm`` takes) by one
   ``searchsorted`` of the sorted experts: no ``bincount`` (whose output size is a value), no ``tolist``;
-* what the call's output does not need is computed when first read (:class:`DeferredPlan`): the slots, each
-  row's choice, the counts per expert, the balance loss and the z-loss. A training loop that reads
+* what the call's output does not need is computed when first read (:class:`DeferredPlan`): the rows and their
+  ends (a call of few rows on gathered weights runs the pairs in token order and never sorts them), the slots,
+  each row's choice, the counts per expert, the balance loss and the z-loss. A training loop that reads
   ``aux_loss`` gets the same differentiable value as the eager plan's (computed under the call's grad mode);
   a call whose losses nobody reads never launches them. ``counts`` and ``capacity`` still read the device, when
   a caller asks for them.
@@ -66,21 +67,44 @@ class _Deferred:
 
 class PlanSources:
     """What a read-free plan's deferred fields are computed from, and how (one method per field): the choices
-    ``expert_index`` ``[T, k]``, the rows' pairs ``by_expert`` ``[N]``, the scores ``[T, E]`` and logits, under
+    ``expert_index`` and weights ``weight`` ``[T, k]``, the scores ``[T, E]`` and logits, under
     the call's grad mode (a loss read after the call is as differentiable as the eager plan's)."""
 
-    def __init__(self, logits: Tensor, scores: Tensor, expert_index: Tensor, by_expert: Tensor,
+    def __init__(self, logits: Tensor, scores: Tensor, expert_index: Tensor, weight: Tensor,
                  options: RoutingOptions, num_sequences: int | None) -> None:
-        self.logits, self.scores_, self.expert_index, self.by_expert = logits, scores, expert_index, by_expert
+        self.logits, self.scores_, self.expert_index, self.weight = logits, scores, expert_index, weight
         self.options, self.num_sequences = options, num_sequences
         self.grad_mode = torch.is_grad_enabled()
         self._counts: Tensor | None = None
+        self._sorted: tuple[Tensor, Tensor] | None = None
+
+    def _sorted_pairs(self) -> tuple[Tensor, Tensor]:
+        """``(sorted_expert, by_expert)``, ``[N]`` each (:func:`~flexmoe.routing.capacity.sort_pairs_by_expert`):
+        one sort for every row field."""
+        if self._sorted is None:
+            self._sorted = sort_pairs_by_expert(self.expert_index)
+        return self._sorted
+
+    def row_experts(self) -> Tensor:
+        return self._sorted_pairs()[0]
+
+    def row_token(self) -> Tensor:
+        return self._sorted_pairs()[1] % self.expert_index.shape[0]
+
+    def row_weight(self) -> Tensor:
+        # take reads weight.t() ([k, T]) in its logical order: element p is weight[p % T, p // T], no copy.
+        return torch.take(self.weight.t(), self._sorted_pairs()[1])
+
+    def expert_ends(self) -> Tensor:
+        experts = torch.arange(self.scores_.shape[1], device=self.expert_index.device)
+        # [E] the row after expert e's last: the offsets torch._grouped_mm takes, with no count read.
+        return torch.searchsorted(self._sorted_pairs()[0], experts, right=True, out_int32=True)
 
     def slot(self) -> Tensor:
         return assign_slots(self.expert_index, self.scores_.shape[1], on_device=True)[0]
 
     def row_choice(self) -> Tensor:
-        return torch.div(self.by_expert, self.expert_index.shape[0], rounding_mode="floor")
+        return torch.div(self._sorted_pairs()[1], self.expert_index.shape[0], rounding_mode="floor")
 
     def tokens_per_expert(self) -> Tensor:
         if self._counts is None:  # one tensor for tokens_per_expert and load
@@ -105,10 +129,9 @@ class PlanSources:
 
 class DeferredPlan(RoutingPlan):
     """A :class:`~flexmoe.routing.RoutingPlan` whose fields below may hold :data:`LATER`, computed by its
-    ``sources`` (:class:`PlanSources`) when first read; ``row_expert`` is the sorted experts the plan was built
-    from (no host read)."""
+    ``sources`` (:class:`PlanSources`) when first read; ``row_expert`` is the sorted experts (no host read)."""
 
-    row_experts: Tensor  # [N] the expert of each row, set by read_free_plan
+    row_experts: Tensor  # [N] the expert of each row, sorted: deferred like the fields below
     sources: PlanSources
 
     @property
@@ -127,7 +150,8 @@ class DeferredPlan(RoutingPlan):
 
 
 # Set on the subclass only: the plain RoutingPlan (the compiled paths trace it) keeps plain attributes.
-_DEFERRED_FIELDS = ("slot", "row_choice", "tokens_per_expert", "load", "aux_loss", "z_loss", "scores")
+_DEFERRED_FIELDS = ("slot", "row_choice", "tokens_per_expert", "load", "aux_loss", "z_loss", "scores", "row_token",
+                    "row_weight", "expert_ends", "row_experts")
 for _name in _DEFERRED_FIELDS:
     _field = _Deferred()
     _field.__set_name__(DeferredPlan, _name)
@@ -165,20 +189,12 @@ def read_free_plan(logits: Tensor, options: RoutingOptions, *, selection_bias: T
         probs_topk, weight = routed_weights(scores, expert_index, normalize_weights=options.normalize_weights,
                                             route_scale=options.route_scale, dtype=logits.dtype, floor=floor,
                                             softmax_of=softmax_of)
-    # [N] choice-major pairs p = choice * T + token in slot order, and their experts (sorted).
-    sorted_expert, by_expert = sort_pairs_by_expert(expert_index)
-    experts = torch.arange(num_experts, device=logits.device)
-    ends = torch.searchsorted(sorted_expert, experts, right=True, out_int32=True)  # [E] row after expert e's last
-    row_token = by_expert % num_tokens
-    # take reads weight.t() ([k, T]) in its logical order: element p is weight[p % T, p // T], no copy.
-    row_weight = torch.take(weight.t(), by_expert)
     plan = DeferredPlan.__new__(DeferredPlan)
     # The fields written straight into the instance: the dataclass __init__ and the fields' descriptors cost a
     # small call measurable host time, and every field below is set (RoutingPlan has no __post_init__).
     plan.__dict__.update(
-        expert_index=expert_index, weight=weight, probs_topk=probs_topk, row_token=row_token,
-        row_weight=row_weight, host_counts=None, host_capacity=None, num_dropped=0, dropped_fraction=0.0,
-        num_skipped=0, kind="topk", padded=False, pair_row=None, expert_ends=ends, row_experts=sorted_expert,
-        sources=PlanSources(logits, scores, expert_index, by_expert, options, num_sequences),
+        expert_index=expert_index, weight=weight, probs_topk=probs_topk, host_counts=None, host_capacity=None,
+        num_dropped=0, dropped_fraction=0.0, num_skipped=0, kind="topk", padded=False, pair_row=None,
+        sources=PlanSources(logits, scores, expert_index, weight, options, num_sequences),
         **dict.fromkeys(_DEFERRED_FIELDS, LATER))
     return plan
