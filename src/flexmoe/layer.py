@@ -256,7 +256,9 @@ class MoELayer(nn.Module):
         stage, strategy = self.expert_stage, self.strategy_of(parallel)
         adapted = self.experts is not self._built_experts
         # The path a GPU takes: no host read in the whole call (docs/architecture.md, "Expert compute").
-        read_free = replayed is None and stage.read_free(routing, tokens, self.training, adapted)
+        read_free_weights = None if replayed is not None else \
+            stage.read_free_weights(routing, tokens, self.training, adapted)
+        read_free = read_free_weights is not None
         # Under expert parallelism the plan reads nothing either where the exchange takes its counts on the device:
         # the split sizes are then the call's one read (docs/architecture.md, "Experts over ranks").
         plan_read_free = read_free or (replayed is None and stage.exchange_read_free(routing, tokens, self.training,
@@ -288,7 +290,7 @@ class MoELayer(nn.Module):
             plan.aux_loss = self.global_balance.loss(logits, plan.expert_index, routing.score_func,
                                                      accumulate=not backward_now)
         if read_free:
-            y = stage.run_read_free(tokens, plan, routing)  # [T, M]
+            y = stage.run_read_free(tokens, plan, routing, read_free_weights)  # [T, M]
         else:
             y = stage.run(tokens, plan, routing, parallel, pinned, strategy)  # [T, M]
         if self.shared is not None:

@@ -205,6 +205,14 @@ class ExpertStage:
     def read_free(self, routing: RoutingOptions, tokens: Tensor, training: bool, adapted: bool = False) -> bool:
         """Whether this call (tokens ``[T, M]``) takes the read-free path (:meth:`run_read_free`): no operation
         reads the device from the host, forward or backward (docs/architecture.md, "Expert compute").
+        :meth:`read_free_weights` says the same and gives the weights the call runs on."""
+        return self.read_free_weights(routing, tokens, training, adapted) is not None
+
+    def read_free_weights(self, routing: RoutingOptions, tokens: Tensor, training: bool,
+                          adapted: bool = False) -> ExpertWeights | None:
+        """The experts' weights (:meth:`~flexmoe.experts.modules.FeedForwardExperts.weights`) where this call
+        (tokens ``[T, M]``) takes the read-free path, for :meth:`run_read_free`; None where it does not. No
+        operation on that path reads the device from the host, forward or backward.
 
         It is the path of ``expert_kernel="grouped_mm"`` (forced, any device: how the CPU tests count it), and of
         ``"auto"`` off the CPU: there the chooser's timing and the host counts would stall the stream at every
@@ -221,34 +229,35 @@ class ExpertStage:
         (``capacity_factor < 0``) depends on the loads: not read-free."""
         experts = self.builtin
         if experts is None or adapted or self.distributed or self.topology_gated:
-            return False
+            return None
         kernels = experts.kernels
-        forced = kernels.kernel == "grouped_mm" and kernels.route != "fused"
-        on_auto = kernels.kernel == "auto" and kernels.route != "fused" and (
-            tokens.device.type != "cpu" or _host_bound_on_cpu(routing, tokens, experts.weights()))
-        if not (forced or on_auto):
-            return False
+        if kernels.route == "fused" or kernels.kernel not in ("auto", "grouped_mm"):
+            return None
+        forced = kernels.kernel == "grouped_mm"
+        weights = experts.weights()
+        if not forced and tokens.device.type == "cpu" and not _host_bound_on_cpu(routing, tokens, weights):
+            return None
         if not _plain_topk(routing, training) or tokens.shape[0] == 0:
-            return False
-        compiling = torch.compiler.is_compiling()
+            return None
         if routing.capacity is not None or routing.static_capacity_factor > 0:
-            return True
+            return weights
         if routing.static_capacity_factor < 0:
-            return False
+            return None
+        compiling = torch.compiler.is_compiling()
         dtype = self._compute_dtype(tokens)
         # Traced, torch._grouped_mm's meta function is the judge, and it takes bf16 only, on every device; a
         # compiled float32 call keeps the compiled custom ops, which read the counts on the device.
         device_type = "meta" if compiling else tokens.device.type
-        if grouped_mm_runs(device_type, dtype, experts.w1.shape) and grouped_mm_runs(device_type, dtype,
-                                                                                    experts.w2.shape):
-            return True
+        if grouped_mm_runs(device_type, dtype, weights.w1.shape) and grouped_mm_runs(device_type, dtype,
+                                                                                    weights.w2.shape):
+            return weights
         if forced and not compiling:
             self._warn("read_free", f"expert_kernel='grouped_mm' cannot run this call without host reads: "
                        f"torch._grouped_mm takes float32, bfloat16 or float16 matmuls on the CPU (bfloat16 "
                        f"elsewhere) whose sizes are 16 bytes apart, the experts compute in {dtype} on "
-                       f"{tokens.device.type} with w1 {tuple(experts.w1.shape)}; such calls count their rows on "
+                       f"{tokens.device.type} with w1 {tuple(weights.w1.shape)}; such calls count their rows on "
                        f"the host")
-        return False
+        return None
 
     def exchange_read_free(self, routing: RoutingOptions, tokens: Tensor, training: bool, adapted: bool,
                            strategy: ExpertStrategy) -> bool:
@@ -270,16 +279,17 @@ class ExpertStage:
                 and not self.topology_gated and _plain_topk(routing, training)
                 and (dropless or routing.capacity is not None))
 
-    def run_read_free(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions) -> Tensor:
+    def run_read_free(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions,
+                      weights: ExpertWeights | None = None) -> Tensor:
         """tokens: ``[T, M]`` -> ``[T, M]`` by the read-free path (:meth:`read_free`): dispatch by one gather, the
         experts by grouped matmuls over ``plan.expert_ends`` (dropless) or batched ones over the padded rows
         ``[E, C, M]`` (capacity mode), combine by one scatter-add (dropless) or a masked gather per pair (padded:
         dropped pairs read a zero row); few dropless rows on the CPU by :meth:`_run_on_gathered_weights`.
         plan: :func:`~flexmoe.routing.read_free.read_free_plan`'s, or the padded plan of ``make_plan(...,
-        padded=True, read_free=True)``."""
+        padded=True, read_free=True)``. weights: :meth:`read_free_weights`' answer (None: read again)."""
         experts = self.builtin
         assert experts is not None  # read_free checked it
-        weights = experts.weights()
+        weights = experts.weights() if weights is None else weights
         scaled = routing.score_at == "dispatch"
         if not plan.padded and gathers_row_weights(tokens.device, plan.expert_index.numel(), weights):
             return self._run_on_gathered_weights(tokens, plan, weights, scaled)

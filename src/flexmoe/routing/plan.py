@@ -216,7 +216,9 @@ def check_logits(logits: Tensor, k: int, *, name: str = "logits",
         # A traced `if` on a value would end the graph, and reading it stalls the stream; the check runs on the
         # device (a RuntimeError when it fails).
         # |x| < inf is False for an infinity and a NaN: two operations (isfinite decomposes into four).
-        torch._assert_async(logits.detach().abs().lt(math.inf).all(), nonfinite_message)
+        # Detached only where autograd would record the check (a decoding call skips the operation).
+        recorded = logits.requires_grad and torch.is_grad_enabled()
+        torch._assert_async((logits.detach() if recorded else logits).abs().lt(math.inf).all(), nonfinite_message)
     elif not all_finite(logits):
         raise ValueError(nonfinite_message)
     return num_tokens, num_experts
