@@ -235,8 +235,13 @@ class ExpertStage:
             return None
         forced = kernels.kernel == "grouped_mm"
         weights = experts.weights()
-        if not forced and tokens.device.type == "cpu" and not _host_bound_on_cpu(routing, tokens, weights):
-            return None
+        if not forced and tokens.device.type == "cpu":
+            # A host-bound call is dropless float32 without autocast: the grouped GEMM takes it where aligned.
+            if not _host_bound_on_cpu(routing, tokens, weights) or not _plain_topk(routing, training):
+                return None
+            aligned = grouped_mm_runs("cpu", torch.float32, weights.w1.shape) and \
+                grouped_mm_runs("cpu", torch.float32, weights.w2.shape)
+            return weights if aligned and tokens.shape[0] > 0 else None
         if not _plain_topk(routing, training) or tokens.shape[0] == 0:
             return None
         if routing.capacity is not None or routing.static_capacity_factor > 0:
