@@ -97,6 +97,10 @@ class PlanLayout:
     counts_on_device: bool = False
 
 
+# The read-free path's two layouts (frozen: shared by every call rather than made per call).
+_PADDED, _DROPLESS = PlanLayout(padded=True), PlanLayout()
+
+
 class ExpertStage:
     """How one layer's experts run (module docstring).
 
@@ -110,6 +114,8 @@ class ExpertStage:
     def __init__(self, experts: nn.Module, options: ExpertOptions, *, distributed: bool, topology_gated: bool,
                  model_dim: int) -> None:
         self.experts = experts
+        # The built-in experts, or None for a custom experts module (a plain attribute: read several times a call).
+        self.builtin: FeedForwardExperts | None = experts if isinstance(experts, FeedForwardExperts) else None
         self.options = options
         self.distributed = distributed
         self.topology_gated = topology_gated
@@ -120,11 +126,6 @@ class ExpertStage:
         self.last_choice: ParallelSetting | None = None
         self.last_shadowed: list[int] = []
         self._warned: set[str] = set()
-
-    @property
-    def builtin(self) -> FeedForwardExperts | None:
-        """The built-in experts, or None for a custom experts module."""
-        return self.experts if isinstance(self.experts, FeedForwardExperts) else None
 
     # ---- the plan's layout ----------------------------------------------------------------------------------
 
@@ -161,7 +162,7 @@ class ExpertStage:
     def read_free_layout(routing: RoutingOptions) -> PlanLayout:
         """The plan's layout on the read-free path (:meth:`read_free`), eager or compiled: padded to the capacity
         in capacity mode (a capacity known before routing, so every shape is too), else dropless rows."""
-        return PlanLayout(padded=routing.capacity is not None or routing.static_capacity_factor > 0)
+        return _PADDED if routing.capacity is not None or routing.static_capacity_factor > 0 else _DROPLESS
 
     def _forced_compiled_kernel(self, tokens: Tensor, training: bool) -> str | None:
         """Under torch.compile, the forced ``expert_kernel`` that runs this call over rows with the counts on the

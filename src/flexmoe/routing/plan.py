@@ -212,7 +212,7 @@ def check_logits(logits: Tensor, k: int, *, name: str = "logits",
     num_tokens, num_experts = logits.shape
     if not 1 <= k <= num_experts:
         raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
-    if torch.compiler.is_compiling() or read_free:
+    if read_free or torch.compiler.is_compiling():
         # A traced `if` on a value would end the graph, and reading it stalls the stream; the check runs on the
         # device (a RuntimeError when it fails).
         # |x| < inf is False for an infinity and a NaN: two operations (isfinite decomposes into four).

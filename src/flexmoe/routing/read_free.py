@@ -33,22 +33,17 @@ from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan, check_logits
 from flexmoe.routing.scores import routed_weights, router_scores, select_experts, softmax_of_chosen, top_k, topk_weights
 
-__all__ = ["LATER", "PlanSources", "DeferredPlan", "read_free_plan"]
-
-
-class _Later:
-    """The marker of a :class:`DeferredPlan` field not computed yet."""
-
-    def __repr__(self) -> str:
-        return "<computed when first read>"
-
-
-LATER: Any = _Later()
+__all__ = ["PlanSources", "DeferredPlan", "read_free_plan"]
 
 
 class _Deferred:
-    """A field of :class:`DeferredPlan` that may hold :data:`LATER`: reading it asks the plan's sources for the
-    value once, then keeps it."""
+    """A field of :class:`DeferredPlan` computed when first read: the plan's sources give the value, kept in the
+    plan's ``__dict__``, where later reads find it without this descriptor (which has no ``__set__``, as
+    ``functools.cached_property``: a small call reads each field without a Python frame). ``rows``: one of the
+    row fields, which the sources fill together (:meth:`PlanSources.fill_rows`: one sort for all)."""
+
+    def __init__(self, rows: bool = False) -> None:
+        self.rows = rows
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -56,13 +51,11 @@ class _Deferred:
     def __get__(self, plan: Any, owner: type | None = None) -> Any:
         if plan is None:
             return self
-        value = plan.__dict__[self.name]
-        if value is LATER:
-            value = plan.__dict__[self.name] = getattr(plan.sources, self.name)()
+        if self.rows:
+            plan.sources.fill_rows(plan.__dict__)
+            return plan.__dict__[self.name]
+        value = plan.__dict__[self.name] = getattr(plan.sources, self.name)()
         return value
-
-    def __set__(self, plan: Any, value: Any) -> None:
-        plan.__dict__[self.name] = value
 
 
 class PlanSources:
@@ -85,20 +78,21 @@ class PlanSources:
             self._sorted = sort_pairs_by_expert(self.expert_index)
         return self._sorted
 
-    def row_experts(self) -> Tensor:
-        return self._sorted_pairs()[0]
-
-    def row_token(self) -> Tensor:
-        return self._sorted_pairs()[1] % self.expert_index.shape[0]
-
-    def row_weight(self) -> Tensor:
-        # take reads weight.t() ([k, T]) in its logical order: element p is weight[p % T, p // T], no copy.
-        return torch.take(self.weight.t(), self._sorted_pairs()[1])
-
-    def expert_ends(self) -> Tensor:
-        experts = torch.arange(self.scores_.shape[1], device=self.expert_index.device)
-        # [E] the row after expert e's last: the offsets torch._grouped_mm takes, with no count read.
-        return torch.searchsorted(self._sorted_pairs()[0], experts, right=True, out_int32=True)
+    def fill_rows(self, fields: dict[str, Any]) -> None:
+        """Write the plan's row fields into ``fields`` (its ``__dict__``), the ones not set yet: ``row_expert``
+        (sorted), ``row_token``, ``row_weight`` ``[N]`` and ``expert_ends`` ``[E]`` int32, the row after expert
+        e's last (the offsets ``torch._grouped_mm`` takes, with no count read)."""
+        sorted_expert, by_expert = self._sorted_pairs()
+        num_tokens = self.expert_index.shape[0]
+        fields.setdefault("row_expert", sorted_expert)
+        if "row_token" not in fields:
+            fields["row_token"] = by_expert % num_tokens
+        if "row_weight" not in fields:
+            # take reads weight.t() ([k, T]) in its logical order: element p is weight[p % T, p // T], no copy.
+            fields["row_weight"] = torch.take(self.weight.t(), by_expert)
+        if "expert_ends" not in fields:
+            experts = torch.arange(self.scores_.shape[1], device=sorted_expert.device)
+            fields["expert_ends"] = torch.searchsorted(sorted_expert, experts, right=True, out_int32=True)
 
     def slot(self) -> Tensor:
         return assign_slots(self.expert_index, self.scores_.shape[1], on_device=True)[0]
@@ -128,21 +122,15 @@ class PlanSources:
 
 
 class DeferredPlan(RoutingPlan):
-    """A :class:`~flexmoe.routing.RoutingPlan` whose fields below may hold :data:`LATER`, computed by its
-    ``sources`` (:class:`PlanSources`) when first read; ``row_expert`` is the sorted experts (no host read)."""
+    """A :class:`~flexmoe.routing.RoutingPlan` whose fields below are computed by its ``sources``
+    (:class:`PlanSources`) when first read, then kept; ``row_expert`` is the sorted experts (no host read)."""
 
-    row_experts: Tensor  # [N] the expert of each row, sorted: deferred like the fields below
     sources: PlanSources
-
-    @property
-    def row_expert(self) -> Tensor:
-        """``[N]`` the expert of each row (sorted), on the device."""
-        return self.row_experts
 
     def add_load_to(self, total: Tensor) -> None:
         """``total += load``; while nobody read ``load``, counted straight into ``total`` (one scatter-add, where
         making ``load`` first and adding it takes three operations more). Every pair counts: no skipped pairs."""
-        if self.__dict__["load"] is LATER:
+        if "load" not in self.__dict__:
             flat = self.expert_index.reshape(-1)
             total.scatter_add_(0, flat, torch.ones_like(flat, dtype=total.dtype))
         else:
@@ -150,10 +138,10 @@ class DeferredPlan(RoutingPlan):
 
 
 # Set on the subclass only: the plain RoutingPlan (the compiled paths trace it) keeps plain attributes.
-_DEFERRED_FIELDS = ("slot", "row_choice", "tokens_per_expert", "load", "aux_loss", "z_loss", "scores", "row_token",
-                    "row_weight", "expert_ends", "row_experts")
-for _name in _DEFERRED_FIELDS:
-    _field = _Deferred()
+_DEFERRED_FIELDS = ("slot", "row_choice", "tokens_per_expert", "load", "aux_loss", "z_loss", "scores")
+_ROW_FIELDS = ("row_token", "row_weight", "expert_ends", "row_expert")
+for _name in _DEFERRED_FIELDS + _ROW_FIELDS:
+    _field = _Deferred(rows=_name in _ROW_FIELDS)
     _field.__set_name__(DeferredPlan, _name)
     setattr(DeferredPlan, _name, _field)
 
@@ -195,6 +183,5 @@ def read_free_plan(logits: Tensor, options: RoutingOptions, *, selection_bias: T
     plan.__dict__.update(
         expert_index=expert_index, weight=weight, probs_topk=probs_topk, host_counts=None, host_capacity=None,
         num_dropped=0, dropped_fraction=0.0, num_skipped=0, kind="topk", padded=False, pair_row=None,
-        sources=PlanSources(logits, scores, expert_index, weight, options, num_sequences),
-        **dict.fromkeys(_DEFERRED_FIELDS, LATER))
+        sources=PlanSources(logits, scores, expert_index, weight, options, num_sequences))
     return plan
