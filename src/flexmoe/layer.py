@@ -289,7 +289,7 @@ class MoELayer(nn.Module):
         if self.global_balance is not None and self.training and torch.is_grad_enabled():
             plan.aux_loss = self.global_balance.loss(logits, plan.expert_index, routing.score_func,
                                                      accumulate=not backward_now)
-        if read_free:
+        if read_free_weights is not None:  # read_free
             y = stage.run_read_free(tokens, plan, routing, read_free_weights)  # [T, M]
         else:
             y = stage.run(tokens, plan, routing, parallel, pinned, strategy)  # [T, M]

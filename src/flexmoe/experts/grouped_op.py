@@ -177,8 +177,9 @@ SIDE_BY_SIDE_MIN_BYTES = 1 << 18
 
 def joined(first: Tensor, second: Tensor) -> Tensor | None:
     """``[..., H]`` twice -> ``cat([first, second], -1)`` ``[..., 2H]``: a view where the two sit side by side in
-    one storage (as the built-in experts allocate them: flexmoe.experts.side_by_side) and are large, a copy where
-    small; None for large weights in separate storage (the caller runs them apart rather than copy them)."""
+    one storage (as the built-in experts allocate them: flexmoe.experts.side_by_side) and are large, or are not
+    recorded by autograd (the view's autograd function is what costs small weights more than a copy), a copy
+    where small; None for large weights in separate storage (the caller runs them apart rather than copy them)."""
     records = torch.is_grad_enabled() and (first.requires_grad or second.requires_grad)
     if not records or first.numel() * first.element_size() >= SIDE_BY_SIDE_MIN_BYTES:
         view = side_by_side(first, second)

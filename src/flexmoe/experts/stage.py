@@ -286,16 +286,13 @@ class ExpertStage:
                 and (dropless or routing.capacity is not None))
 
     def run_read_free(self, tokens: Tensor, plan: RoutingPlan, routing: RoutingOptions,
-                      weights: ExpertWeights | None = None) -> Tensor:
+                      weights: ExpertWeights) -> Tensor:
         """tokens: ``[T, M]`` -> ``[T, M]`` by the read-free path (:meth:`read_free`): dispatch by one gather, the
         experts by grouped matmuls over ``plan.expert_ends`` (dropless) or batched ones over the padded rows
         ``[E, C, M]`` (capacity mode), combine by one scatter-add (dropless) or a masked gather per pair (padded:
         dropped pairs read a zero row); few dropless rows on the CPU by :meth:`_run_on_gathered_weights`.
         plan: :func:`~flexmoe.routing.read_free.read_free_plan`'s, or the padded plan of ``make_plan(...,
-        padded=True, read_free=True)``. weights: :meth:`read_free_weights`' answer (None: read again)."""
-        experts = self.builtin
-        assert experts is not None  # read_free checked it
-        weights = experts.weights() if weights is None else weights
+        padded=True, read_free=True)``. weights: :meth:`read_free_weights`' answer."""
         scaled = routing.score_at == "dispatch"
         if not plan.padded and gathers_row_weights(tokens.device, plan.expert_index.numel(), weights):
             return self._run_on_gathered_weights(tokens, plan, weights, scaled)

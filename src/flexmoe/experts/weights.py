@@ -92,9 +92,7 @@ class ExpertWeights:
 
     def unit(self, pre1: Tensor, pre3: Tensor | None) -> Tensor:
         """The hidden activations ``[n, H]`` from the pre-activations ``[n, H]`` (:func:`hidden_unit`)."""
-        if pre3 is None:
-            return self.activation(pre1)
-        return gated_unit(pre1, pre3, self.activation, self.glu_limit)
+        return hidden_unit(pre1, pre3, self.activation, self.glu_limit)
 
     def needs_grad(self, rows: Tensor) -> bool:
         """Whether autograd records an operation on ``rows`` and these weights."""
