@@ -363,9 +363,10 @@ def test_auto_takes_the_read_free_path_off_the_cpu_and_for_small_training_calls_
     """The kernel chooser's timing and host counts read the device: off the CPU (tokens that only say they are on
     CUDA stand for a GPU's: the rule reads their device type and count alone) ``expert_kernel="auto"`` takes the
     read-free path for bf16 experts whose sizes torch's grouped GEMM aligns, untimed. On the CPU auto takes it for
-    dropless float32 calls that record autograd and compute at most CPU_READ_FREE_MAX_ROWS rows, or no more rows
-    than experts or among at most CPU_READ_FREE_MAX_EXPERTS experts without autograd, and keeps measuring every
-    other call; a forced other kernel is never overridden."""
+    dropless float32 calls that record autograd and compute at most CPU_READ_FREE_MAX_ROWS rows, or without
+    autograd no more rows than experts, or among at most CPU_READ_FREE_MAX_EXPERTS experts, or (weights read in
+    place) no fewer rows than experts, and keeps measuring every other call; a forced other kernel is never
+    overridden."""
     from flexmoe.experts.stage import CPU_READ_FREE_MAX_EXPERTS, CPU_READ_FREE_MAX_ROWS
 
     def read_free(kernel: str, dtype: torch.dtype, device: str, num_tokens: int = 4, num_experts: int = E,
@@ -382,14 +383,20 @@ def test_auto_takes_the_read_free_path_off_the_cpu_and_for_small_training_calls_
     assert not read_free("auto", torch.float32, "cpu", num_tokens=CPU_READ_FREE_MAX_ROWS // K + 1)
     assert not read_free("auto", torch.float32, "cpu", capacity_factor=1.0)
     assert not read_free("auto", torch.float32, "cpu", expert_route="fused")
-    with torch.no_grad():  # no more rows than experts (a decoding step), or few experts; else the decoding path
-        many = CPU_READ_FREE_MAX_EXPERTS + 1
-        assert read_free("auto", torch.float32, "cpu", num_tokens=many // K, num_experts=many)
-        assert not read_free("auto", torch.float32, "cpu", num_tokens=many // K + 1, num_experts=many)
+    with torch.no_grad():
+        # Gated experts laid apart (a copy of w1 | w3 per call): no more rows than experts (a decoding step), or
+        # few experts; else the decoding path.
+        many, apart = CPU_READ_FREE_MAX_EXPERTS + 1, {"glu": True, "joined_gate_up": False}
+        assert read_free("auto", torch.float32, "cpu", num_tokens=many // K, num_experts=many, **apart)
+        assert not read_free("auto", torch.float32, "cpu", num_tokens=many // K + 1, num_experts=many, **apart)
         assert read_free("auto", torch.float32, "cpu", num_tokens=CPU_READ_FREE_MAX_ROWS // K,
-                         num_experts=CPU_READ_FREE_MAX_EXPERTS)
+                         num_experts=CPU_READ_FREE_MAX_EXPERTS, **apart)
         assert not read_free("auto", torch.float32, "cpu", num_tokens=CPU_READ_FREE_MAX_ROWS // K + 1,
-                             num_experts=CPU_READ_FREE_MAX_EXPERTS)
+                             num_experts=CPU_READ_FREE_MAX_EXPERTS, **apart)
+        # Weights read in place (ungated, or w1 | w3 side by side): among more experts too, from as many rows as
+        # experts (test_gathered_rows_and_no_grad_read_free_calls_are_bounded_by_size: the bounds).
+        for in_place in ({"glu": False}, {"glu": True, "joined_gate_up": True}):
+            assert read_free("auto", torch.float32, "cpu", num_tokens=many // K + 1, num_experts=many, **in_place)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not read_free("auto", torch.float32, "cpu")
     assert not read_free("auto", torch.float32, "cuda")  # torch._grouped_mm off the CPU: bf16 (uses_device_offsets)
@@ -405,10 +412,15 @@ def test_auto_takes_the_read_free_path_off_the_cpu_and_for_small_training_calls_
 def test_gathered_rows_and_no_grad_read_free_calls_are_bounded_by_size() -> None:
     """The gathered weights copy N * M * H values per weight: at most GATHER_MAX_VALUES (and N <= E), on the CPU
     only. Without autograd auto takes the read-free path for rows that gather, or among at most
-    CPU_READ_FREE_MAX_EXPERTS experts for at most CPU_READ_FREE_MAX_NO_GRAD_VALUES values of rows x M x H; larger
+    CPU_READ_FREE_MAX_EXPERTS experts for at most CPU_READ_FREE_MAX_NO_GRAD_VALUES values of rows x M x H, or for
+    weights read in place from as many rows as experts up to CPU_READ_FREE_IN_PLACE_MAX_VALUES values; larger
     calls (a decoding step of large experts) keep the decoding path, whose weighted sums read less."""
     from flexmoe.experts.grouped_op import GATHER_MAX_VALUES, gathers_row_weights
-    from flexmoe.experts.stage import CPU_READ_FREE_MAX_EXPERTS, CPU_READ_FREE_MAX_NO_GRAD_VALUES
+    from flexmoe.experts.stage import (
+        CPU_READ_FREE_IN_PLACE_MAX_VALUES,
+        CPU_READ_FREE_MAX_EXPERTS,
+        CPU_READ_FREE_MAX_NO_GRAD_VALUES,
+    )
 
     side = 128  # M = H: 16384 values per row
     many = flexmoe.MoELayer(side, 64, side, k=K, capacity_factor=0.0)
@@ -428,6 +440,15 @@ def test_gathered_rows_and_no_grad_read_free_calls_are_bounded_by_size() -> None
         assert read_free(many, most // K) and not read_free(many, most // K + 1)
         largest = CPU_READ_FREE_MAX_NO_GRAD_VALUES // side**2 // K
         assert read_free(few, largest) and not read_free(few, largest + 1)
+        # Weights read in place (many's are ungated; gated ones laid out side by side alike, laid apart not):
+        # from as many rows as experts, up to CPU_READ_FREE_IN_PLACE_MAX_VALUES values (64 rows here).
+        assert CPU_READ_FREE_IN_PLACE_MAX_VALUES // side**2 == 64 == many.num_experts
+        gated = {name: flexmoe.MoELayer(side, 64, side, k=K, capacity_factor=0.0, glu=True, joined_gate_up=joined)
+                 for name, joined in (("joined", True), ("apart", False))}
+        for layer in (many, gated["joined"]):
+            assert read_free(layer, 64 // K)
+            assert not read_free(layer, 64 // K - 1) and not read_free(layer, 64 // K + 1)
+        assert not read_free(gated["apart"], 64 // K)
     assert read_free(many, most // K + 1)  # recording autograd: up to CPU_READ_FREE_MAX_ROWS rows
 
 

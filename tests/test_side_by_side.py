@@ -105,18 +105,18 @@ def test_the_layout_survives_what_users_do_to_a_module(change: str) -> None:
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_a_converted_block_with_joined_gate_up_computes_hf_s_function(family: str) -> None:
-    """``flexmoe.hf.convert(..., joined_gate_up=True)`` on the read-free path (the grouped kernel viewing w1|w3):
-    HF's output and input gradient (HF's own block, grouped_mm experts, is the reference), the same weight
-    gradients as the default layout's copy, and HF's state dict back. 64 experts of M=64, H=32: the joined weight
-    is viewed, not copied (w1 is 512 KiB)."""
+    """``flexmoe.hf.convert`` lays w1 and w3 side by side by default (``joined_gate_up``, HF's gate_up_proj
+    layout); on the read-free path (the grouped kernel viewing w1|w3): HF's output and input gradient (HF's own
+    block, grouped_mm experts, is the reference), the same weight gradients as ``joined_gate_up=False``'s copy,
+    and HF's state dict back. 64 experts of M=64, H=32: the joined weight is viewed, not copied (w1 is 512 KiB)."""
     import flexmoe.hf
     from flexmoe.apps.bench.hf_blocks import HFShape, block_output, build_hf_block, set_experts_implementation
     from flexmoe.experts.grouped_op import SIDE_BY_SIDE_MIN_BYTES
 
     shape = HFShape("count", tokens=5, model_dim=64, experts=64, k=4, hidden_dim=32, groups=1, limited_groups=1)
     hf = set_experts_implementation(build_hf_block(family, shape, 0), "grouped_mm")
-    joined = flexmoe.hf.convert(copy.deepcopy(hf), expert_kernel="grouped_mm", joined_gate_up=True)
-    apart = flexmoe.hf.convert(copy.deepcopy(hf), expert_kernel="grouped_mm")
+    joined = flexmoe.hf.convert(copy.deepcopy(hf), expert_kernel="grouped_mm")
+    apart = flexmoe.hf.convert(copy.deepcopy(hf), expert_kernel="grouped_mm", joined_gate_up=False)
     experts, apart_experts = joined.moe.experts, apart.moe.experts
     assert sit_side_by_side(experts.w1, experts.w3) and not sit_side_by_side(apart_experts.w1, apart_experts.w3)
     assert experts.w1.numel() * experts.w1.element_size() >= SIDE_BY_SIDE_MIN_BYTES
@@ -137,3 +137,95 @@ def test_a_converted_block_with_joined_gate_up_computes_hf_s_function(family: st
         got, want = getattr(experts, name), getattr(apart_experts, name)
         if want is not None:
             torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+
+
+def _dense_reference(x: torch.Tensor, experts: FeedForwardExperts, expert_of_row: list[int]) -> torch.Tensor:
+    """Each row through its expert by plain float64 matmuls: silu(x w1 + b1) * (x w3 + b3) @ w2 + b2."""
+    out = []
+    for row, e in zip(x.double(), expert_of_row, strict=True):
+        w1, w3, w2 = experts.w1[e].double(), experts.w3[e].double(), experts.w2[e].double()
+        b1, b3, b2 = experts.b1[e].double(), experts.b3[e].double(), experts.b2[e].double()
+        hidden = torch.nn.functional.silu(row @ w1 + b1) * (row @ w3 + b3)
+        out.append(hidden @ w2 + b2)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kernel", ["loop", "segmented", "grouped_mm", "embedding_bag", "joined_unit"])
+@pytest.mark.parametrize("change", ["none", "data-replaced", "edited-through-data", "swapped-parameter"])
+def test_kernels_read_the_laid_out_gate_up_only_while_it_is_w1_and_w3(kernel: str, change: str) -> None:
+    """Without autograd every kernel reads ``w1 | w3`` (``b1 | b3``) as the one laid-out tensor
+    (``ExpertWeights.laid_out_gate_up``), and only while the parameters are still its halves: after ``.data`` is
+    replaced (its own storage), after an edit through ``.data`` (which bumps no version counter: the same storage,
+    so the laid-out tensor sees it), and with another tensor in the parameter's place
+    (``torch.func.functional_call``), the output is the experts' function of the values they hold then, against
+    a float64 loop written here."""
+    experts = _experts()
+    experts.kernels = type(experts.kernels).for_options(kernel, None)
+    torch.manual_seed(1)
+    counts = [2, 0, 3]
+    x = torch.randn(sum(counts), 8)
+    expert_of_row = [e for e, n in enumerate(counts) for _ in range(n)]
+    replacement = torch.randn(3, 8, 4)
+    call_params: dict[str, torch.Tensor] = {}
+    if change == "data-replaced":
+        experts.w3.data = replacement.clone()
+    elif change == "edited-through-data":
+        experts.w1.data.mul_(-2.0)
+        experts.b3.data.add_(0.5)
+    elif change == "swapped-parameter":
+        call_params = {"w3": replacement.clone()}
+    with torch.no_grad():
+        weights = experts.weights()
+        laid_out = weights.laid_out_gate_up(x)
+        if change in ("none", "edited-through-data"):
+            assert laid_out is not None and laid_out[0] is experts.gate_up and laid_out[1] is experts.gate_up_bias
+        elif change == "data-replaced":
+            assert laid_out is None
+        out = torch.func.functional_call(experts, call_params, (x, counts)) if call_params else experts(x, counts)
+    reference_experts = experts
+    if call_params:
+        reference_experts = copy.deepcopy(experts)
+        with torch.no_grad():
+            reference_experts.w3.copy_(call_params["w3"])
+    want = _dense_reference(x, reference_experts, expert_of_row)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("num_experts", [8, 64])
+def test_a_converted_block_decodes_on_its_laid_out_gate_up_without_a_copy(family: str, num_experts: int) -> None:
+    """A converted block's eval forward without autograd (T=64: the read-free path, at E=64 too now that its
+    weights need no copy) reads w1 | w3 where they lie: no ``cat`` dispatched, HF's output (HF's own block is the
+    reference). After ``w3.data`` is replaced it computes with the new values (a block converted with
+    ``joined_gate_up=False`` and given the same values is the reference), and a deep copy records its own
+    laid-out tensors, not the original's."""
+    import flexmoe.hf
+    from flexmoe.apps.bench.hf_blocks import HFShape, block_output, build_hf_block, set_experts_implementation
+    from flexmoe.apps.bench.host_reads import OpCounter
+
+    shape = HFShape("count", tokens=64, model_dim=64, experts=num_experts, k=4, hidden_dim=32, groups=1,
+                    limited_groups=1)
+    hf = set_experts_implementation(build_hf_block(family, shape, 0), "grouped_mm").eval()
+    block = flexmoe.hf.convert(copy.deepcopy(hf)).eval()
+    experts = block.moe.experts
+    assert experts.joined_gate_up and experts.gate_up is not None
+    assert experts.gate_up.data_ptr() == experts.w1.data_ptr()
+    x = torch.randn(1, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), OpCounter() as counted:
+        out = block_output(block(x))
+    assert counted.host_reads == [] and counted.by_name["aten.cat.default"] == 0, counted.by_name
+    with torch.no_grad():
+        torch.testing.assert_close(out, block_output(hf(x)), rtol=1e-5, atol=1e-6)
+
+    twin = copy.deepcopy(block)
+    twin_experts = twin.moe.experts
+    assert twin_experts.gate_up is not None and twin_experts.gate_up.data_ptr() == twin_experts.w1.data_ptr()
+    assert twin_experts.gate_up.data_ptr() != experts.gate_up.data_ptr()
+
+    apart = flexmoe.hf.convert(copy.deepcopy(hf), joined_gate_up=False).eval()
+    new_w3 = torch.randn(experts.w3.shape, generator=torch.Generator().manual_seed(2)) * 0.1
+    experts.w3.data = new_w3.clone()
+    with torch.no_grad():
+        apart.moe.experts.w3.copy_(new_w3)
+        torch.testing.assert_close(block_output(block(x)), block_output(apart(x)), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(block_output(twin(x)), out, rtol=0, atol=0)  # the copy kept its values

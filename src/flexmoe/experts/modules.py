@@ -116,9 +116,11 @@ class ExpertOptions:
     joined_gate_up: gated experts keep ``w1`` and ``w3`` (``b1`` and ``b3``) as the two halves of one
         ``[E, M, 2H]`` storage, the layout of HF's ``gate_up_proj`` (:mod:`flexmoe.experts.side_by_side`): the
         ``grouped_mm`` kernel then reads both as one weight without copying ``2 * E * M * H`` values per call
-        (large experts; small ones are copied either way). The parameters, their names and values are the same;
-        they are not contiguous, which FSDP2's ``fully_shard`` refuses: keep it False (the default) for a model
-        sharded by FSDP.
+        (large experts, and every call without autograd: :meth:`ExpertWeights.laid_out_gate_up`; small ones
+        are copied in training). The parameters, their names and values are the same; they are not contiguous,
+        which FSDP2's ``fully_shard`` refuses: :func:`flexmoe.sharding.parallelize` lays them apart
+        (:meth:`FeedForwardExperts.lay_gated_pairs_apart`); pass False to shard by hand. False by default,
+        True in :func:`flexmoe.hf.convert` (HF's layout).
     """
 
     activation: str | Callable[[Tensor], Tensor] = "gelu"
@@ -236,6 +238,12 @@ class FeedForwardExperts(nn.Module):
         def param(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
 
+        # With joined_gate_up: the [E, M, 2H] tensor whose halves w1 and w3 are, and the [E, 2H] one of b1 and b3
+        # (None: not laid out so). Not parameters or buffers: their halves are; a kernel reads one only after
+        # still_halves_of confirms it (weights()).
+        self.gate_up: Tensor | None = None
+        self.gate_up_bias: Tensor | None = None
+
         def gated_pair(*shape: int) -> tuple[nn.Parameter, nn.Parameter]:
             if not self.joined_gate_up:
                 return param(*shape), param(*shape)
@@ -260,6 +268,7 @@ class FeedForwardExperts(nn.Module):
             self.b1 = b1
             self.b2 = param(num_experts, model_dim)
             self.b3 = b3
+        self._record_joined()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -276,6 +285,12 @@ class FeedForwardExperts(nn.Module):
         super()._apply(fn, recurse)
         self.lay_gated_pairs_side_by_side()
         return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The joined tensors are views of the parameters' storage: copied, they would be copies of their own (twice
+        # the memory until __setstate__ lays the pairs out again and records new ones).
+        state = super().__getstate__()
+        return {**state, "gate_up": None, "gate_up_bias": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # copy.deepcopy and unpickling: Parameter's deepcopy clones each parameter into its own storage.
@@ -299,6 +314,31 @@ class FeedForwardExperts(nn.Module):
             with torch.no_grad():
                 joined = torch.cat([first.data, second.data], dim=-1)
             first.data, second.data = side_by_side_halves(joined)
+        self._record_joined()
+
+    def lay_gated_pairs_apart(self) -> None:
+        """Gives ``w1`` and ``w3`` (``b1`` and ``b3``) each its own contiguous storage and turns ``joined_gate_up``
+        off (the parameters stay the same objects, their values unchanged): what FSDP2's ``fully_shard``, which
+        refuses non-contiguous parameters, needs (:func:`flexmoe.sharding.parallelize` calls it)."""
+        for name in ("w1", "w3", "b1", "b3"):
+            p = getattr(self, name)
+            if isinstance(p, nn.Parameter) and type(p.data) is Tensor and not p.is_contiguous():
+                p.data = p.data.contiguous()
+        self.joined_gate_up = False
+        self.gate_up = self.gate_up_bias = None
+
+    def _record_joined(self) -> None:
+        """Keep the ``[..., 2H]`` tensors the gated pairs are the halves of (``gate_up``, ``gate_up_bias``), so
+        that a kernel reads them without working the layout out at every call; None where they are not."""
+        def joined_of(first: Tensor | None, second: Tensor | None) -> Tensor | None:
+            if first is None or second is None or not sit_side_by_side(first, second):
+                return None
+            shape = (*first.shape[:-1], 2 * first.shape[-1])
+            return first.detach().as_strided(shape, (*first.stride()[:-1], 1), first.storage_offset())
+
+        joined = getattr(self, "joined_gate_up", False)
+        self.gate_up = joined_of(self.w1, self.w3) if joined else None
+        self.gate_up_bias = joined_of(self.b1, self.b3) if joined else None
 
     def forward(self, x: Tensor, counts: list[int] | ExpertsCall) -> Tensor:
         """x: ``[N, M]`` rows sorted by expert, counts: ``[E]`` rows per expert -> ``[N, M]``.
@@ -320,7 +360,8 @@ class FeedForwardExperts(nn.Module):
 
     def weights(self) -> ExpertWeights:
         """The experts' weights and unit as they read now (inside an adapter's call: the adapted ones)."""
-        return ExpertWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation, self.glu_limit)
+        return ExpertWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation, self.glu_limit,
+                             self.gate_up, self.gate_up_bias)
 
     def ffn_with(self, x: Tensor, counts: list[int], weights: Mapping[str, Tensor | None]) -> Tensor:
         """These experts' activation and gated unit on other weights (gathered, broadcast or a hidden shard):

@@ -57,7 +57,9 @@ def embedding_bag_supported(rows: Tensor, weights: ExpertWeights) -> bool:
     matrices, and index tensors of at most ``_EMBEDDING_BAG_MAX_INDICES`` entries."""
     if not weights.all_like(rows):
         return False
-    if not all(w.is_contiguous() for w in (weights.w1, weights.w2, weights.w3) if w is not None):
+    gated = weights.laid_out_gate_up(rows) if weights.w3 is not None else None
+    matrices = (weights.w1, weights.w2, weights.w3) if gated is None else (gated[0], weights.w2)
+    if not all(w.is_contiguous() for w in matrices if w is not None):
         return False
     return rows.shape[0] * max(weights.model_dim, weights.hidden) <= _EMBEDDING_BAG_MAX_INDICES
 
@@ -66,7 +68,8 @@ def embedding_bag_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) -
     """The experts' FFN with every row's products taken as weighted sums of its expert's
     weight rows, no matmul: ``x @ w[e] = sum_i x[i] * w[e][i, :]`` is ``F.embedding_bag`` over ``w`` viewed
     as ``[E * in, out]``, one bag per row (indices ``e * in + i``, ``per_sample_weights`` the row). One call per
-    weight matrix covers all rows of all experts. No autograd; needs contiguous ``w1``, ``w2``, ``w3``.
+    weight matrix covers all rows of all experts. No autograd; needs contiguous ``w1``, ``w2``, ``w3`` (or
+    ``w1 | w3`` laid out side by side, one bag over 2H columns).
 
     Decoding routes a row or a few to each expert: per expert the matmuls then cost far more than the bytes
     they read (measured, see ``the bench's decode group), where the bags stream each row's weights
@@ -228,6 +231,10 @@ def _ffn(x: Tensor, linear: Callable[[Tensor, Tensor, Tensor | None], Tensor], w
     """The expert FFN once, whatever ``linear(x, w, b)`` does (one expert's addmm, a grouped GEMM over all
     experts, a batched matmul over padded ones): ``linear(act(x w1 + b1), w2, b2)``, or with ``w3`` the gated
     unit (:func:`gated_unit`) of the ``w1`` and ``w3`` projections."""
+    laid_out = weights.laid_out_gate_up(x)
+    if laid_out is not None:  # w1 | w3 side by side: one product over 2H columns
+        gate, up = linear(x, *laid_out).split_with_sizes((weights.hidden, weights.hidden), dim=-1)  # [n, H] each
+        return linear(weights.unit(gate, up), weights.w2, weights.b2)
     w3 = weights.w3
     pre3 = linear(x, w3, weights.b3) if w3 is not None else None
     return linear(weights.unit(linear(x, weights.w1, weights.b1), pre3), weights.w2, weights.b2)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["side_by_side_halves", "sit_side_by_side", "side_by_side"]
+__all__ = ["side_by_side_halves", "sit_side_by_side", "side_by_side", "still_halves_of"]
 
 
 def side_by_side_halves(joined: Tensor) -> tuple[Tensor, Tensor]:
@@ -76,3 +76,18 @@ def side_by_side(first: Tensor, second: Tensor) -> Tensor | None:
         shape = (*first.shape[:-1], 2 * first.shape[-1])
         return first.detach().as_strided(shape, (*first.stride()[:-1], 1), first.storage_offset())
     return _SideBySide.apply(first, second)
+
+
+def still_halves_of(joined: Tensor | None, first: Tensor, second: Tensor) -> bool:
+    """Whether ``first`` and ``second`` (``[..., H]``) are still the two halves of ``joined`` (``[..., 2H]``, the
+    tensor their owner laid them out in: None, never): the same addresses and strides, compared without reading a
+    value. What their owner cannot see is checked here: a parameter whose ``.data`` was replaced, or another tensor
+    in its place (``torch.func.functional_call``, an adapter). A quick check of a few attributes, where
+    :func:`sit_side_by_side` works the layout out from nothing."""
+    if joined is None:
+        return False
+    start, shape, half = joined.data_ptr(), first.shape, first.shape[-1]
+    return (first.data_ptr() == start and second.data_ptr() == start + half * joined.itemsize
+            and shape == second.shape and shape[:-1] == joined.shape[:-1] and 2 * half == joined.shape[-1]
+            and first.stride() == joined.stride() and second.stride() == joined.stride()
+            and first.dtype == joined.dtype and second.dtype == joined.dtype)

@@ -55,6 +55,7 @@ from flexmoe.experts.modules import ExpertOptions, FeedForwardExperts
 from flexmoe.experts.padded_fused_op import padded_fused_experts, use_padded_fused
 from flexmoe.experts.padded_op import layout_op_runs, padded_experts_forward, padded_op_available
 from flexmoe.experts.row_kernels import padded_expert_ffn
+from flexmoe.experts.side_by_side import still_halves_of
 from flexmoe.experts.weights import ExpertWeights
 from flexmoe.parallel.expert_parallel import ParallelSetting
 from flexmoe.parallel.options import ParallelOptions
@@ -86,6 +87,13 @@ CPU_READ_FREE_MAX_EXPERTS = 16
 # ... and of at most this many values of rows x M x H (the measured sizes, up to 1024 rows at M=64 H=32): above,
 # the decoding path's kernels (embedding_bag's weighted sums) read less than the grouped GEMMs.
 CPU_READ_FREE_MAX_NO_GRAD_VALUES = 1 << 21
+# ... or, among more experts, where the grouped GEMMs read the weights in place (ungated experts, or w1 | w3 laid
+# out side by side: joined_gate_up, a converted block's default), no fewer rows than experts and at most this many
+# values. Measured on a 2-core AVX-512 Xeon, no-grad eval forwards: converted Qwen3-MoE blocks (M=64 H=32 k=8)
+# read-free 0.93-0.96x HF's time against 1.16-1.26x for the decoding path at E=32-64 T=16-64 (up to 1M values);
+# flexmoe layers at M = H = 128, E=64 k=2, the decoding path ahead at 18 rows (1.19x) and at 2M values (1.16x)
+# (docs/performance.md, "The CPU proxy, eighth pass").
+CPU_READ_FREE_IN_PLACE_MAX_VALUES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -617,9 +625,11 @@ def _host_bound_on_cpu(routing: RoutingOptions, tokens: Tensor, weights: ExpertW
     """Whether "auto" takes the read-free path for this CPU call (tokens ``[T, M]``): eager, dropless, float32
     tokens and experts, no autocast, at most :data:`CPU_READ_FREE_MAX_ROWS` rows, and, without autograd, either
     rows that run on their gathered weights (:func:`~flexmoe.experts.grouped_op.gathers_row_weights`: a decoding
-    step of small experts) or at most :data:`CPU_READ_FREE_MAX_EXPERTS` experts and
-    :data:`CPU_READ_FREE_MAX_NO_GRAD_VALUES` values of rows x M x H. Such calls' time is host work, which the
-    chooser's timed routes, reading the counts, add to; larger no-grad calls keep the decoding path's kernels."""
+    step of small experts), or at most :data:`CPU_READ_FREE_MAX_EXPERTS` experts and
+    :data:`CPU_READ_FREE_MAX_NO_GRAD_VALUES` values of rows x M x H, or weights read in place (ungated, or w1 | w3
+    side by side) with no fewer rows than experts and at most :data:`CPU_READ_FREE_IN_PLACE_MAX_VALUES` values.
+    Such calls' time is host work, which the chooser's timed routes, reading the counts, add to; larger no-grad
+    calls keep the decoding path's kernels."""
     num_tokens, model_dim = tokens.shape
     rows = num_tokens * routing.k
     if rows > CPU_READ_FREE_MAX_ROWS or torch.compiler.is_compiling() or tokens.dtype != torch.float32 \
@@ -628,9 +638,13 @@ def _host_bound_on_cpu(routing: RoutingOptions, tokens: Tensor, weights: ExpertW
         return False
     if torch.is_grad_enabled():
         return True
-    return gathers_row_weights(tokens.device, rows, weights) or (
-        weights.num_experts <= CPU_READ_FREE_MAX_EXPERTS
-        and rows * model_dim * weights.hidden <= CPU_READ_FREE_MAX_NO_GRAD_VALUES)
+    values, num_experts = rows * model_dim * weights.hidden, weights.num_experts
+    if gathers_row_weights(tokens.device, rows, weights) or (
+            num_experts <= CPU_READ_FREE_MAX_EXPERTS and values <= CPU_READ_FREE_MAX_NO_GRAD_VALUES):
+        return True
+    # Weights the grouped GEMMs read in place (ungated, or w1 | w3 laid out side by side: no copy per call).
+    return rows >= num_experts and values <= CPU_READ_FREE_IN_PLACE_MAX_VALUES and (
+        weights.w3 is None or still_halves_of(weights.gate_up, weights.w1, weights.w3))
 
 
 def _combine_padded(out: Tensor, plan: RoutingPlan, weighted: bool) -> Tensor:

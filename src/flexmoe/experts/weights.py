@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flexmoe.experts.side_by_side import still_halves_of
+
 __all__ = ["ExpertWeights", "hidden_unit", "gated_unit", "needs_grad"]
 
 
@@ -34,6 +36,10 @@ class ExpertWeights:
     b3: Tensor | None
     activation: Callable[[Tensor], Tensor]
     glu_limit: float | None = None
+    # joined_gate_up's [E, M, 2H] and [E, 2H] tensors that w1 | w3 and b1 | b3 were laid out as halves of (None:
+    # not so); a kernel reads one only where still_halves_of (flexmoe.experts.side_by_side) says they still are.
+    gate_up: Tensor | None = None
+    gate_up_bias: Tensor | None = None
 
     @property
     def glu(self) -> bool:
@@ -93,6 +99,24 @@ class ExpertWeights:
     def unit(self, pre1: Tensor, pre3: Tensor | None) -> Tensor:
         """The hidden activations ``[n, H]`` from the pre-activations ``[n, H]`` (:func:`hidden_unit`)."""
         return hidden_unit(pre1, pre3, self.activation, self.glu_limit)
+
+    def laid_out_gate_up(self, rows: Tensor) -> tuple[Tensor, Tensor | None] | None:
+        """``(w1 | w3 [E, M, 2H], b1 | b3 [E, 2H] or None)`` read in place, for a call on ``rows`` that autograd
+        does not record, where the gated pair is still the halves of :attr:`gate_up` (and the biases of
+        :attr:`gate_up_bias`, or both absent): one matmul over ``2H`` columns instead of two, no copy. None
+        otherwise (ungated, laid out apart, or recorded: the laid-out tensors pass no gradient to w1 and w3)."""
+        w3 = self.w3
+        if w3 is None or self.gate_up is None or self.needs_grad(rows):
+            return None
+        if not still_halves_of(self.gate_up, self.w1, w3):
+            return None
+        b1, b3 = self.b1, self.b3
+        if b1 is None and b3 is None:
+            return self.gate_up, None
+        if b1 is None or b3 is None:
+            return None
+        return self.gate_up, (self.gate_up_bias if still_halves_of(self.gate_up_bias, b1, b3)
+                              else torch.cat([b1, b3], dim=-1))
 
     def needs_grad(self, rows: Tensor) -> bool:
         """Whether autograd records an operation on ``rows`` and these weights."""

@@ -259,6 +259,12 @@ class ConvertedMoeBlock(nn.Module):
         return block.train(self.training)  # the skeleton kept the mode it had when converted
 
 
+# What a converted block does unless convert() is told otherwise, beyond its family's options: gated experts keep
+# w1 and w3 as the halves of one storage, the layout of HF's gate_up_proj, so that the grouped GEMM reads them as
+# one weight without a copy per call (flexmoe.sharding.parallelize lays them apart for FSDP2).
+CONVERTED_DEFAULTS: dict[str, object] = {"joined_gate_up": True}
+
+
 def build_converted_block(block: Any, family: Family, *, group: object | None,
                           options: dict[str, object]) -> ConvertedMoeBlock:
     """The :class:`ConvertedMoeBlock` for HF block ``block`` of ``family``, with ``options`` applied on top of the
@@ -271,8 +277,8 @@ def build_converted_block(block: Any, family: Family, *, group: object | None,
     like = parts[0].sources(block.experts)["w1"][0]
     router = getattr(block, family.router)
     gate = HFRouterLogits(router, logits_at=family.router_logits_at, score_dtype=family.score_dtype(router))
-    moe = MoELayer(model_dim, num_experts, hidden_dim, router=gate, group=group,
-                   device=like.device, dtype=like.dtype, **{**family.layer_options(block), **options})
+    moe = MoELayer(model_dim, num_experts, hidden_dim, router=gate, group=group, device=like.device,
+                   dtype=like.dtype, **{**CONVERTED_DEFAULTS, **family.layer_options(block), **options})
     for part in parts:
         hf_module, layer_module = getattr(block, part.hf_name), getattr(moe, part.layer_name)
         with torch.no_grad():

@@ -61,7 +61,10 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
         :func:`flexmoe.parallel.ddp.wrap_ddp` so the rest stays data-parallel. Every rank must call ``convert``.
     options: :class:`~flexmoe.MoELayer` keywords applied on top of the family's. The defaults reproduce HF
         (dropless, ``capacity_factor=0``). These change nothing but speed: ``r``, ``overlap_degree``, ``a2a``,
-        ``ranks_per_node``, ``parallel`` ("auto"), ``chooser``, ``shadow``, ``schedule``. These change the
+        ``ranks_per_node``, ``parallel`` ("auto"), ``chooser``, ``shadow``, ``schedule``, ``joined_gate_up`` (True
+        here: gated experts' ``w1`` and ``w3`` laid out as the halves of one storage, as HF's ``gate_up_proj``,
+        read in place; pass False to apply FSDP2's ``fully_shard`` by hand, which refuses non-contiguous
+        parameters: :func:`flexmoe.sharding.parallelize` lays them apart itself). These change the
         function away from HF's: ``capacity`` / ``capacity_factor`` > 0 (a capacity drops tokens past it),
         ``k``, ``normalize_weights``, ``balance`` (``"aux"`` drops DeepSeek-V3's bias from the selection),
         ``bias_update_rate`` > 0 (moves the bias every step), ``batch_prioritized``, ``score_at="dispatch"``,

@@ -79,6 +79,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecision
     sizes = mesh_sizes(mesh)
     ep_group = mesh["ep"].get_group() if sizes["ep"] > 1 else SINGLE_PROCESS
     model = _place_every_layer(model, ep_group, data_parallel=sizes["dp_replicate"] * sizes["dp_shard"])
+    for module in model.modules():
+        if isinstance(module, FeedForwardExperts):
+            # fully_shard refuses non-contiguous parameters: w1 and w3 laid side by side (joined_gate_up, a
+            # converted HF block's default) each get their own storage.
+            module.lay_gated_pairs_apart()
     units = list(default_blocks(model) if blocks is None else blocks)
     if activation_checkpointing:
         for block in units:
