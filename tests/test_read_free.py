@@ -495,3 +495,46 @@ def test_gated_experts_join_w1_w3(model_dim: int, hidden_dim: int, layout: str, 
     torch.testing.assert_close(rows.grad.double(), x.grad, rtol=1e-4, atol=1e-4)
     for name, reference in (("w1", w1), ("w2", w2), ("w3", w3)):
         torch.testing.assert_close(getattr(experts, name).grad.double(), reference.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_the_kept_read_free_decision_follows_what_it_depends_on() -> None:
+    """read_free_weights keeps its last answer for the same call shape; each thing the answer depends on, changed
+    on the same layer between calls, gives the answer a fresh layer gives (the rule, asked anew): the rows, grad
+    mode, autocast, the parameters' dtype, a replaced parameter, the forced kernel. Real calls too: a float64
+    parameter put in place of w1 after a float32 call computes the float64 function (a dense loop here)."""
+    from flexmoe.experts.stage import CPU_READ_FREE_MAX_ROWS
+
+    layer = flexmoe.MoELayer(M, E, H, k=K, capacity_factor=0.0, glu=True, activation="silu")
+
+    def asks(num_tokens: int) -> bool:
+        return layer.expert_stage.read_free(layer.routing_options, torch.zeros(num_tokens, M), training=True)
+
+    assert asks(4) and asks(4)
+    assert not asks(CPU_READ_FREE_MAX_ROWS // K + 1) and asks(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not asks(4)
+    assert asks(4)
+    with torch.no_grad():  # 8 rows over 8 experts: they gather
+        assert asks(4)
+    experts = layer.experts
+    experts.kernels.kernel = "loop"
+    assert not asks(4)
+    experts.kernels.kernel = "auto"
+    assert asks(4)
+    experts.w1 = torch.nn.Parameter(experts.w1.detach().double())  # a new parameter of another dtype
+    assert not asks(4)  # the CPU's host-bound rule takes float32 experts only
+
+    # The call itself: every weight float64 now, the layer's output against a float64 loop.
+    layer.double()
+    x = torch.randn(4, M, dtype=torch.float64)
+    out = layer(x)
+    plan = layer.last_plan
+    assert plan is not None
+    w = layer.experts
+    want = torch.zeros_like(x)
+    for t in range(4):
+        for j in range(K):
+            e = int(plan.expert_index[t, j])
+            h = torch.nn.functional.silu(x[t] @ w.w1[e] + w.b1[e]) * (x[t] @ w.w3[e] + w.b3[e])
+            want[t] += plan.weight[t, j] * (h @ w.w2[e] + w.b2[e])
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)

@@ -290,7 +290,7 @@ class FeedForwardExperts(nn.Module):
         # The joined tensors are views of the parameters' storage: copied, they would be copies of their own (twice
         # the memory until __setstate__ lays the pairs out again and records new ones).
         state = super().__getstate__()
-        return {**state, "gate_up": None, "gate_up_bias": None}
+        return {**state, "gate_up": None, "gate_up_bias": None, "_weights": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # copy.deepcopy and unpickling: Parameter's deepcopy clones each parameter into its own storage.
@@ -359,9 +359,21 @@ class FeedForwardExperts(nn.Module):
         return expert_ffn(x, counts, self.weights(), kernels)
 
     def weights(self) -> ExpertWeights:
-        """The experts' weights and unit as they read now (inside an adapter's call: the adapted ones)."""
-        return ExpertWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation, self.glu_limit,
-                             self.gate_up, self.gate_up_bias)
+        """The experts' weights and unit as they read now (inside an adapter's call: the adapted ones). The same
+        object call after call while the parameters are the same objects (a call's host time is spent on such
+        reads): each is looked up in ``_parameters``, where ``torch.func.functional_call`` puts its tensors too;
+        a parametrized (adapted) parameter is not there, so it is read afresh."""
+        cached, params = self.__dict__.get("_weights"), self._parameters
+        if (cached is not None and cached.w1 is params.get("w1") and cached.w2 is params.get("w2")
+                and cached.w3 is params.get("w3") and cached.b1 is params.get("b1") and cached.b2 is params.get("b2")
+                and cached.b3 is params.get("b3") and cached.activation is self.activation
+                and cached.glu_limit == self.glu_limit and cached.gate_up is self.gate_up
+                and cached.gate_up_bias is self.gate_up_bias):
+            return cached
+        weights = ExpertWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,
+                                self.glu_limit, self.gate_up, self.gate_up_bias)
+        self.__dict__["_weights"] = weights
+        return weights
 
     def ffn_with(self, x: Tensor, counts: list[int], weights: Mapping[str, Tensor | None]) -> Tensor:
         """These experts' activation and gated unit on other weights (gathered, broadcast or a hidden shard):

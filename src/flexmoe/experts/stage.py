@@ -134,6 +134,8 @@ class ExpertStage:
         self.last_choice: ParallelSetting | None = None
         self.last_shadowed: list[int] = []
         self._warned: set[str] = set()
+        # The last read-free decision: (the weights, what else it depends on, its answer), see read_free_weights.
+        self._read_free_decision: tuple[ExpertWeights, tuple[object, ...], bool] | None = None
 
     # ---- the plan's layout ----------------------------------------------------------------------------------
 
@@ -239,11 +241,29 @@ class ExpertStage:
         experts = self.builtin
         if experts is None or adapted or self.distributed or self.topology_gated:
             return None
-        kernels = experts.kernels
+        kernels, weights = experts.kernels, experts.weights()
+        if torch.compiler.is_compiling():
+            return self._decide_read_free(routing, tokens, training, kernels, weights)
+        # The answer depends on these alone, and a loop asks again with the same at every step: it is kept, and the
+        # checks run when one of them changes (weights: the same object while the parameters are, experts.weights).
+        w1, w2 = weights.w1, weights.w2
+        depends_on = (routing, training, torch.is_grad_enabled(), torch.is_autocast_enabled(tokens.device.type),
+                      tokens.shape[0], tokens.dtype, tokens.device, w1.dtype, w1.device, w1.shape, w2.shape,
+                      kernels.kernel, kernels.route)
+        kept = self._read_free_decision
+        if kept is not None and kept[0] is weights and kept[1] == depends_on:
+            return weights if kept[2] else None
+        answer = self._decide_read_free(routing, tokens, training, kernels, weights)
+        self._read_free_decision = (weights, depends_on, answer is not None)
+        return answer
+
+    def _decide_read_free(self, routing: RoutingOptions, tokens: Tensor, training: bool, kernels: KernelChooser,
+                          weights: ExpertWeights) -> ExpertWeights | None:
+        """:meth:`read_free_weights`' checks for the built-in experts, their weights ``weights`` (unadapted, one
+        process, no topology gate)."""
         if kernels.route == "fused" or kernels.kernel not in ("auto", "grouped_mm"):
             return None
         forced = kernels.kernel == "grouped_mm"
-        weights = experts.weights()
         if not forced and tokens.device.type == "cpu":
             # A host-bound call is dropless float32 without autocast: the grouped GEMM takes it where aligned.
             if not _host_bound_on_cpu(routing, tokens, weights) or not _plain_topk(routing, training):
