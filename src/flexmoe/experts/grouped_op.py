@@ -33,7 +33,7 @@ from torch import Tensor
 from flexmoe.experts.padded_op import register_op_pair
 from flexmoe.experts.segment_ffn import contiguous_segments, expert_grad_buffer, linear_into, weight_grad_into
 from flexmoe.experts.side_by_side import side_by_side, still_halves_of
-from flexmoe.experts.weights import ExpertWeights
+from flexmoe.experts.weights import ExpertWeights, gated_unit
 
 __all__ = ["grouped_linear", "grouped_experts_ffn", "device_offsets_linear", "uses_device_offsets", "grouped_mm_runs",
            "experts_ffn_by_ends", "GATHER_MAX_VALUES", "gathers_row_weights",
@@ -219,8 +219,9 @@ def experts_ffn_by_ends(rows: Tensor, expert_ends: Tensor, row_expert: Tensor, w
         if b1 is not None and b3 is not None:
             bias = joined(b1, b3, weights.gate_up_bias)
             bias = torch.cat([b1, b3], dim=-1) if bias is None else bias  # [E, 2H]: small beside the weights
-        both = linear(rows, gate_up, bias)  # [N, 2H]
-        pre1, pre3 = both.split_with_sizes((weights.hidden, weights.hidden), dim=-1)  # [N, H] each
+        hidden = weights.hidden
+        gate, up = linear(rows, gate_up, bias).split_with_sizes((hidden, hidden), dim=-1)  # [N, H] each
+        return linear(gated_unit(gate, up, weights.activation, weights.glu_limit), weights.w2, weights.b2)
     return linear(weights.unit(pre1, pre3), weights.w2, weights.b2)
 
 

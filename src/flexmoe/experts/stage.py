@@ -338,12 +338,16 @@ class ExpertStage:
             return _combine_padded(out, plan, weighted=not scaled)
         ends = plan.expert_ends
         assert ends is not None  # read_free_plan sets it
-        out = self.in_expert_dtype(lambda r: experts_ffn_by_ends(r, ends, plan.row_expert, weights), rows)
+        row_expert = plan.row_expert
+        if weights.dtype == rows.dtype and not torch.is_autocast_enabled(rows.device.type):
+            out = experts_ffn_by_ends(rows, ends, row_expert, weights)  # nothing to cast (in_expert_dtype's case)
+        else:
+            out = self.in_expert_dtype(lambda r: experts_ffn_by_ends(r, ends, row_expert, weights), rows)
         self._report("rows", "grouped_mm", None, [])  # torch._grouped_mm, its offsets on the device
         if not scaled:
             row_weight = plan.row_weight
             out = out * (row_weight if row_weight.dtype == out.dtype else row_weight.to(out.dtype)).unsqueeze(-1)
-        return out.new_zeros(plan.num_tokens, out.shape[-1]).index_add(0, plan.row_token, out)
+        return out.new_zeros(tokens.shape[0], out.shape[-1]).index_add(0, plan.row_token, out)
 
     def _run_on_gathered_weights(self, tokens: Tensor, plan: RoutingPlan, weights: ExpertWeights,
                                  scaled: bool) -> Tensor:
@@ -682,7 +686,10 @@ def _combine_padded(out: Tensor, plan: RoutingPlan, weighted: bool) -> Tensor:
 
 
 def parameter_dtype(module: nn.Module) -> torch.dtype | None:
-    """The dtype of ``module``'s first parameter (None without parameters)."""
+    """The dtype of ``module``'s first parameter (None without parameters): the built-in experts' ``w1``'s, read
+    from their weights (walking the module tree costs a small call a dozen Python frames), else by that walk."""
+    if isinstance(module, FeedForwardExperts):
+        return module.weights().dtype
     for p in module.parameters():
         return p.dtype
     return None
