@@ -274,12 +274,26 @@ def test_scores_at_dispatch_on_the_read_free_path_equal_the_reference(num_tokens
         _assert_close(param.grad, params[name].grad)
 
 
-def test_non_finite_logits_and_bad_shapes_still_raise_clearly() -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no-grad"])
+def test_non_finite_logits_and_bad_shapes_still_raise_clearly(bad: float, grad: bool) -> None:
+    """Non-finite logits among finite ones raise, recorded by autograd or not, on the read-free path: a NaN
+    (token 3's input), or an infinity of either sign and no NaN (a router weight set to it, every token's input
+    feature 0 positive: expert 2's logit is that infinity for every token, the rest finite)."""
     layer = _layer("softmax", 0.0)
     x = torch.randn(8, M)
-    x[3, 0] = float("nan")
-    with pytest.raises(RuntimeError, match="router logits contain NaN or infinity"):
+    if bad != bad:
+        x[3, 0] = bad
+    else:
+        with torch.no_grad():
+            layer.router.weight[2, 0] = bad
+        x[:, 0] = 1.0
+        with torch.no_grad():
+            logits = layer.router(x)
+        assert not logits.isnan().any() and logits[:, 2].eq(bad).all() and logits[:, [0, 1, 3]].isfinite().all()
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match="router logits contain NaN or infinity"):
         layer(x)
+    assert layer.expert_stage.read_free(layer.routing_options, x, training=True)
     with pytest.raises(ValueError, match="model_dim"):
         layer(torch.randn(8, M + 1))
 
