@@ -192,28 +192,31 @@ def test_kernels_read_the_laid_out_gate_up_only_while_it_is_w1_and_w3(kernel: st
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-@pytest.mark.parametrize("num_experts", [8, 64])
-def test_a_converted_block_decodes_on_its_laid_out_gate_up_without_a_copy(family: str, num_experts: int) -> None:
-    """A converted block's eval forward without autograd (T=64: the read-free path, at E=64 too now that its
-    weights need no copy) reads w1 | w3 where they lie: no ``cat`` dispatched, HF's output (HF's own block is the
-    reference). After ``w3.data`` is replaced it computes with the new values (a block converted with
-    ``joined_gate_up=False`` and given the same values is the reference), and a deep copy records its own
-    laid-out tensors, not the original's."""
+@pytest.mark.parametrize("num_experts, num_tokens", [(8, 64), (64, 64), (8, 1)])
+def test_a_converted_block_decodes_on_its_laid_out_gate_up_without_a_copy(family: str, num_experts: int,
+                                                                          num_tokens: int) -> None:
+    """A converted block's eval forward without autograd (T=64: the read-free path's grouped GEMMs, at E=64 too
+    now that its weights need no copy; T=1: its gathered weights, one gather of w1 | w3) reads w1 | w3 where they
+    lie: no ``cat`` dispatched, HF's output (HF's own block is the reference). After ``w3.data`` is replaced it
+    computes with the new values (a block converted with ``joined_gate_up=False`` and given the same values is
+    the reference), and a deep copy records its own laid-out tensors, not the original's."""
     import flexmoe.hf
     from flexmoe.apps.bench.hf_blocks import HFShape, block_output, build_hf_block, set_experts_implementation
     from flexmoe.apps.bench.host_reads import OpCounter
 
-    shape = HFShape("count", tokens=64, model_dim=64, experts=num_experts, k=4, hidden_dim=32, groups=1,
+    shape = HFShape("count", tokens=num_tokens, model_dim=64, experts=num_experts, k=4, hidden_dim=32, groups=1,
                     limited_groups=1)
     hf = set_experts_implementation(build_hf_block(family, shape, 0), "grouped_mm").eval()
     block = flexmoe.hf.convert(copy.deepcopy(hf)).eval()
     experts = block.moe.experts
     assert experts.joined_gate_up and experts.gate_up is not None
     assert experts.gate_up.data_ptr() == experts.w1.data_ptr()
-    x = torch.randn(1, 64, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(1, num_tokens, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), OpCounter() as counted:
         out = block_output(block(x))
     assert counted.host_reads == [] and counted.by_name["aten.cat.default"] == 0, counted.by_name
+    if num_tokens == 1:  # the gathered route: w1 | w3 and w2 gathered once each (GPT-OSS: b1 | b3 and b2 too)
+        assert counted.by_name["aten.index_select.default"] == (4 if family == "gpt_oss" else 2), counted.by_name
     with torch.no_grad():
         torch.testing.assert_close(out, block_output(hf(x)), rtol=1e-5, atol=1e-6)
 

@@ -260,6 +260,11 @@ def experts_ffn_by_row_weights(rows: Tensor, row_expert: Tensor, weights: Expert
         return torch.bmm(x, w) if bias is None else torch.baddbmm(bias, x, w)
 
     x = rows.unsqueeze(1)  # [N, 1, M]
+    laid_out = weights.laid_out_gate_up(rows)
+    if laid_out is not None:  # w1 | w3 side by side: one gather and one product over 2H columns
+        hidden = weights.hidden
+        gate, up = linear(x, *laid_out).split_with_sizes((hidden, hidden), dim=-1)  # [N, 1, H] each
+        return linear(weights.unit(gate, up), weights.w2, weights.b2).squeeze(1)
     pre1 = linear(x, weights.w1, weights.b1)
     pre3 = None if weights.w3 is None else linear(x, weights.w3, weights.b3)
     return linear(weights.unit(pre1, pre3), weights.w2, weights.b2).squeeze(1)
