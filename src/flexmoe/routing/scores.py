@@ -137,15 +137,22 @@ def group_limited_mask(choice_scores: Tensor, num_groups: int, num_limited_group
     between groups go to the lower group index (``ties="topk"``: as ``torch.topk`` breaks them).
     """
     num_tokens, num_experts = choice_scores.shape
+    best_groups = _best_groups(choice_scores, num_groups, num_limited_groups, ties, read_free)
+    keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=choice_scores.device)
+    keep.scatter_(1, best_groups, True)
+    return keep.repeat_interleave(num_experts // num_groups, dim=1)
+
+
+def _best_groups(choice_scores: Tensor, num_groups: int, num_limited_groups: int, ties: str,
+                 read_free: bool) -> Tensor:
+    """choice_scores: ``[T, E]`` -> each token's ``num_limited_groups`` best groups ``[T, L]``
+    (:func:`group_limited_mask`'s rating)."""
+    num_tokens, num_experts = choice_scores.shape
     grouped = choice_scores.view(num_tokens, num_groups, num_experts // num_groups)
     # The two best values of each group: the same numbers however ties are broken, so torch.topk's (one operation,
     # and cheaper than a sort) serve every tie rule.
     best_two = torch.topk(grouped, min(2, grouped.shape[-1]), dim=-1).values
-    _, best_groups = top_k(best_two.sum(dim=-1), num_limited_groups, ties,
-                           read_free=read_free)  # [T, num_limited_groups]
-    keep = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=choice_scores.device)
-    keep.scatter_(1, best_groups, True)
-    return keep.repeat_interleave(num_experts // num_groups, dim=1)
+    return top_k(best_two.sum(dim=-1), num_limited_groups, ties, read_free=read_free)[1]
 
 
 def select_experts(
@@ -172,8 +179,14 @@ def select_experts(
         # In the wider of the two dtypes, as HF's DeepSeek-V3 adds its float32 bias to bf16 scores under autocast.
         choice = choice + selection_bias
     if num_expert_groups is not None and num_limited_groups is not None:
-        eligible = group_limited_mask(choice, num_expert_groups, num_limited_groups, ties, read_free=read_free)
-        choice = choice.masked_fill(~eligible, float("-inf"))
+        # group_limited_mask's choice, applied per group: the mask [T, G] broadcast over each group's experts,
+        # not repeated into [T, E] and inverted (two operations fewer).
+        num_tokens, num_experts = choice.shape
+        best_groups = _best_groups(choice, num_expert_groups, num_limited_groups, ties, read_free)
+        dropped = torch.ones(num_tokens, num_expert_groups, dtype=torch.bool, device=choice.device)
+        dropped.scatter_(1, best_groups, False)
+        choice = choice.view(num_tokens, num_expert_groups, -1).masked_fill(dropped.unsqueeze(-1), float("-inf"))
+        choice = choice.view(num_tokens, num_experts)
     _, expert_index = top_k(choice, k, ties, read_free=read_free)
     return expert_index, choice
 
