@@ -205,7 +205,7 @@ def experts_ffn_by_ends(rows: Tensor, expert_ends: Tensor, row_expert: Tensor, w
             x, w = x.to(dtype), w.to(dtype)
             b = None if b is None else b.to(dtype)
         out = torch._grouped_mm(x, w, offs=expert_ends)
-        return out if b is None else out + b.index_select(0, row_expert)
+        return out if b is None else out.add_(b.index_select(0, row_expert))  # in place: the GEMM keeps no output
 
     w1, w3, b1, b3 = weights.w1, weights.w3, weights.b1, weights.b3
     gate_up = None if w3 is None or (b1 is None) != (b3 is None) else joined(w1, w3, weights.gate_up)  # [E, M, 2H]
