@@ -552,3 +552,15 @@ def test_the_kept_read_free_decision_follows_what_it_depends_on() -> None:
             h = torch.nn.functional.silu(x[t] @ w.w1[e] + w.b1[e]) * (x[t] @ w.w3[e] + w.b3[e])
             want[t] += plan.weight[t, j] * (h @ w.w2[e] + w.b2[e])
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+
+
+def test_the_device_side_finite_check_takes_a_call_without_tokens() -> None:
+    """check_logits' read-free check over no logits (a rank without tokens under expert parallelism): nothing to
+    check, no error; and with tokens, a NaN still raises."""
+    from flexmoe.routing.plan import check_logits
+
+    assert check_logits(torch.empty(0, E), K, read_free=True) == (0, E)
+    bad = torch.zeros(2, E)
+    bad[1, 1] = float("nan")
+    with pytest.raises(RuntimeError, match="router logits contain NaN or infinity"):
+        check_logits(bad, K, read_free=True)

@@ -224,9 +224,11 @@ def check_logits(logits: Tensor, k: int, *, name: str = "logits",
         # |x| < inf, then all (isfinite decomposes into five), the comparison made on one value, against a 0-d
         # tensor (a Python float is wrapped into one at every call): half the host time.
         # Detached only where autograd would record the check (a decoding call skips the operation).
-        recorded = logits.requires_grad and torch.is_grad_enabled()
-        largest = (logits.detach() if recorded else logits).abs().max()
-        torch._assert_async(largest.lt(_INFINITY), nonfinite_message)
+        # No tokens, no logits to check (max has no value over nothing).
+        if num_tokens > 0:
+            recorded = logits.requires_grad and torch.is_grad_enabled()
+            largest = (logits.detach() if recorded else logits).abs().max()
+            torch._assert_async(largest.lt(_INFINITY), nonfinite_message)
     elif not all_finite(logits):
         raise ValueError(nonfinite_message)
     return num_tokens, num_experts
