@@ -289,8 +289,7 @@ class FeedForwardExperts(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         # The joined tensors are views of the parameters' storage: copied, they would be copies of their own (twice
         # the memory until __setstate__ lays the pairs out again and records new ones).
-        state = super().__getstate__()
-        return {**state, "gate_up": None, "gate_up_bias": None, "_weights": None}
+        return {**self.__dict__, "gate_up": None, "gate_up_bias": None, "_weights": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # copy.deepcopy and unpickling: Parameter's deepcopy clones each parameter into its own storage.
