@@ -32,8 +32,8 @@ from torch import Tensor
 
 from flexmoe.experts.padded_op import register_op_pair
 from flexmoe.experts.segment_ffn import contiguous_segments, expert_grad_buffer, linear_into, weight_grad_into
-from flexmoe.experts.side_by_side import side_by_side, still_halves_of
-from flexmoe.experts.weights import ExpertWeights, gated_unit
+from flexmoe.experts.side_by_side import side_by_side
+from flexmoe.experts.weights import ExpertWeights
 
 __all__ = ["grouped_linear", "grouped_experts_ffn", "device_offsets_linear", "uses_device_offsets", "grouped_mm_runs",
            "experts_ffn_by_ends", "GATHER_MAX_VALUES", "gathers_row_weights",
@@ -175,16 +175,14 @@ JOIN_GATED_MAX_ELEMENTS = 1 << 20
 SIDE_BY_SIDE_MIN_BYTES = 1 << 18
 
 
-def joined(first: Tensor, second: Tensor, laid_out: Tensor | None = None) -> Tensor | None:
+def joined(first: Tensor, second: Tensor) -> Tensor | None:
     """``[..., H]`` twice -> ``cat([first, second], -1)`` ``[..., 2H]``: a view where the two sit side by side in
     one storage (as the built-in experts allocate them: flexmoe.experts.side_by_side) and are large, or are not
     recorded by autograd (the view's autograd function is what costs small weights more than a copy), a copy
     where small; None for large weights in separate storage (the caller runs them apart rather than copy them).
-    laid_out: the ``[..., 2H]`` tensor their owner laid them out in (:attr:`ExpertWeights.gate_up`), taken as it is
-    where autograd records nothing and they are still its halves (no layout to work out, no view to make)."""
+    Where their owner laid them out, a call without autograd reads that tensor instead
+    (:meth:`ExpertWeights.laid_out_gate_up`)."""
     records = torch.is_grad_enabled() and (first.requires_grad or second.requires_grad)
-    if not records and still_halves_of(laid_out, first, second):
-        return laid_out
     if not records or first.numel() * first.element_size() >= SIDE_BY_SIDE_MIN_BYTES:
         view = side_by_side(first, second)
         if view is not None:
@@ -207,22 +205,9 @@ def experts_ffn_by_ends(rows: Tensor, expert_ends: Tensor, row_expert: Tensor, w
         out = torch._grouped_mm(x, w, offs=expert_ends)
         return out if b is None else out.add_(b.index_select(0, row_expert))  # in place: the GEMM keeps no output
 
-    w1, w3, b1, b3 = weights.w1, weights.w3, weights.b1, weights.b3
-    gate_up = None if w3 is None or (b1 is None) != (b3 is None) else joined(w1, w3, weights.gate_up)  # [E, M, 2H]
-    if gate_up is None:
-        pre1 = linear(rows, w1, b1)  # [N, H]
-        pre3 = None if w3 is None else linear(rows, w3, b3)
-    else:
-        # Gated experts: w1 and w3 side by side in one grouped GEMM ([N, 2H]), as HF's gate_up_proj: one grouped
-        # GEMM fewer, forward and backward, where the call's time is host work.
-        bias = None
-        if b1 is not None and b3 is not None:
-            bias = joined(b1, b3, weights.gate_up_bias)
-            bias = torch.cat([b1, b3], dim=-1) if bias is None else bias  # [E, 2H]: small beside the weights
-        hidden = weights.hidden
-        gate, up = linear(rows, gate_up, bias).split_with_sizes((hidden, hidden), dim=-1)  # [N, H] each
-        return linear(gated_unit(gate, up, weights.activation, weights.glu_limit), weights.w2, weights.b2)
-    return linear(weights.unit(pre1, pre3), weights.w2, weights.b2)
+    # Gated experts: w1 and w3 side by side in one grouped GEMM ([N, 2H]), as HF's gate_up_proj: one grouped GEMM
+    # fewer, forward and backward, where the call's time is host work.
+    return weights.ffn(rows, linear, join=joined)
 
 
 # The most values of one weight the gathered path copies for a call (N * M * H): measured on a 2-core AVX2 CPU
@@ -259,12 +244,4 @@ def experts_ffn_by_row_weights(rows: Tensor, row_expert: Tensor, weights: Expert
             bias = None if bias is None else bias.to(dtype)
         return torch.bmm(x, w) if bias is None else torch.baddbmm(bias, x, w)
 
-    x = rows.unsqueeze(1)  # [N, 1, M]
-    laid_out = weights.laid_out_gate_up(rows)
-    if laid_out is not None:  # w1 | w3 side by side: one gather and one product over 2H columns
-        hidden = weights.hidden
-        gate, up = linear(x, *laid_out).split_with_sizes((hidden, hidden), dim=-1)  # [N, 1, H] each
-        return linear(weights.unit(gate, up), weights.w2, weights.b2).squeeze(1)
-    pre1 = linear(x, weights.w1, weights.b1)
-    pre3 = None if weights.w3 is None else linear(x, weights.w3, weights.b3)
-    return linear(weights.unit(pre1, pre3), weights.w2, weights.b2).squeeze(1)
+    return weights.ffn(rows.unsqueeze(1), linear).squeeze(1)  # rows as [N, 1, M]

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from flexmoe.experts.chooser import KernelChooser
 from flexmoe.experts.kernels import KERNELS, RULE_KERNEL
 from flexmoe.experts.row_kernels import one_expert_ffn
-from flexmoe.experts.side_by_side import side_by_side_halves, sit_side_by_side
+from flexmoe.experts.side_by_side import side_by_side, side_by_side_halves, sit_side_by_side
 from flexmoe.experts.weights import ExpertWeights
 from flexmoe.validation import check_int, describe_value
 
@@ -330,10 +330,10 @@ class FeedForwardExperts(nn.Module):
         """Keep the ``[..., 2H]`` tensors the gated pairs are the halves of (``gate_up``, ``gate_up_bias``), so
         that a kernel reads them without working the layout out at every call; None where they are not."""
         def joined_of(first: Tensor | None, second: Tensor | None) -> Tensor | None:
-            if first is None or second is None or not sit_side_by_side(first, second):
+            if first is None or second is None:
                 return None
-            shape = (*first.shape[:-1], 2 * first.shape[-1])
-            return first.detach().as_strided(shape, (*first.stride()[:-1], 1), first.storage_offset())
+            with torch.no_grad():  # the plain view of their storage, no autograd function
+                return side_by_side(first, second)
 
         joined = getattr(self, "joined_gate_up", False)
         self.gate_up = joined_of(self.w1, self.w3) if joined else None

@@ -10,8 +10,6 @@ measurement.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -91,7 +89,7 @@ def embedding_bag_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) -
                               mode="sum")
         return out if b is None else out.add_(b.index_select(0, row_expert))
 
-    return _ffn(rows, linear, weights)
+    return weights.ffn(rows, linear)
 
 
 def one_expert_ffn(rows: Tensor, weights: ExpertWeights) -> Tensor:
@@ -101,7 +99,7 @@ def one_expert_ffn(rows: Tensor, weights: ExpertWeights) -> Tensor:
     def matmul(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         out = x @ w.squeeze(0)
         return out if b is None else out + b  # b: [1, out]
-    return _ffn(rows, matmul, weights)
+    return weights.ffn(rows, matmul)
 
 
 def grouped_expert_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) -> Tensor:
@@ -127,7 +125,7 @@ def grouped_expert_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) 
         assert row_expert is not None  # made above whenever the experts have biases
         return out + b.index_select(0, row_expert)
 
-    return _ffn(rows, linear, weights)
+    return weights.ffn(rows, linear)
 
 
 def segmented_expert_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) -> Tensor:
@@ -142,7 +140,7 @@ def looped_expert_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) -
     device. Indexing ``w[e]`` in the loop instead would write each slice's gradient into a full-size zero
     tensor (without autograd that costs nothing: :func:`active_experts_ffn`)."""
     check_counts(rows, counts)
-    outputs = [_ffn(x, _linear, expert) for x, expert in zip(rows.split(counts), weights.per_expert())
+    outputs = [expert.ffn(x, _linear) for x, expert in zip(rows.split(counts), weights.per_expert())
                if x.shape[0]]
     return joined_outputs(outputs, rows, weights.model_dim, weights)
 
@@ -156,7 +154,7 @@ def active_experts_ffn(rows: Tensor, counts: list[int], weights: ExpertWeights) 
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        outputs.append(_ffn(rows[start : start + n], _linear, weights.for_expert(e)))
+        outputs.append(weights.for_expert(e).ffn(rows[start : start + n], _linear))
         start += n
     return joined_outputs(outputs, rows, weights.model_dim, weights)
 
@@ -224,20 +222,7 @@ def padded_expert_ffn(rows: Tensor, weights: ExpertWeights) -> Tensor:
     def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:  # [E, R, in] @ [E, in, out] (+ [E, out])
         return torch.baddbmm(b.unsqueeze(1), x, w) if b is not None else torch.bmm(x, w)
 
-    return _ffn(rows, linear, weights)
-
-
-def _ffn(x: Tensor, linear: Callable[[Tensor, Tensor, Tensor | None], Tensor], weights: ExpertWeights) -> Tensor:
-    """The expert FFN once, whatever ``linear(x, w, b)`` does (one expert's addmm, a grouped GEMM over all
-    experts, a batched matmul over padded ones): ``linear(act(x w1 + b1), w2, b2)``, or with ``w3`` the gated
-    unit (:func:`gated_unit`) of the ``w1`` and ``w3`` projections."""
-    laid_out = weights.laid_out_gate_up(x)
-    if laid_out is not None:  # w1 | w3 side by side: one product over 2H columns
-        gate, up = linear(x, *laid_out).split_with_sizes((weights.hidden, weights.hidden), dim=-1)  # [n, H] each
-        return linear(weights.unit(gate, up), weights.w2, weights.b2)
-    w3 = weights.w3
-    pre3 = linear(x, w3, weights.b3) if w3 is not None else None
-    return linear(weights.unit(linear(x, weights.w1, weights.b1), pre3), weights.w2, weights.b2)
+    return weights.ffn(rows, linear)
 
 
 def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

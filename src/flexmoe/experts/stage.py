@@ -55,7 +55,6 @@ from flexmoe.experts.modules import ExpertOptions, FeedForwardExperts
 from flexmoe.experts.padded_fused_op import padded_fused_experts, use_padded_fused
 from flexmoe.experts.padded_op import layout_op_runs, padded_experts_forward, padded_op_available
 from flexmoe.experts.row_kernels import padded_expert_ffn
-from flexmoe.experts.side_by_side import still_halves_of
 from flexmoe.experts.weights import ExpertWeights
 from flexmoe.parallel.expert_parallel import ParallelSetting
 from flexmoe.parallel.options import ParallelOptions
@@ -338,11 +337,7 @@ class ExpertStage:
             return _combine_padded(out, plan, weighted=not scaled)
         ends = plan.expert_ends
         assert ends is not None  # read_free_plan sets it
-        row_expert = plan.row_expert
-        if weights.dtype == rows.dtype and not torch.is_autocast_enabled(rows.device.type):
-            out = experts_ffn_by_ends(rows, ends, row_expert, weights)  # nothing to cast (in_expert_dtype's case)
-        else:
-            out = self.in_expert_dtype(lambda r: experts_ffn_by_ends(r, ends, row_expert, weights), rows)
+        out = self.in_expert_dtype(lambda r: experts_ffn_by_ends(r, ends, plan.row_expert, weights), rows)
         self._report("rows", "grouped_mm", None, [])  # torch._grouped_mm, its offsets on the device
         if not scaled:
             row_weight = plan.row_weight
@@ -668,7 +663,7 @@ def _host_bound_on_cpu(routing: RoutingOptions, tokens: Tensor, weights: ExpertW
         return True
     # Weights the grouped GEMMs read in place (ungated, or w1 | w3 laid out side by side: no copy per call).
     return rows >= num_experts and values <= CPU_READ_FREE_IN_PLACE_MAX_VALUES and (
-        weights.w3 is None or still_halves_of(weights.gate_up, weights.w1, weights.w3))
+        weights.w3 is None or weights.laid_out_gate_up(tokens) is not None)
 
 
 def _combine_padded(out: Tensor, plan: RoutingPlan, weighted: bool) -> Tensor:

@@ -100,6 +100,25 @@ class ExpertWeights:
         """The hidden activations ``[n, H]`` from the pre-activations ``[n, H]`` (:func:`hidden_unit`)."""
         return hidden_unit(pre1, pre3, self.activation, self.glu_limit)
 
+    def ffn(self, x: Tensor, linear: Callable[[Tensor, Tensor, Tensor | None], Tensor],
+            join: Callable[[Tensor, Tensor], Tensor | None] | None = None) -> Tensor:
+        """The expert FFN once, whatever ``linear(x, w, b)`` does (one expert's addmm, a grouped GEMM over all
+        experts, a batched matmul over padded or gathered weights): ``linear(act(x w1 + b1), w2, b2)``, or with
+        ``w3`` the gated unit (:func:`gated_unit`) of the ``w1`` and ``w3`` projections, by one product over 2H
+        columns where :meth:`laid_out_gate_up` gives ``w1 | w3``, or where ``join(w1, w3)`` makes it (a copy or a
+        view; None: the two run apart)."""
+        laid_out = self.laid_out_gate_up(x)
+        w3, b1, b3 = self.w3, self.b1, self.b3
+        if laid_out is None and join is not None and w3 is not None and (b1 is None) == (b3 is None):
+            gate_up = join(self.w1, w3)  # [E, M, 2H]
+            if gate_up is not None:
+                laid_out = gate_up, None if b1 is None or b3 is None else torch.cat([b1, b3], dim=-1)
+        if laid_out is not None:
+            gate, up = linear(x, *laid_out).split_with_sizes((self.hidden, self.hidden), dim=-1)  # [..., H] each
+            return linear(self.unit(gate, up), self.w2, self.b2)
+        pre3 = linear(x, w3, b3) if w3 is not None else None
+        return linear(self.unit(linear(x, self.w1, b1), pre3), self.w2, self.b2)
+
     def laid_out_gate_up(self, rows: Tensor) -> tuple[Tensor, Tensor | None] | None:
         """``(w1 | w3 [E, M, 2H], b1 | b3 [E, 2H] or None)`` read in place, for a call on ``rows`` that autograd
         does not record, where the gated pair is still the halves of :attr:`gate_up` (and the biases of
