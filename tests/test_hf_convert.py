@@ -209,6 +209,31 @@ def test_gpt_oss_decoding_call_returns_hf_router_scores_without_a_plan(monkeypat
             torch.testing.assert_close(scores, expected[1], **TOL)
 
 
+def test_gpt_oss_picks_hf_routers_experts_where_their_scores_underflow_to_equal() -> None:
+    """HF's GPT-OSS router takes the top-k of the logits: where the softmax of distinct logits underflows to equal
+    zeros, the converted block still picks HF's experts (``select_by="logits"``), on every path, and returns HF's
+    output and router scores."""
+    from flexmoe.apps.bench.hf_blocks import converted_layer
+
+    block = tiny_model("gpt_oss").model.layers[0].mlp
+    with torch.no_grad():
+        block.router.weight.zero_()
+        block.router.bias.copy_(torch.tensor([0.0, -200.0, -400.0, -300.0]))  # softmax: [1, 0, 0, 0]
+    x = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hf_indices = block.router(x.reshape(-1, 16))[2]
+        expected = block(x)
+    assert hf_indices.tolist() == [[0, 1]] * 5
+    for kernel in ("loop", "auto", "grouped_mm"):
+        for grad in (False, True):
+            converted = fh.convert(copy.deepcopy(block), group="single", expert_kernel=kernel)
+            with torch.set_grad_enabled(grad):
+                out, scores = converted(x)
+            assert converted_layer(converted).last_plan.expert_index.tolist() == hf_indices.tolist(), (kernel, grad)
+            torch.testing.assert_close(out, expected[0], **TOL)
+            torch.testing.assert_close(scores, expected[1], **TOL)
+
+
 # ------------------------------------------------------------------------------------------- training
 
 

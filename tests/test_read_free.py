@@ -29,7 +29,7 @@ NATIVE = {
                      num_limited_groups=2, balance="bias", bias_update_rate=0.0, route_scale=2.5, shared_experts=1),
     "qwen2": dict(activation="silu", glu=True, bias=False, normalize_weights=False, shared_experts=1,
                   shared_gate=True),
-    "gpt_oss": dict(activation="silu", glu=True, bias=True, glu_limit=0.5),
+    "gpt_oss": dict(activation="silu", glu=True, bias=True, glu_limit=0.5, select_by="logits"),
 }
 
 
@@ -60,7 +60,8 @@ def _reference(layer: flexmoe.MoELayer, x: Tensor, family: str, capacity_factor:
     bias = layer.expert_bias.double() if layer.expert_bias is not None else torch.zeros(E, dtype=torch.float64)
     choices, weights = [], []
     for t in range(num_tokens):
-        choice = [float(scores[t, e].detach() + bias[e]) for e in range(E)]
+        ranked = logits if opts.get("select_by") == "logits" else scores + bias
+        choice = [float(ranked[t, e].detach()) for e in range(E)]
         groups = opts.get("num_expert_groups")
         if groups:
             size = E // groups
@@ -192,11 +193,13 @@ def test_native_layer_decoding_reads_nothing_and_equals_a_dense_loop(family: str
         _assert_close(got, _reference(layer, x, family, capacity_factor))
 
 
+@pytest.mark.parametrize("family", ["softmax", "gpt_oss"])
 @pytest.mark.parametrize("num_tokens", [64, 3], ids=["grouped", "gathered"])
-def test_dropless_plan_fields_match_the_default_plan(num_tokens: int) -> None:
+def test_dropless_plan_fields_match_the_default_plan(num_tokens: int, family: str) -> None:
     """The read-free plan's deferred fields (rows, slots, choices, counts, losses) are the default eager plan's,
-    also where the call ran on gathered weights without sorting its rows (3 tokens: computed when read)."""
-    layer = _layer("softmax", 0.0)
+    also where the call ran on gathered weights without sorting its rows (3 tokens: computed when read), and
+    where the pick took the logits' top-k (gpt_oss: the scores of all experts computed only when read)."""
+    layer = _layer(family, 0.0)
     default = copy.deepcopy(layer)
     default.expert_stage.experts.kernels.kernel = "auto"  # the CPU's default path: the chooser, host counts
     default.expert_stage.experts.kernels.route = "rows"  # ... the full plan, not the plan-free decoding call
@@ -218,6 +221,11 @@ def test_dropless_plan_fields_match_the_default_plan(num_tokens: int) -> None:
             torch.testing.assert_close(got_value, want_value, msg=field.name)
         elif field.name not in ("expert_ends",):  # the read-free plan's own field (None in the default plan)
             assert got_value == want_value, field.name
+    # Losses read after the call (the scores computed then, under the call's grad mode) pass the same gradient.
+    for plan in (got, want):
+        (plan.aux_loss + plan.z_loss).backward()
+    torch.testing.assert_close(layer.router.weight.grad, default.router.weight.grad)
+    assert layer.router.weight.grad.abs().sum() > 0
 
 
 def test_gathered_rows_run_in_token_order_without_a_sort() -> None:

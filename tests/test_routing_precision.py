@@ -110,3 +110,41 @@ def test_a_router_routing_per_sequence_sees_the_sequences() -> None:
     with torch.no_grad():
         moe(torch.randn(2, 6, M))
     assert router.shapes[-1] == (12, M)
+
+
+@pytest.mark.parametrize("ties", ["lower", "topk"])
+def test_select_by_logits_orders_experts_whose_scores_underflow_to_equal(ties: str) -> None:
+    """GPT-OSS's router ranks the logits: where the softmax of distinct logits underflows to equal zeros, the
+    experts still come in the logits' order, on every path (the eager plan, the read-free plan in training and
+    without autograd, the plan-free decoding call); ranking the scores takes the zeros by the tie rule."""
+    row = torch.tensor([0.0, -400.0, -300.0, -200.0, -350.0, -250.0, -450.0, -150.0])
+    k = 4
+    assert bool((torch.softmax(row, -1)[1:] == 0).all())  # the case: every other score underflowed to 0
+    want = sorted(range(E), key=lambda e: -float(row[e]))[:k]  # [0, 7, 3, 5]
+    for num_tokens in (1, 64):
+        logits = row.repeat(num_tokens, 1)
+        plan = make_plan(logits, k, capacity_factor=0.0, ties=ties, select_by="logits")
+        assert plan.expert_index.tolist() == [want] * num_tokens
+        for kernel in ("auto", "grouped_mm"):
+            for grad in (False, True):
+                moe = MoELayer(M, E, H, k=k, capacity_factor=0.0, router=_FixedLogits(logits), ties=ties,
+                               select_by="logits", expert_kernel=kernel, group="single")
+                with torch.set_grad_enabled(grad):
+                    y = moe(torch.randn(num_tokens, M))
+                assert moe.last_plan.expert_index.tolist() == [want] * num_tokens, (kernel, grad, num_tokens)
+                assert moe.last_plan.weight.tolist() == [[1.0, 0.0, 0.0, 0.0]] * num_tokens
+                assert bool(torch.isfinite(y).all())
+    assert make_plan(row.repeat(3, 1), k, capacity_factor=0.0).expert_index.tolist() == [[0, 1, 2, 3]] * 3
+
+
+def test_select_by_is_checked_against_the_options_it_cannot_serve() -> None:
+    with pytest.raises(ValueError, match="select_by must be 'scores' or 'logits', got 'probs'"):
+        MoELayer(M, E, H, select_by="probs")
+    with pytest.raises(ValueError, match="select_by='logits' cannot be combined with balance='bias'"):
+        MoELayer(M, E, H, select_by="logits", balance="bias")
+    with pytest.raises(ValueError, match="select_by='logits' cannot be combined with num_expert_groups"):
+        MoELayer(M, E, H, select_by="logits", score_func="sigmoid", num_expert_groups=4, num_limited_groups=2)
+    with pytest.raises(ValueError, match="select_by='logits' needs a top-k router"):
+        MoELayer(M, E, H, select_by="logits", router="expert_choice")
+    with pytest.raises(ValueError, match="select_by='logits' cannot be combined with balance='bias'"):
+        make_plan(torch.randn(4, E), 2, capacity_factor=0.0, select_by="logits", selection_bias=torch.zeros(E))

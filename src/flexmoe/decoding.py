@@ -65,8 +65,9 @@ def forward_without_plan(layer: DecodingLayer, tokens: Tensor, routing: RoutingO
                    num_experts=layer.num_experts)
     num_tokens, num_experts = check_logits(logits, k)
     scores = router_scores(logits, routing.score_func)
+    ranked = logits if routing.select_by == "logits" else scores
     expert_index = replayed if replayed is not None else select_experts(
-        scores, k, selection_bias=layer.expert_bias, num_expert_groups=routing.num_expert_groups,
+        ranked, k, selection_bias=layer.expert_bias, num_expert_groups=routing.num_expert_groups,
         num_limited_groups=routing.num_limited_groups, ties=routing.ties)[0]  # [T, k]
     few_pairs = num_tokens * k <= HOST_ORDER_MAX_PAIRS
     if few_pairs:

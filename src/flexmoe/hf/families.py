@@ -246,7 +246,8 @@ class Family:
     "logits" (their own: under autocast the router's linear map makes them bf16; flexmoe then, as HF's Qwen
     routers, takes the softmax in float32 and rounds the weights to bf16, and DeepSeek-V3's sigmoid is bf16),
     "float32" (HF upcasts them first and keeps float32 weights: Mixtral, DeepSeek-V2) or "router" (the router's
-    ``dtype`` attribute: Switch's ``router_dtype``).
+    ``dtype`` attribute: Switch's ``router_dtype``). select_by: what HF's router takes the top-k of ("scores", or
+    "logits": GPT-OSS), the layer's ``select_by``.
     """
 
     name: str
@@ -259,6 +260,7 @@ class Family:
     scaled: bool = False
     score_precision: str = "logits"
     router_logits_at: int = 0
+    select_by: str = "scores"
 
     def score_dtype(self, router: Any) -> torch.dtype | None:
         """The dtype the router's logits are scored in, as HF's block scores them (None: the logits' own)."""
@@ -289,6 +291,7 @@ class Family:
             "aux_loss_type": "all_choices",  # HF's load_balancing_loss_func counts every choice
             "router_dtype": None,  # HF's router runs under the caller's autocast; score_dtype does the rest
             "ties": "topk",  # HF's routers pick with torch.topk, and bf16 logits (autocast) tie often
+            "select_by": self.select_by,
             # HF's grouped_mm experts (its default where torch has _grouped_mm) cast their input to the weights'
             # dtype and call torch._grouped_mm, which autocast does not recast: under autocast they compute in
             # the parameters' dtype; "eager" and "batched_mm" (F.linear, bmm) compute in autocast's.
@@ -411,7 +414,7 @@ FAMILIES: dict[str, Family] = {
     "DeepseekV3MoE": Family("deepseek_v3", shared="shared_experts", score_func="sigmoid", scaled=True),
     "Glm4MoeMoE": Family("glm4_moe", shared="shared_experts", score_func="sigmoid", scaled=True),
     # HF takes the top-k of the logits (the order of their softmax) and a softmax in their dtype over those.
-    "GptOssMLP": Family("gpt_oss", router="router", returns_router_scores=True, normalize=True),
+    "GptOssMLP": Family("gpt_oss", router="router", returns_router_scores=True, normalize=True, select_by="logits"),
     "SwitchTransformersSparseMLP": SwitchFamily("switch_transformers", router="router", score_precision="router",
                                                 router_logits_at=2),
 }

@@ -82,4 +82,5 @@ def build_plan(
                      num_limited_groups=options.num_limited_groups, route_scale=options.route_scale,
                      aux_loss_type=options.aux_loss_type, capacity_per=options.capacity_per,
                      num_sequences=num_sequences, padded=padded, counts_on_device=counts_on_device,
-                     ties=options.ties, expert_index=expert_index, read_free=read_free)
+                     ties=options.ties, select_by=options.select_by, expert_index=expert_index,
+                     read_free=read_free)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from flexmoe.routing.families import check_family_options
-from flexmoe.routing.scores import TIES
+from flexmoe.routing.scores import TIES, check_select_by
 from flexmoe.validation import (
     FLOAT_DTYPES,
     check_choice,
@@ -82,6 +82,11 @@ class RoutingOptions:
     ties: how a top-k router breaks equal scores: "lower" (the lower expert index, the same on every device) or
         "topk" (as ``torch.topk``, which Hugging Face's routers call: a converted model's default, since bf16
         logits under autocast tie often).
+    select_by: what a top-k router ranks to pick a token's k experts: "scores" (default; plus the selection bias,
+        within the group limit) or "logits" (GPT-OSS's router: the top-k of the logits; without ``balance="bias"``
+        or groups). The same experts, save where distinct logits give equal scores (a softmax underflowing to 0,
+        a sigmoid rounding to 1), which "logits" still orders. A softmax router's renormalised weights then need
+        no softmax over all E experts.
     """
 
     k: int = 2
@@ -107,6 +112,7 @@ class RoutingOptions:
     capacity_per: str = "call"
     aux_loss_type: str = "switch"
     ties: str = "lower"
+    select_by: str = "scores"
     # Set per instance by __post_init__ (see static_capacity_factor); ClassVar keeps it out of the fields.
     _capacity_factor_ratio: ClassVar[tuple[int, int]]
 
@@ -166,6 +172,8 @@ class RoutingOptions:
                 raise ValueError(f"second_expert='random' needs a top-k router, got router={router!r}")
             if self.cross_node_share is not None:
                 raise ValueError(f"cross_node_share needs a top-k router, got router={router!r}")
+            if self.select_by != "scores":
+                raise ValueError(f"select_by={self.select_by!r} needs a top-k router, got router={router!r}")
         if self.second_expert == "random" and self.k != 2:
             raise ValueError(f"second_expert='random' is GShard's rule for k=2 (a token's two choices), got k={self.k}")
         check_family_options(
@@ -174,6 +182,7 @@ class RoutingOptions:
             capacity_per=self.capacity_per, aux_loss_type=self.aux_loss_type, cross_node_share=share,
         )
         self._set("route_scale", float(self.route_scale))
+        check_select_by(self.select_by, self.balance == "bias", self.num_expert_groups)
 
     @property
     def needs_sequences(self) -> bool:

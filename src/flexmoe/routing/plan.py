@@ -32,7 +32,7 @@ from torch import Tensor
 from flexmoe.routing.capacity import assign_sequence_slots, assign_slots, kept_counts
 from flexmoe.routing.losses import balance_loss, router_z_loss
 from flexmoe.routing.random_routing import sample_second_expert
-from flexmoe.routing.scores import normalize_topk, routed_weights, router_scores, select_experts, top_k
+from flexmoe.routing.scores import check_select_by, normalize_topk, routed_weights, router_scores, select_experts, top_k
 from flexmoe.routing.topology import TopologyGate
 
 __all__ = ["RoutingPlan", "resolve_capacity", "top_k", "normalize_topk", "assign_slots", "all_finite", "check_logits",
@@ -283,6 +283,7 @@ def make_plan(
     padded: bool = False,
     counts_on_device: bool = False,
     ties: str = "lower",
+    select_by: str = "scores",
     expert_index: Tensor | None = None,
     read_free: bool = False,
 ) -> RoutingPlan:
@@ -303,6 +304,8 @@ def make_plan(
     ``padded``: the padded layout (every expert ``capacity`` rows, no host sync; see :func:`plan_from_pairs`).
     ``counts_on_device``: dropless without a host sync, the counts left on the device (:func:`plan_from_pairs`).
     ``ties``: how equal scores are broken, "lower" (the lower expert index) or "topk" (as ``torch.topk``).
+    ``select_by``: "scores", or "logits": the k best logits are picked (GPT-OSS's router; not with a selection bias
+    or groups, :func:`~flexmoe.routing.scores.check_select_by`).
     ``expert_index``: ``[T, k]`` replayed choices, taken instead of the router's (routing replay,
     :mod:`flexmoe.routing.replay`): the selection bias, the group limit and the topology gate, which only pick,
     are skipped; the weights, the losses and the capacity come from these logits as usual. Not with
@@ -318,7 +321,9 @@ def make_plan(
 
     scores = router_scores(logits, score_func)
     if expert_index is None:
-        expert_index, choice_scores = select_experts(scores, k, selection_bias=selection_bias,
+        check_select_by(select_by, selection_bias is not None, num_expert_groups)
+        ranked = logits if select_by == "logits" else scores
+        expert_index, choice_scores = select_experts(ranked, k, selection_bias=selection_bias,
                                                      num_expert_groups=num_expert_groups,
                                                      num_limited_groups=num_limited_groups, ties=ties,
                                                      read_free=read_free)

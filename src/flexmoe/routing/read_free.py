@@ -31,7 +31,15 @@ from flexmoe.routing.capacity import assign_slots, count_per_expert, sort_pairs_
 from flexmoe.routing.losses import balance_loss, router_z_loss
 from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan, check_logits
-from flexmoe.routing.scores import routed_weights, router_scores, select_experts, softmax_of_chosen, top_k, topk_weights
+from flexmoe.routing.scores import (
+    routed_weights,
+    router_scores,
+    select_experts,
+    softmax_dtype,
+    softmax_of_chosen,
+    top_k,
+    topk_weights,
+)
 
 __all__ = ["PlanSources", "DeferredPlan", "read_free_plan"]
 
@@ -60,16 +68,24 @@ class _Deferred:
 
 class PlanSources:
     """What a read-free plan's deferred fields are computed from, and how (one method per field): the choices
-    ``expert_index`` and weights ``weight`` ``[T, k]``, the scores ``[T, E]`` and logits, under
-    the call's grad mode (a loss read after the call is as differentiable as the eager plan's)."""
+    ``expert_index`` and weights ``weight`` ``[T, k]``, the logits and their scores ``[T, E]`` (None: computed
+    when first needed, for a plan whose pick and weights did without them), under the call's grad mode (a loss
+    read after the call is as differentiable as the eager plan's)."""
 
-    def __init__(self, logits: Tensor, scores: Tensor, expert_index: Tensor, weight: Tensor,
+    def __init__(self, logits: Tensor, scores: Tensor | None, expert_index: Tensor, weight: Tensor,
                  options: RoutingOptions, num_sequences: int | None) -> None:
-        self.logits, self.scores_, self.expert_index, self.weight = logits, scores, expert_index, weight
+        self.logits, self._scores, self.expert_index, self.weight = logits, scores, expert_index, weight
         self.options, self.num_sequences = options, num_sequences
         self.grad_mode = torch.is_grad_enabled()
         self._counts: Tensor | None = None
         self._sorted: tuple[Tensor, Tensor] | None = None
+
+    def all_scores(self) -> Tensor:
+        """The scores ``[T, E]`` of every expert (the call's, or computed now under the call's grad mode)."""
+        if self._scores is None:
+            with torch.set_grad_enabled(self.grad_mode):
+                self._scores = router_scores(self.logits, self.options.score_func)
+        return self._scores
 
     def _sorted_pairs(self) -> tuple[Tensor, Tensor]:
         """``(sorted_expert, by_expert)``, ``[N]`` each (:func:`~flexmoe.routing.capacity.sort_pairs_by_expert`):
@@ -91,34 +107,40 @@ class PlanSources:
             # take reads weight.t() ([k, T]) in its logical order: element p is weight[p % T, p // T], no copy.
             fields["row_weight"] = torch.take(self.weight.t(), by_expert)
         if "expert_ends" not in fields:
-            experts = torch.arange(self.scores_.shape[1], device=sorted_expert.device)
+            experts = torch.arange(self.logits.shape[1], device=sorted_expert.device)
             fields["expert_ends"] = torch.searchsorted(sorted_expert, experts, right=True, out_int32=True)
 
     def slot(self) -> Tensor:
-        return assign_slots(self.expert_index, self.scores_.shape[1], on_device=True)[0]
+        return assign_slots(self.expert_index, self.logits.shape[1], on_device=True)[0]
 
     def row_choice(self) -> Tensor:
         return torch.div(self._sorted_pairs()[1], self.expert_index.shape[0], rounding_mode="floor")
 
     def tokens_per_expert(self) -> Tensor:
         if self._counts is None:  # one tensor for tokens_per_expert and load
-            self._counts = count_per_expert(self.expert_index, self.scores_.shape[1], on_device=True)
+            self._counts = count_per_expert(self.expert_index, self.logits.shape[1], on_device=True)
         return self._counts
 
     load = tokens_per_expert
 
     def aux_loss(self) -> Tensor:
         with torch.set_grad_enabled(self.grad_mode):
-            return balance_loss(self.options.aux_loss_type, self.scores_, self.expert_index,
+            return balance_loss(self.options.aux_loss_type, self.all_scores(), self.expert_index,
                                 score_func=self.options.score_func, num_sequences=self.num_sequences)
 
     def z_loss(self) -> Tensor:
         with torch.set_grad_enabled(self.grad_mode):
             softmax = self.options.score_func == "softmax"
-            return router_z_loss(self.logits, self.scores_ if softmax else None)
+            return router_z_loss(self.logits, self.all_scores() if softmax else None)
 
     def scores(self) -> Tensor:
-        return self.scores_.detach()
+        return self.all_scores().detach()
+
+    def probs_topk(self) -> Tensor:
+        """The chosen experts' scores ``[T, k]``, in the logits' dtype (as the eager plan's)."""
+        with torch.set_grad_enabled(self.grad_mode):
+            chosen = self.all_scores().gather(1, self.expert_index)
+            return chosen if chosen.dtype == self.logits.dtype else chosen.to(self.logits.dtype)
 
 
 class DeferredPlan(RoutingPlan):
@@ -138,7 +160,8 @@ class DeferredPlan(RoutingPlan):
 
 
 # Set on the subclass only: the plain RoutingPlan (the compiled paths trace it) keeps plain attributes.
-_DEFERRED_FIELDS = ("slot", "row_choice", "tokens_per_expert", "load", "aux_loss", "z_loss", "scores")
+_DEFERRED_FIELDS = ("slot", "row_choice", "tokens_per_expert", "load", "aux_loss", "z_loss", "scores",
+                    "probs_topk")
 _ROW_FIELDS = ("row_token", "row_weight", "expert_ends", "row_expert")
 for _name in _DEFERRED_FIELDS + _ROW_FIELDS:
     _field = _Deferred(rows=_name in _ROW_FIELDS)
@@ -155,33 +178,43 @@ def read_free_plan(logits: Tensor, options: RoutingOptions, *, selection_bias: T
     (asynchronously on a GPU)."""
     k = options.k
     num_tokens, num_experts = check_logits(logits, k, read_free=True)
-    scores = router_scores(logits, options.score_func)  # [T, E]
-    floor = options.score_func != "softmax"
-    softmax_of = logits if options.score_func == "softmax" else None
-    if selection_bias is None and options.num_expert_groups is None:
-        # The chosen scores are the top-k's values (the same elements, with their gradient): no gather.
-        chosen, expert_index = top_k(scores, k, options.ties, read_free=True)  # [T, k] each
-        if softmax_of is not None and options.normalize_weights and k > 1:
-            # The same weights as make_plan's, by the same operations (routed_weights).
-            weight = softmax_of_chosen(logits.gather(1, expert_index), scores.dtype, options.route_scale,
-                                       logits.dtype)
-            probs_topk = chosen if chosen.dtype == logits.dtype else chosen.to(logits.dtype)
-        else:
-            probs_topk, weight = topk_weights(chosen, normalize_weights=options.normalize_weights,
-                                              route_scale=options.route_scale, dtype=logits.dtype, floor=floor)
+    softmax = options.score_func == "softmax"
+    renormalised = softmax and options.normalize_weights and k > 1
+    fields: dict[str, Any] = {}  # probs_topk where computed on the way, else deferred
+    if options.select_by == "logits" and renormalised:
+        # GPT-OSS's router: the top-k of the logits, the weights the softmax of those k (their values, with their
+        # gradient). Nothing needs the scores of all E experts: the plan computes them if a loss is read.
+        scores = None
+        chosen_logits, expert_index = top_k(logits, k, options.ties, read_free=True)  # [T, k] each
+        weight = softmax_of_chosen(chosen_logits, softmax_dtype(logits.dtype), options.route_scale, logits.dtype)
     else:
-        expert_index, _ = select_experts(scores, k, selection_bias=selection_bias,
-                                         num_expert_groups=options.num_expert_groups,
-                                         num_limited_groups=options.num_limited_groups, ties=options.ties,
-                                         read_free=True)  # [T, k]
-        probs_topk, weight = routed_weights(scores, expert_index, normalize_weights=options.normalize_weights,
-                                            route_scale=options.route_scale, dtype=logits.dtype, floor=floor,
-                                            softmax_of=softmax_of)
+        scores = router_scores(logits, options.score_func)  # [T, E]
+        ranked = logits if options.select_by == "logits" else scores
+        if selection_bias is None and options.num_expert_groups is None and ranked is scores:
+            # The chosen scores are the top-k's values (the same elements, with their gradient): no gather.
+            chosen, expert_index = top_k(scores, k, options.ties, read_free=True)  # [T, k] each
+            if renormalised:
+                # The same weights as make_plan's, by the same operations (routed_weights).
+                weight = softmax_of_chosen(logits.gather(1, expert_index), scores.dtype, options.route_scale,
+                                           logits.dtype)
+                fields["probs_topk"] = chosen if chosen.dtype == logits.dtype else chosen.to(logits.dtype)
+            else:
+                fields["probs_topk"], weight = topk_weights(
+                    chosen, normalize_weights=options.normalize_weights, route_scale=options.route_scale,
+                    dtype=logits.dtype, floor=not softmax)
+        else:
+            expert_index, _ = select_experts(ranked, k, selection_bias=selection_bias,
+                                             num_expert_groups=options.num_expert_groups,
+                                             num_limited_groups=options.num_limited_groups, ties=options.ties,
+                                             read_free=True)  # [T, k]
+            fields["probs_topk"], weight = routed_weights(
+                scores, expert_index, normalize_weights=options.normalize_weights, route_scale=options.route_scale,
+                dtype=logits.dtype, floor=not softmax, softmax_of=logits if softmax else None)
     plan = DeferredPlan.__new__(DeferredPlan)
     # The fields written straight into the instance: the dataclass __init__ and the fields' descriptors cost a
     # small call measurable host time, and every field below is set (RoutingPlan has no __post_init__).
     plan.__dict__.update(
-        expert_index=expert_index, weight=weight, probs_topk=probs_topk, host_counts=None, host_capacity=None,
+        expert_index=expert_index, weight=weight, host_counts=None, host_capacity=None,
         num_dropped=0, dropped_fraction=0.0, num_skipped=0, kind="topk", padded=False, pair_row=None,
-        sources=PlanSources(logits, scores, expert_index, weight, options, num_sequences))
+        sources=PlanSources(logits, scores, expert_index, weight, options, num_sequences), **fields)
     return plan

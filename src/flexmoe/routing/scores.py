@@ -9,7 +9,8 @@ The layer's top-k routing, step by step (docs/architecture.md, routing contract)
    consecutive experts, a group is rated by the sum of its two best choice scores, only the best
    ``num_limited_groups`` groups stay eligible, :func:`group_limited_mask` (a k larger than the eligible experts
    takes masked ones too, :func:`select_experts`);
-4. the k best eligible choice scores, ties to the lower expert index (:func:`flexmoe.routing.plan.top_k`);
+4. the k best eligible choice scores, ties to the lower expert index (:func:`flexmoe.routing.plan.top_k`), or
+   with ``select_by="logits"`` the k best logits (GPT-OSS: the same order, without a bias or groups);
 5. weights from the unbiased scores of the chosen experts, renormalised over the k (k > 1) when asked, times
    ``route_scale``, :func:`routed_weights`. Renormalised softmax scores are the softmax over the chosen logits
    (every other expert's term cancels), which is how they are computed: one softmax over ``[T, k]`` in place of a
@@ -21,14 +22,30 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["SCORE_FUNCS", "TIES", "top_k", "top_k_by_unique_keys", "normalize_topk", "topk_weights", "router_scores",
-           "group_limited_mask", "select_experts", "routed_weights", "softmax_of_chosen", "check_group_options"]
+__all__ = ["SCORE_FUNCS", "TIES", "SELECT_BY", "check_select_by", "top_k", "top_k_by_unique_keys", "normalize_topk",
+           "topk_weights", "router_scores", "softmax_dtype", "group_limited_mask", "select_experts", "routed_weights",
+           "softmax_of_chosen", "check_group_options"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 # How equal scores are broken: "lower" (the lower expert index, a stable sort: the same on every device and
 # compiled) or "topk" (as torch.topk breaks them, which Hugging Face's routers call: the same choices as theirs on
 # the same device; torch.topk itself promises no order).
 TIES = ("lower", "topk")
+# What a top-k router ranks: the scores (with the selection bias and the group limit), or the logits (GPT-OSS).
+SELECT_BY = ("scores", "logits")
+
+
+def check_select_by(select_by: object, selection_bias: bool, num_expert_groups: object) -> None:
+    """Raise ``ValueError`` unless ``select_by`` is one of :data:`SELECT_BY` and fits the other options: the
+    scores and the logits rank alike (both score functions are increasing), but a selection bias is added to the
+    scores and groups are rated by sums of scores, neither of which the logits' ranking knows."""
+    if select_by not in SELECT_BY:
+        raise ValueError(f"select_by must be 'scores' or 'logits', got {select_by!r}")
+    if select_by == "logits":
+        for name, unfit in (("balance='bias'", selection_bias), ("num_expert_groups", num_expert_groups is not None)):
+            if unfit:
+                raise ValueError(f"select_by='logits' cannot be combined with {name}: it adds to or sums the "
+                                 f"scores, which the logits' ranking leaves out")
 
 
 # From this many scores on, top_k first asks torch.topk (measured on a 2-core AVX2 CPU: [4096, 64] 2.2 ms against
@@ -90,13 +107,18 @@ def normalize_topk(probs_topk: Tensor, normalize: bool, *, floor: bool = True) -
     return probs_topk
 
 
+def softmax_dtype(logits_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a softmax over logits of ``logits_dtype`` is taken in: float32 at least (:func:`router_scores`)."""
+    return torch.float64 if logits_dtype == torch.float64 else torch.float32
+
+
 def router_scores(logits: Tensor, score_func: str = "softmax") -> Tensor:
     """logits: ``[T, E]`` -> scores ``[T, E]``: ``softmax`` over the experts, in float32 at least (bf16 or fp16
     logits are upcast first, as Hugging Face's routers do: rounded probabilities would tie where the logits do
     not), or an elementwise ``sigmoid`` in the logits' dtype."""
     if score_func == "softmax":
         # float32 at least; chosen in Python (torch.promote_types would be one more dispatched operation).
-        return torch.softmax(logits, dim=-1, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        return torch.softmax(logits, dim=-1, dtype=softmax_dtype(logits.dtype))
     if score_func == "sigmoid":
         return torch.sigmoid(logits)
     raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
