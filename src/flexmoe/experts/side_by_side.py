@@ -83,9 +83,10 @@ def still_halves_of(joined: Tensor | None, first: Tensor, second: Tensor) -> boo
     tensor their owner laid them out in: None, never): the same addresses and strides, compared without reading a
     value. What their owner cannot see is checked here: a parameter whose ``.data`` was replaced, or another tensor
     in its place (``torch.func.functional_call``, an adapter). A quick check of a few attributes, where
-    :func:`sit_side_by_side` works the layout out from nothing."""
-    if joined is None or torch.compiler.is_compiling():
-        return False  # dynamo does not trace a comparison of data pointers: a compiled call takes the copy
+    :func:`sit_side_by_side` works the layout out from nothing. Not while compiling (dynamo does not trace a
+    comparison of data pointers): the caller asks ``torch.compiler.is_compiling()`` first, once per call."""
+    if joined is None:
+        return False
     start, shape, half = joined.data_ptr(), first.shape, first.shape[-1]
     return (first.data_ptr() == start and second.data_ptr() == start + half * joined.itemsize
             and shape == second.shape and shape[:-1] == joined.shape[:-1] and 2 * half == joined.shape[-1]

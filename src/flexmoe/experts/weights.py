@@ -98,7 +98,9 @@ class ExpertWeights:
 
     def unit(self, pre1: Tensor, pre3: Tensor | None) -> Tensor:
         """The hidden activations ``[n, H]`` from the pre-activations ``[n, H]`` (:func:`hidden_unit`)."""
-        return hidden_unit(pre1, pre3, self.activation, self.glu_limit)
+        if pre3 is None:
+            return self.activation(pre1)
+        return gated_unit(pre1, pre3, self.activation, self.glu_limit)
 
     def ffn(self, x: Tensor, linear: Callable[[Tensor, Tensor, Tensor | None], Tensor],
             join: Callable[[Tensor, Tensor], Tensor | None] | None = None) -> Tensor:
@@ -114,8 +116,9 @@ class ExpertWeights:
             if gate_up is not None:
                 laid_out = gate_up, None if b1 is None or b3 is None else torch.cat([b1, b3], dim=-1)
         if laid_out is not None:
-            gate, up = linear(x, *laid_out).split_with_sizes((self.hidden, self.hidden), dim=-1)  # [..., H] each
-            return linear(self.unit(gate, up), self.w2, self.b2)
+            hidden = self.w1.shape[-1]
+            gate, up = linear(x, *laid_out).split_with_sizes((hidden, hidden), dim=-1)  # [..., H] each
+            return linear(gated_unit(gate, up, self.activation, self.glu_limit), self.w2, self.b2)
         pre3 = linear(x, w3, b3) if w3 is not None else None
         return linear(self.unit(linear(x, self.w1, b1), pre3), self.w2, self.b2)
 
@@ -125,10 +128,10 @@ class ExpertWeights:
         :attr:`gate_up_bias`, or both absent): one matmul over ``2H`` columns instead of two, no copy. None
         otherwise (ungated, laid out apart, or recorded: the laid-out tensors pass no gradient to w1 and w3)."""
         w3 = self.w3
-        if w3 is None or self.gate_up is None or self.needs_grad(rows):
+        if w3 is None or self.gate_up is None or (torch.is_grad_enabled() and self.needs_grad(rows)):
             return None
-        if not still_halves_of(self.gate_up, self.w1, w3):
-            return None
+        if torch.compiler.is_compiling() or not still_halves_of(self.gate_up, self.w1, w3):
+            return None  # dynamo does not trace still_halves_of: a compiled call takes the copy
         b1, b3 = self.b1, self.b3
         if b1 is None and b3 is None:
             return self.gate_up, None
