@@ -293,8 +293,10 @@ class MoELayer(nn.Module):
             y = stage.run_read_free(tokens, plan, routing, read_free_weights)  # [T, M]
         else:
             y = stage.run(tokens, plan, routing, parallel, pinned, strategy)  # [T, M]
-        if self.shared is not None:
-            y = y + stage.shared_output(tokens, self.shared, self.shared_gate).to(y.dtype)
+        shared = self.shared
+        if shared is not None:
+            shared_y = stage.shared_output(tokens, shared, self.shared_gate)
+            y = y + (shared_y if shared_y.dtype == y.dtype else shared_y.to(y.dtype))
 
         if self.pending_load is not None and self.training and not backward_now:
             # Counted once per forward; a recomputation under activation checkpointing runs inside backward.

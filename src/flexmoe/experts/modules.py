@@ -362,16 +362,19 @@ class FeedForwardExperts(nn.Module):
         object call after call while the parameters are the same objects (a call's host time is spent on such
         reads): each is looked up in ``_parameters``, where ``torch.func.functional_call`` puts its tensors too;
         a parametrized (adapted) parameter is not there, so it is read afresh."""
-        cached, params = self.__dict__.get("_weights"), self._parameters
-        if (cached is not None and cached.w1 is params.get("w1") and cached.w2 is params.get("w2")
-                and cached.w3 is params.get("w3") and cached.b1 is params.get("b1") and cached.b2 is params.get("b2")
-                and cached.b3 is params.get("b3") and cached.activation is self.activation
-                and cached.glu_limit == self.glu_limit and cached.gate_up is self.gate_up
-                and cached.gate_up_bias is self.gate_up_bias):
-            return cached
+        # What the weights depend on, by identity (one tuple of ids, compared at C speed): the parameters as
+        # _parameters holds them now, the unit and the laid-out tensors. The kept weights hold every one of these
+        # objects, so no other object can have one of their ids while they are kept.
+        params = self._parameters
+        key = (*map(id, params.values()), id(self.activation), self.glu_limit, id(self.gate_up),
+               id(self.gate_up_bias))
+        kept = self.__dict__.get("_weights")
+        if kept is not None and kept[0] == key:
+            return kept[1]
         weights = ExpertWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,
                                 self.glu_limit, self.gate_up, self.gate_up_bias)
-        self.__dict__["_weights"] = weights
+        registered = all(t is None or params.get(name) is t for name, t in zip(_WEIGHT_NAMES, weights.tensors()))
+        self.__dict__["_weights"] = (key, weights) if registered else None
         return weights
 
     def ffn_with(self, x: Tensor, counts: list[int], weights: Mapping[str, Tensor | None]) -> Tensor:

@@ -31,5 +31,8 @@ class SharedExpertGate(nn.Module):
 
     def forward(self, tokens: Tensor, shared_output: Tensor) -> Tensor:
         """tokens: ``[T, M]``, shared_output: ``[T, M]`` -> the gated output ``[T, M]`` in shared_output's dtype."""
-        gate = torch.sigmoid(F.linear(tokens, self.weight.to(tokens.dtype)))  # [T, 1]
-        return shared_output * gate.to(shared_output.dtype)
+        weight = self.weight
+        gate = torch.sigmoid(F.linear(tokens, weight if weight.dtype == tokens.dtype else weight.to(tokens.dtype)))
+        # [T, 1]; a cast only where the dtypes differ (a call to .to costs a small call host time even when it
+        # returns its input)
+        return shared_output * (gate if gate.dtype == shared_output.dtype else gate.to(shared_output.dtype))

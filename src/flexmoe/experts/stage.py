@@ -682,9 +682,9 @@ def _combine_padded(out: Tensor, plan: RoutingPlan, weighted: bool) -> Tensor:
 
 def parameter_dtype(module: nn.Module) -> torch.dtype | None:
     """The dtype of ``module``'s first parameter (None without parameters): the built-in experts' ``w1``'s, read
-    from their weights (walking the module tree costs a small call a dozen Python frames), else by that walk."""
+    directly (walking the module tree costs a small call a dozen Python frames), else by that walk."""
     if isinstance(module, FeedForwardExperts):
-        return module.weights().dtype
+        return module.w1.dtype
     for p in module.parameters():
         return p.dtype
     return None
