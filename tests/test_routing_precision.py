@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flexmoe import MoELayer
+from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import make_plan
+from flexmoe.routing.read_free import read_free_plan
 from flexmoe.routing.routers import route
 from flexmoe.routing.scores import router_scores, select_experts, top_k
 
@@ -112,29 +114,39 @@ def test_a_router_routing_per_sequence_sees_the_sequences() -> None:
     assert router.shapes[-1] == (12, M)
 
 
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("ties", ["lower", "topk"])
-def test_select_by_logits_orders_experts_whose_scores_underflow_to_equal(ties: str) -> None:
-    """GPT-OSS's router ranks the logits: where the softmax of distinct logits underflows to equal zeros, the
-    experts still come in the logits' order, on every path (the eager plan, the read-free plan in training and
-    without autograd, the plan-free decoding call); ranking the scores takes the zeros by the tie rule."""
-    row = torch.tensor([0.0, -400.0, -300.0, -200.0, -350.0, -250.0, -450.0, -150.0])
+def test_select_by_logits_orders_experts_whose_scores_are_equal(ties: str, score_func: str) -> None:
+    """select_by="logits" ranks the logits (GPT-OSS's router): where distinct logits give equal scores (a softmax
+    underflowing to 0, a sigmoid rounding to 1), the experts still come in the logits' order, on every path (the
+    eager plan, the read-free plan in training and without autograd, the plan-free decoding call); ranking the
+    scores takes the equal ones by the tie rule."""
+    if score_func == "softmax":
+        row = torch.tensor([0.0, -400.0, -300.0, -200.0, -350.0, -250.0, -450.0, -150.0])
+        tied = torch.softmax(row, -1)[1:]  # every other score underflowed to 0
+        want_weight = [1.0, 0.0, 0.0, 0.0]
+    else:
+        row = torch.tensor([45.0, 20.0, 30.0, 40.0, 25.0, 35.0, 0.0, 50.0])
+        tied = torch.sigmoid(row)[torch.tensor([0, 1, 2, 3, 4, 5, 7])]  # all rounded to 1.0
+        want_weight = [0.25] * 4
     k = 4
-    assert bool((torch.softmax(row, -1)[1:] == 0).all())  # the case: every other score underflowed to 0
-    want = sorted(range(E), key=lambda e: -float(row[e]))[:k]  # [0, 7, 3, 5]
+    assert bool((tied == tied[0]).all())  # the case: distinct logits, equal scores
+    want = sorted(range(E), key=lambda e: -float(row[e]))[:k]
     for num_tokens in (1, 64):
         logits = row.repeat(num_tokens, 1)
-        plan = make_plan(logits, k, capacity_factor=0.0, ties=ties, select_by="logits")
+        plan = make_plan(logits, k, capacity_factor=0.0, ties=ties, select_by="logits", score_func=score_func)
         assert plan.expert_index.tolist() == [want] * num_tokens
         for kernel in ("auto", "grouped_mm"):
             for grad in (False, True):
                 moe = MoELayer(M, E, H, k=k, capacity_factor=0.0, router=_FixedLogits(logits), ties=ties,
-                               select_by="logits", expert_kernel=kernel, group="single")
+                               select_by="logits", score_func=score_func, expert_kernel=kernel, group="single")
                 with torch.set_grad_enabled(grad):
                     y = moe(torch.randn(num_tokens, M))
                 assert moe.last_plan.expert_index.tolist() == [want] * num_tokens, (kernel, grad, num_tokens)
-                assert moe.last_plan.weight.tolist() == [[1.0, 0.0, 0.0, 0.0]] * num_tokens
+                assert moe.last_plan.weight.tolist() == [want_weight] * num_tokens
                 assert bool(torch.isfinite(y).all())
-    assert make_plan(row.repeat(3, 1), k, capacity_factor=0.0).expert_index.tolist() == [[0, 1, 2, 3]] * 3
+    by_scores = make_plan(row.repeat(3, 1), k, capacity_factor=0.0, score_func=score_func).expert_index.tolist()
+    assert by_scores != [want] * 3
 
 
 def test_select_by_is_checked_against_the_options_it_cannot_serve() -> None:
@@ -148,3 +160,6 @@ def test_select_by_is_checked_against_the_options_it_cannot_serve() -> None:
         MoELayer(M, E, H, select_by="logits", router="expert_choice")
     with pytest.raises(ValueError, match="select_by='logits' cannot be combined with balance='bias'"):
         make_plan(torch.randn(4, E), 2, capacity_factor=0.0, select_by="logits", selection_bias=torch.zeros(E))
+    with pytest.raises(ValueError, match="select_by='logits' cannot be combined with a selection bias"):
+        read_free_plan(torch.randn(4, E), RoutingOptions(k=2, capacity_factor=0.0, select_by="logits"),
+                       selection_bias=torch.zeros(E))

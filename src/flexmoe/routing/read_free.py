@@ -178,6 +178,8 @@ def read_free_plan(logits: Tensor, options: RoutingOptions, *, selection_bias: T
     (asynchronously on a GPU)."""
     k = options.k
     num_tokens, num_experts = check_logits(logits, k, read_free=True)
+    if options.select_by == "logits" and selection_bias is not None:
+        raise ValueError("select_by='logits' cannot be combined with a selection bias (balance='bias')")
     softmax = options.score_func == "softmax"
     renormalised = softmax and options.normalize_weights and k > 1
     fields: dict[str, Any] = {}  # probs_topk where computed on the way, else deferred
@@ -212,7 +214,8 @@ def read_free_plan(logits: Tensor, options: RoutingOptions, *, selection_bias: T
                 dtype=logits.dtype, floor=not softmax, softmax_of=logits if softmax else None)
     plan = DeferredPlan.__new__(DeferredPlan)
     # The fields written straight into the instance: the dataclass __init__ and the fields' descriptors cost a
-    # small call measurable host time, and every field below is set (RoutingPlan has no __post_init__).
+    # small call measurable host time, and every field is set below or deferred (RoutingPlan has no
+    # __post_init__).
     plan.__dict__.update(
         expert_index=expert_index, weight=weight, host_counts=None, host_capacity=None,
         num_dropped=0, dropped_fraction=0.0, num_skipped=0, kind="topk", padded=False, pair_row=None,
