@@ -160,6 +160,6 @@ def test_select_by_is_checked_against_the_options_it_cannot_serve() -> None:
         MoELayer(M, E, H, select_by="logits", router="expert_choice")
     with pytest.raises(ValueError, match="select_by='logits' cannot be combined with balance='bias'"):
         make_plan(torch.randn(4, E), 2, capacity_factor=0.0, select_by="logits", selection_bias=torch.zeros(E))
-    with pytest.raises(ValueError, match="select_by='logits' cannot be combined with a selection bias"):
+    with pytest.raises(ValueError, match="select_by='logits' cannot be combined with balance='bias'"):
         read_free_plan(torch.randn(4, E), RoutingOptions(k=2, capacity_factor=0.0, select_by="logits"),
                        selection_bias=torch.zeros(E))

@@ -98,9 +98,7 @@ class ExpertWeights:
 
     def unit(self, pre1: Tensor, pre3: Tensor | None) -> Tensor:
         """The hidden activations ``[n, H]`` from the pre-activations ``[n, H]`` (:func:`hidden_unit`)."""
-        if pre3 is None:
-            return self.activation(pre1)
-        return gated_unit(pre1, pre3, self.activation, self.glu_limit)
+        return hidden_unit(pre1, pre3, self.activation, self.glu_limit)
 
     def ffn(self, x: Tensor, linear: Callable[[Tensor, Tensor, Tensor | None], Tensor],
             join: Callable[[Tensor, Tensor], Tensor | None] | None = None) -> Tensor:
@@ -128,7 +126,7 @@ class ExpertWeights:
         :attr:`gate_up_bias`, or both absent): one matmul over ``2H`` columns instead of two, no copy. None
         otherwise (ungated, laid out apart, or recorded: the laid-out tensors pass no gradient to w1 and w3)."""
         w3 = self.w3
-        if w3 is None or self.gate_up is None or (torch.is_grad_enabled() and self.needs_grad(rows)):
+        if w3 is None or self.gate_up is None or self.needs_grad(rows):
             return None
         if torch.compiler.is_compiling() or not still_halves_of(self.gate_up, self.w1, w3):
             return None  # dynamo does not trace still_halves_of: a compiled call takes the copy

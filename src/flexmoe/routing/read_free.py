@@ -32,6 +32,7 @@ from flexmoe.routing.losses import balance_loss, router_z_loss
 from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import RoutingPlan, check_logits
 from flexmoe.routing.scores import (
+    check_select_by,
     routed_weights,
     router_scores,
     select_experts,
@@ -178,8 +179,8 @@ def read_free_plan(logits: Tensor, options: RoutingOptions, *, selection_bias: T
     (asynchronously on a GPU)."""
     k = options.k
     num_tokens, num_experts = check_logits(logits, k, read_free=True)
-    if options.select_by == "logits" and selection_bias is not None:
-        raise ValueError("select_by='logits' cannot be combined with a selection bias (balance='bias')")
+    if selection_bias is not None:  # the options allow none with select_by="logits"; a caller may pass one
+        check_select_by(options.select_by, True, options.num_expert_groups)
     softmax = options.score_func == "softmax"
     renormalised = softmax and options.normalize_weights and k > 1
     fields: dict[str, Any] = {}  # probs_topk where computed on the way, else deferred
