@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from devices import on_cpu64
@@ -584,3 +585,35 @@ def test_capacity_zero_with_one_pair_drops_it() -> None:
     y.sum().backward()
     assert moe.last_plan is not None and moe.last_plan.num_dropped == 1
     assert torch.equal(y, torch.zeros_like(y)) and x.grad is not None and torch.equal(x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no-grad"])
+def test_a_layer_copies_and_pickles_after_a_call(grad: bool) -> None:
+    """deepcopy (an EMA copy, a frozen copy for evaluation) and pickle work after a call that autograd recorded:
+    the last call's plan and weights, tensors of that call's graph, stay with the original and the copy starts
+    without them. The copy computes what the original computes (a dense loop over tokens, written here)."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    layer = MoELayer(16, 8, 8, k=2, capacity_factor=0.0, glu=True, activation="silu", bias=False)
+    with torch.set_grad_enabled(grad):
+        layer(torch.randn(32, 16))
+    assert layer.last_plan is not None
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        logits = x @ layer.router.weight.t()
+        probs = torch.softmax(logits, -1)
+        want = torch.zeros(5, 16)
+        for t in range(5):
+            top = torch.topk(probs[t], 2).indices.tolist()
+            weight = probs[t, top] / probs[t, top].sum()
+            for w, e in zip(weight, top):
+                h = F.silu(x[t] @ layer.experts.w1[e]) * (x[t] @ layer.experts.w3[e])
+                want[t] += w * (h @ layer.experts.w2[e])
+    for copied in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert copied.last_plan is None and copied.last_weight is None
+        with torch.no_grad():
+            torch.testing.assert_close(copied(x), want, rtol=1e-5, atol=1e-5)
+        assert copied.last_plan is not None
+    assert layer.last_plan is not None and layer.last_weight is not None

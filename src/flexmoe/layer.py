@@ -304,6 +304,11 @@ class MoELayer(nn.Module):
         self._keep_plan(plan, None, plan.weight)
         return (y if y.dtype == x.dtype else y.to(x.dtype)).reshape(x.shape)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The last call's plan and weights record that call (tensors of its autograd graph, which deepcopy refuses
+        # to copy): a copy or a pickle starts without them, as a new layer does, and the original keeps its own.
+        return {**self.__dict__, "_last_plan": None, "_deferred_plan": None, "_last_weight": None}
+
     def _keep_plan(self, plan: RoutingPlan | None, deferred: Callable[[], RoutingPlan] | None,
                    weight: Tensor) -> None:
         """Keep the call's plan (or the function that builds it when first read) for :attr:`last_plan`, and its
