@@ -220,14 +220,15 @@ def check_logits(logits: Tensor, k: int, *, name: str = "logits",
     if read_free or torch.compiler.is_compiling():
         # A traced `if` on a value would end the graph, and reading it stalls the stream; the check runs on the
         # device (a RuntimeError when it fails).
-        # max |x| < inf is False for an infinity and a NaN (max propagates it): three operations, as many as
-        # |x| < inf, then all (isfinite decomposes into five), the comparison made on one value, against a 0-d
-        # tensor (a Python float is wrapped into one at every call): half the host time.
+        # max |x| < inf is False for an infinity and a NaN (the inf-norm propagates it): two operations before
+        # the assert, where isfinite then all take six; max |x| as one reduction (vector_norm), not abs then max,
+        # and the comparison against a 0-d tensor (a Python float is wrapped into one at every call). Each
+        # operation costs a small call 1-2% of its time (docs/performance.md, "tenth pass").
         # Detached only where autograd would record the check (a decoding call skips the operation).
-        # No tokens, no logits to check (max has no value over nothing).
+        # No tokens, no logits to check (the inf-norm has no value over nothing).
         if num_tokens > 0:
             recorded = logits.requires_grad and torch.is_grad_enabled()
-            largest = (logits.detach() if recorded else logits).abs().max()
+            largest = torch.linalg.vector_norm(logits.detach() if recorded else logits, math.inf)
             torch._assert_async(largest.lt(_INFINITY), nonfinite_message)
     elif not all_finite(logits):
         raise ValueError(nonfinite_message)
