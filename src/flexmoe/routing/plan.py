@@ -221,7 +221,7 @@ def check_logits(logits: Tensor, k: int, *, name: str = "logits",
         # A traced `if` on a value would end the graph, and reading it stalls the stream; the check runs on the
         # device (a RuntimeError when it fails).
         # max |x| < inf is False for an infinity and a NaN (the inf-norm propagates it): two operations before
-        # the assert, where isfinite then all take six; max |x| as one reduction (vector_norm), not abs then max,
+        # the assert, where isfinite then all take five; max |x| as one reduction (vector_norm), not abs then max,
         # and the comparison against a 0-d tensor (a Python float is wrapped into one at every call). Each
         # operation costs a small call 1-2% of its time (docs/performance.md, "tenth pass").
         # Detached only where autograd would record the check (a decoding call skips the operation).
