@@ -111,6 +111,22 @@ def test_options_validate_themselves_and_unknown_keywords_fail() -> None:
         moe.routing_options.k = 3  # type: ignore[misc]
 
 
+def test_parameter_dtype_is_checked_by_name() -> None:
+    """dtype given as a string (or an integer dtype) fails naming the argument, where torch.empty's own error
+    names neither; a floating dtype builds parameters of that dtype."""
+    from flexmoe.experts import FeedForwardExperts
+
+    for build in (lambda d: MoELayer(8, 4, 16, dtype=d), lambda d: FeedForwardExperts(4, 8, 16, dtype=d)):
+        with pytest.raises(TypeError, match=r"dtype must be a torch.dtype or None, got str 'bfloat16'; pass "
+                                            r"torch.bfloat16"):
+            build("bfloat16")
+        with pytest.raises(TypeError, match="dtype must be a torch.dtype or None, got int 3"):
+            build(3)
+        with pytest.raises(ValueError, match="dtype must be float64, float32, bfloat16 or float16"):
+            build(torch.int64)
+        assert {p.dtype for p in build(torch.bfloat16).parameters()} == {torch.bfloat16}
+
+
 @pytest.mark.parametrize("value", [0.1, 1.25, 3, -2.5, 1e-300, 5e-324, 1.7976931348623157e308, 2.0 ** 60 + 1])
 def test_constant_float_gives_back_the_same_float(value: float) -> None:
     """The options take each float through its exact integer ratio (so that torch.compile specializes a
