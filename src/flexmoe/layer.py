@@ -207,7 +207,6 @@ class MoELayer(nn.Module):
         self.topology = None if routing.cross_node_share is None else topology_gate(
             self.layout.expert_holders(), self.ep_group.rank, self.ep_group.world_size, parallel.ranks_per_node,
             routing.k, routing.cross_node_share)
-
         self.global_balance = GlobalBalance(num_experts) if routing.aux_loss_type == "global" else None
         self._ep = ExpertParallel(self.ep_group, self.layout, self._built_experts) if self.ep_group.distributed \
             else None
