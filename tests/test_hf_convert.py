@@ -413,6 +413,11 @@ def test_unsupported_blocks_and_models_are_named():
     converted = fh.convert(tiny_model("olmoe"), group="single")
     with pytest.raises(ValueError, match="converted already"):
         fh.convert(converted)
+    for not_a_model in ("mixtral", None):  # a model id, not a model: named, not an AttributeError deep inside
+        with pytest.raises(TypeError, match=f"model must be an nn.Module .*got {type(not_a_model).__name__}"):
+            fh.convert(not_a_model)
+        with pytest.raises(TypeError, match=f"model must be an nn.Module .*got {type(not_a_model).__name__}"):
+            fh.to_hf(not_a_model)
 
 
 def test_bad_options_are_named_and_leave_the_model_untouched():
@@ -423,6 +428,8 @@ def test_bad_options_are_named_and_leave_the_model_untouched():
         fh.convert(model, activation="relu")
     with pytest.raises((ValueError, TypeError), match="capacity_factor"):
         fh.convert(model, capacity_factor="big")
+    with pytest.raises(TypeError, match="group must be a process group, None or 'single', got int"):
+        fh.convert(model, group=2)  # not "torch.distributed is not initialized", which would hide the mistake
     assert not moe_blocks(model)
     assert type(model.model.layers[0].mlp).__name__ == "MixtralSparseMoeBlock"
 

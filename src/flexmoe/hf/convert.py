@@ -86,6 +86,7 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
     with an MoE-looking block of an unsupported class); naming the tensors, when some of Switch's experts are
     frozen and others not (flexmoe holds them all in one tensor).
     """
+    _check_module(model)
     _check_options(options)
     if family_of(model) is not None:
         _refuse_adapters(model, type(model).__name__)
@@ -128,6 +129,7 @@ def to_hf(model: nn.Module) -> nn.Module:
     ``w1`` and ``w3`` of one block (one ``gate_up_proj``) disagree on ``requires_grad``, and when a block carries
     an unmerged adapter (the HF block would drop it: ``merge_and_unload()`` first).
     """
+    _check_module(model)
     if isinstance(model, ConvertedMoeBlock):
         return model.to_hf()
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, ConvertedMoeBlock)]
@@ -178,6 +180,12 @@ def _refuse_adapters(block: nn.Module, where: str) -> None:
                          f"['experts.w1', 'experts.w2', 'experts.w3']), and merge_and_unload() before to_hf "
                          f"(docs/architecture.md, 'Adapters on the experts'). Adapters outside the MoE blocks "
                          f"(attention, embeddings) are kept as they are")
+
+
+def _check_module(model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module (a transformers model or one of its sparse-MoE blocks), got "
+                        f"{type(model).__name__}")
 
 
 def _check_options(options: dict[str, Any]) -> None:

@@ -152,6 +152,8 @@ def resolve_group(group: Any = None) -> ExpertGroup:
         if not initialized:
             return ExpertGroup(None, 0, 1, [0], None)
         group = dist.group.WORLD
+    elif not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"group must be a process group, None or {SINGLE_PROCESS!r}, got {type(group).__name__}")
     elif not initialized:
         raise RuntimeError("MoELayer(group=...) needs torch.distributed to be initialized (init_process_group)")
     world = dist.get_world_size(group)
