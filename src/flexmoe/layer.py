@@ -37,7 +37,7 @@ from flexmoe.routing.routers import build_router, route
 from flexmoe.routing.scores import check_group_options
 from flexmoe.routing.topology import topology_gate
 from flexmoe.tuning.policies import resolve_shadow
-from flexmoe.validation import FLOAT_DTYPES, check_int, check_param_dtype, describe_value
+from flexmoe.validation import FLOAT_DTYPES, check_float_dtype, check_int, describe_value
 
 if TYPE_CHECKING:
     from flexmoe.routing.replay import RoutingTap
@@ -150,7 +150,7 @@ class MoELayer(nn.Module):
         self.model_dim = check_int("model_dim", model_dim, 1)
         self.num_experts = check_int("num_experts", num_experts, 1)
         self.hidden_dim = check_int("hidden_dim", hidden_dim, 1)
-        dtype = check_param_dtype(dtype)
+        dtype = check_float_dtype("dtype", dtype)
         if routing.k > num_experts:
             raise ValueError(f"k must be in [1, num_experts={num_experts}], got {routing.k}")
         check_group_options(num_experts, routing.k, routing.num_expert_groups, routing.num_limited_groups)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 __all__ = ["FLOAT_DTYPES", "check_int", "check_float", "constant_float", "check_optional_int", "check_choice",
-           "check_param_dtype", "describe_value"]
+           "check_float_dtype", "describe_value"]
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -63,18 +63,14 @@ def check_float(name: str, value: object, minimum: float | None = None, maximum:
     return value
 
 
-def check_param_dtype(value: object, name: str = "dtype") -> torch.dtype | None:
-    """``value`` if it is None (the default dtype) or a floating dtype parameters can take (:data:`FLOAT_DTYPES`):
-    a string such as ``"bfloat16"`` would otherwise fail inside ``torch.empty`` without naming the argument."""
-    if value is None:
-        return None
-    if isinstance(value, torch.dtype):
-        if value in FLOAT_DTYPES:
-            return value
-        raise ValueError(f"{name} must be float64, float32, bfloat16 or float16 (or None), got {value}")
+def check_float_dtype(name: str, value: object) -> torch.dtype | None:
+    """``value`` if it is None or one of :data:`FLOAT_DTYPES`; a string such as ``"bfloat16"`` would otherwise fail
+    inside torch without naming the argument."""
+    if value is None or (isinstance(value, torch.dtype) and value in FLOAT_DTYPES):
+        return value
     named = isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)
     hint = f"; pass torch.{value}" if named else ""
-    raise TypeError(f"{name} must be a torch.dtype or None, got {type(value).__name__} {value!r}{hint}")
+    raise TypeError(f"{name} must be a floating dtype or None, got {value!r}{hint}")
 
 
 def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:

@@ -28,7 +28,7 @@ from flexmoe.experts.kernels import KERNELS, RULE_KERNEL
 from flexmoe.experts.row_kernels import one_expert_ffn
 from flexmoe.experts.side_by_side import side_by_side, side_by_side_halves, sit_side_by_side
 from flexmoe.experts.weights import ExpertWeights
-from flexmoe.validation import check_int, check_param_dtype, describe_value
+from flexmoe.validation import check_float_dtype, check_int, describe_value
 
 __all__ = ["ExpertOptions", "FeedForwardExperts", "ExpertsCall", "differentiated_weights", "expert_ffn",
            "check_glu_limit", "resolve_activation", "activation_name", "activation_derivative", "activation_into"]
@@ -223,7 +223,7 @@ class FeedForwardExperts(nn.Module):
         kernels: KernelChooser | None = None,
     ) -> None:
         super().__init__()
-        dtype = check_param_dtype(dtype)
+        dtype = check_float_dtype("dtype", dtype)
         # Which kernel computes each call (measured per case on this machine); see flexmoe.experts.chooser.
         self.kernels = kernels if kernels is not None else KernelChooser.for_options("auto", None)
         self.num_experts = num_experts

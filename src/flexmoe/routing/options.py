@@ -18,9 +18,9 @@ from torch import nn
 from flexmoe.routing.families import check_family_options
 from flexmoe.routing.scores import TIES, check_select_by
 from flexmoe.validation import (
-    FLOAT_DTYPES,
     check_choice,
     check_float,
+    check_float_dtype,
     check_int,
     check_optional_int,
     constant_float,
@@ -121,8 +121,7 @@ class RoutingOptions:
         self._set("capacity_factor", check_float("capacity_factor", self.capacity_factor))
         self._set("_capacity_factor_ratio", self.capacity_factor.as_integer_ratio())
         check_optional_int("capacity", self.capacity, 0)
-        if self.router_dtype is not None and self.router_dtype not in FLOAT_DTYPES:
-            raise TypeError(f"router_dtype must be a floating dtype or None, got {self.router_dtype}")
+        check_float_dtype("router_dtype", self.router_dtype)
         self._set("normalize_weights", bool(self.normalize_weights))
         self._set("batch_prioritized", bool(self.batch_prioritized))
         check_choice("score_at", self.score_at, ("combine", "dispatch"))
