@@ -14,7 +14,8 @@ from torch import Tensor, nn
 import flexmoe.hf
 from flexmoe.apps.bench.hf_blocks import HFShape, build_hf_block, converted_layer
 from flexmoe.apps.bench.host_reads import OpCounter
-from flexmoe.hf.block import HFRouterLogits, direct_logits_of, runs_unobserved
+from flexmoe.hf.block import HFRouterLogits, direct_logits_of
+from flexmoe.module_call import runs_unobserved
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
 TOPK = "aten.topk.default"  # every one of these routers picks its experts by torch.topk

@@ -56,6 +56,7 @@ from flexmoe.experts.padded_fused_op import padded_fused_experts, use_padded_fus
 from flexmoe.experts.padded_op import layout_op_runs, padded_experts_forward, padded_op_available
 from flexmoe.experts.row_kernels import padded_expert_ffn
 from flexmoe.experts.weights import ExpertWeights
+from flexmoe.module_call import call_module
 from flexmoe.parallel.expert_parallel import ParallelSetting
 from flexmoe.parallel.options import ParallelOptions
 from flexmoe.parallel.strategy import AllToAllExperts, ExpertStrategy
@@ -611,10 +612,10 @@ class ExpertStage:
         dtype = parameter_dtype(shared)
         if not torch.is_autocast_enabled(tokens.device.type) and dtype is not None and dtype != rows.dtype:
             rows = rows.to(dtype)  # as for the routed experts: compute in the parameters' dtype
-        out = shared(rows, [num_tokens] * n)  # [n*T, M]
+        out = call_module(shared, rows, [num_tokens] * n)  # [n*T, M]
         if n > 1:  # one shared expert's rows are already the sum
             out = out.view(n, num_tokens, self.model_dim).sum(0)
-        return out if shared_gate is None else shared_gate(tokens, out)
+        return out if shared_gate is None else call_module(shared_gate, tokens, out)
 
     # ---- reports ----------------------------------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torch.nn.modules import module as _torch_module
 from torch.nn.utils import parametrize
 
 from flexmoe.hf.families import Family, experts_implementation, implementation_named_by
@@ -39,6 +38,7 @@ from flexmoe.hf.hf_state import (
     write_hf,
 )
 from flexmoe.layer import MoELayer
+from flexmoe.module_call import call_module, runs_unobserved
 
 __all__ = ["HFRouterLogits", "ConvertedMoeBlock", "build_converted_block", "copied_requires_grad", "adapted_modules",
            "InitWithConvertedBlocks"]
@@ -83,18 +83,6 @@ def direct_logits_of(router: nn.Module) -> Callable[[Any, Tensor], Tensor] | Non
     if "forward" in router.__dict__:
         return None
     return _DIRECT_LOGITS.get((cls.__module__, cls.__qualname__))
-
-
-def runs_unobserved(module: nn.Module) -> bool:
-    """Whether calling ``module`` would run its forward and nothing else: no forward or backward hook on it, no
-    global module hook (``torch.nn.modules.module.register_module_forward_hook``, ...), not compiled by
-    ``module.compile()``; torch's own condition for ``Module.__call__``'s plain path. transformers' output
-    recorders (``output_router_logits=True``, kept once installed) are forward hooks: a hooked router runs."""
-    hooked = (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-              or module._backward_pre_hooks or _torch_module._global_forward_hooks
-              or _torch_module._global_forward_pre_hooks or _torch_module._global_backward_hooks
-              or _torch_module._global_backward_pre_hooks)
-    return not hooked and getattr(module, "_compiled_call_impl", None) is None
 
 
 class HFRouterLogits(nn.Module):
@@ -165,7 +153,7 @@ class ConvertedMoeBlock(nn.Module):
                 f"dropout_rate=0.0)), or run this block in eval mode")
         if not torch.compiler.is_compiling():
             self._say_if_implementation_changed()
-        out = self.moe(hidden_states)
+        out = call_module(self.moe, hidden_states)
         if self.returns_router_scores:
             weight = self.moe.last_weight
             assert weight is not None  # set by the forward just run

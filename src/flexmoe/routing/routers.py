@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flexmoe.module_call import call_module
+
 __all__ = ["LinearRouter", "CosineRouter", "build_router", "route", "check_router_output"]
 
 
@@ -124,7 +126,7 @@ def route(
         h = h * torch.empty_like(h).uniform_(1.0 - jitter, 1.0 + jitter)
     if training and input_dropout > 0:
         h = F.dropout(h, p=input_dropout, training=True)
-    logits = router(h)
+    logits = call_module(router, h)
     if num_experts is not None:
         check_router_output(logits, h, num_experts)
     if logits.dim() != 2:
