@@ -251,7 +251,9 @@ class MoELayer(nn.Module):
         routing, parallel, pinned = call_options(self.routing_options, self.parallel_options, keywords)
         tokens = x.reshape(-1, self.model_dim)  # [T, M]
         num_sequences = num_sequences_of(x, self.model_dim, routing.capacity_per, routing.aux_loss_type)
-        tap, backward_now = self.routing_tap, in_backward()
+        tap = self.routing_tap
+        # Only a tap and a training call's counts ask (the question costs an evaluation call host time).
+        backward_now = (tap is not None or self.training) and in_backward()
         replayed = None if tap is None else tap.replayed(x, self.num_experts, routing.k, backward_now)  # [T, k]
         stage, strategy = self.expert_stage, self.strategy_of(parallel)
         adapted = self.experts is not self._built_experts

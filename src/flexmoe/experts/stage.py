@@ -35,6 +35,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -338,7 +339,7 @@ class ExpertStage:
             return _combine_padded(out, plan, weighted=not scaled)
         ends = plan.expert_ends
         assert ends is not None  # read_free_plan sets it
-        out = self.in_expert_dtype(lambda r: experts_ffn_by_ends(r, ends, plan.row_expert, weights), rows)
+        out = self.in_expert_dtype(experts_ffn_by_ends, rows, ends, plan.row_expert, weights)
         self._report("rows", "grouped_mm", None, [])  # torch._grouped_mm, its offsets on the device
         if not scaled:
             row_weight = plan.row_weight
@@ -356,7 +357,7 @@ class ExpertStage:
         if scaled:
             rows = rows * weight.to(rows.dtype)
         row_expert = plan.expert_index.reshape(-1)
-        out = self.in_expert_dtype(lambda r: experts_ffn_by_row_weights(r, row_expert, weights), rows)
+        out = self.in_expert_dtype(experts_ffn_by_row_weights, rows, row_expert, weights)
         self._report("rows", GATHERED_BMM, None, [])
         if not scaled:
             out = out * (weight if weight.dtype == out.dtype else weight.to(out.dtype))
@@ -581,21 +582,21 @@ class ExpertStage:
         dtype = torch.get_autocast_dtype(device_type) if autocast else experts.w1.dtype
         return all(uses_device_offsets(device_type, dtype, w.shape) for w in (experts.w1, experts.w2))
 
-    def in_expert_dtype(self, run: Callable[[Tensor], Tensor], rows: Tensor) -> Tensor:
-        """``run(rows)`` in the experts' dtype, returned in rows' dtype: a float32 layer fed bf16 activations (or
-        the reverse) computes in its parameters' dtype (under autocast, as autocast says, unless
+    def in_expert_dtype(self, run: Callable[..., Tensor], rows: Tensor, *args: Any) -> Tensor:
+        """``run(rows, *args)`` in the experts' dtype, returned in rows' dtype: a float32 layer fed bf16 activations
+        (or the reverse) computes in its parameters' dtype (under autocast, as autocast says, unless
         ``experts_autocast`` is False: autocast is then off around the experts, which compute in their
         parameters' dtype as without it)."""
         builtin = self.builtin
         expert_dtype = builtin.w1.dtype if builtin is not None else parameter_dtype(self.experts)
         if expert_dtype == rows.dtype and not torch.is_autocast_enabled(rows.device.type):
-            return run(rows)  # the common call: nothing to cast, no autocast to switch off
+            return run(rows, *args)  # the common call: nothing to cast, no autocast to switch off
         if expert_dtype is not None and self._autocast_off(rows):
             with torch.autocast(rows.device.type, enabled=False):
-                return run(rows.to(expert_dtype)).to(rows.dtype)
+                return run(rows.to(expert_dtype), *args).to(rows.dtype)
         if expert_dtype is None or torch.is_autocast_enabled(rows.device.type) or expert_dtype == rows.dtype:
-            return run(rows)
-        return run(rows.to(expert_dtype)).to(rows.dtype)
+            return run(rows, *args)
+        return run(rows.to(expert_dtype), *args).to(rows.dtype)
 
     def _autocast_off(self, rows: Tensor) -> bool:
         """Whether autocast is on for ``rows``' device and ``experts_autocast`` turns it off around the routed

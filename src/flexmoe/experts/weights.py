@@ -140,7 +140,7 @@ class ExpertWeights:
 
     def needs_grad(self, rows: Tensor) -> bool:
         """Whether autograd records an operation on ``rows`` and these weights."""
-        return needs_grad(rows, *self.tensors())
+        return torch.is_grad_enabled() and needs_grad(rows, *self.tensors())
 
     def all_like(self, rows: Tensor) -> bool:
         """Every tensor has the rows' dtype and device."""

@@ -153,9 +153,10 @@ class ConvertedMoeBlock(nn.Module):
                 f"dropout_rate=0.0)), or run this block in eval mode")
         if not torch.compiler.is_compiling():
             self._say_if_implementation_changed()
-        out = call_module(self.moe, hidden_states)
+        moe = self.moe
+        out = call_module(moe, hidden_states)
         if self.returns_router_scores:
-            weight = self.moe.last_weight
+            weight = moe.last_weight
             assert weight is not None  # set by the forward just run
             return out, weight
         return out

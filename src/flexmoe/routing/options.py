@@ -113,8 +113,11 @@ class RoutingOptions:
     aux_loss_type: str = "switch"
     ties: str = "lower"
     select_by: str = "scores"
-    # Set per instance by __post_init__ (see static_capacity_factor); ClassVar keeps it out of the fields.
+    # Set per instance by __post_init__ (see static_capacity_factor); ClassVar keeps them out of the fields.
     _capacity_factor_ratio: ClassVar[tuple[int, int]]
+    # "topk", "expert_choice" or "base": how experts are picked (selection_kind of router). Stored rather than a
+    # property: every call asks, and a property costs a small call host time.
+    selection: ClassVar[str]
 
     def __post_init__(self) -> None:
         check_int("k", self.k, 1)
@@ -128,6 +131,7 @@ class RoutingOptions:
         self._set("jitter", check_float("jitter", self.jitter, 0.0, 1.0))
         self._set("gate_noise", check_float("gate_noise", self.gate_noise, 0.0))
         self._set("router_input_dropout", check_float("router_input_dropout", self.router_input_dropout, 0.0, 1.0))
+        self._set("selection", selection_kind(self.router))
         self._check_selection()
 
     def _check_selection(self) -> None:
@@ -187,11 +191,6 @@ class RoutingOptions:
     def needs_sequences(self) -> bool:
         """Whether routing needs the input's sequences (x ``[B, S, M]``)."""
         return self.capacity_per == "sequence" or self.aux_loss_type == "sequence"
-
-    @property
-    def selection(self) -> str:
-        """"topk", "expert_choice" or "base": how experts are picked (:func:`selection_kind`)."""
-        return selection_kind(self.router)
 
     def describe(self) -> dict[str, Any]:
         """Every field as a value that compares equal across processes (modules by class name)."""

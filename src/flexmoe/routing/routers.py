@@ -131,7 +131,7 @@ def route(
         check_router_output(logits, h, num_experts)
     if logits.dim() != 2:
         logits = logits.reshape(-1, logits.shape[-1])  # [T, E]
-    if dtype is not None:
+    if dtype is not None and logits.dtype != dtype:  # .to costs a small call host time even when it returns logits
         logits = logits.to(dtype)
     if training and gate_noise > 0:
         logits = logits + torch.randn_like(logits) * gate_noise
