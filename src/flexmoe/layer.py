@@ -242,12 +242,12 @@ class MoELayer(nn.Module):
         adapter = self.expert_adapter
         if adapter is not None:
             # The adapter's weights apply only while its forward runs: the whole call runs inside it.
-            return adapter(x, ExpertsCall(partial(self._forward, x, call_options)))
-        return self._forward(x, call_options)
+            return adapter(x, ExpertsCall(partial(self._forward, x, call_options, True)))
+        return self._forward(x, call_options, False)
 
-    def _forward(self, x: Tensor, keywords: dict[str, Any]) -> Tensor:
+    def _forward(self, x: Tensor, keywords: dict[str, Any], adapted: bool) -> Tensor:
         """:meth:`forward` on the experts as they read now (adapted, inside an adapter's call); keywords: the
-        call's options."""
+        call's options; adapted: whether an adapter wraps the experts (:attr:`expert_adapter`)."""
         routing, parallel, pinned = call_options(self.routing_options, self.parallel_options, keywords)
         tokens = x.reshape(-1, self.model_dim)  # [T, M]
         num_sequences = num_sequences_of(x, self.model_dim, routing.capacity_per, routing.aux_loss_type)
@@ -256,7 +256,6 @@ class MoELayer(nn.Module):
         backward_now = (tap is not None or self.training) and in_backward()
         replayed = None if tap is None else tap.replayed(x, self.num_experts, routing.k, backward_now)  # [T, k]
         stage, strategy = self.expert_stage, self.strategy_of(parallel)
-        adapted = self.experts is not self._built_experts
         # The path a GPU takes: no host read in the whole call (docs/architecture.md, "Expert compute").
         read_free_weights = None if replayed is not None else \
             stage.read_free_weights(routing, tokens, self.training, adapted)
