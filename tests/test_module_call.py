@@ -1,6 +1,7 @@
 """flexmoe.module_call: a layer calls its submodules' forward directly only while nothing observes them. Every hook
 a user (or FSDP2, or transformers' output recorders) puts on the router, the shared experts, their gate or the
-layer itself still runs and still changes what it changes."""
+layer itself still runs and still changes what it changes. And flexmoe.autograd_state.autocast_on, the cheaper
+question the layer's call asks about autocast, answers as torch does."""
 
 from __future__ import annotations
 
@@ -74,3 +75,17 @@ def test_a_hook_on_the_router_sees_and_changes_its_logits() -> None:
         torch.testing.assert_close(seen[0], plain)
         lowest = plain.topk(2, dim=-1, largest=False).indices.sort(-1).values
         torch.testing.assert_close(layer.last_plan.expert_index.sort(-1).values, lowest)
+
+
+def test_autocast_on_answers_as_torch_does_for_the_tensors_device() -> None:
+    """autocast_on(t) is torch.is_autocast_enabled(t.device.type), whichever device autocast is on for."""
+    from flexmoe.autograd_state import autocast_on
+
+    t = torch.randn(2, 3)
+    assert autocast_on(t) is False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_on(t) is True and torch.is_autocast_enabled("cpu")
+        with torch.autocast("cpu", enabled=False):
+            assert autocast_on(t) is False
+    assert autocast_on(t) is False
+

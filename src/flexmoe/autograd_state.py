@@ -1,12 +1,13 @@
 """Where autograd is: whether the code running now runs inside a backward pass, or inside anything else that
-records or replays what a call does (activation checkpointing, a dispatch mode)."""
+records or replays what a call does (activation checkpointing, a dispatch mode); and whether autocast is on."""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
-__all__ = ["in_backward", "saved_tensor_hooks_active", "in_plain_call"]
+__all__ = ["in_backward", "saved_tensor_hooks_active", "in_plain_call", "autocast_on"]
 
 
 def in_backward() -> bool:
@@ -33,3 +34,10 @@ def in_plain_call() -> bool:
     checkpointing's cache of op outputs, ``FlopCounterMode``, fake tensors)."""
     return (not torch.compiler.is_compiling() and not in_backward() and not saved_tensor_hooks_active()
             and _len_torch_dispatch_stack() == 0)
+
+
+def autocast_on(t: Tensor) -> bool:
+    """``torch.is_autocast_enabled(t.device.type)``, asked only where autocast is on for some device: a call
+    without autocast (the common one) is told by one flag, without building ``t``'s device and looking its type
+    up by name, which costs a small call measurable host time."""
+    return torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(t.device.type)

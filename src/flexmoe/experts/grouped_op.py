@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flexmoe.autograd_state import autocast_on
 from flexmoe.experts.padded_op import register_op_pair
 from flexmoe.experts.segment_ffn import contiguous_segments, expert_grad_buffer, linear_into, weight_grad_into
 from flexmoe.experts.side_by_side import side_by_side
@@ -195,8 +196,7 @@ def experts_ffn_by_ends(rows: Tensor, expert_ends: Tensor, row_expert: Tensor, w
     counted), expert_ends ``[E]`` int32 the row after each expert's last (the grouped GEMM's offsets, made once
     per call, not per matmul), row_expert ``[N]`` each row's expert (for the biases) -> ``[N, M]``. Under autocast
     the matmuls run in its dtype, as ``torch.mm`` would (``torch._grouped_mm`` is not recast by autocast)."""
-    device_type = rows.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    dtype = torch.get_autocast_dtype(rows.device.type) if autocast_on(rows) else None
 
     def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         if dtype is not None:
@@ -233,8 +233,7 @@ def experts_ffn_by_row_weights(rows: Tensor, row_expert: Tensor, weights: Expert
     own (``bmm`` over N batches of one row; biases by ``baddbmm``): no counts, no offsets, and the backward
     scatters each row's weight gradient into its expert's. Under autocast the matmuls run in its dtype, as
     :func:`experts_ffn_by_ends`' do."""
-    device_type = rows.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    dtype = torch.get_autocast_dtype(rows.device.type) if autocast_on(rows) else None
 
     def linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:  # x: [N, 1, in] -> [N, 1, out]
         w = w.index_select(0, row_expert)  # [N, in, out]

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flexmoe.autograd_state import autocast_on
 from flexmoe.dispatch import SCATTER_MAX_ELEMENTS, combine, dispatch
 from flexmoe.experts.chooser import KernelChooser, choose_fused_route
 from flexmoe.experts.fused import fused_experts, fused_supported
@@ -247,10 +248,11 @@ class ExpertStage:
             return self._decide_read_free(routing, tokens, training, kernels, weights)
         # The answer depends on these alone, and a loop asks again with the same at every step: it is kept, and the
         # checks run when one of them changes (weights: the same object while the parameters are, experts.weights).
-        w1, w2 = weights.w1, weights.w2
-        depends_on = (routing, training, torch.is_grad_enabled(), torch.is_autocast_enabled(tokens.device.type),
-                      tokens.shape[0], tokens.dtype, tokens.device, w1.dtype, w1.device, w1.shape, w2.shape,
-                      kernels.kernel, kernels.route)
+        # (The weights' device is not among them: the checks read the tokens'.)
+        w1, w2, device = weights.w1, weights.w2, tokens.device
+        autocast = autocast_on(tokens)
+        depends_on = (routing, training, torch.is_grad_enabled(), autocast, tokens.shape[0], tokens.dtype, device,
+                      w1.dtype, w1.shape, w2.shape, kernels.kernel, kernels.route)
         kept = self._read_free_decision
         if kept is not None and kept[0] is weights and kept[1] == depends_on:
             return weights if kept[2] else None
@@ -589,7 +591,7 @@ class ExpertStage:
         parameters' dtype as without it)."""
         builtin = self.builtin
         expert_dtype = builtin.w1.dtype if builtin is not None else parameter_dtype(self.experts)
-        if expert_dtype == rows.dtype and not torch.is_autocast_enabled(rows.device.type):
+        if expert_dtype == rows.dtype and not autocast_on(rows):
             return run(rows, *args)  # the common call: nothing to cast, no autocast to switch off
         if expert_dtype is not None and self._autocast_off(rows):
             with torch.autocast(rows.device.type, enabled=False):
@@ -611,7 +613,7 @@ class ExpertStage:
         n, num_tokens = self.options.shared_experts, tokens.shape[0]
         rows = tokens.repeat(n, 1) if n > 1 else tokens  # [n*T, M]: all tokens for shared expert 0, then 1, ...
         dtype = parameter_dtype(shared)
-        if not torch.is_autocast_enabled(tokens.device.type) and dtype is not None and dtype != rows.dtype:
+        if not autocast_on(tokens) and dtype is not None and dtype != rows.dtype:
             rows = rows.to(dtype)  # as for the routed experts: compute in the parameters' dtype
         out = call_module(shared, rows, [num_tokens] * n)  # [n*T, M]
         if n > 1:  # one shared expert's rows are already the sum

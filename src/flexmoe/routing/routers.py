@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flexmoe.autograd_state import autocast_on
 from flexmoe.module_call import call_module
 
 __all__ = ["LinearRouter", "CosineRouter", "build_router", "route", "check_router_output"]
@@ -114,7 +115,7 @@ def route(
     num_experts: the layer's E, which the router's output must match (``[..., E]`` over x's tokens): a ValueError
     naming both shapes otherwise (None: not checked).
     """
-    if dtype is not None and torch.is_autocast_enabled(x.device.type):
+    if dtype is not None and autocast_on(x):
         # The router computes in `dtype` whatever autocast says (entering the context only when autocast is on:
         # it costs a decoding call measurable time).
         with torch.autocast(device_type=x.device.type, enabled=False):
