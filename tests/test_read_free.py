@@ -395,7 +395,8 @@ def test_auto_takes_the_read_free_path_off_the_cpu_and_for_small_training_calls_
                   **options: Any) -> bool:
         options = {"capacity_factor": 0.0, **options}
         layer = flexmoe.MoELayer(M, num_experts, H, k=K, expert_kernel=kernel, dtype=dtype, **options)
-        tokens = SimpleNamespace(device=torch.device(device), shape=(num_tokens, M), dtype=dtype)
+        tokens = SimpleNamespace(device=torch.device(device), is_cpu=device == "cpu", shape=(num_tokens, M),
+                                 dtype=dtype)
         return layer.expert_stage.read_free(layer.routing_options, tokens, training=True)  # type: ignore[arg-type]
 
     assert read_free("auto", torch.bfloat16, "cuda")
@@ -447,11 +448,11 @@ def test_gathered_rows_and_no_grad_read_free_calls_are_bounded_by_size() -> None
     side = 128  # M = H: 16384 values per row
     many = flexmoe.MoELayer(side, 64, side, k=K, capacity_factor=0.0)
     few = flexmoe.MoELayer(side, CPU_READ_FREE_MAX_EXPERTS, side, k=K, capacity_factor=0.0)
-    cpu, most = torch.device("cpu"), GATHER_MAX_VALUES // side**2
+    cpu, most = torch.empty(1, side), GATHER_MAX_VALUES // side**2
     assert 0 < most < 64
     assert gathers_row_weights(cpu, most, many.experts.weights())
     assert not gathers_row_weights(cpu, most + 1, many.experts.weights())
-    assert not gathers_row_weights(torch.device("meta"), 1, many.experts.weights())
+    assert not gathers_row_weights(torch.empty(1, side, device="meta"), 1, many.experts.weights())
     assert not gathers_row_weights(cpu, CPU_READ_FREE_MAX_EXPERTS + 1, few.experts.weights())  # N > E
 
     def read_free(layer: flexmoe.MoELayer, num_tokens: int) -> bool:

@@ -217,13 +217,13 @@ def experts_ffn_by_ends(rows: Tensor, expert_ends: Tensor, row_expert: Tensor, w
 GATHER_MAX_VALUES = 1 << 18
 
 
-def gathers_row_weights(device: torch.device, num_rows: int, weights: ExpertWeights) -> bool:
-    """Whether the read-free path runs :func:`experts_ffn_by_row_weights` for ``num_rows`` rows N on ``device``:
-    on the CPU, with N <= E (the gathered weights are no larger than the weights themselves) and at most
-    :data:`GATHER_MAX_VALUES` values of a weight gathered (N * M * H: the copy must stay small beside the host
-    work it saves). Off the CPU the grouped GEMM reads the active experts' weights in place, where a gather would
-    copy them."""
-    return device.type == "cpu" and num_rows <= weights.num_experts and \
+def gathers_row_weights(tokens: Tensor, num_rows: int, weights: ExpertWeights) -> bool:
+    """Whether the read-free path runs :func:`experts_ffn_by_row_weights` for ``num_rows`` rows N of ``tokens``
+    ``[T, M]`` (their device decides): on the CPU, with N <= E (the gathered weights are no larger than the weights
+    themselves) and at most :data:`GATHER_MAX_VALUES` values of a weight gathered (N * M * H: the copy must stay
+    small beside the host work it saves). Off the CPU the grouped GEMM reads the active experts' weights in place,
+    where a gather would copy them."""
+    return tokens.is_cpu and num_rows <= weights.num_experts and \
         num_rows * weights.model_dim * weights.hidden <= GATHER_MAX_VALUES
 
 

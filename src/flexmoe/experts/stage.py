@@ -325,7 +325,7 @@ class ExpertStage:
         plan: :func:`~flexmoe.routing.read_free.read_free_plan`'s, or the padded plan of ``make_plan(...,
         padded=True, read_free=True)``. weights: :meth:`read_free_weights`' answer."""
         scaled = routing.score_at == "dispatch"
-        if not plan.padded and gathers_row_weights(tokens.device, plan.expert_index.numel(), weights):
+        if not plan.padded and gathers_row_weights(tokens, plan.expert_index.numel(), weights):
             return self._run_on_gathered_weights(tokens, plan, weights, scaled)
         rows = tokens.index_select(0, plan.row_token)  # [N, M] by expert
         if scaled:
@@ -341,7 +341,8 @@ class ExpertStage:
             return _combine_padded(out, plan, weighted=not scaled)
         ends = plan.expert_ends
         assert ends is not None  # read_free_plan sets it
-        out = self.in_expert_dtype(experts_ffn_by_ends, rows, ends, plan.row_expert, weights)
+        out = self.in_expert_dtype(experts_ffn_by_ends, rows, ends, plan.row_expert, weights,
+                                   expert_dtype=weights.w1.dtype)
         self._report("rows", "grouped_mm", None, [])  # torch._grouped_mm, its offsets on the device
         if not scaled:
             row_weight = plan.row_weight
@@ -359,7 +360,8 @@ class ExpertStage:
         if scaled:
             rows = rows * weight.to(rows.dtype)
         row_expert = plan.expert_index.reshape(-1)
-        out = self.in_expert_dtype(experts_ffn_by_row_weights, rows, row_expert, weights)
+        out = self.in_expert_dtype(experts_ffn_by_row_weights, rows, row_expert, weights,
+                                   expert_dtype=weights.w1.dtype)
         self._report("rows", GATHERED_BMM, None, [])
         if not scaled:
             out = out * (weight if weight.dtype == out.dtype else weight.to(out.dtype))
@@ -584,13 +586,16 @@ class ExpertStage:
         dtype = torch.get_autocast_dtype(device_type) if autocast else experts.w1.dtype
         return all(uses_device_offsets(device_type, dtype, w.shape) for w in (experts.w1, experts.w2))
 
-    def in_expert_dtype(self, run: Callable[..., Tensor], rows: Tensor, *args: Any) -> Tensor:
+    def in_expert_dtype(self, run: Callable[..., Tensor], rows: Tensor, *args: Any,
+                        expert_dtype: torch.dtype | None = None) -> Tensor:
         """``run(rows, *args)`` in the experts' dtype, returned in rows' dtype: a float32 layer fed bf16 activations
         (or the reverse) computes in its parameters' dtype (under autocast, as autocast says, unless
         ``experts_autocast`` is False: autocast is then off around the experts, which compute in their
-        parameters' dtype as without it)."""
-        builtin = self.builtin
-        expert_dtype = builtin.w1.dtype if builtin is not None else parameter_dtype(self.experts)
+        parameters' dtype as without it). ``expert_dtype``: that dtype where the caller holds the weights (None:
+        read from the experts)."""
+        if expert_dtype is None:
+            builtin = self.builtin
+            expert_dtype = builtin.w1.dtype if builtin is not None else parameter_dtype(self.experts)
         if expert_dtype == rows.dtype and not autocast_on(rows):
             return run(rows, *args)  # the common call: nothing to cast, no autocast to switch off
         if expert_dtype is not None and self._autocast_off(rows):
@@ -662,7 +667,7 @@ def _host_bound_on_cpu(routing: RoutingOptions, tokens: Tensor, weights: ExpertW
     if torch.is_grad_enabled():
         return True
     values, num_experts = rows * model_dim * weights.hidden, weights.num_experts
-    if gathers_row_weights(tokens.device, rows, weights) or (
+    if gathers_row_weights(tokens, rows, weights) or (
             num_experts <= CPU_READ_FREE_MAX_EXPERTS and values <= CPU_READ_FREE_MAX_NO_GRAD_VALUES):
         return True
     # Weights the grouped GEMMs read in place (ungated, or w1 | w3 laid out side by side: no copy per call).
