@@ -58,6 +58,9 @@ def test_time_calls_runs_each_call_steps_times_in_turn() -> None:
     assert torch.equal(w.grad, torch.full((3,), 24.0))  # 12 backward passes of d(2w)/dw with a gradient of ones
     time_calls({"a": lambda: call("a")}, steps=2, backward=False)
     assert torch.equal(w.grad, torch.full((3,), 24.0)) and order[-2:] == ["a", "a"]
+    del order[:]
+    time_calls({"a": lambda: call("a"), "b": lambda: call("b")}, steps=3, rotate=False)  # each after the other
+    assert order == ["a", "b", "a", "b", "a", "b"] and torch.equal(w.grad, torch.full((3,), 36.0))
 
 
 def test_each_read_names_the_flexmoe_module_it_came_from() -> None:

@@ -82,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "expert_kernel=grouped_mm, flexmoe.apps.bench.host_reads; and the median of --steps timed calls of "
            "each, side by side, their order rotated (x time; x auto: the block converted on the default kernel "
            "choice; x join: converted with joined_gate_up=True; x eval: a no-grad forward in eval mode, default "
-           "choice, a decoding step at T=1) (default: off)")
+           "choice, a decoding step at T=1; x cold, xe cold: x auto and x eval timed with each call right after "
+           "the other's, never after itself, as a block runs between other layers) (default: off)")
     a("--hf-memory-gib", type=POSITIVE, default=1.0,
       help="--hf: skip HF batched_mm where its per-pair weight copies need more than this (default: 1)")
     a("--auto-trials", type=COUNT, default=None,

@@ -119,14 +119,19 @@ def count_call(call: Callable[[], Tensor], backward: bool = True) -> OpCounter:
     return counter
 
 
-def time_calls(calls: dict[str, Callable[[], Tensor]], steps: int, backward: bool = True) -> dict[str, float]:
+def time_calls(calls: dict[str, Callable[[], Tensor]], steps: int, backward: bool = True,
+               rotate: bool = True) -> dict[str, float]:
     """The median seconds of ``steps`` runs of each call (with ``backward``, forward + backward), the calls taken
     in turn within every step (side by side: a slow moment of the machine costs each the same), their order
-    rotated every step so that none always runs first (as :func:`flexmoe.apps.bench.timing.time_side_by_side`)."""
+    rotated every step so that none always runs first (as :func:`flexmoe.apps.bench.timing.time_side_by_side`).
+
+    ``rotate=False`` keeps the order: of two calls, each then always runs right after the other, never after
+    itself, so that neither finds its own code and data still in the CPU's caches (as a block does in a model,
+    between other layers); rotated, a call follows itself every other step."""
     names = list(calls)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for step in range(steps):
-        shift = step % len(names)
+        shift = step % len(names) if rotate else 0
         for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
             out = calls[name]()
@@ -147,7 +152,9 @@ def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), 
     and the block converted with ``joined_gate_up=True`` beside them: ``x_time`` (converted with
     ``expert_kernel``), ``x_time_auto`` and ``x_time_joined`` over HF's time, the CPU proxy of issue 41 where
     only host work counts; and ``x_time_eval``: a no-grad forward of the default conversion in eval mode (a
-    decoding step at T=1) over HF's."""
+    decoding step at T=1) over HF's. ``x_time_cold`` and ``x_time_eval_cold``: the default conversion against
+    HF's block again, training and evaluating, each call right after the other's (``time_calls(...,
+    rotate=False)``: neither finds its own code and data in the CPU's caches)."""
     import copy
 
     import flexmoe.hf
@@ -194,6 +201,14 @@ def count_hf_blocks(families: list[str], *, experts: tuple[int, ...] = (8, 64), 
                         eval_seconds = time_calls({name: calls[name] for name in evaluated}, steps, backward=False)
                     row["eval_seconds"] = eval_seconds
                     row["x_time_eval"] = eval_seconds["converted auto"] / eval_seconds["hf grouped_mm"]
+                    with torch.no_grad():
+                        cold = time_calls({name: calls[name] for name in evaluated}, steps, backward=False,
+                                          rotate=False)
+                    row["x_time_eval_cold"] = cold["converted auto"] / cold["hf grouped_mm"]
+                    for name in evaluated:
+                        blocks[name].train()
+                    cold = time_calls({name: calls[name] for name in evaluated}, steps, rotate=False)
+                    row["x_time_cold"] = cold["converted auto"] / cold["hf grouped_mm"]
                 rows.append(row)
     return rows
 
@@ -202,11 +217,12 @@ def format_counts(rows: list[dict[str, Any]]) -> str:
     """The table of :func:`count_hf_blocks`: ops (forward + backward) and host reads, converted over HF."""
     timed = any("x_time" in r for r in rows)
     lines = [f"{'family':<12} {'E':>4} {'T':>4} {'HF ops':>7} {'reads':>5} {'ours':>6} {'reads':>5} {'x ops':>6}"
-             + (f" {'x time':>6} {'x auto':>6} {'x join':>6} {'x eval':>6}" if timed else "") + "  our host reads"]
+             + (f" {'x time':>6} {'x auto':>6} {'x join':>6} {'x eval':>6} {'x cold':>6} {'xe cold':>7}" if timed
+                else "") + "  our host reads"]
     for r in rows:
         hf, ours = r["hf grouped_mm"], r["converted"]
-        times = f" {r['x_time']:>6.2f} {r['x_time_auto']:>6.2f} {r['x_time_joined']:>6.2f} {r['x_time_eval']:>6.2f}" \
-            if timed else ""
+        times = (f" {r['x_time']:>6.2f} {r['x_time_auto']:>6.2f} {r['x_time_joined']:>6.2f} {r['x_time_eval']:>6.2f}"
+                 f" {r['x_time_cold']:>6.2f} {r['x_time_eval_cold']:>7.2f}") if timed else ""
         lines.append(f"{r['family']:<12} {r['experts']:>4} {r['tokens']:>4} {hf['ops']:>7} {len(hf['host_reads']):>5} "
                      f"{ours['ops']:>6} {len(ours['host_reads']):>5} {r['x_ops']:>6.2f}{times}  "
                      f"{', '.join(ours['host_reads']) or '-'}")
