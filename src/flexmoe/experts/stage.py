@@ -601,14 +601,14 @@ class ExpertStage:
         if expert_dtype is not None and self._autocast_off(rows):
             with torch.autocast(rows.device.type, enabled=False):
                 return run(rows.to(expert_dtype), *args).to(rows.dtype)
-        if expert_dtype is None or torch.is_autocast_enabled(rows.device.type) or expert_dtype == rows.dtype:
+        if expert_dtype is None or autocast_on(rows) or expert_dtype == rows.dtype:
             return run(rows, *args)
         return run(rows.to(expert_dtype), *args).to(rows.dtype)
 
     def _autocast_off(self, rows: Tensor) -> bool:
         """Whether autocast is on for ``rows``' device and ``experts_autocast`` turns it off around the routed
         experts (ExpertOptions)."""
-        return torch.is_autocast_enabled(rows.device.type) and not self.options.experts_autocast
+        return autocast_on(rows) and not self.options.experts_autocast
 
     # ---- the shared experts ---------------------------------------------------------------------------------
 
