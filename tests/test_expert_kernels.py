@@ -413,3 +413,23 @@ def test_loop_with_no_rows_stays_on_the_graph(needs_grad_weights: bool) -> None:
     if needs_grad_weights:
         assert w.w1.grad is not None and torch.equal(w.w1.grad, torch.zeros(2, 4, 5))
         assert w.w2.grad is not None and torch.equal(w.w2.grad, torch.zeros(2, 5, 4))
+
+
+@pytest.mark.parametrize("glu,bias,joined", [(False, True, False), (True, False, False), (True, True, False),
+                                             (True, True, True)])
+def test_weight_names_are_the_experts_parameters_in_the_weights_order(glu: bool, bias: bool, joined: bool) -> None:
+    """WEIGHT_NAMES, the one list every module that gathers, broadcasts or cuts the experts' tensors by name goes
+    through, names ExpertWeights.tensors() in order, the built-in experts' parameters, and the expert-parallel
+    layout's hidden dimensions."""
+    from flexmoe.experts import FeedForwardExperts
+    from flexmoe.experts.weights import WEIGHT_NAMES
+    from flexmoe.parallel.layout import HIDDEN_DIM
+
+    experts = FeedForwardExperts(E, M, H, glu=glu, bias=bias, joined_gate_up=joined)
+    weights = experts.weights()
+    for name, tensor in zip(WEIGHT_NAMES, weights.tensors(), strict=True):
+        assert tensor is getattr(weights, name)
+        assert tensor is getattr(experts, name)
+    assert [n for n, _ in experts.named_parameters()] == \
+        [n for n in ("w1", "w2", "w3", "b1", "b2", "b3") if getattr(experts, n) is not None]
+    assert set(HIDDEN_DIM) == set(WEIGHT_NAMES)

@@ -53,7 +53,7 @@ from flexmoe.experts.kernels import (
     kernel_named,
     supported_kernels,
 )
-from flexmoe.experts.weights import ExpertWeights
+from flexmoe.experts.weights import WEIGHT_NAMES, ExpertWeights
 from flexmoe.version import __version__
 
 __all__ = ["KernelChooser", "choose_fused_route",
@@ -101,8 +101,7 @@ def sampled_call(rows: Tensor, counts: list[int], weights: ExpertWeights,
         total, experts = total + counts[experts], experts + 1
     if experts == len(counts):
         return rows, counts, weights
-    cut = {n: (t[:experts] if t is not None else None) for n, t in zip(("w1", "b1", "w2", "b2", "w3", "b3"),
-                                                                     weights.tensors())}
+    cut = {n: (t[:experts] if t is not None else None) for n, t in zip(WEIGHT_NAMES, weights.tensors())}
     return rows[:total], counts[:experts], weights.with_tensors(**cut)
 
 

@@ -27,13 +27,11 @@ from flexmoe.experts.chooser import KernelChooser
 from flexmoe.experts.kernels import KERNELS, RULE_KERNEL
 from flexmoe.experts.row_kernels import one_expert_ffn
 from flexmoe.experts.side_by_side import side_by_side, side_by_side_halves, sit_side_by_side
-from flexmoe.experts.weights import ExpertWeights
+from flexmoe.experts.weights import WEIGHT_NAMES, ExpertWeights
 from flexmoe.validation import check_float_dtype, check_int, describe_value
 
 __all__ = ["ExpertOptions", "FeedForwardExperts", "ExpertsCall", "differentiated_weights", "expert_ffn",
            "check_glu_limit", "resolve_activation", "activation_name", "activation_derivative", "activation_into"]
-
-_WEIGHT_NAMES = ("w1", "b1", "w2", "b2", "w3", "b3")
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -374,7 +372,7 @@ class FeedForwardExperts(nn.Module):
             return kept[1]
         weights = ExpertWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,
                                 self.glu_limit, self.gate_up, self.gate_up_bias)
-        registered = all(t is None or params.get(name) is t for name, t in zip(_WEIGHT_NAMES, weights.tensors()))
+        registered = all(t is None or params.get(name) is t for name, t in zip(WEIGHT_NAMES, weights.tensors()))
         self.__dict__["_weights"] = (key, weights) if registered else None
         return weights
 
@@ -384,7 +382,7 @@ class FeedForwardExperts(nn.Module):
         expert, counts: ``[E']`` -> ``[N, M]``."""
         if weights.get("w1") is None or weights.get("w2") is None:
             raise ValueError("weights must hold w1 and w2 (b1, b2, w3, b3 may be None)")
-        return expert_ffn(x, counts, self.weights().with_tensors(**{n: weights.get(n) for n in _WEIGHT_NAMES}),
+        return expert_ffn(x, counts, self.weights().with_tensors(**{n: weights.get(n) for n in WEIGHT_NAMES}),
                           self.kernels)
 
     def extra_repr(self) -> str:

@@ -18,7 +18,11 @@ from torch import Tensor
 
 from flexmoe.experts.side_by_side import still_halves_of
 
-__all__ = ["ExpertWeights", "hidden_unit", "gated_unit", "needs_grad"]
+__all__ = ["ExpertWeights", "WEIGHT_NAMES", "hidden_unit", "gated_unit", "needs_grad"]
+
+# The experts' tensors by name, in the order of ExpertWeights.tensors(): the names of the built-in experts'
+# parameters, and the keys every module that gathers, broadcasts or cuts them by name goes through.
+WEIGHT_NAMES: tuple[str, ...] = ("w1", "b1", "w2", "b2", "w3", "b3")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexmoe.experts import FeedForwardExperts, differentiated_weights
+from flexmoe.experts.weights import WEIGHT_NAMES
 from flexmoe.parallel.alltoall import CommStats, Exchange, HostCopy, SplitMatrix, make_exchange, transpose
 from flexmoe.parallel.groups import ExpertGroup
 from flexmoe.parallel.layout import HIDDEN_DIM, ExpertLayout
@@ -42,8 +43,6 @@ from flexmoe.parallel.token_exchange import TokenRoute, exchange_tokens
 from flexmoe.parallel.weights import gather_from_peers, replica_grad
 
 __all__ = ["ParallelSetting", "ExpertParallel", "split_evenly", "permute_rows"]
-
-_PARAMS = ("w1", "b1", "w2", "b2", "w3", "b3")
 
 
 def permute_rows(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
@@ -278,7 +277,7 @@ class ExpertParallel:
         return self.experts
 
     def _local_params(self) -> dict[str, Tensor | None]:
-        return {name: getattr(self.experts, name, None) for name in _PARAMS}
+        return {name: getattr(self.experts, name, None) for name in WEIGHT_NAMES}
 
     @staticmethod
     def _present(params: dict[str, Tensor | None], names: list[str]) -> list[Tensor]:
@@ -304,7 +303,7 @@ class ExpertParallel:
         q = (eg.rank % s) // g  # which of the r hidden pieces this rank computes
         if g > 1:
             base = first + q * g
-            names = [n for n in _PARAMS if n != "b2" and params[n] is not None]
+            names = [n for n in WEIGHT_NAMES if n != "b2" and params[n] is not None]
             shards = gather_from_peers(torch.cat([t.reshape(-1) for t in self._present(params, names)]), eg,
                                        list(range(base, base + g)))
             keep.append(shards[0])
@@ -332,11 +331,11 @@ class ExpertParallel:
         if s > 1 and params["b2"] is not None:
             first = (eg.rank // s) * s
             params["b2"] = replica_grad(params["b2"], eg, list(range(first, first + s)))
-        names = [n for n in _PARAMS if params[n] is not None]
+        names = [n for n in WEIGHT_NAMES if params[n] is not None]
         flats = gather_from_peers(torch.cat([t.reshape(-1) for t in self._present(params, names)]), eg,
                                   list(range(W)))
         per_rank = self._unflatten(names, flats)
-        full: dict[str, Tensor | None] = {n: None for n in _PARAMS}
+        full: dict[str, Tensor | None] = {n: None for n in WEIGHT_NAMES}
         for n in names:
             if s == 1:
                 full[n] = torch.cat(per_rank[n], dim=0)

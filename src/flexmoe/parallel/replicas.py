@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from flexmoe.experts import FeedForwardExperts
+from flexmoe.experts.weights import WEIGHT_NAMES
 from flexmoe.parallel.alltoall import CommStats, Exchange, SplitMatrix, exchange, transpose
 from flexmoe.parallel.expert_parallel import ExpertParallel, ParallelSetting, permute_rows
 from flexmoe.parallel.options import ParallelOptions
@@ -40,9 +41,6 @@ from flexmoe.parallel.placement import (
 
 __all__ = ["ReplicaState", "ReplicatedExperts", "check_replicas_supported", "replace_experts", "replica_slots",
            "placement_record"]
-
-_PARAMS = ("w1", "b1", "w2", "b2", "w3", "b3")
-
 
 class ReplicaState(nn.Module):
     """A layer's replica placement and load window, as buffers (saved with the model, moved with it).
@@ -153,7 +151,7 @@ def fetch_replica_weights(experts: FeedForwardExperts, placement: ReplicaPlaceme
     (None for absent parameters), in slot order. One all-to-all of flat ``[P]`` rows; differentiable, so each copy's
     gradient is summed into its owner's parameters by the backward exchange."""
     world, per_rank = placement.world_size, placement.experts_per_rank
-    names = [n for n in _PARAMS if getattr(experts, n, None) is not None]
+    names = [n for n in WEIGHT_NAMES if getattr(experts, n, None) is not None]
     params = [getattr(experts, n) for n in names]
     sent = [e - me * per_rank for dst in range(world) for e in placement.replicas[dst] if placement.owner(e) == me]
     index = torch.tensor(sent, dtype=torch.long, device=params[0].device)
@@ -166,7 +164,7 @@ def fetch_replica_weights(experts: FeedForwardExperts, placement: ReplicaPlaceme
     by_owner = sorted(range(len(copies)), key=lambda j: (placement.owner(copies[j]), j))
     rows = received.index_select(0, _inverse(torch.tensor(by_owner, dtype=torch.long)).to(received.device))
     pieces = rows.split(sizes, dim=1)
-    out: dict[str, Tensor | None] = {n: None for n in _PARAMS}
+    out: dict[str, Tensor | None] = {n: None for n in WEIGHT_NAMES}
     for n, p, piece in zip(names, params, pieces):
         out[n] = piece.reshape(len(copies), *p.shape[1:])
     return out

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flexmoe.experts import FeedForwardExperts
+from flexmoe.experts.weights import WEIGHT_NAMES
 from flexmoe.parallel.groups import ExpertGroup
 from flexmoe.parallel.layout import ExpertLayout
 
@@ -51,9 +52,6 @@ __all__ = [
     "rows_per_rank",
     "run_shadowed",
 ]
-
-_PARAMS = ("w1", "b1", "w2", "b2", "w3", "b3")
-
 
 # ---------------------------------------------------------------------------------------------- policies
 
@@ -207,12 +205,12 @@ def broadcast_experts(experts: FeedForwardExperts, eg: ExpertGroup, layout: Expe
                       shadowed: list[int]) -> dict[str, Tensor | None]:
     """The weights of the shadowed experts on every rank: name -> ``[S, ...]`` (None for absent parameters),
     in the order of ``shadowed``. Differentiable: gradients go back to the owners' parameters."""
-    names = [n for n in _PARAMS if getattr(experts, n, None) is not None]
+    names = [n for n in WEIGHT_NAMES if getattr(experts, n, None) is not None]
     params = [getattr(experts, n) for n in names]
     flat = _BroadcastExperts.apply(eg, layout, shadowed, *params)  # [S, P]
     # Views of the flat rows (split along dim 1 keeps each expert's piece contiguous): no copies.
     pieces = flat.split([math.prod(p.shape[1:]) for p in params], dim=1)
-    out: dict[str, Tensor | None] = {n: None for n in _PARAMS}
+    out: dict[str, Tensor | None] = {n: None for n in WEIGHT_NAMES}
     for n, p, piece in zip(names, params, pieces):
         out[n] = piece.view(len(shadowed), *p.shape[1:])
     return out
