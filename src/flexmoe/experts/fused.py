@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from flexmoe.autograd_state import autocast_on
 from flexmoe.experts import activation_derivative, activation_into
 from flexmoe.experts.segment_ffn import add_bias_grad, add_weight_grad, addmm_into, expert_grad_buffer, record_unit
 from flexmoe.experts.weights import ExpertWeights, hidden_unit
@@ -285,7 +286,7 @@ def fused_supported(tokens: Tensor, weights: ExpertWeights) -> bool:
     backward), not traced by ``torch.compile``, no autocast, the tokens and every weight in one dtype and device."""
     if not weights.needs_grad(tokens) or torch.compiler.is_compiling():
         return False
-    if torch.is_autocast_enabled(tokens.device.type):
+    if autocast_on(tokens):
         return False
     return weights.all_like(tokens)
 

@@ -135,7 +135,7 @@ def grouped_linear(rows: Tensor, tokens_per_expert: Tensor, w: Tensor, b: Tensor
     w: ``[E, in, out]``, b: ``[E, out]`` or None -> ``[N, out]``. Under autocast the matmuls run in autocast's
     dtype, as ``torch.mm`` would; otherwise rows, w and b must share a dtype."""
     device_type = rows.device.type
-    if torch.is_autocast_enabled(device_type):
+    if autocast_on(rows):
         dtype = torch.get_autocast_dtype(device_type)
         rows, w = rows.to(dtype), w.to(dtype)
         b = None if b is None else b.to(dtype)

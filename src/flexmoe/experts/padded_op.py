@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flexmoe.autograd_state import autocast_on
 from flexmoe.experts import activation_derivative, activation_into, activation_name, resolve_activation
 from flexmoe.experts.row_kernels import padded_expert_ffn
 from flexmoe.experts.segment_ffn import Segment, expert_grad_buffer, linear_into, weight_grad_into
@@ -300,7 +301,7 @@ def layout_op_runs(weights: ExpertWeights, rows: Tensor) -> bool:
     """Whether the op can compute experts of these weights on ``rows``: this torch has the API, the activation is
     one of the named ones (the op receives names, not callables), no autocast."""
     return (padded_op_available() and activation_name(weights.activation) is not None
-            and not torch.is_autocast_enabled(rows.device.type))
+            and not autocast_on(rows))
 
 
 def padded_experts_forward(rows: Tensor, plan: RoutingPlan, weights: ExpertWeights) -> Tensor:

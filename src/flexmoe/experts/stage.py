@@ -371,9 +371,8 @@ class ExpertStage:
         """The dtype the experts' matmuls run in: autocast's where it is on for them, else the parameters'."""
         experts = self.builtin
         assert experts is not None
-        device_type = tokens.device.type
-        if torch.is_autocast_enabled(device_type) and self.options.experts_autocast:
-            return torch.get_autocast_dtype(device_type)
+        if autocast_on(tokens) and self.options.experts_autocast:
+            return torch.get_autocast_dtype(tokens.device.type)
         return experts.w1.dtype
 
     # ---- a call's route -------------------------------------------------------------------------------------
@@ -582,7 +581,7 @@ class ExpertStage:
         if experts is None:
             return False
         device_type = rows.device.type
-        autocast = torch.is_autocast_enabled(device_type) and self.options.experts_autocast
+        autocast = autocast_on(rows) and self.options.experts_autocast
         dtype = torch.get_autocast_dtype(device_type) if autocast else experts.w1.dtype
         return all(uses_device_offsets(device_type, dtype, w.shape) for w in (experts.w1, experts.w2))
 
@@ -661,7 +660,7 @@ def _host_bound_on_cpu(routing: RoutingOptions, tokens: Tensor, weights: ExpertW
     num_tokens, model_dim = tokens.shape
     rows = num_tokens * routing.k
     if rows > CPU_READ_FREE_MAX_ROWS or torch.compiler.is_compiling() or tokens.dtype != torch.float32 \
-            or weights.w1.dtype != torch.float32 or torch.is_autocast_enabled("cpu") or routing.capacity is not None \
+            or weights.w1.dtype != torch.float32 or autocast_on(tokens) or routing.capacity is not None \
             or routing.static_capacity_factor != 0:
         return False
     if torch.is_grad_enabled():

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from flexmoe.autograd_state import autocast_on
 from flexmoe.experts import FeedForwardExperts, differentiated_weights
 from flexmoe.experts.weights import WEIGHT_NAMES
 from flexmoe.parallel.alltoall import CommStats, Exchange, HostCopy, SplitMatrix, make_exchange, transpose
@@ -204,7 +205,7 @@ class ExpertParallel:
             return False
         w1 = self._builtin_experts().w1
         return (w1.dtype == tokens.dtype and w1.device == tokens.device
-                and not torch.is_autocast_enabled(tokens.device.type))
+                and not autocast_on(tokens))
 
     def run_tokens(self, tokens: Tensor, row_token: Tensor, row_weight: Tensor, counts: list[int] | Tensor,
                    setting: ParallelSetting, route: TokenRoute | None = None) -> Tensor:
