@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from flexmoe import MoELayer
+from flexmoe.experts import FeedForwardExperts
 from flexmoe.experts.chooser import KernelChooser, _versions
 from flexmoe.experts.kernels import KERNELS, RULE_KERNEL, KernelCase, kernel_named, supported_kernels
-from flexmoe.experts.weights import ExpertWeights
+from flexmoe.experts.weights import WEIGHT_NAMES, ExpertWeights
+from flexmoe.parallel.layout import HIDDEN_DIM
 
 E, M, H = 4, 8, 16
 COUNTS = {"mixed, empty experts": [3, 0, 5, 2], "one expert": [0, 0, 7, 0], "no rows": [0, 0, 0, 0]}
@@ -421,10 +423,6 @@ def test_weight_names_are_the_experts_parameters_in_the_weights_order(glu: bool,
     """WEIGHT_NAMES, the one list every module that gathers, broadcasts or cuts the experts' tensors by name goes
     through, names ExpertWeights.tensors() in order, the built-in experts' parameters, and the expert-parallel
     layout's hidden dimensions."""
-    from flexmoe.experts import FeedForwardExperts
-    from flexmoe.experts.weights import WEIGHT_NAMES
-    from flexmoe.parallel.layout import HIDDEN_DIM
-
     experts = FeedForwardExperts(E, M, H, glu=glu, bias=bias, joined_gate_up=joined)
     weights = experts.weights()
     for name, tensor in zip(WEIGHT_NAMES, weights.tensors(), strict=True):

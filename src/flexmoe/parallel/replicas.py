@@ -42,6 +42,7 @@ from flexmoe.parallel.placement import (
 __all__ = ["ReplicaState", "ReplicatedExperts", "check_replicas_supported", "replace_experts", "replica_slots",
            "placement_record"]
 
+
 class ReplicaState(nn.Module):
     """A layer's replica placement and load window, as buffers (saved with the model, moved with it).
 
