@@ -101,8 +101,13 @@ def train_parallel(model: GPT, rank: int, steps: int) -> tuple[list[float], torc
 def expected_shard(ref: GPT, name: str, ep: int, ep_rank: int, grad: bool = False) -> torch.Tensor:
     """What this rank's expert-parallel group member holds of reference parameter ``name`` (all of it, for a
     non-expert parameter), or of its gradient."""
-    p = dict(ref.named_parameters())[name]
-    want = (p.grad if grad else p).detach()
+    from flexmoe.experts.modules import joined_parameter_halves
+
+    tensors = {n: (p.grad if grad else p) for n, p in ref.named_parameters()}
+    for joined, halves in joined_parameter_halves(ref).items():  # the one process's gate_up by its halves
+        whole = tensors.pop(joined)
+        tensors.update(zip(halves, (None, None) if whole is None else whole.chunk(2, dim=-1)))
+    want = tensors[name].detach()
     if ".experts." not in name:
         return want
     layer_name, param = name.rsplit(".experts.", 1)

@@ -130,8 +130,8 @@ def _check_converted_model(rank: int, world: int) -> list[str]:
     experts_per_rank = 4 // world
     mine = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
     torch.manual_seed(2)
-    single = _lora(fh.convert(copy.deepcopy(ref), group="single"), ["experts.w1", "experts.w2", "experts.w3"])
-    sharded = _lora(fh.convert(copy.deepcopy(ref)), ["experts.w1", "experts.w2", "experts.w3"])
+    single = _lora(fh.convert(copy.deepcopy(ref), group="single"), ["experts.gate_up", "experts.w2"])
+    sharded = _lora(fh.convert(copy.deepcopy(ref)), ["experts.gate_up", "experts.w2"])
     _copy_factor_slices(single, sharded, mine)
     ids = batches(world, seed=14)[rank]
     with torch.no_grad():

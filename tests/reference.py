@@ -299,6 +299,9 @@ def reference_for_layer(
         raise ValueError(f"unknown router {router!r}")
     if expert is None:
         expert_params = {n.split(".", 1)[1]: p for n, p in params.items() if n.startswith("experts.")}
+        for joined, (first, second) in (("gate_up", ("w1", "w3")), ("gate_up_bias", ("b1", "b3"))):
+            if joined in expert_params:  # joined experts hold the gated pair as one parameter: w1 | w3
+                expert_params[first], expert_params[second] = expert_params.pop(joined).chunk(2, dim=-1)
         expert_fn = ref_ffn_expert(expert_params, activation, glu)
     else:
         expert_fn = expert(params)

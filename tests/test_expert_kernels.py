@@ -421,13 +421,16 @@ def test_loop_with_no_rows_stays_on_the_graph(needs_grad_weights: bool) -> None:
                                              (True, True, True)])
 def test_weight_names_are_the_experts_parameters_in_the_weights_order(glu: bool, bias: bool, joined: bool) -> None:
     """WEIGHT_NAMES, the one list every module that gathers, broadcasts or cuts the experts' tensors by name goes
-    through, names ExpertWeights.tensors() in order, the built-in experts' parameters, and the expert-parallel
+    through, names ExpertWeights.tensors() in order, the built-in experts' state dict (their parameters; joined
+    experts register gate_up in place of w1 | w3, gate_up_bias in place of b1 | b3), and the expert-parallel
     layout's hidden dimensions."""
     experts = FeedForwardExperts(E, M, H, glu=glu, bias=bias, joined_gate_up=joined)
     weights = experts.weights()
     for name, tensor in zip(WEIGHT_NAMES, weights.tensors(), strict=True):
         assert tensor is getattr(weights, name)
         assert tensor is getattr(experts, name)
-    assert [n for n, _ in experts.named_parameters()] == \
-        [n for n in ("w1", "w2", "w3", "b1", "b2", "b3") if getattr(experts, n) is not None]
+    present = [n for n in ("w1", "w2", "w3", "b1", "b2", "b3") if getattr(experts, n) is not None]
+    assert list(experts.state_dict()) == present
+    joined_names = {"w1": "gate_up", "w3": "gate_up", "b1": "gate_up_bias", "b3": "gate_up_bias"} if joined else {}
+    assert [n for n, _ in experts.named_parameters()] == list(dict.fromkeys(joined_names.get(n, n) for n in present))
     assert set(HIDDEN_DIM) == set(WEIGHT_NAMES)

@@ -74,9 +74,10 @@ CASES: list[tuple[Scenario, Callable[[list[dict]], None] | None]] = [
     *[(Scenario("evaluation", w, "evaluation (eval, no grad) where one rank's tokens overflow an expert and the "
                 "others' do not: the ranks run the same exchanges and each output equals one process", timeout=120),
        _many_cases(12)) for w in (2, 4)],
-    (Scenario("joined_gate_up", 2, "gated experts with joined_gate_up keep their layout on every rank and equal one "
-              "process (outputs, input, router and global expert gradients; dropless and capacity; tokens and rows)"),
-     _many_cases(6)),
+    (Scenario("joined_gate_up", 2, "gated experts with joined_gate_up hold gate_up on every rank (whole experts or a "
+              "hidden shard) and equal one process (outputs, input, router and global expert gradients; dropless "
+              "and capacity; tokens and rows)"),
+     _many_cases(8)),
     (Scenario("auto", 2, "parallel='auto' chooses one setting on every rank and stays exact"), _auto_agrees),
     (Scenario("ddp", 2, "a 2-rank DDP step equals the single-process step on the global batch"), None),
     (Scenario("mismatch", 2, "a mismatched config fails on every rank naming the option and the rank"), None),

@@ -10,6 +10,7 @@ here. Every adapter that flexmoe would drop or bypass must be an error.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -26,7 +27,9 @@ from test_decoding import count_calls  # noqa: E402
 from test_hf_convert import TOL, batches, moe_blocks, tiny_model  # noqa: E402
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
-EXPERT_TARGETS = ["experts.w1", "experts.w2", "experts.w3"]  # flexmoe's expert tensors, as documented
+EXPERT_TARGETS = ["experts.w1", "experts.w2", "experts.w3"]  # a flexmoe layer's expert tensors, as documented
+# A converted block's: its gated pair is one parameter, gate_up (HF's gate_up_proj), as documented.
+CONVERTED_TARGETS = ["experts.gate_up", "experts.w2"]
 HF_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]  # HF's, as PEFT users write them for an HF model
 
 
@@ -61,7 +64,12 @@ def lora_deltas(peft_model: nn.Module, factors: dict[str, torch.Tensor]) -> dict
             delta = delta.transpose(1, 2)
         # The nested wrappers' names end in "moe.experts(.base_layer)*": the block's path is what comes before.
         path = name.removeprefix("base_model.model.").rpartition("experts")[0].removesuffix("moe.").removesuffix(".")
-        deltas.setdefault(path, {})[module.parameter_name] = delta * module.scaling["default"]
+        delta = delta * module.scaling["default"]
+        if module.parameter_name == "gate_up":  # [E, M, 2H]: the deltas of its halves, w1 and w3
+            half = delta.shape[-1] // 2
+            deltas.setdefault(path, {}).update(w1=delta[..., :half], w3=delta[..., half:])
+        else:
+            deltas.setdefault(path, {})[module.parameter_name] = delta
     return deltas
 
 
@@ -90,7 +98,7 @@ def hf_params_with(ref: nn.Module, deltas: dict[str, dict[str, torch.Tensor]]) -
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_on_experts_gives_hf_logits_and_gradients_with_the_delta_added(family):
     ref = tiny_model(family)
-    model = lora(fh.convert(copy.deepcopy(ref), group="single"), EXPERT_TARGETS, random_b=True)
+    model = lora(fh.convert(copy.deepcopy(ref), group="single"), CONVERTED_TARGETS, random_b=True)
     ids = batches(1, seed=5)[0]
     got = model(ids, labels=ids)
     got.loss.backward()
@@ -116,7 +124,7 @@ def test_lora_on_experts_gives_hf_logits_and_gradients_with_the_delta_added(fami
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_on_experts_trains_merges_and_exports(family, tmp_path):
-    model = lora(fh.convert(tiny_model(family), group="single"), EXPERT_TARGETS, random_b=False)
+    model = lora(fh.convert(tiny_model(family), group="single"), CONVERTED_TARGETS, random_b=False)
     frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
     ids = batches(1, seed=6)[0]
     with torch.no_grad():
@@ -159,14 +167,14 @@ def test_lora_on_experts_trains_merges_and_exports(family, tmp_path):
 def test_an_adapter_checkpoint_of_a_converted_model_loads_back(tmp_path):
     """PEFT's own adapter checkpoint (``save_pretrained`` of the PeftModel: the LoRA factors under flexmoe's
     module names) loads onto a freshly converted model and gives HF's logits with the deltas added by hand."""
-    model = lora(fh.convert(tiny_model("qwen3_moe"), group="single"), EXPERT_TARGETS, random_b=True)
+    model = lora(fh.convert(tiny_model("qwen3_moe"), group="single"), CONVERTED_TARGETS, random_b=True)
     model.save_pretrained(tmp_path)
     loaded = peft.PeftModel.from_pretrained(fh.convert(tiny_model("qwen3_moe"), group="single"), tmp_path).eval()
     ref = tiny_model("qwen3_moe").eval()
     ids = batches(1, seed=9)[0]
     with torch.no_grad():
         factors = {name: p for name, p in loaded.named_parameters() if "lora_" in name}
-        assert len(factors) == 2 * 3 * 2  # A and B, three tensors, two layers
+        assert len(factors) == 2 * 2 * 2  # A and B, two tensors, two layers
         expected = torch.func.functional_call(ref, hf_params_with(ref, lora_deltas(loaded, factors)), (ids,))
         assert float((expected.logits - ref(ids).logits).abs().max()) > 0.05
         torch.testing.assert_close(loaded(ids).logits, expected.logits, **TOL)
@@ -177,14 +185,14 @@ def test_the_state_dict_of_an_unmerged_adapter_model_keeps_hfs_names_for_the_bas
     router tensors (the unadapted weights, from below PEFT's wrapper) beside the adapter's factors, and no
     flexmoe-internal name of a base weight."""
     ref = tiny_model("mixtral")
-    model = lora(fh.convert(copy.deepcopy(ref), group="single"), EXPERT_TARGETS, random_b=True)
+    model = lora(fh.convert(copy.deepcopy(ref), group="single"), CONVERTED_TARGETS, random_b=True)
     state = model.state_dict()
     expected = {f"base_model.model.{key}": value for key, value in ref.state_dict().items()}
     base = {key: value for key, value in state.items() if "lora_" not in key}
     assert sorted(base) == sorted(expected)
     for key, value in expected.items():
         torch.testing.assert_close(base[key], value, rtol=0, atol=0)
-    assert sum("lora_" in key for key in state) == 2 * 3 * 2  # A and B, three tensors, two layers
+    assert sum("lora_" in key for key in state) == 2 * 2 * 2  # A and B, two tensors, two layers
 
 
 def test_lora_on_the_shared_experts_and_router_of_a_converted_model_applies():
@@ -418,3 +426,19 @@ def test_lora_on_experts_over_two_ranks_matches_one_process():
     failures = [f"rank {r.value['rank']}: {f}" for r in ranks for f in r.value["failures"]]
     assert not failures, "\n".join(failures)
     assert [r.value["rank"] for r in ranks] == [0, 1]
+
+
+def test_lora_targeting_w1_w3_of_a_converted_model_warns_that_gate_up_is_the_parameter():
+    """A converted block's gated pair is one parameter, gate_up: the plain experts' targets experts.w1 and
+    experts.w3 match nothing (PEFT adapts only experts.w2 and says nothing), so the first call warns, naming the
+    target that works; with gate_up targeted no such warning."""
+    ids = batches(1, seed=3)[0]
+    for targets, warns in ((EXPERT_TARGETS, True), (CONVERTED_TARGETS, False)):
+        model = lora(fh.convert(tiny_model("mixtral"), group="single"), targets, random_b=True)
+        adapted = {m.parameter_name for m in model.modules() if isinstance(m, peft.tuners.lora.layer.ParamWrapper)}
+        assert adapted == ({"w2"} if warns else {"gate_up", "w2"})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(ids)
+        messages = [str(w.message) for w in caught if "target 'experts.gate_up'" in str(w.message)]
+        assert bool(messages) == warns, messages

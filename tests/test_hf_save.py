@@ -264,7 +264,14 @@ def test_switch_experts_frozen_one_by_one_are_refused():
 
 
 def test_to_hf_refuses_w1_and_w3_frozen_apart():
-    model = fh.convert(tiny_model("mixtral"), group="single")
+    """Converted blocks hold w1 and w3 as one parameter, gate_up (one flag, as HF's gate_up_proj): a half cannot be
+    frozen alone. Laid apart (joined_gate_up=False) they can, and to_hf refuses to merge different flags."""
+    joined = fh.convert(tiny_model("mixtral"), group="single").model.layers[1].mlp.moe.experts
+    with pytest.raises(RuntimeError, match="leaf"):
+        joined.w1.requires_grad_(False)
+    joined.gate_up.requires_grad_(False)
+    assert not joined.w1.requires_grad and not joined.w3.requires_grad
+    model = fh.convert(tiny_model("mixtral"), group="single", joined_gate_up=False)
     model.model.layers[1].mlp.moe.experts.w1.requires_grad_(False)
     with pytest.raises(ValueError, match=r"moe\.experts\.w1 \(requires_grad=False\) and moe\.experts\.w3 "
                                          r"\(requires_grad=True\) are one HF tensor, experts\.gate_up_proj"):

@@ -325,7 +325,11 @@ def _record_and_step(model: Any, optimizer: torch.optim.Optimizer, report: dict,
                      keep: Callable[[torch.Tensor], Any]) -> None:
     """After a step's backward: append every gradient and the selection biases after their update to ``report``
     (each as ``keep(tensor)``), then the optimizer's step."""
-    report["grads"].append({n: keep(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for name in [n for n in grads if n.endswith(".gate_up")]:  # one process's joined pair, by its halves' names
+        gate_up, prefix = grads.pop(name), name[:-len("gate_up")]
+        grads[prefix + "w1"], grads[prefix + "w3"] = gate_up.chunk(2, dim=-1)
+    report["grads"].append({n: keep(g) for n, g in grads.items()})
     update_expert_biases(model)
     report["biases"].append([keep(m.expert_bias) for m in model.moe_layers if m.expert_bias is not None])
     optimizer.step()

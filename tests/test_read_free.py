@@ -320,13 +320,13 @@ def test_forced_grouped_mm_in_float64_warns_once_and_computes() -> None:
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
 
 
-def _hf_pair(family: str, num_tokens: int = 64) -> tuple[Any, Any, HFShape]:
+def _hf_pair(family: str, num_tokens: int = 64, **options: Any) -> tuple[Any, Any, HFShape]:
     grouped = family == "deepseek_v3"
     shape = HFShape("read_free", tokens=num_tokens, model_dim=64, experts=8, k=4, hidden_dim=32,
                     groups=4 if grouped else 1, limited_groups=2 if grouped else 1)
     reference = build_hf_block(family, shape, seed=0)
     hf = set_experts_implementation(copy.deepcopy(reference), "grouped_mm")
-    converted = flexmoe.hf.convert(copy.deepcopy(reference), expert_kernel="grouped_mm")
+    converted = flexmoe.hf.convert(copy.deepcopy(reference), expert_kernel="grouped_mm", **options)
     return hf, converted, shape
 
 
@@ -366,12 +366,16 @@ def test_converted_block_reads_nothing_equals_hf_and_counts_about_its_operations
                                        atol=1e-5)
 
 
-def test_native_dropless_call_needs_no_more_operations_than_a_converted_block() -> None:
-    hf, converted, shape = _hf_pair("mixtral")
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "apart"])
+def test_native_dropless_call_needs_no_more_operations_than_a_converted_block(joined: bool) -> None:
+    """Forward + backward, read-free: a native layer needs no more operations than a converted block of the same
+    shape and experts' layout (gate_up joined, convert's default; or w1 and w3 apart, the native default)."""
+    hf, converted, shape = _hf_pair("mixtral", joined_gate_up=joined)
     x = torch.randn(1, shape.tokens, shape.model_dim, requires_grad=True)
     torch.manual_seed(0)
     native = flexmoe.MoELayer(shape.model_dim, shape.experts, shape.hidden_dim, k=shape.k, capacity_factor=0.0,
-                              glu=True, bias=False, activation="silu", ties="topk", expert_kernel="grouped_mm")
+                              glu=True, bias=False, activation="silu", ties="topk", expert_kernel="grouped_mm",
+                              joined_gate_up=joined)
     ops = []
     for block in (converted, native):
         for _ in range(2):
@@ -476,28 +480,25 @@ def test_gathered_rows_and_no_grad_read_free_calls_are_bounded_by_size() -> None
 
 
 @pytest.mark.parametrize("model_dim, hidden_dim, layout, gemms, cats", [
-    (16, 8, "side-by-side", 2, 1), (16, 8, "apart", 2, 1),
-    (512, 1024, "side-by-side", 2, 0), (512, 1024, "apart", 3, 0)],
-    ids=["small-copied", "small-apart-copied", "large-viewed", "large-apart-separate"])
+    (16, 8, "joined", 2, 0), (16, 8, "apart", 2, 1),
+    (512, 1024, "joined", 2, 0), (512, 1024, "apart", 3, 0)],
+    ids=["small-in-place", "small-apart-copied", "large-in-place", "large-apart-separate"])
 def test_gated_experts_join_w1_w3(model_dim: int, hidden_dim: int, layout: str, gemms: int, cats: int) -> None:
     """Gated experts run w1 and w3 as one grouped GEMM over the joined ``[E, M, 2H]`` weight: with
-    ``joined_gate_up`` the built-in experts store the two side by side, and large ones (w1 of
-    SIDE_BY_SIDE_MIN_BYTES or more) are viewed as one without a copy; small ones are copied (host work dominates
-    there); large weights in their own storage (``apart``, the default layout) run two GEMMs, never copying
-    2 * E * H * M values per call. Every case equals a float64 loop over the experts: output, input gradient and
-    every weight's gradient."""
+    ``joined_gate_up`` the built-in experts hold it as one parameter, gate_up, read in place under autograd too
+    (no copy, its gradient one tensor); in their own storage (``apart``, the default) small weights are copied
+    (host work dominates there) and large ones run two GEMMs, never copying 2 * E * H * M values per call. Every
+    case equals a float64 loop over the experts: output, input gradient and every weight's gradient."""
     from flexmoe.apps.bench.host_reads import OpCounter
-    from flexmoe.experts.grouped_op import JOIN_GATED_MAX_ELEMENTS, SIDE_BY_SIDE_MIN_BYTES, experts_ffn_by_ends
+    from flexmoe.experts.grouped_op import JOIN_GATED_MAX_ELEMENTS, experts_ffn_by_ends
 
     num_experts = 4
     torch.manual_seed(0)
     layer = flexmoe.MoELayer(model_dim, num_experts, hidden_dim, k=1, activation="silu", glu=True, bias=False,
-                             joined_gate_up=layout == "side-by-side")
+                             joined_gate_up=layout == "joined")
     experts = layer.experts
-    large = experts.w1.numel() * 4 >= SIDE_BY_SIDE_MIN_BYTES
-    assert large == (experts.w1.numel() > JOIN_GATED_MAX_ELEMENTS) == (model_dim == 512)
-    shared = experts.w3.untyped_storage().data_ptr() == experts.w1.untyped_storage().data_ptr()
-    assert shared == (layout == "side-by-side")
+    assert (experts.w1.numel() > JOIN_GATED_MAX_ELEMENTS) == (model_dim == 512)
+    assert ("gate_up" in dict(experts.named_parameters())) == (layout == "joined")
     sizes = [3, 0, 2, 3]
     rows = torch.randn(sum(sizes), model_dim, requires_grad=True)
     row_expert = torch.repeat_interleave(torch.arange(num_experts), torch.tensor(sizes))
@@ -516,8 +517,12 @@ def test_gated_experts_join_w1_w3(model_dim: int, hidden_dim: int, layout: str, 
     (want * upstream.double()).sum().backward()
     torch.testing.assert_close(out.double(), want.detach(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(rows.grad.double(), x.grad, rtol=1e-4, atol=1e-4)
+    if layout == "joined":
+        got = dict(zip(("w1", "w3"), experts.gate_up.grad.double().split(hidden_dim, dim=-1)), w2=experts.w2.grad)
+    else:
+        got = {n: getattr(experts, n).grad for n in ("w1", "w2", "w3")}
     for name, reference in (("w1", w1), ("w2", w2), ("w3", w3)):
-        torch.testing.assert_close(getattr(experts, name).grad.double(), reference.grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[name].double(), reference.grad, rtol=1e-4, atol=1e-4)
 
 
 def test_the_kept_read_free_decision_follows_what_it_depends_on() -> None:

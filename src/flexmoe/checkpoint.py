@@ -39,6 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from flexmoe.experts.modules import FeedForwardExperts, joined_parameter_halves, side_by_side_halves
 from flexmoe.layer import MoELayer
 from flexmoe.parallel.layout import HIDDEN_DIM, ExpertLayout, shard_expert_state, unshard_expert_states
 
@@ -72,13 +73,17 @@ class CheckpointError(RuntimeError):
 
 
 def expert_param_names(model: nn.Module) -> dict[str, str]:
-    """Full parameter name -> expert parameter kind (``w1``, ``b2``, ...) for every batched expert tensor."""
+    """Full name -> expert parameter kind (``w1``, ``b2``, ...) for every batched expert tensor of the state dict
+    and checkpoints: a joined ``gate_up`` (``gate_up_bias``) by its halves (``w1``, ``w3``)."""
     names: dict[str, str] = {}
     for prefix, module in model.named_modules():
         if isinstance(module, MoELayer):
-            for pname, _ in module.experts.named_parameters(recurse=False):
-                if pname in HIDDEN_DIM:
-                    names[f"{prefix}.experts.{pname}"] = pname
+            experts = module.experts
+            halves = experts.joined_pairs() if isinstance(experts, FeedForwardExperts) else {}
+            for pname, _ in experts.named_parameters(recurse=False):
+                for kind in halves.get(pname, (pname,)):
+                    if kind in HIDDEN_DIM:
+                        names[f"{prefix}.experts.{kind}"] = kind
     return names
 
 
@@ -229,16 +234,45 @@ def _check_shapes(found: dict[str, Tensor], expected: dict[str, Tensor], source:
 def _optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], list]:
     """AdamW state as ``{"exp_avg/<param>": tensor, ...}`` and its param groups with names for indices."""
     names = {id(p): n for n, p in model.named_parameters()}
+    # A joined experts' gate_up by its halves' names (w1, w3), as the model state: checkpoints load into either
+    # layout (one process joined, expert parallelism apart).
+    halves = joined_parameter_halves(model)
     tensors: dict[str, Tensor] = {}
     for p, st in optimizer.state.items():
         for key in _OPT_KEYS:
             if key in st:
                 value = st[key]
-                tensors[f"{key}/{names[id(p)]}"] = (value if isinstance(value, Tensor) else torch.tensor(value))
+                value = value if isinstance(value, Tensor) else torch.tensor(value)
+                name = names[id(p)]
+                if name not in halves:
+                    tensors[f"{key}/{name}"] = value
+                    continue
+                # the step (a scalar) once per half: safetensors refuses one tensor under two names
+                for half, part in zip(halves[name], side_by_side_halves(value) if value.dim() else
+                                      (value, value.clone())):
+                    tensors[f"{key}/{half}"] = part
     groups = []
     for g in optimizer.param_groups:
         hyper = {k: v for k, v in g.items() if k != "params"}
-        groups.append({**_jsonable(hyper), "params": [names[id(p)] for p in g["params"]]})
+        groups.append({**_jsonable(hyper),
+                       "params": [h for p in g["params"] for h in halves.get(names[id(p)], (names[id(p)],))]})
+    return tensors, groups
+
+
+def _joined_optimizer_tensors(tensors: dict[str, Tensor], groups: list,
+                              halves: dict[str, tuple[str, str]]) -> tuple[dict[str, Tensor], list]:
+    """:func:`_optimizer_tensors`' form for a model holding joined parameters: each pair of halves' states joined
+    into the joined parameter's (the step is one), the groups naming it once."""
+    tensors = dict(tensors)
+    for joined, (first, second) in halves.items():
+        for kind in {k.partition("/")[0] for k in tensors}:
+            a, b = tensors.get(f"{kind}/{first}"), tensors.get(f"{kind}/{second}")
+            if a is None or b is None:
+                continue
+            del tensors[f"{kind}/{first}"], tensors[f"{kind}/{second}"]
+            tensors[f"{kind}/{joined}"] = a if kind == "step" else torch.cat([a, b], dim=-1)
+    joined_of = {half: joined for joined, pair in halves.items() for half in pair}
+    groups = [{**g, "params": list(dict.fromkeys(joined_of.get(n, n) for n in g["params"]))} for g in groups]
     return tensors, groups
 
 
@@ -261,6 +295,7 @@ _HOW_TO_COMPUTE = ("foreach", "fused", "capturable", "differentiable")
 def _load_optimizer(
     model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], groups: list, source: str
 ) -> None:
+    tensors, groups = _joined_optimizer_tensors(tensors, groups, joined_parameter_halves(model))
     params = dict(model.named_parameters())
     index: dict[int, int] = {}
     for g in optimizer.param_groups:

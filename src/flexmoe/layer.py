@@ -8,6 +8,7 @@ plan is :mod:`flexmoe.decoding`.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,21 @@ if TYPE_CHECKING:
     from flexmoe.routing.replay import RoutingTap
 
 __all__ = ["MoELayer", "update_expert_biases"]
+
+
+def _warn_unadapted_gate_up(wrapper: nn.Module, built: FeedForwardExperts) -> None:
+    """One warning where adapters wrap joined experts and none adapts ``gate_up``: ``target_parameters`` naming
+    ``experts.w1`` / ``experts.w3`` (the plain experts' names) match nothing there, and PEFT says nothing of a
+    target that matches nothing while another matches."""
+    adapted: set[object] = set()
+    module: nn.Module | None = wrapper
+    while module is not None and module is not built:
+        adapted.add(getattr(module, "parameter_name", None))
+        module = getattr(module, "base_layer", None)
+    if "gate_up" not in adapted:
+        warnings.warn("an adapter wraps experts that hold w1 | w3 as one parameter, gate_up (joined_gate_up, "
+                      "flexmoe.hf.convert's default), without adapting it: target_parameters 'experts.w1' and "
+                      "'experts.w3' match nothing there; target 'experts.gate_up'", UserWarning, stacklevel=4)
 
 
 class MoELayer(nn.Module):
@@ -85,7 +101,8 @@ class MoELayer(nn.Module):
         through, replicated on every rank) with shared_hidden_dim and shared_gate (Qwen2-MoE's sigmoid gate,
         parameter ``shared_gate.weight`` ``[1, M]``);
         or ``experts=`` a module ``forward(x: [N, M], counts: list[int]) -> [N, M]`` used instead.
-        An adapter may wrap the built-in experts (PEFT's LoRA ``target_parameters=["experts.w1", ...]``): every
+        An adapter may wrap the built-in experts (PEFT's LoRA ``target_parameters=["experts.w1", ...]``;
+        ``"experts.gate_up"`` with ``joined_gate_up``): every
         call then runs inside the wrapper, so each path computes with the adapted weights (:attr:`expert_adapter`;
         docs/architecture.md, "Adapters on the experts").
 
@@ -172,10 +189,8 @@ class MoELayer(nn.Module):
 
         self.layout = ExpertLayout(num_experts, self.ep_group.world_size, hidden_dim)
         if experts is not None and self.layout.shards_per_expert > 1:
-            raise ValueError(
-                f"a custom experts module cannot be sharded: num_experts={num_experts} must be a multiple of "
-                f"the expert-parallel world size {self.ep_group.world_size}"
-            )
+            raise ValueError(f"a custom experts module cannot be sharded: num_experts={num_experts} must be a "
+                             f"multiple of the expert-parallel world size {self.ep_group.world_size}")
         self.router = build_router(routing.router, model_dim, num_experts, bias=routing.router_bias)
         if isinstance(routing.router, str):
             self.router.to(device=device, dtype=dtype)
@@ -187,7 +202,9 @@ class MoELayer(nn.Module):
         self.__dict__["_built_experts"] = self.experts
         # Shared experts see all of this rank's tokens: replicated like any dense layer, never spread over ranks.
         shared_hidden_dim = hidden_dim if expert.shared_hidden_dim is None else expert.shared_hidden_dim
-        self.shared = expert.build(expert.shared_experts, model_dim, shared_hidden_dim, device=device, dtype=dtype) \
+        # Their gated pair apart, whatever joined_gate_up says: HF holds a shared expert's as two Linears.
+        plain = dataclasses.replace(expert, joined_gate_up=False)
+        self.shared = plain.build(expert.shared_experts, model_dim, shared_hidden_dim, device=device, dtype=dtype) \
             if expert.shared_experts else None
         self.shared_gate = SharedExpertGate(model_dim, device=device, dtype=dtype) if expert.shared_gate else None
         if self.ep_group.distributed:  # every rank runs the kernels rank 0 measured (flexmoe.experts.chooser)
@@ -346,6 +363,9 @@ class MoELayer(nn.Module):
                 f"an adapter ({type(current).__name__}) wraps the custom experts module {type(built).__name__}: "
                 f"only the built-in FeedForwardExperts run a layer call inside such a wrapper; adapt the custom "
                 f"module's own submodules instead (e.g. LoRA target_modules on its nn.Linear layers)")
+        if built.joined_gate_up and not self.__dict__.get("_adapter_checked"):
+            self.__dict__["_adapter_checked"] = True
+            _warn_unadapted_gate_up(current, built)
         return current
 
     @property

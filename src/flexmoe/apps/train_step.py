@@ -24,6 +24,7 @@ from flexmoe.apps.models.moe_model import MoEModel
 from flexmoe.apps.ranks import all_reduce_host
 from flexmoe.apps.train_config import TrainConfig
 from flexmoe.checkpoint import expert_param_names, expert_placement
+from flexmoe.experts.modules import joined_parameter_halves
 from flexmoe.layer import update_expert_biases
 from flexmoe.parallel.optim import split_expert_groups
 from flexmoe.parallel.replicas import replace_experts, replica_slots
@@ -38,7 +39,10 @@ def _spread_experts(model: MoEModel) -> dict[str, str]:
     placement = expert_placement(model)
     if placement is None or placement.layout.world_size == 1:
         return {}
-    return expert_param_names(model)
+    names = expert_param_names(model)
+    for joined in joined_parameter_halves(model):  # gate_up: a parameter, by its own name (kind: not b2)
+        names[joined] = joined.rsplit(".", 1)[-1]
+    return names
 
 
 def build_optimizer(model: nn.Module, tcfg: TrainConfig) -> torch.optim.AdamW:
@@ -48,7 +52,7 @@ def build_optimizer(model: nn.Module, tcfg: TrainConfig) -> torch.optim.AdamW:
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
-        is_bias = p.dim() < 2 or name.rsplit(".", 1)[-1] in ("b1", "b2", "b3")
+        is_bias = p.dim() < 2 or name.rsplit(".", 1)[-1] in ("b1", "b2", "b3", "gate_up_bias")
         (no_decay if is_bias else decay).append(p)
     groups = [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(split_expert_groups(model, groups), lr=tcfg.lr, betas=(0.9, 0.95), foreach=True)

@@ -33,7 +33,6 @@ from torch import Tensor
 from flexmoe.autograd_state import autocast_on
 from flexmoe.experts.padded_op import register_op_pair
 from flexmoe.experts.segment_ffn import contiguous_segments, expert_grad_buffer, linear_into, weight_grad_into
-from flexmoe.experts.side_by_side import side_by_side
 from flexmoe.experts.weights import ExpertWeights
 
 __all__ = ["grouped_linear", "grouped_experts_ffn", "device_offsets_linear", "uses_device_offsets", "grouped_mm_runs",
@@ -170,24 +169,12 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype, w_shape: torch.Size | 
 # The largest w1 ([E, M, H] elements) whose w1 and w3 are joined by a copy per call (experts_ffn_by_ends): 4 MiB
 # in float32.
 JOIN_GATED_MAX_ELEMENTS = 1 << 20
-# The smallest w1 (bytes) whose w1 and w3, side by side in one storage, are joined as a view: the view's autograd
-# function costs more host time than the copy of smaller weights (measured on a Qwen3-MoE block, M=64 H=32, on
-# the CPU: copying won at E=16, the view at E=32 and 64).
-SIDE_BY_SIDE_MIN_BYTES = 1 << 18
 
 
 def joined(first: Tensor, second: Tensor) -> Tensor | None:
-    """``[..., H]`` twice -> ``cat([first, second], -1)`` ``[..., 2H]``: a view where the two sit side by side in
-    one storage (as the built-in experts allocate them: flexmoe.experts.side_by_side) and are large, or are not
-    recorded by autograd (the view's autograd function is what costs small weights more than a copy), a copy
-    where small; None for large weights in separate storage (the caller runs them apart rather than copy them).
-    Where their owner laid them out, a call without autograd reads that tensor instead
+    """``[..., H]`` twice -> ``cat([first, second], -1)`` ``[..., 2H]`` by a copy where small; None for large
+    weights (the caller runs them apart rather than copy them). Joined experts' pair is read in place instead
     (:meth:`ExpertWeights.laid_out_gate_up`)."""
-    records = torch.is_grad_enabled() and (first.requires_grad or second.requires_grad)
-    if not records or first.numel() * first.element_size() >= SIDE_BY_SIDE_MIN_BYTES:
-        view = side_by_side(first, second)
-        if view is not None:
-            return view
     return torch.cat([first, second], dim=-1) if first.numel() <= JOIN_GATED_MAX_ELEMENTS else None
 
 

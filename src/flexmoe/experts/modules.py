@@ -26,12 +26,28 @@ from torch import Tensor, nn
 from flexmoe.experts.chooser import KernelChooser
 from flexmoe.experts.kernels import KERNELS, RULE_KERNEL
 from flexmoe.experts.row_kernels import one_expert_ffn
-from flexmoe.experts.side_by_side import side_by_side, side_by_side_halves, sit_side_by_side
 from flexmoe.experts.weights import WEIGHT_NAMES, ExpertWeights
 from flexmoe.validation import check_float_dtype, check_int, describe_value
 
-__all__ = ["ExpertOptions", "FeedForwardExperts", "ExpertsCall", "differentiated_weights", "expert_ffn",
+__all__ = ["ExpertOptions", "FeedForwardExperts", "JOINED_HALVES", "JOINED_PAIRS", "side_by_side_halves",
+           "parameter_of", "joined_parameter_halves", "ExpertsCall", "differentiated_weights", "expert_ffn",
            "check_glu_limit", "resolve_activation", "activation_name", "activation_derivative", "activation_into"]
+
+# Joined experts' views by name: the joined parameter each is a half of, and which half (w1 | w3 as HF's
+# gate_up_proj lays them out).
+JOINED_HALVES: dict[str, tuple[str, int]] = {"w1": ("gate_up", 0), "w3": ("gate_up", 1), "b1": ("gate_up_bias", 0),
+                                             "b3": ("gate_up_bias", 1)}
+# Each joined parameter and the names of its halves.
+JOINED_PAIRS: tuple[tuple[str, tuple[str, str]], ...] = (("gate_up", ("w1", "w3")), ("gate_up_bias", ("b1", "b3")))
+# The order plain experts register their parameters in, and every experts' state dict keys.
+_REGISTRATION_ORDER: tuple[str, ...] = ("w1", "w2", "w3", "b1", "b2", "b3")
+
+
+def side_by_side_halves(joined: Tensor) -> tuple[Tensor, Tensor]:
+    """joined: ``[..., 2H]`` -> its two halves ``[..., H]`` (views: writing them writes ``joined``)."""
+    half = joined.shape[-1] // 2
+    return joined[..., :half], joined[..., half:]
+
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -111,14 +127,15 @@ class ExpertOptions:
         dtype) or compute in the experts' parameters' dtype with autocast off around them (False: as HF's
         ``grouped_mm`` experts implementation does, ``torch._grouped_mm`` being no autocast op; ``flexmoe.hf.convert``
         sets it from the HF model's ``experts_implementation``). Every kernel then computes alike.
-    joined_gate_up: gated experts keep ``w1`` and ``w3`` (``b1`` and ``b3``) as the two halves of one
-        ``[E, M, 2H]`` storage, the layout of HF's ``gate_up_proj`` (:mod:`flexmoe.experts.side_by_side`): the
-        ``grouped_mm`` kernel then reads both as one weight without copying ``2 * E * M * H`` values per call
-        (large experts, and every call without autograd: :meth:`ExpertWeights.laid_out_gate_up`; small ones
-        are copied in training). The parameters, their names and values are the same; they are not contiguous,
-        which FSDP2's ``fully_shard`` refuses: :func:`flexmoe.sharding.parallelize` lays them apart
-        (:meth:`FeedForwardExperts.lay_gated_pairs_apart`); pass False to shard by hand. False by default,
-        True in :func:`flexmoe.hf.convert` (HF's layout).
+    joined_gate_up: gated experts hold ``w1`` and ``w3`` as one parameter ``gate_up: [E, M, 2H]`` (``b1`` and
+        ``b3`` as ``gate_up_bias: [E, 2H]``), the layout of HF's ``gate_up_proj``: the kernels read the pair as one
+        weight without a copy per call, and autograd hands its gradient to one parameter. ``w1``, ``w3``, ``b1``,
+        ``b3`` still read as the halves (views); the state dict keeps their names, so checkpoints load into either
+        layout. Freeze, optimize or adapt ``gate_up`` (PEFT: ``target_parameters=["experts.gate_up", ...]``).
+        Expert parallelism cuts gate_up by its halves (the layout's); FSDP2 shards plain experts:
+        :func:`flexmoe.sharding.parallelize` lays the pair apart (:meth:`FeedForwardExperts.lay_gated_pairs_apart`).
+        Shared experts hold theirs apart (HF's are two Linears). False by default, True in
+        :func:`flexmoe.hf.convert` (HF's layout).
     """
 
     activation: str | Callable[[Tensor], Tensor] = "gelu"
@@ -187,12 +204,17 @@ class ExpertsCall:
 def differentiated_weights(experts: nn.Module) -> list[Tensor]:
     """The tensors whose gradients a call of ``experts`` produces: for the built-in experts their weights as they
     read now (inside an adapter's call the adapted ones, ``w + delta``, through which the gradient reaches the
-    adapter), for any other module its parameters; only those that require a gradient.
+    adapter; joined experts' ``gate_up``, not its halves), for any other module its parameters; only those that
+    require a gradient.
 
     An expert-parallel path that differentiates the experts by hand, or ties a rank without rows into the
     backward exchange, takes these: the parameters alone would miss an adapter's (frozen base, trainable LoRA)."""
     if isinstance(experts, FeedForwardExperts):
-        return [t for t in experts.weights().present() if t.requires_grad]
+        weights = experts.weights()
+        # Joined experts: gate_up (gate_up_bias), not its halves, which a kernel reading gate_up never touches.
+        tensors = (weights.gate_up, weights.w2, weights.gate_up_bias, weights.b2) if experts.joined_gate_up else \
+            weights.tensors()
+        return [t for t in tensors if t is not None and t.requires_grad]
     return [p for p in experts.parameters() if p.requires_grad]
 
 
@@ -203,6 +225,10 @@ class FeedForwardExperts(nn.Module):
     ``w3: [E, M, H]``, ``b3: [E, H]``. Expert e computes ``act(x @ w1[e] + b1[e]) @ w2[e] + b2[e]``, or with
     ``glu`` ``(act(x @ w1[e] + b1[e]) * (x @ w3[e] + b3[e])) @ w2[e] + b2[e]`` (with ``glu_limit`` the gated unit
     is GPT-OSS's clamped one, :func:`gated_unit`).
+
+    With ``joined_gate_up`` the gated pair is one parameter, ``gate_up: [E, M, 2H]`` (``gate_up_bias: [E, 2H]``),
+    and ``w1``, ``w3``, ``b1``, ``b3`` read as its halves (views, :data:`JOINED_HALVES`); the state dict names
+    the halves (:class:`ExpertOptions`).
     """
 
     def __init__(
@@ -237,41 +263,40 @@ class FeedForwardExperts(nn.Module):
         def param(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
 
-        # With joined_gate_up: the [E, M, 2H] tensor whose halves w1 and w3 are, and the [E, 2H] one of b1 and b3
-        # (None: not laid out so). Not parameters or buffers: their halves are; a kernel reads one only after
-        # still_halves_of confirms it (weights()).
-        self.gate_up: Tensor | None = None
-        self.gate_up_bias: Tensor | None = None
-
-        def gated_pair(*shape: int) -> tuple[nn.Parameter, nn.Parameter]:
-            if not self.joined_gate_up:
-                return param(*shape), param(*shape)
-            # w1 and w3 (b1 and b3) as the halves of one [..., 2H] storage: the gated GEMM reads both without a
-            # copy (flexmoe.experts.side_by_side).
-            first, second = side_by_side_halves(torch.empty(*shape[:-1], 2 * shape[-1], device=device, dtype=dtype))
-            return nn.Parameter(first), nn.Parameter(second)
-
-        # Registered in the order w1, w2, w3, b1, b2, b3 (the state dict's, the optimizer's).
-        if glu:
-            w1, w3 = gated_pair(num_experts, model_dim, hidden_dim)
+        # Registered in the order w1, w2, w3, b1, b2, b3 (the state dict's, the optimizer's); joined experts
+        # register gate_up in place of w1 and w3, gate_up_bias in place of b1 and b3 (their halves, JOINED_HALVES).
+        if self.joined_gate_up:
+            self.gate_up = param(num_experts, model_dim, 2 * hidden_dim)  # [E, M, 2H]: w1 | w3
+            self.w2 = param(num_experts, hidden_dim, model_dim)
+            self.gate_up_bias: nn.Parameter | None = param(num_experts, 2 * hidden_dim) if bias else None
+            self.b2: nn.Parameter | None = param(num_experts, model_dim) if bias else None
         else:
-            w1, w3 = param(num_experts, model_dim, hidden_dim), None
-        self.w1 = w1  # [E, M, H]
-        self.w2 = param(num_experts, hidden_dim, model_dim)
-        self.w3 = w3
-        self.b1: nn.Parameter | None = None
-        self.b2: nn.Parameter | None = None
-        self.b3: nn.Parameter | None = None
-        if bias:
-            b1, b3 = gated_pair(num_experts, hidden_dim) if glu else (param(num_experts, hidden_dim), None)
-            self.b1 = b1
-            self.b2 = param(num_experts, model_dim)
-            self.b3 = b3
-        self._record_joined()
+            self.w1 = param(num_experts, model_dim, hidden_dim)  # [E, M, H]
+            self.w2 = param(num_experts, hidden_dim, model_dim)
+            self.w3 = param(num_experts, model_dim, hidden_dim) if glu else None
+            self.b1 = param(num_experts, hidden_dim) if bias else None
+            self.b2 = param(num_experts, model_dim) if bias else None
+            self.b3 = param(num_experts, hidden_dim) if bias and glu else None
         self.reset_parameters()
 
+    def __getattr__(self, name: str) -> Any:
+        # Joined experts' w1, w3, b1, b3 are views of the halves of gate_up and gate_up_bias (the weights' own,
+        # made once while the parameters stay the same); other experts have no joined tensors.
+        if name in JOINED_HALVES and self.__dict__.get("joined_gate_up"):
+            return getattr(self.weights(), name)
+        if name in ("gate_up", "gate_up_bias") and self.__dict__.get("joined_gate_up") is False:
+            return None
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in JOINED_HALVES and self.__dict__.get("joined_gate_up"):
+            raise AttributeError(f"{name} of joined experts is a half of {JOINED_HALVES[name][0]} (a view): assign "
+                                 f"or change {JOINED_HALVES[name][0]}, or call lay_gated_pairs_apart() first")
+        super().__setattr__(name, value)
+
     def reset_parameters(self) -> None:
-        # nn.Linear's default, per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        # nn.Linear's default, per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in)); a joined pair half by half, as
+        # two parameters of their own would be.
         for w, fan_in in ((self.w1, self.model_dim), (self.w3, self.model_dim), (self.w2, self.hidden_dim)):
             if w is not None:
                 nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
@@ -280,63 +305,100 @@ class FeedForwardExperts(nn.Module):
                 nn.init.uniform_(b, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> FeedForwardExperts:
-        # module.to / .float / .cuda give each parameter its own storage: lay the gated pairs side by side again.
-        super()._apply(fn, recurse)
-        self.lay_gated_pairs_side_by_side()
-        return self
+        # module.to / .float / .cuda may replace a parameter's .data: the halves kept by weights() would then be
+        # views of the old storage.
+        self.__dict__["_weights"] = None
+        return super()._apply(fn, recurse)
 
     def __getstate__(self) -> dict[str, Any]:
-        # The joined tensors are views of the parameters' storage: copied, they would be copies of their own (twice
-        # the memory until __setstate__ lays the pairs out again and records new ones).
-        return {**self.__dict__, "gate_up": None, "gate_up_bias": None, "_weights": None}
+        # The kept weights hold views of the parameters; copied, they would be copies of their own.
+        return {**self.__dict__, "_weights": None}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # copy.deepcopy and unpickling: Parameter's deepcopy clones each parameter into its own storage.
-        super().__setstate__(state)
-        self.lay_gated_pairs_side_by_side()
-
-    def lay_gated_pairs_side_by_side(self) -> None:
-        """Puts ``w1`` and ``w3`` (``b1`` and ``b3``) back into one ``[..., 2H]`` storage where something gave them
-        their own (the parameters stay the same objects, their values unchanged); a no-op without
-        ``joined_gate_up``, where they already share one, or where they are not plain tensors (sharded)."""
-        if not getattr(self, "joined_gate_up", False):
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        # Joined experts save the halves under the names plain gated experts save (w1, w3, b1, b3), in the same
+        # order: a checkpoint loads into either layout, and every tool keyed on the names reads it.
+        if not self.joined_gate_up:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
             return
-        for first_name, second_name in (("w1", "w3"), ("b1", "b3")):
-            first, second = getattr(self, first_name), getattr(self, second_name)
-            if not isinstance(first, nn.Parameter) or not isinstance(second, nn.Parameter):
-                continue
-            if type(first.data) is not Tensor or type(second.data) is not Tensor or first.shape != second.shape:
-                continue
-            if first.dtype != second.dtype or first.device != second.device or sit_side_by_side(first, second):
-                continue
-            with torch.no_grad():
-                joined = torch.cat([first.data, second.data], dim=-1)
-            first.data, second.data = side_by_side_halves(joined)
-        self._record_joined()
+        saved: dict[str, Any] = {}
+        super()._save_to_state_dict(saved, prefix, keep_vars)
+        for joined_name, (first, second) in JOINED_PAIRS:
+            joined = saved.pop(prefix + joined_name, None)
+            if joined is not None:
+                saved[prefix + first], saved[prefix + second] = side_by_side_halves(joined)
+        for name in (*_REGISTRATION_ORDER, *(n[len(prefix):] for n in saved)):
+            if prefix + name in saved:
+                destination[prefix + name] = saved.pop(prefix + name)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        # Joined experts load the halves (w1 and w3, b1 and b3: what _save_to_state_dict writes, and what plain
+        # gated experts save) into their joined parameter; a state dict naming gate_up itself loads as it is.
+        partial: list[tuple[str, tuple[str, str]]] = []
+        if self.joined_gate_up:
+            for joined_name, pair in JOINED_PAIRS:
+                if getattr(self, joined_name) is None or prefix + joined_name in state_dict:
+                    continue
+                first, second = (state_dict.get(prefix + half) for half in pair)
+                if first is not None and second is not None:
+                    state_dict[prefix + joined_name] = torch.cat([first, second], dim=-1)
+                    for half in pair:
+                        del state_dict[prefix + half]
+                else:
+                    partial.append((joined_name, pair))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        for joined_name, pair in partial:  # one half or none: report the halves by name, load the one given
+            missing = [prefix + half for half in pair if prefix + half not in state_dict]
+            if prefix + joined_name in missing_keys:
+                at = missing_keys.index(prefix + joined_name)
+                missing_keys[at:at + 1] = missing
+            for half in pair:
+                key = prefix + half
+                if key not in state_dict:
+                    continue
+                if key in unexpected_keys:
+                    unexpected_keys.remove(key)
+                value, target = state_dict[key], getattr(self, half)
+                if not isinstance(value, Tensor) or value.shape != target.shape:
+                    error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                      f"{getattr(value, 'shape', type(value).__name__)} from checkpoint, the shape "
+                                      f"in current model is {target.shape}.")
+                    continue
+                with torch.no_grad():
+                    target.copy_(value)
+
+    def joined_pairs(self) -> dict[str, tuple[str, str]]:
+        """Each joined parameter these experts register (``gate_up``, ``gate_up_bias``) -> the names of its
+        halves (``w1``, ``w3``; ``b1``, ``b3``); empty for plain experts."""
+        if not self.joined_gate_up:
+            return {}
+        return {joined: pair for joined, pair in JOINED_PAIRS if joined in self._parameters}
 
     def lay_gated_pairs_apart(self) -> None:
-        """Gives ``w1`` and ``w3`` (``b1`` and ``b3``) each its own contiguous storage and turns ``joined_gate_up``
-        off (the parameters stay the same objects, their values unchanged): what FSDP2's ``fully_shard``, which
-        refuses non-contiguous parameters, needs (:func:`flexmoe.sharding.parallelize` calls it)."""
-        for name in ("w1", "w3", "b1", "b3"):
-            p = getattr(self, name)
-            if isinstance(p, nn.Parameter) and type(p.data) is Tensor and not p.is_contiguous():
-                p.data = p.data.contiguous()
-        self.joined_gate_up = False
-        self.gate_up = self.gate_up_bias = None
-
-    def _record_joined(self) -> None:
-        """Keep the ``[..., 2H]`` tensors the gated pairs are the halves of (``gate_up``, ``gate_up_bias``), so
-        that a kernel reads them without working the layout out at every call; None where they are not."""
-        def joined_of(first: Tensor | None, second: Tensor | None) -> Tensor | None:
-            if first is None or second is None:
-                return None
-            with torch.no_grad():  # the plain view of their storage, no autograd function
-                return side_by_side(first, second)
-
-        joined = getattr(self, "joined_gate_up", False)
-        self.gate_up = joined_of(self.w1, self.w3) if joined else None
-        self.gate_up_bias = joined_of(self.b1, self.b3) if joined else None
+        """Turns joined experts into plain gated ones: ``w1`` and ``w3`` (``b1`` and ``b3``) become parameters of
+        their own, contiguous copies of the halves of ``gate_up`` (``gate_up_bias``), with its ``requires_grad``,
+        and ``joined_gate_up`` is off; a no-op for other experts. What FSDP2's ``fully_shard`` shards
+        (:func:`flexmoe.sharding.parallelize` calls it). New parameter objects: call it before
+        an optimizer is built on them. ``ValueError`` where an adapter parametrizes ``gate_up``."""
+        if not self.joined_gate_up:
+            return
+        if any(name in getattr(self, "parametrizations", {}) for name, _ in JOINED_PAIRS):
+            raise ValueError("lay_gated_pairs_apart: gate_up carries a parametrization (an adapter); merge or "
+                             "remove it first")
+        parts: dict[str, nn.Parameter | None] = {}
+        for joined_name, pair in JOINED_PAIRS:
+            joined = self._parameters.pop(joined_name, None)
+            self.__dict__.pop(joined_name, None)
+            for i, half in enumerate(pair):
+                parts[half] = None if joined is None else nn.Parameter(
+                    side_by_side_halves(joined.detach())[i].contiguous(), requires_grad=joined.requires_grad)
+        parts.update(w2=self._parameters.pop("w2"), b2=self._parameters.pop("b2", None))
+        self.__dict__["joined_gate_up"] = False
+        self.__dict__["_weights"] = None
+        for name in _REGISTRATION_ORDER:
+            setattr(self, name, parts[name])
 
     def forward(self, x: Tensor, counts: list[int] | ExpertsCall) -> Tensor:
         """x: ``[N, M]`` rows sorted by expert, counts: ``[E]`` rows per expert -> ``[N, M]``.
@@ -361,20 +423,55 @@ class FeedForwardExperts(nn.Module):
         object call after call while the parameters are the same objects (a call's host time is spent on such
         reads): each is looked up in ``_parameters``, where ``torch.func.functional_call`` puts its tensors too;
         a parametrized (adapted) parameter is not there, so it is read afresh."""
+        if self.joined_gate_up:
+            return self._joined_weights()
+        if torch.compiler.is_compiling():  # traced: nothing is kept (dynamo would guard on what is)
+            return ExpertWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,
+                                 self.glu_limit)
         # What the weights depend on, by identity (one tuple of ids, compared at C speed): the parameters as
-        # _parameters holds them now, the unit and the laid-out tensors. The kept weights hold every one of these
-        # objects, so no other object can have one of their ids while they are kept.
+        # _parameters holds them now and the unit. The kept weights hold every one of these objects, so no other
+        # object can have one of their ids while they are kept.
         params = self._parameters
-        key = (*map(id, params.values()), id(self.activation), self.glu_limit, id(self.gate_up),
-               id(self.gate_up_bias))
+        key = (*map(id, params.values()), id(self.activation), self.glu_limit)
         kept = self.__dict__.get("_weights")
         if kept is not None and kept[0] == key:
             return kept[1]
         weights = ExpertWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.activation,
-                                self.glu_limit, self.gate_up, self.gate_up_bias)
+                                self.glu_limit)
         registered = all(t is None or params.get(name) is t for name, t in zip(WEIGHT_NAMES, weights.tensors()))
         self.__dict__["_weights"] = (key, weights) if registered else None
         return weights
+
+    def _joined_weights(self) -> ExpertWeights:
+        """:meth:`weights` of joined experts: ``w1``, ``w3`` (``b1``, ``b3``) the halves of ``gate_up``
+        (``gate_up_bias``), as views made once and kept while they stay right."""
+        gate_up, gate_up_bias = self.gate_up, self.gate_up_bias  # through an adapter's parametrization, if any
+        if torch.compiler.is_compiling():  # traced: the views are graph operations, nothing is kept
+            return self._halves_of(gate_up, gate_up_bias)
+        params = self._parameters
+        # Besides the objects (as plain weights), what the views depend on and the parameter object does not show:
+        # its .data replaced (the address), requires_grad_ (the views carry their own flag), and inference mode
+        # (views made there record nothing: they are kept for that mode only). Not its version: an optimizer's
+        # in-place step changes the values the views share, not what they are, and the weights stay the same
+        # object from step to step (the decisions kept on them with it).
+        key = (*map(id, params.values()), id(self.activation), self.glu_limit, gate_up.data_ptr(),
+               gate_up.requires_grad, torch.is_inference_mode_enabled(),
+               None if gate_up_bias is None else (gate_up_bias.data_ptr(), gate_up_bias.requires_grad))
+        kept = self.__dict__.get("_weights")
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        weights = self._halves_of(gate_up, gate_up_bias)
+        sources = (("gate_up", gate_up), ("gate_up_bias", gate_up_bias), ("w2", self.w2), ("b2", self.b2))
+        registered = all(t is None or params.get(name) is t for name, t in sources)
+        self.__dict__["_weights"] = (key, weights) if registered else None
+        return weights
+
+    def _halves_of(self, gate_up: Tensor, gate_up_bias: Tensor | None) -> ExpertWeights:
+        with torch.enable_grad():  # views autograd records whatever the mode now: kept, they serve training too
+            w1, w3 = side_by_side_halves(gate_up)
+            b1, b3 = side_by_side_halves(gate_up_bias) if gate_up_bias is not None else (None, None)
+        return ExpertWeights(w1, b1, self.w2, self.b2, w3, b3, self.activation, self.glu_limit, gate_up,
+                             gate_up_bias)
 
     def ffn_with(self, x: Tensor, counts: list[int], weights: Mapping[str, Tensor | None]) -> Tensor:
         """These experts' activation and gated unit on other weights (gathered, broadcast or a hidden shard):
@@ -391,6 +488,28 @@ class FeedForwardExperts(nn.Module):
             f"glu={self.glu}, bias={self.b1 is not None}"
             + (f", glu_limit={self.glu_limit}" if self.glu_limit is not None else "")
         )
+
+
+def parameter_of(module: nn.Module, name: str) -> Tensor | None:
+    """The tensor that holds ``module.<name>`` as a parameter: itself, or for a half of joined experts (``w1``,
+    ``w3``, ``b1``, ``b3``) the joined one (``gate_up``, ``gate_up_bias``), whose ``requires_grad`` and flags
+    both halves share."""
+    if isinstance(module, FeedForwardExperts) and module.joined_gate_up and name in JOINED_HALVES:
+        return getattr(module, JOINED_HALVES[name][0])
+    return getattr(module, name)
+
+
+def joined_parameter_halves(model: nn.Module) -> dict[str, tuple[str, str]]:
+    """Full name of every joined experts' parameter (``...experts.gate_up``) -> the full names of its halves
+    (``...experts.w1``, ``...experts.w3``). Checkpoints name the halves, as plain experts' parameters and the
+    state dict do, so that one loads into either layout (FSDP2 lays the pairs apart)."""
+    out: dict[str, tuple[str, str]] = {}
+    for prefix, sub in model.named_modules():
+        if isinstance(sub, FeedForwardExperts):
+            dot = f"{prefix}." if prefix else ""
+            for joined, (first, second) in sub.joined_pairs().items():
+                out[dot + joined] = (dot + first, dot + second)
+    return out
 
 
 def check_glu_limit(glu_limit: object, glu: bool) -> float | None:

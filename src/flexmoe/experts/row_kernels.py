@@ -55,7 +55,7 @@ def embedding_bag_supported(rows: Tensor, weights: ExpertWeights) -> bool:
     matrices, and index tensors of at most ``_EMBEDDING_BAG_MAX_INDICES`` entries."""
     if not weights.all_like(rows):
         return False
-    gated = weights.laid_out_gate_up(rows) if weights.w3 is not None else None
+    gated = weights.laid_out_gate_up() if weights.w3 is not None else None
     matrices = (weights.w1, weights.w2, weights.w3) if gated is None else (gated[0], weights.w2)
     if not all(w.is_contiguous() for w in matrices if w is not None):
         return False

@@ -139,6 +139,11 @@ class ExpertStage:
         # The last read-free decision: (the weights, what else it depends on, its answer), see read_free_weights.
         self._read_free_decision: tuple[ExpertWeights, tuple[object, ...], bool] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The kept decision holds the experts' weights (joined experts': views, which copy.deepcopy refuses to
+        # copy); a copy decides afresh for its own.
+        return {**self.__dict__, "_read_free_decision": None}
+
     # ---- the plan's layout ----------------------------------------------------------------------------------
 
     def plan_layout(self, routing: RoutingOptions, tokens: Tensor, training: bool, adapted: bool = False,
@@ -671,7 +676,7 @@ def _host_bound_on_cpu(routing: RoutingOptions, tokens: Tensor, weights: ExpertW
         return True
     # Weights the grouped GEMMs read in place (ungated, or w1 | w3 laid out side by side: no copy per call).
     return rows >= num_experts and values <= CPU_READ_FREE_IN_PLACE_MAX_VALUES and (
-        weights.w3 is None or weights.laid_out_gate_up(tokens) is not None)
+        weights.w3 is None or weights.laid_out_gate_up() is not None)
 
 
 def _combine_padded(out: Tensor, plan: RoutingPlan, weighted: bool) -> Tensor:

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from flexmoe.experts.side_by_side import still_halves_of
-
 __all__ = ["ExpertWeights", "WEIGHT_NAMES", "hidden_unit", "gated_unit", "needs_grad"]
 
 # The experts' tensors by name, in the order of ExpertWeights.tensors(): the names of the built-in experts'
@@ -40,8 +38,8 @@ class ExpertWeights:
     b3: Tensor | None
     activation: Callable[[Tensor], Tensor]
     glu_limit: float | None = None
-    # joined_gate_up's [E, M, 2H] and [E, 2H] tensors that w1 | w3 and b1 | b3 were laid out as halves of (None:
-    # not so); a kernel reads one only where still_halves_of (flexmoe.experts.side_by_side) says they still are.
+    # Joined experts' [E, M, 2H] and [E, 2H] tensors whose halves w1 | w3 and b1 | b3 are (None: not so); a kernel
+    # reads the pair as one weight there, without a copy (:meth:`laid_out_gate_up`).
     gate_up: Tensor | None = None
     gate_up_bias: Tensor | None = None
 
@@ -97,7 +95,12 @@ class ExpertWeights:
                 for w1, b1, w2, b2, w3, b3 in zip(*(each(t) for t in self.tensors()))]
 
     def with_tensors(self, **tensors: Tensor | None) -> ExpertWeights:
-        """The same unit on other tensors (gathered, cast, a shard): ``with_tensors(w1=..., b1=...)``."""
+        """The same unit on other tensors (gathered, cast, a shard): ``with_tensors(w1=..., b1=...)``. Another
+        ``w1`` or ``w3`` (``b1`` or ``b3``) drops :attr:`gate_up` (:attr:`gate_up_bias`) unless given too."""
+        if "gate_up" not in tensors and ("w1" in tensors or "w3" in tensors):
+            tensors["gate_up"] = None
+        if "gate_up_bias" not in tensors and ("b1" in tensors or "b3" in tensors):
+            tensors["gate_up_bias"] = None
         return dataclasses.replace(self, **tensors)  # type: ignore[arg-type]
 
     def unit(self, pre1: Tensor, pre3: Tensor | None) -> Tensor:
@@ -111,7 +114,7 @@ class ExpertWeights:
         ``w3`` the gated unit (:func:`gated_unit`) of the ``w1`` and ``w3`` projections, by one product over 2H
         columns where :meth:`laid_out_gate_up` gives ``w1 | w3``, or where ``join(w1, w3)`` makes it (a copy or a
         view; None: the two run apart)."""
-        laid_out = self.laid_out_gate_up(x)
+        laid_out = self.laid_out_gate_up()
         w3, b1, b3 = self.w3, self.b1, self.b3
         if laid_out is None and join is not None and w3 is not None and (b1 is None) == (b3 is None):
             gate_up = join(self.w1, w3)  # [E, M, 2H]
@@ -124,23 +127,22 @@ class ExpertWeights:
         pre3 = linear(x, w3, b3) if w3 is not None else None
         return linear(self.unit(linear(x, self.w1, b1), pre3), self.w2, self.b2)
 
-    def laid_out_gate_up(self, rows: Tensor) -> tuple[Tensor, Tensor | None] | None:
-        """``(w1 | w3 [E, M, 2H], b1 | b3 [E, 2H] or None)`` read in place, for a call on ``rows`` that autograd
-        does not record, where the gated pair is still the halves of :attr:`gate_up` (and the biases of
-        :attr:`gate_up_bias`, or both absent): one matmul over ``2H`` columns instead of two, no copy. None
-        otherwise (ungated, laid out apart, or recorded: the laid-out tensors pass no gradient to w1 and w3)."""
-        w3 = self.w3
-        if w3 is None or self.gate_up is None or self.needs_grad(rows):
+    def laid_out_gate_up(self) -> tuple[Tensor, Tensor | None] | None:
+        """``(w1 | w3 [E, M, 2H], b1 | b3 [E, 2H] or None)`` read in place where the gated pair is the halves of
+        :attr:`gate_up` (joined experts): one matmul over ``2H`` columns instead of two, no copy of the weights
+        (the biases are joined by a copy where :attr:`gate_up_bias` is absent). Autograd records it as any
+        parameter: the gradient reaches ``gate_up``. None otherwise (ungated, or not joined)."""
+        w3, gate_up = self.w3, self.gate_up
+        if w3 is None or gate_up is None:
             return None
-        if torch.compiler.is_compiling() or not still_halves_of(self.gate_up, self.w1, w3):
-            return None  # dynamo does not trace still_halves_of: a compiled call takes the copy
         b1, b3 = self.b1, self.b3
         if b1 is None and b3 is None:
-            return self.gate_up, None
+            return gate_up, None
+        if self.gate_up_bias is not None:
+            return gate_up, self.gate_up_bias
         if b1 is None or b3 is None:
             return None
-        return self.gate_up, (self.gate_up_bias if still_halves_of(self.gate_up_bias, b1, b3)
-                              else torch.cat([b1, b3], dim=-1))
+        return gate_up, torch.cat([b1, b3], dim=-1)
 
     def needs_grad(self, rows: Tensor) -> bool:
         """Whether autograd records an operation on ``rows`` and these weights."""

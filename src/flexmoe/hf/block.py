@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
+from flexmoe.experts.modules import parameter_of
 from flexmoe.hf.families import Family, experts_implementation, implementation_named_by
 from flexmoe.hf.hf_state import (
     experts_like,
@@ -190,7 +191,7 @@ class ConvertedMoeBlock(nn.Module):
         for part in layer_parts(self.hf_family):
             _, held = layer_module(moe, part)
             scratch = hf_scratch(self, part)
-            tensors = [getattr(held, name) for name in part.sources(scratch)]
+            tensors = [parameter_of(held, name) for name in part.sources(scratch)]
             if all(getattr(t, "_is_hf_initialized", False) for t in tensors):
                 continue
             materialize(scratch, like)
@@ -249,9 +250,9 @@ class ConvertedMoeBlock(nn.Module):
         return block.train(self.training)  # the skeleton kept the mode it had when converted
 
 
-# What a converted block does unless convert() is told otherwise, beyond its family's options: gated experts keep
-# w1 and w3 as the halves of one storage, the layout of HF's gate_up_proj, so that the grouped GEMM reads them as
-# one weight without a copy per call (flexmoe.sharding.parallelize lays them apart for FSDP2).
+# What a converted block does unless convert() is told otherwise, beyond its family's options: gated experts hold
+# w1 and w3 as one parameter, gate_up, the layout of HF's gate_up_proj, so that the grouped GEMM reads them as one
+# weight without a copy per call (flexmoe.sharding.parallelize lays them apart for FSDP2).
 CONVERTED_DEFAULTS: dict[str, object] = {"joined_gate_up": True}
 
 
@@ -276,7 +277,9 @@ def build_converted_block(block: Any, family: Family, *, group: object | None,
             for name, value in layer_values(part, hf_module, moe.layout, moe.ep_group.rank).items():
                 getattr(layer_module, name).copy_(value)
         for name, flag in flags[part.hf_name].items():
-            getattr(layer_module, name).requires_grad_(flag)
+            held = parameter_of(layer_module, name)  # a joined pair's w1, w3: gate_up
+            assert held is not None  # a name the part's sources hold
+            held.requires_grad_(flag)
     if moe.expert_bias is not None and hasattr(router, "e_score_correction_bias"):
         with torch.no_grad():
             moe.expert_bias.copy_(router.e_score_correction_bias)

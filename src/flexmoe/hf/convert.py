@@ -62,9 +62,9 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
     options: :class:`~flexmoe.MoELayer` keywords applied on top of the family's. The defaults reproduce HF
         (dropless, ``capacity_factor=0``). These change nothing but speed: ``r``, ``overlap_degree``, ``a2a``,
         ``ranks_per_node``, ``parallel`` ("auto"), ``chooser``, ``shadow``, ``schedule``, ``joined_gate_up`` (True
-        here: gated experts' ``w1`` and ``w3`` laid out as the halves of one storage, as HF's ``gate_up_proj``,
-        read in place; pass False to apply FSDP2's ``fully_shard`` by hand, which refuses non-contiguous
-        parameters: :func:`flexmoe.sharding.parallelize` lays them apart itself). These change the
+        here: the routed experts' ``w1`` and ``w3`` as one parameter, ``gate_up``, as HF's ``gate_up_proj``,
+        read in place; LoRA then targets ``experts.gate_up``; pass False for two parameters, e.g. to apply FSDP2's
+        ``fully_shard`` by hand: :func:`flexmoe.sharding.parallelize` lays them apart itself). These change the
         function away from HF's: ``capacity`` / ``capacity_factor`` > 0 (a capacity drops tokens past it),
         ``k``, ``normalize_weights``, ``balance`` (``"aux"`` drops DeepSeek-V3's bias from the selection),
         ``bias_update_rate`` > 0 (moves the bias every step), ``batch_prioritized``, ``score_at="dispatch"``,
@@ -79,8 +79,9 @@ def convert(model: nn.Module, *, group: object | None = None, **options: Any) ->
     Adapters: one outside the MoE blocks (PEFT's LoRA on attention) is kept and keeps working. One inside a block
     (LoRA on HF's ``gate_up_proj`` / ``down_proj``, on a shared expert or the router, a torch parametrization) is a
     ``ValueError`` naming it: convert copies the block's tensors and would drop it. Merge it first, or convert
-    the plain model and put LoRA on flexmoe's experts, ``peft.LoraConfig(target_parameters=["experts.w1",
-    "experts.w2", "experts.w3"])`` (docs/architecture.md, "Adapters on the experts").
+    the plain model and put LoRA on flexmoe's experts, ``peft.LoraConfig(target_parameters=["experts.gate_up",
+    "experts.w2"])`` (a converted block's gated pair is one parameter, ``gate_up``, as HF's ``gate_up_proj``;
+    docs/architecture.md, "Adapters on the experts").
 
     Raises ``ValueError`` naming the class for an unsupported block, and for a model with no supported block (or
     with an MoE-looking block of an unsupported class); naming the tensors, when some of Switch's experts are
@@ -177,7 +178,7 @@ def _refuse_adapters(block: nn.Module, where: str) -> None:
                          f"drop (it copies the block's weights). Either merge it into the weights first "
                          f"(peft_model.merge_and_unload()) and convert the merged model, or convert the plain "
                          f"model, then put LoRA on flexmoe's experts: peft.LoraConfig(target_parameters="
-                         f"['experts.w1', 'experts.w2', 'experts.w3']), and merge_and_unload() before to_hf "
+                         f"['experts.gate_up', 'experts.w2']), and merge_and_unload() before to_hf "
                          f"(docs/architecture.md, 'Adapters on the experts'). Adapters outside the MoE blocks "
                          f"(attention, embeddings) are kept as they are")
 

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from flexmoe.experts.modules import joined_parameter_halves, side_by_side_halves
 from flexmoe.layer import MoELayer
 from flexmoe.sharding.mesh import full_mesh
 from flexmoe.sharding.model_experts import expert_parameters
@@ -61,27 +62,31 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
         dcp.load(state, checkpoint_id=str(path))
     experts = _expert_params(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, target in own_tensors(model).items():  # parameters (joined ones by halves) and buffers
             if name in experts:
-                _copy_local(p, state["model"][name])
-            elif not isinstance(p, DTensor):
-                p.copy_(state["model"][name])
-        buffers = dict(model.named_buffers())
-        for name, value in state["model"].items():
-            if name in buffers:
-                buffers[name].copy_(value)
+                _copy_local(target, state["model"][name])
+            elif not isinstance(target, DTensor):
+                target.copy_(state["model"][name])
     if optimizer is not None:
+        halves = joined_parameter_halves(model)
         loaded = state["optimizer"]
         current: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer))
+        split = _split_optimizer_state(current, halves)["state"]  # a joined parameter's states as views
+        halved = {name for names in halves.values() for name in names}
         with torch.no_grad():
             for name, entries in loaded["state"].items():
                 for key, value in entries.items():
-                    target = current["state"][name][key]
-                    if name in experts and isinstance(target, Tensor) and target.dim() > 0:
+                    target = split[name][key]
+                    if (name in experts or name in halved) and isinstance(target, Tensor) and target.dim() > 0:
                         _copy_local(target, value)
+                    elif name in halved:  # the step, one for both halves
+                        current["state"][next(j for j, n in halves.items() if name in n)][key] = value
                     else:
                         current["state"][name][key] = value  # loaded in the same form as the optimizer's
-        set_optimizer_state_dict(model, optimizer, {**loaded, "state": current["state"]},
+        joined_of = {name: joined for joined, names in halves.items() for name in names}
+        groups = [{**group, "params": list(dict.fromkeys(joined_of.get(n, n) for n in group["params"]))}
+                  for group in loaded["param_groups"]]
+        set_optimizer_state_dict(model, optimizer, {**loaded, "state": current["state"], "param_groups": groups},
                                  options=StateDictOptions(strict=True))
 
 
@@ -96,7 +101,8 @@ def _global_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
         # New dicts: the inner ones of get_optimizer_state_dict are the optimizer's own.
-        optim_state: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer))
+        optim_state = _split_optimizer_state(dict(get_optimizer_state_dict(model, optimizer)),
+                                             joined_parameter_halves(model))
         state["optimizer"] = {**optim_state, "state": {
             name: {key: _as_global(value, experts.get(name), root)
                    if isinstance(value, Tensor) and value.dim() > 0 else value for key, value in entries.items()}
@@ -113,11 +119,31 @@ def own_tensors(model: nn.Module) -> dict[str, Tensor]:
         if isinstance(module, FSDPModule):
             module.reshard()
     tensors: dict[str, Tensor] = dict(model.named_parameters())
+    for joined, halves in joined_parameter_halves(model).items():
+        for name, half in zip(halves, side_by_side_halves(tensors.pop(joined))):
+            tensors[name] = half
     for prefix, sub in model.named_modules():
         for key, b in sub.named_buffers(recurse=False):
             if b is not None and key not in sub._non_persistent_buffers_set:
                 tensors[f"{prefix}.{key}" if prefix else key] = b
     return tensors
+
+
+def _split_optimizer_state(state: dict[str, Any], halves: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """An FQN-keyed optimizer state dict (``get_optimizer_state_dict``'s) with each joined parameter's entry as two
+    entries named by its halves: tensor states cut into halves (views), scalars (the step) shared."""
+    split = {**state, "state": dict(state["state"])}
+    for joined, names in halves.items():
+        entries = split["state"].pop(joined, None)
+        if entries is None:
+            continue
+        for i, name in enumerate(names):
+            split["state"][name] = {key: side_by_side_halves(value)[i]
+                                    if isinstance(value, Tensor) and value.dim() > 0 else value
+                                    for key, value in entries.items()}
+    split["param_groups"] = [{**group, "params": [n for p in group["params"] for n in halves.get(p, (p,))]}
+                             for group in state["param_groups"]]
+    return split
 
 
 def _as_global(value: Any, layer: MoELayer | None, mesh: DeviceMesh | None) -> Any:
@@ -146,5 +172,6 @@ def _copy_local(target: Tensor, loaded: Tensor) -> None:
 
 
 def _expert_params(model: nn.Module) -> dict[str, MoELayer]:
-    """Name of every expert parameter -> its layer."""
-    return {name: layer for name, _, layer in expert_parameters(model)}
+    """Name of every expert parameter -> its layer (a joined ``gate_up``'s halves too, as checkpoints name it)."""
+    halves = joined_parameter_halves(model)
+    return {n: layer for name, _, layer in expert_parameters(model) for n in (name, *halves.get(name, ()))}

@@ -81,8 +81,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecision
     model = _place_every_layer(model, ep_group, data_parallel=sizes["dp_replicate"] * sizes["dp_shard"])
     for module in model.modules():
         if isinstance(module, FeedForwardExperts):
-            # fully_shard refuses non-contiguous parameters: w1 and w3 laid side by side (joined_gate_up, a
-            # converted HF block's default) each get their own storage.
+            # FSDP shards plain experts: a joined gate_up (a converted HF block's default) becomes w1 and w3
+            # again, each its own parameter, as the state dict names them (before any optimizer is built).
             module.lay_gated_pairs_apart()
     units = list(default_blocks(model) if blocks is None else blocks)
     if activation_checkpointing:
@@ -158,11 +158,10 @@ def place_experts(layer: MoELayer, group: Any) -> MoELayer:
     if weight.device.type == "meta":
         return placed
     layout = ExpertLayout(layer.num_experts, target.world_size, layer.hidden_dim)
-    local = shard_expert_state({n: p.detach() for n, p in experts.named_parameters()}, layout, target.rank)
+    # The state dict names the gated halves w1 and w3 whether or not the experts hold them joined (gate_up).
+    local = shard_expert_state(dict(experts.state_dict()), layout, target.rank)
     placed.experts.to_empty(device=weight.device)
-    with torch.no_grad():
-        for name, p in placed.experts.named_parameters():
-            p.copy_(local[name])
+    placed.experts.load_state_dict(local)
     return placed
 
 

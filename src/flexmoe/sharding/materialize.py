@@ -90,7 +90,7 @@ def _init_experts(name: str, layer: MoELayer, seed: int) -> None:
     experts = layer.experts
     assert isinstance(experts, FeedForwardExperts)  # _layer_experts picks only these
     layout, rank = layer.layout, layer.ep_group.rank
-    params = dict(experts.named_parameters())
+    params = dict(experts.state_dict(keep_vars=True))  # joined experts' gate_up by its halves, w1 and w3 (views)
     # [E_local, ...] each: a DTensor's shape is the global one of its mesh, here the ep-local experts
     local = {n: torch.empty(p.shape, dtype=p.dtype) for n, p in params.items()}
     hidden = layout.hidden_slice(rank)
