@@ -235,7 +235,7 @@ def _optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> tu
     """AdamW state as ``{"exp_avg/<param>": tensor, ...}`` and its param groups with names for indices."""
     names = {id(p): n for n, p in model.named_parameters()}
     # A joined experts' gate_up by its halves' names (w1, w3), as the model state: checkpoints load into either
-    # layout (one process joined, expert parallelism apart).
+    # layout (joined_gate_up or not).
     halves = joined_parameter_halves(model)
     tensors: dict[str, Tensor] = {}
     for p, st in optimizer.state.items():
