@@ -326,7 +326,7 @@ def _record_and_step(model: Any, optimizer: torch.optim.Optimizer, report: dict,
     """After a step's backward: append every gradient and the selection biases after their update to ``report``
     (each as ``keep(tensor)``), then the optimizer's step."""
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    for name in [n for n in grads if n.endswith(".gate_up")]:  # one process's joined pair, by its halves' names
+    for name in [n for n in grads if n.endswith(".gate_up")]:  # a joined pair by its halves' names (as checkpoints)
         gate_up, prefix = grads.pop(name), name[:-len("gate_up")]
         grads[prefix + "w1"], grads[prefix + "w3"] = gate_up.chunk(2, dim=-1)
     report["grads"].append({n: keep(g) for n, g in grads.items()})
