@@ -33,12 +33,11 @@ __all__ = ["ExpertOptions", "FeedForwardExperts", "JOINED_HALVES", "JOINED_PAIRS
            "parameter_of", "joined_parameter_halves", "ExpertsCall", "differentiated_weights", "expert_ffn",
            "check_glu_limit", "resolve_activation", "activation_name", "activation_derivative", "activation_into"]
 
-# Joined experts' views by name: the joined parameter each is a half of, and which half (w1 | w3 as HF's
-# gate_up_proj lays them out).
-JOINED_HALVES: dict[str, tuple[str, int]] = {"w1": ("gate_up", 0), "w3": ("gate_up", 1), "b1": ("gate_up_bias", 0),
-                                             "b3": ("gate_up_bias", 1)}
-# Each joined parameter and the names of its halves.
+# Each joined parameter and the names of its halves (w1 | w3 as HF's gate_up_proj lays them out).
 JOINED_PAIRS: tuple[tuple[str, tuple[str, str]], ...] = (("gate_up", ("w1", "w3")), ("gate_up_bias", ("b1", "b3")))
+# Joined experts' views by name: the joined parameter each is a half of, and which half.
+JOINED_HALVES: dict[str, tuple[str, int]] = {half: (joined, i) for joined, pair in JOINED_PAIRS
+                                             for i, half in enumerate(pair)}
 # The order plain experts register their parameters in, and every experts' state dict keys.
 _REGISTRATION_ORDER: tuple[str, ...] = ("w1", "w2", "w3", "b1", "b2", "b3")
 
