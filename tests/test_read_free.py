@@ -578,3 +578,37 @@ def test_the_device_side_finite_check_takes_a_call_without_tokens() -> None:
     bad[1, 1] = float("nan")
     with pytest.raises(RuntimeError, match="router logits contain NaN or infinity"):
         check_logits(bad, K, read_free=True)
+
+
+@pytest.mark.parametrize("route_scale", [1.0, 2.5])
+@pytest.mark.parametrize("select_by", ["scores", "logits"])
+def test_one_choice_keeps_its_softmax_probability_under_normalize_weights(select_by: str, route_scale: float) -> None:
+    """k = 1, softmax, normalize_weights: nothing to renormalise over, so the weight is the chosen expert's softmax
+    probability (times route_scale), never 1: by a float64 loop here, value and gradient to the logits, for the
+    read-free plan and make_plan alike (both pick paths: the scores' top-1 and GPT-OSS's logits' top-1)."""
+    from flexmoe.routing.options import RoutingOptions
+    from flexmoe.routing.plan import make_plan
+    from flexmoe.routing.read_free import read_free_plan
+
+    logits = (2 * torch.randn(7, E, generator=torch.Generator().manual_seed(3))).requires_grad_()
+    upstream = torch.randn(7, 1, generator=torch.Generator().manual_seed(4))
+    ref_logits = logits.detach().double().requires_grad_()
+    rows = []
+    for t in range(7):
+        exps = [math.exp(v) for v in ref_logits[t].tolist()]
+        best = max(range(E), key=lambda e: exps[e])
+        rows.append(route_scale * torch.exp(ref_logits[t, best]) / torch.exp(ref_logits[t]).sum())
+    want = torch.stack(rows).unsqueeze(1)  # [T, 1]
+    assert float(want.detach().max()) < 0.9 * route_scale  # far from 1: a weight renormalised to 1 cannot pass
+    (want * upstream.double()).sum().backward()
+    options = RoutingOptions(k=1, capacity_factor=0.0, normalize_weights=True, route_scale=route_scale,
+                             select_by=select_by)
+    plans = {"read_free_plan": read_free_plan(logits, options),
+             "make_plan": make_plan(logits, 1, capacity_factor=0.0, normalize_weights=True, route_scale=route_scale,
+                                    select_by=select_by)}
+    for name, plan in plans.items():
+        assert plan.expert_index[:, 0].tolist() == ref_logits.argmax(1).tolist(), name
+        torch.testing.assert_close(plan.weight.double(), want.detach(), rtol=1e-6, atol=1e-7, msg=name)
+        logits.grad = None
+        (plan.weight * upstream).sum().backward(retain_graph=True)
+        torch.testing.assert_close(logits.grad.double(), ref_logits.grad, rtol=1e-5, atol=1e-6, msg=name)
