@@ -264,8 +264,9 @@ def test_adapters_inside_a_block_are_refused_by_convert_and_to_hf():
         fh.convert(hf, group="single")
     with pytest.raises(ValueError, match=r"MixtralSparseMoeBlock.*carry an adapter"):
         fh.convert(hf.model.layers[0].mlp, group="single")
-    # LoRA (target_modules) on Qwen2-MoE's shared expert MLP.
-    hf = lora(tiny_model("qwen2_moe"), [], random_b=True, modules=["gate_proj"])
+    # LoRA (target_modules) on Qwen2-MoE's shared expert MLP. Both halves of the gated pair: PEFT >= 0.22 refuses
+    # gate_proj alone on a transformers-5 Qwen2-MoE (it reads the name as half of the routed experts' gate_up_proj).
+    hf = lora(tiny_model("qwen2_moe"), [], random_b=True, modules=["gate_proj", "up_proj"])
     with pytest.raises(ValueError, match=r"shared_expert\.gate_proj.*merge_and_unload"):
         fh.convert(hf, group="single")
     # An unmerged adapter on a converted model (here on the second layer only): to_hf would drop it, and refuses
@@ -275,6 +276,31 @@ def test_adapters_inside_a_block_are_refused_by_convert_and_to_hf():
     with pytest.raises(ValueError, match=r"olmoe block.*moe\.experts.*merge_and_unload\(\)"):
         fh.to_hf(model)
     assert len(moe_blocks(model)) == 2
+
+
+def test_lora_on_a_converted_models_shared_expert_adapts_its_output() -> None:
+    """A converted Qwen2-MoE's shared expert is ``moe.shared`` (``w1, w3: [1, M, H]``, ``w2: [1, H, M]``), targeted
+    with ``target_parameters`` as the routed experts are. Reference: HF's model with each LoRA delta added by hand
+    to the shared expert's ``gate_proj``/``up_proj``/``down_proj`` (``[out, in]``, the transposes)."""
+    hf = tiny_model("qwen2_moe")
+    model = lora(fh.convert(copy.deepcopy(hf), group="single"), ["shared.w1", "shared.w3", "shared.w2"],
+                 random_b=True)
+    hf_names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    wrappers = [(n, m) for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.layer.ParamWrapper)]
+    assert sorted(m.parameter_name for _, m in wrappers) == sorted(["w1", "w3", "w2"] * hf.config.num_hidden_layers)
+    with torch.no_grad():
+        for name, wrapper in wrappers:
+            a, b = wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight  # [r, in], [out, r]
+            delta = wrapper.scaling["default"] * (b @ a)  # [out, in] of the stored [M, H] (w1, w3) or [H, M] (w2)
+            assert delta.shape == wrapper.get_param().shape[1:]
+            layer = name.removeprefix("base_model.model.").split(".mlp.")[0]
+            linear = hf.get_submodule(f"{layer}.mlp.shared_expert.{hf_names[wrapper.parameter_name]}")
+            linear.weight += delta.T  # nn.Linear's weight is [out_features, in_features], the stored matrix's T
+    ids = batches(1)[0]
+    with torch.no_grad():
+        expected, got = hf(ids).logits, model(ids).logits
+        assert (got - tiny_model("qwen2_moe")(ids).logits).abs().max() > 1e-3  # the adapter does change the output
+    torch.testing.assert_close(got, expected, **TOL)
 
 
 class _Doubled(nn.Module):
