@@ -15,6 +15,8 @@ choose. docs/architecture.md, "Routing replay", states the contract; in short:
   balance and z losses come from the layer's own logits.
 * :meth:`RoutingRecord.joined` turns a decode record (a prefill of ``[B, P]`` tokens, then calls of ``[B, 1]``)
   into one call over the whole sequences ``[B, P + n]``, for one training forward over what was generated.
+* :meth:`RoutingRecord.from_routed_experts` makes that one call per layer from an inference engine's choices
+  ``[B, S, L, k]`` (vLLM's and SGLang's ``routed_experts``; :mod:`flexmoe.routing.engine_routing` reads them).
 
 The taps sit on the layers only inside the ``with`` block (attribute ``MoELayer.routing_tap``, None outside).
 """
@@ -22,11 +24,15 @@ The taps sit on the layers only inside the ``with`` block (attribute ``MoELayer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from flexmoe.layer import named_moe_layers
+from flexmoe.routing.engine_routing import routed_calls
 from flexmoe.routing.plan import check_choices
+from flexmoe.routing.tap import RoutingTap
 
 __all__ = ["RoutingRecord", "RoutingTap", "RecordingTap", "ReplayingTap"]
 
@@ -67,6 +73,32 @@ class RoutingRecord:
             sequences[name] = [b]
         return RoutingRecord(calls, sequences)
 
+    @classmethod
+    def from_routed_experts(cls, routed: Any, model: nn.Module, attention_mask: Any = None) -> RoutingRecord:
+        """The record of an inference engine's rollout: one call per MoE layer of ``model`` over the whole sequences,
+        for one training forward ``model(input_ids, attention_mask=attention_mask)`` under
+        :func:`~flexmoe.replay_routing`.
+
+        routed: ``[B, S, L, k]`` integer expert ids, a numpy array or a tensor (vLLM's ``routed_experts``, SGLang's
+            ``routed_experts``, padded into the batch as the token ids are): ``routed[b, s, l]`` the experts token
+            ``input_ids[b, s]`` took in the model's ``l``-th MoE layer, in :func:`~flexmoe.model_routing.
+            named_moe_layers` order.
+        attention_mask: ``[B, S]`` of 0 and 1 (None: all 1): 0 where ``routed`` holds no choices (padding on either
+            side, a sequence's last token when the engine's routing stops one short); those positions are not read
+            and take placeholder experts (:mod:`flexmoe.routing.engine_routing`).
+
+        Under expert parallelism each rank passes its own rows of the batch (the sequences it trains on). Raises
+        ``TypeError`` / ``ValueError`` naming what does not fit: a value that is not an integer array, not 4 dims,
+        another number of MoE layers or another top-k than the model's, an expert outside a layer's ``[0, E)``
+        where the mask is 1, a mask of another ``[B, S]`` or with values other than 0 and 1.
+        """
+        layers = named_moe_layers(model)
+        if not layers:
+            raise ValueError(f"the model ({type(model).__name__}) has no flexmoe MoE layer to replay routing into")
+        facts = [(name, layer.num_experts, layer.routing_options.k, _device_of(layer)) for name, layer in layers]
+        calls, batch = routed_calls(routed, attention_mask, facts)
+        return cls({name: [choices] for name, choices in calls.items()}, {name: [batch] for name in calls})
+
     def num_calls(self, name: str) -> int:
         """How many calls of layer ``name`` the record holds."""
         return len(self.calls.get(name, []))
@@ -76,18 +108,11 @@ class RoutingRecord:
 torch.serialization.add_safe_globals([RoutingRecord])
 
 
-class RoutingTap:
-    """What a layer asks while recording or replaying (:attr:`MoELayer.routing_tap <flexmoe.MoELayer>`).
-
-    ``replayed(x, num_experts, k, in_backward)``: the choices ``[T, k]`` this call must take, or None for the router's;
-    ``chosen(x, expert_index)``: the call's choices ``[T, k]``, once made. x is the layer's input ``[..., M]``.
-    """
-
-    def replayed(self, x: Tensor, num_experts: int, k: int, in_backward: bool) -> Tensor | None:
-        return None
-
-    def chosen(self, x: Tensor, expert_index: Tensor, in_backward: bool) -> None:
-        return None
+def _device_of(layer: nn.Module) -> torch.device:
+    """Where a layer's recorded choices go: its parameters' device (the CPU for a layer on the meta device, whose
+    parameters are not materialised yet)."""
+    param = next(layer.parameters(), None)
+    return torch.device("cpu") if param is None or param.is_meta else param.device
 
 
 def _num_sequences(x: Tensor) -> int:
