@@ -28,6 +28,7 @@ from typing import Any
 
 from flexmoe.parallel.layout import experts_per_rank, shards_per_expert
 from flexmoe.parallel.layout import valid_r as layout_valid_r
+from flexmoe.tuning.a2a_scale import A2AScale, inter_efficiency, message_cost, scale_for
 from flexmoe.tuning.profile import ComputeSpec, LinkSpec, Profile
 
 __all__ = [
@@ -276,16 +277,35 @@ def _a2a_level(link: LinkSpec, messages: int, message_bytes: float) -> float:
     return messages * (link.a2a_alpha_s + message_bytes / link.a2a_bandwidth_Bps)
 
 
+def _scaled_level(scale: A2AScale, messages: int, message_bytes: float, peers: int, nodes: int) -> float:
+    """One level of an all-to-all under the fitted scale model (:mod:`flexmoe.tuning.a2a_scale`): every message
+    pays the per-message cost of an exchange among ``peers`` ranks; its bytes move at the NVLink bandwidth
+    (``nodes == 1``) or at the share of the NIC's line rate that ``nodes`` nodes exchanging at once get."""
+    if messages <= 0:
+        return 0.0
+    if nodes <= 1:
+        bandwidth = scale.intra_bandwidth_Bps
+    else:
+        bandwidth = scale.inter_line_Bps * inter_efficiency(scale, nodes)
+    return messages * (message_cost(scale, peers) + message_bytes / bandwidth)
+
+
 def a2a_flat_time(profile: Profile, num_bytes: float, ranks: int, ranks_per_node: int) -> float:
-    """Flat all-to-all of ``num_bytes`` per rank: W-1 messages of S/W, G-1 of them inside the node.
+    """Flat (linear) all-to-all of ``num_bytes`` per rank: W-1 messages of S/W, G-1 of them inside the node.
 
     The intra-node and inter-node messages travel on different links at the same time, so the slower level sets
-    the time.
+    the time. With a fitted scale model every message pays the per-message cost of a W-rank exchange and the
+    inter-node bytes get the share of the line rate that N = W/G nodes exchanging at once get.
     """
     if ranks <= 1 or num_bytes <= 0:
         return 0.0
     g = min(ranks_per_node, ranks)
     size = num_bytes / ranks
+    scale = scale_for(profile.name)
+    if scale is not None:
+        nodes = max(ranks // g, 1)
+        return max(_scaled_level(scale, g - 1, size, ranks, 1),
+                   _scaled_level(scale, ranks - g, size, ranks, nodes))
     return max(_a2a_level(profile.intra, g - 1, size), _a2a_level(profile.inter, ranks - g, size))
 
 
@@ -293,14 +313,20 @@ def a2a_2dh_time(profile: Profile, num_bytes: float, ranks: int, ranks_per_node:
     """2-D hierarchical all-to-all (Tutel): G-1 messages of S/G inside the node, then N-1 of S/N between nodes.
 
     Each phase is preceded by a local re-layout of the S bytes (read + write at memory bandwidth) that groups
-    rows by destination, which is what makes the messages large.
+    rows by destination, which is what makes the messages large. With a fitted scale model the intra phase is an
+    exchange among G peers and the inter phase among N (the ranks with the same local index).
     """
     if ranks <= 1 or num_bytes <= 0:
         return 0.0
     g = min(ranks_per_node, ranks)
     n = ranks // g
-    intra = _a2a_level(profile.intra, g - 1, num_bytes / g)
-    inter = _a2a_level(profile.inter, n - 1, num_bytes / n)
+    scale = scale_for(profile.name)
+    if scale is not None:
+        intra = _scaled_level(scale, g - 1, num_bytes / g, g, 1)
+        inter = _scaled_level(scale, n - 1, num_bytes / n, n, n)
+    else:
+        intra = _a2a_level(profile.intra, g - 1, num_bytes / g)
+        inter = _a2a_level(profile.inter, n - 1, num_bytes / n)
     relayout = 2 * memory_time(2 * num_bytes, profile.memory_bandwidth_Bps, ops=2, op_overhead=profile.op_overhead_s)
     return intra + inter + relayout
 
@@ -336,18 +362,22 @@ def broadcast_time(profile: Profile, num_bytes: float, group_size: int, ranks_pe
 
 
 def pipelined_time(a2a_in: float, compute: float, a2a_out: float, chunks: int, overlap_efficiency: float = 1.0,
-                   chunk_overhead: float = 0.0) -> float:
+                   chunk_overhead: float = 0.0, compute_slowdown: float = 0.0) -> float:
     """Dispatch a2a -> compute -> combine a2a, split into ``chunks`` chunks.
 
     Arguments are the times of *one chunk*. The first chunk runs its stages in sequence; each later chunk costs
     the larger of its communication and the previous chunk's compute, plus the part of the smaller one that does
-    not overlap (``1 - overlap_efficiency``). Every chunk pays ``chunk_overhead``.
+    not overlap (``1 - overlap_efficiency``). While a transfer runs beside it, compute is ``1 + compute_slowdown``
+    times slower (the communication kernel holds some of the SMs). Every chunk pays ``chunk_overhead``.
     """
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
+    if compute_slowdown < 0:
+        raise ValueError(f"compute_slowdown must be >= 0, got {compute_slowdown}")
     first = a2a_in + compute + a2a_out
     comm = a2a_in + a2a_out
-    steady = max(comm, compute) + (1.0 - overlap_efficiency) * min(comm, compute)
+    shared = compute * (1.0 + compute_slowdown)
+    steady = max(comm, shared) + (1.0 - overlap_efficiency) * min(comm, shared)
     return first + (chunks - 1) * steady + chunks * chunk_overhead
 
 
@@ -640,8 +670,13 @@ def _exchange_times(profile: Profile, config: LayerConfig, volume: float, g: int
     overhead = OPS_PER_CHUNK * profile.op_overhead_s if d > 1 else 0.0
     # Overlap needs an idle engine: with ranks outnumbering the cores that also move the bytes, nothing hides.
     eta = 0.0 if profile.comm_uses_compute and slow > 1 else profile.overlap_efficiency
-    fwd = pipelined_time(chunk_a2a, compute[0] / d, chunk_a2a, d, eta, overhead) + pairs_a2a
-    bwd = pipelined_time(chunk_a2a, compute[1] / d, chunk_a2a, d, eta, overhead) + pairs_a2a
+    # A fitted GPU model says what overlap costs instead: the transfer hides whole, the compute beside it slows.
+    scale = scale_for(profile.name)
+    slowdown = 0.0
+    if scale is not None:
+        eta, slowdown = 1.0, scale.sm_share
+    fwd = pipelined_time(chunk_a2a, compute[0] / d, chunk_a2a, d, eta, overhead, slowdown) + pairs_a2a
+    bwd = pipelined_time(chunk_a2a, compute[1] / d, chunk_a2a, d, eta, overhead, slowdown) + pairs_a2a
     return a2a, fwd + bwd
 
 

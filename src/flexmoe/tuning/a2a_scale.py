@@ -1,0 +1,129 @@
+"""How an all-to-all costs at scale: constants fitted to published all-to-all measurements only.
+
+The plain alpha-beta model (one latency and one bandwidth per link) prices an all-to-all of 2,048 GPUs like one
+of 16 with more messages. Published all-to-all measurements show three effects on top of that, and this module
+holds one constant for each, fitted from the numbers in :data:`PUBLISHED` by :func:`fit`:
+
+* **per-message cost growing with peers**: each chunk a rank sends costs ``alpha(P) = alpha0 + gamma * P``
+  seconds of latency beside its bytes, P the ranks in the exchange (NCCL progresses one send and one receive per
+  peer; more peers, more connections to poll);
+* **the bandwidth a message actually gets**: the inter-node link delivers a fraction ``e(N)`` of its line rate
+  when N nodes exchange at once, ``e(N) = e_inf + (e_2 - e_inf) * 2 / N`` (two nodes: one clean NIC-to-NIC
+  path; many nodes: every NIC sends to and receives from all the others, and the fabric's congestion
+  takes its share);
+* **compute slowed while NCCL runs**: a communication kernel holds a share ``sm_share`` of the GPU's SMs, so the
+  compute it overlaps runs ``1 + sm_share`` times longer.
+
+Nothing here was fitted to a step time of an MoE layer: the figures the simulator reproduces
+(``flexmoe simulate --reproduce``) are predictions, not inputs. docs/cost_model.md lists every source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["A2AScale", "PUBLISHED", "fit", "scale_for", "inter_efficiency", "message_cost"]
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class A2AScale:
+    """The fitted all-to-all constants of one machine (SI units).
+
+    intra_bandwidth_Bps: bytes per second a GPU moves into an intra-node all-to-all (NVLink, one direction).
+    inter_line_Bps: the line rate of one GPU's NIC (one direction).
+    inter_efficiency_2 / inter_efficiency_many: the fraction of the line rate an inter-node all-to-all gets
+        with 2 nodes and with many nodes (:func:`inter_efficiency`).
+    alpha_s / per_peer_s: the per-message cost ``alpha_s + per_peer_s * peers`` (:func:`message_cost`).
+    sm_share: share of the SMs a communication kernel holds while it runs beside compute.
+    """
+
+    intra_bandwidth_Bps: float
+    inter_line_Bps: float
+    inter_efficiency_2: float
+    inter_efficiency_many: float
+    alpha_s: float
+    per_peer_s: float
+    sm_share: float
+
+
+# The published measurements, as (what was measured, the numbers). docs/cost_model.md cites each one.
+PUBLISHED: dict[str, dict[str, float]] = {
+    # Hwang et al., Tutel, MLSys 2023 (arXiv 2206.03382), appendix A.2: an intra-node all-to-all of S = 128 MiB
+    # on m = 8 A100s (Azure NDv4) takes ~600 us with n = 8; cut into the n/m chunks per peer of a 2,048-GPU
+    # exchange it takes ~5 ms.
+    "tutel_intra": {"bytes": 128 * MiB, "gpus_per_node": 8, "us_n8": 600.0, "us_n2048": 5000.0, "n": 2048},
+    # NVIDIA/nccl issue #1048 (two A100 nodes, HDR 200 Gb/s): one HCA reaches its theoretical ~24 GB/s; and
+    # NVIDIA/nccl-tests issues #130/#267 (S. Jeaugey): an all-to-all gets one NIC's bandwidth per GPU.
+    "nccl_two_nodes": {"line_Bps": 25e9, "measured_Bps": 24e9},
+    # deepseek-ai/DeepEP docs/legacy.md, low-latency kernels (H800, CX7 400 Gb/s ~50 GB/s per NIC, pure RDMA):
+    # dispatch RDMA bandwidth 48 / 43 / 39 / 39 GB/s at EP 32 / 64 / 128 / 256 (4 to 32 nodes of 8), counting
+    # the 1/nodes of traffic that stays in the node; the remote bandwidth is bw * (1 - 1/nodes).
+    "deepep_low_latency": {"line_Bps": 50e9, "ep32": 48e9, "ep64": 43e9, "ep128": 39e9, "ep256": 39e9},
+    # NVIDIA/nccl issue #1531: alltoall_perf on 8 nodes x 8 H800 (400 Gb/s NICs): 8 MiB per rank in 337.8 us.
+    "nccl_64_ranks": {"bytes": 8 * MiB, "ranks": 64, "gpus_per_node": 8, "line_Bps": 50e9, "us": 337.8},
+    # deepseek-ai/DeepEP README (V2): the inter-node EP 8 x 2 kernel runs on 12 of an H100's 132 SMs.
+    "deepep_sms": {"sms": 12, "total_sms": 132},
+}
+
+
+def inter_efficiency(scale: A2AScale, nodes: int) -> float:
+    """Fraction of the NIC line rate an all-to-all over ``nodes`` nodes gets (1 node: no inter-node traffic)."""
+    if nodes <= 1:
+        return 1.0
+    return scale.inter_efficiency_many + (scale.inter_efficiency_2 - scale.inter_efficiency_many) * 2.0 / nodes
+
+
+def message_cost(scale: A2AScale, peers: int) -> float:
+    """Seconds of latency one message costs in an exchange among ``peers`` ranks."""
+    return scale.alpha_s + scale.per_peer_s * peers
+
+
+def fit(inter_line_Bps: float = 25e9) -> A2AScale:
+    """The constants from :data:`PUBLISHED`, in order (each step uses only the ones before it).
+
+    1. intra bandwidth: Tutel's 128 MiB intra-node exchange, 7/8 of it leaving each GPU in 600 us;
+    2. alpha0: the same exchange cut into n/m chunks per peer at n = 2,048 costs 4.4 ms more for its
+       7 * 2048 / 8 - 7 extra chunks (8 peers: the peer term is negligible there);
+    3. e_2: one HDR HCA's measured share of its line rate; e_inf: DeepEP's remote bandwidth over its line rate,
+       averaged over 4 to 32 nodes;
+    4. gamma: nccl #1531's 64-rank exchange minus its bytes at e(8) leaves a per-message cost at 64 peers; its
+       excess over alpha0 per extra peer;
+    5. sm_share: DeepEP's SMs over the GPU's.
+    """
+    t = PUBLISHED["tutel_intra"]
+    m = t["gpus_per_node"]
+    intra_bw = t["bytes"] * (m - 1) / m / (t["us_n8"] * 1e-6)
+    extra_chunks = (m - 1) * t["n"] / m - (m - 1)
+    alpha0 = (t["us_n2048"] - t["us_n8"]) * 1e-6 / extra_chunks
+
+    two = PUBLISHED["nccl_two_nodes"]
+    e_2 = two["measured_Bps"] / two["line_Bps"]
+    dep = PUBLISHED["deepep_low_latency"]
+    remote = [dep[f"ep{ep}"] * (1 - 8 / ep) / dep["line_Bps"] for ep in (32, 64, 128, 256)]
+    e_inf = sum(remote) / len(remote)
+
+    n64 = PUBLISHED["nccl_64_ranks"]
+    ranks, g = int(n64["ranks"]), int(n64["gpus_per_node"])
+    nodes = ranks // g
+    e_8 = e_inf + (e_2 - e_inf) * 2.0 / nodes
+    inter_bytes = n64["bytes"] * (ranks - g) / ranks
+    residual = n64["us"] * 1e-6 - inter_bytes / (n64["line_Bps"] * e_8)
+    per_message = residual / (ranks - g)
+    gamma = max(per_message - alpha0, 0.0) / (ranks - g)
+
+    sms = PUBLISHED["deepep_sms"]
+    return A2AScale(intra_bandwidth_Bps=intra_bw, inter_line_Bps=inter_line_Bps, inter_efficiency_2=e_2,
+                    inter_efficiency_many=e_inf, alpha_s=alpha0, per_peer_s=gamma,
+                    sm_share=sms["sms"] / sms["total_sms"])
+
+
+# The machines with a fit: Azure NDv4 (A100, HDR 200 Gb/s per GPU). Other profiles keep the plain alpha-beta
+# model (a calibrated CPU profile measures its own links).
+_FITTED = {"a100-ndv4": fit(inter_line_Bps=25e9)}
+
+
+def scale_for(profile_name: str) -> A2AScale | None:
+    """The fitted constants of a published profile, or None (plain alpha-beta all-to-all)."""
+    return _FITTED.get(profile_name)

@@ -1,0 +1,108 @@
+"""The all-to-all at scale (flexmoe.tuning.a2a_scale) and the pipelining it prices: properties that must hold,
+and the constants against the published measurements they come from, worked out here by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from flexmoe.tuning.a2a_scale import fit, inter_efficiency, message_cost, scale_for
+from flexmoe.tuning.cost_model import LayerConfig, a2a_2dh_time, a2a_flat_time, layer_time, pipelined_time
+from flexmoe.tuning.profile import load_profile
+
+MiB = 2**20
+NDV4 = load_profile("a100-ndv4")
+
+
+def test_constants_follow_from_the_published_numbers() -> None:
+    s = fit()
+    # Tutel appendix A.2: 7/8 of 128 MiB leave each GPU in 600 us.
+    assert s.intra_bandwidth_Bps == pytest.approx(128 * MiB * 7 / 8 / 600e-6)
+    # 4.4 ms more for 7 * 2048 / 8 - 7 = 1785 extra chunks.
+    assert s.alpha_s == pytest.approx(4.4e-3 / 1785)
+    assert s.inter_efficiency_2 == pytest.approx(0.96)
+    # DeepEP remote share: 48 * 3/4, 43 * 7/8, 39 * 15/16, 39 * 31/32 GB/s over 50 GB/s, averaged.
+    e_inf = (48 * 0.75 + 43 * 0.875 + 39 * 15 / 16 + 39 * 31 / 32) / 4 / 50
+    assert s.inter_efficiency_many == pytest.approx(e_inf)
+    e8 = e_inf + (0.96 - e_inf) / 4
+    per_message = (337.8e-6 - 8 * MiB * 56 / 64 / (50e9 * e8)) / 56
+    assert s.per_peer_s == pytest.approx((per_message - 4.4e-3 / 1785) / 56)
+    assert s.per_peer_s > 0  # the 64-rank exchange pays more per message than the 8-peer one
+    assert s.sm_share == pytest.approx(12 / 132)
+    assert scale_for("a100-ndv4") == fit(25e9)
+    assert scale_for("no-such-profile") is None
+
+
+def test_efficiency_and_message_cost_shapes() -> None:
+    s = fit()
+    assert inter_efficiency(s, 1) == 1.0
+    assert inter_efficiency(s, 2) == pytest.approx(0.96)
+    effs = [inter_efficiency(s, n) for n in (2, 4, 16, 256)]
+    assert effs == sorted(effs, reverse=True)  # more nodes at once, less of the line each
+    assert message_cost(s, 2048) > message_cost(s, 256) > message_cost(s, 8)
+
+
+@pytest.mark.parametrize("algorithm", [a2a_flat_time, a2a_2dh_time])
+def test_monotone_in_bytes_and_peers(algorithm) -> None:  # type: ignore[no-untyped-def]
+    sizes = [MiB, 16 * MiB, 256 * MiB]
+    for w in (16, 512, 2048):
+        times = [algorithm(NDV4, b, w, 8) for b in sizes]
+        assert times == sorted(times) and times[0] < times[-1]
+    for b in sizes:
+        times = [algorithm(NDV4, b, w, 8) for w in (16, 64, 256, 1024, 2048)]
+        assert times == sorted(times)
+
+
+def test_flat_at_2048_by_hand() -> None:
+    """2040 inter-node messages of S/2048 at 256 nodes' efficiency, each paying alpha(2048), against the 7 NVLink
+    messages: the slower level."""
+    s = fit()
+    size = 256 * MiB / 2048
+    inter = 2040 * (s.alpha_s + s.per_peer_s * 2048 + size / (25e9 * inter_efficiency(s, 256)))
+    intra = 7 * (s.alpha_s + s.per_peer_s * 2048 + size / s.intra_bandwidth_Bps)
+    assert a2a_flat_time(NDV4, 256 * MiB, 2048, 8) == pytest.approx(max(inter, intra))
+
+
+def test_2dh_gains_with_scale_and_not_below_a_node() -> None:
+    for b in (MiB, 256 * MiB):
+        # inside one node 2DH is the flat exchange plus two re-layouts: never a gain
+        assert a2a_2dh_time(NDV4, b, 8, 8) > a2a_flat_time(NDV4, b, 8, 8)
+        gains = [a2a_flat_time(NDV4, b, w, 8) / a2a_2dh_time(NDV4, b, w, 8) for w in (16, 128, 512, 2048)]
+        assert gains == sorted(gains)
+
+
+def test_2dh_gain_beyond_the_message_count_ratio() -> None:
+    """Small chunks at 2,048 GPUs: 2040 messages against 7 + 255 caps the gain at 7.8x if every message cost the
+    same; the per-peer cost (2,048 peers against 8 and 256) takes it past 8x."""
+    gain = a2a_flat_time(NDV4, MiB, 2048, 8) / a2a_2dh_time(NDV4, MiB, 2048, 8)
+    assert gain > 8.0
+
+
+def test_pipelining_beyond_the_old_cap() -> None:
+    """Compute and transfer balanced (dispatch + combine = compute): d chunks hide the transfer, the compute
+    beside it runs 1 + 12/132 slower. The old fixed 85% overlap capped the gain at 2 / (2 - 0.85) = 1.74x."""
+    slow = 12 / 132
+    total = 1.0  # seconds of compute, and of transfer
+    d = 32
+    serial = pipelined_time(total / 2, total, total / 2, 1)
+    piped = pipelined_time(total / 2 / d, total / d, total / 2 / d, d, 1.0, 0.0, slow)
+    by_hand = 2 * total / d + (d - 1) * max(total / d, total / d * (1 + slow))
+    assert piped == pytest.approx(by_hand)
+    assert serial / piped > 1.74
+    with pytest.raises(ValueError, match="compute_slowdown"):
+        pipelined_time(1, 1, 1, 2, compute_slowdown=-0.1)
+
+
+def tutel_config(w: int, **changes) -> LayerConfig:  # type: ignore[no-untyped-def]
+    """Tutel's helloworld.py defaults at the README chart's commit, on w GPUs."""
+    base = dict(tokens=16384, model_dim=2048, hidden_dim=2048, experts=2 * w, k=2, capacity_factor=1.0,
+                dtype="float32", ranks=w, padded_a2a=True, token_exchange=False)
+    base.update(changes)
+    return LayerConfig(**base)  # type: ignore[arg-type]
+
+
+def test_step_never_faster_than_its_compute() -> None:
+    for w in (16, 256, 2048):
+        for a2a in ("flat", "2dh"):
+            for d in (1, 4):
+                b = layer_time(NDV4, tutel_config(w, a2a=a2a, overlap_degree=d))
+                assert b.total >= b.experts + b.router_plan + b.dispatch_combine
