@@ -362,6 +362,102 @@ def test_a_layer_times_its_first_call_and_a_new_layer_reads_the_cache(tmp_path: 
     assert set(fresh.experts.kernels.decisions.values()) == {"segmented", "rows"}
 
 
+
+def test_a_call_under_autocast_runs_the_loop_in_autocast_dtype_and_keeps_the_measured_kernel() -> None:
+    """A bucket measured without autocast (segmented the fastest), then called under ``torch.autocast``, which
+    only the loop runs: the loop runs it, untimed and without a warning, its output in autocast's dtype with the
+    values of a float64 loop over bf16-rounded inputs; the next call without autocast runs the measured kernel
+    again, and a chooser whose first call is under autocast still times the call without it."""
+    rows, counts, weights, p = _call()
+    timer = FakeTimer({"loop": 3.0, "segmented": 1.0, "grouped_mm": 2.0})
+    chooser = KernelChooser(timer=timer)
+    chooser.run(rows, counts, weights)
+    assert chooser.last_kernel == "segmented" and len(timer.calls) == 3
+    want = _dense_loop(rows.to(torch.bfloat16).double(), counts, _rounded(p, torch.bfloat16), True, None)
+    rtol, atol = TOL[torch.bfloat16]
+    for first in (False, True):  # measured first, then autocast; a fresh chooser: autocast first
+        chooser = chooser if not first else KernelChooser(timer=FakeTimer(timer.seconds))
+        with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+            warnings.simplefilter("error")
+            got = chooser.run(rows, counts, weights)
+        assert chooser.last_kernel == "loop" and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol * float(want.abs().max()))
+        plain = chooser.run(rows, counts, weights)
+        assert chooser.last_kernel == "segmented" and plain.dtype == torch.float32, first
+        _assert_matches_reference(plain, rows, counts, p)
+    assert len(timer.calls) == 3  # the first chooser never timed again
+
+
+class ScriptedTimer:
+    """Each kernel's seconds, one value per call in turn (the warm-up round first), and every call recorded."""
+
+    def __init__(self, seconds: dict[str, list[float]]) -> None:
+        self.seconds, self.calls = {n: list(v) for n, v in seconds.items()}, []
+
+    def __call__(self, name: str, run: object) -> float:
+        self.calls.append(name)
+        return self.seconds[name][sum(1 for n in self.calls if n == name) - 1]
+
+
+# A cheap warm-up round (0.102 s in all: under _CHEAP_ROUND_SECONDS), then three rounds. segmented has the fastest
+# round (4 ms) and the slowest (30 ms); grouped_mm's fastest time is its warm-up, which does not count.
+ROUNDS = {"loop": [0.05, 0.010, 0.011, 0.012], "segmented": [0.05, 0.030, 0.004, 0.030],
+          "grouped_mm": [0.002, 0.008, 0.020, 0.020]}
+
+
+def test_a_cheap_warm_up_is_followed_by_rounds_and_each_candidate_keeps_its_fastest() -> None:
+    """time_in_rounds: after a warm-up round that costs under _CHEAP_ROUND_SECONDS, three interleaved rounds, each
+    candidate's time its fastest of those three (the minimum written here); a costly warm-up is the measurement
+    alone. Through the chooser: the kernel of the fastest round wins, though it also had the slowest."""
+    from flexmoe.experts.chooser import time_in_rounds
+
+    timer = ScriptedTimer(ROUNDS)
+    runs = {name: (lambda: None) for name in ROUNDS}
+    assert time_in_rounds(timer, runs) == {"loop": 0.010, "segmented": 0.004, "grouped_mm": 0.008}
+    assert timer.calls == ["loop", "segmented", "grouped_mm"] * 4  # interleaved: round by round
+    costly = ScriptedTimer({"loop": [0.15, 1.0], "segmented": [0.1, 1.0]})
+    assert time_in_rounds(costly, {"loop": lambda: None, "segmented": lambda: None}) == \
+        {"loop": 0.15, "segmented": 0.1}
+    assert costly.calls == ["loop", "segmented"]
+
+    rows, counts, weights, p = _call()
+    case = KernelCase.of(rows, counts, weights)
+    assert sorted(k.name for k in supported_kernels(case)) == sorted(ROUNDS)
+    chooser = KernelChooser(timer=ScriptedTimer(ROUNDS))
+    _assert_matches_reference(chooser.run(rows, counts, weights), rows, counts, p)
+    assert chooser.decisions[case.bucket()] == "segmented"
+    assert chooser.timings[case.bucket()] == {"loop": 0.010, "segmented": 0.004, "grouped_mm": 0.008}
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained experts", "frozen experts"])
+def test_a_timed_training_run_includes_the_rows_gradient(frozen: bool) -> None:
+    """timed_call on rows that want a gradient times the backward to the rows too (a copy of them: nothing lands
+    in ``rows.grad``): its run returns the gradients of the rows and of every weight that wants one, the rows'
+    first, equal to a float64 loop's; with frozen experts the rows' is the only one, and the chooser still
+    times such a call."""
+    from flexmoe.experts.chooser import timed_call
+
+    rows, counts, _, p = _call()
+    rows.requires_grad_()
+    weights = _weights(p, torch.float32, True, None, grad=not frozen)
+    ref_rows = rows.detach().double().requires_grad_()
+    ref_p = {n: (v.requires_grad_() if v is not None else None) for n, v in _rounded(p, torch.float32).items()}
+    want_out = _dense_loop(ref_rows, counts, ref_p, True, None)
+    names = [] if frozen else [n for n in WEIGHT_NAMES if ref_p[n] is not None]
+    want = torch.autograd.grad(want_out.sum(), [ref_rows] + [ref_p[n] for n in names])
+    got = timed_call(KERNELS["loop"], rows, counts, weights)()
+    assert isinstance(got, tuple) and len(got) == 1 + len(names)
+    for name, g, w in zip(["rows", *names], got, want):
+        assert g is not None and g.shape == w.shape, name
+        torch.testing.assert_close(g.double(), w, rtol=2e-5, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert rows.grad is None and all(t.grad is None for t in weights.present())
+    seen: list[tuple] = []
+    chooser = KernelChooser(timer=lambda name, run: (seen.append((name, run())), 1.0)[1])
+    _assert_matches_reference(chooser.run(rows, counts, weights), rows, counts, p)
+    assert {name for name, _ in seen} == {k.name for k in supported_kernels(KernelCase.of(rows, counts, weights))}
+    assert all(grads[0].shape == rows.shape for _, grads in seen)
+
+
 def test_timing_a_training_call_leaves_the_parameters_gradients_alone() -> None:
     rows, counts, weights, _ = _call()
     KernelChooser(timer=lambda name, run: (run(), 1.0)[1]).run(rows, counts, weights)

@@ -74,11 +74,14 @@ class KernelCase:
                    bag_layout=embedding_bag_supported(rows, weights))
 
     def bucket(self) -> str:
-        """The key a measurement is kept under: the device, dtype, autograd and the experts' shape exactly, the
-        rows and the active experts by powers of two (a call of 300 rows is timed once for 257 to 512)."""
+        """The key a measurement is kept under: the device, dtype, autograd, autocast and the experts' shape
+        exactly, the rows and the active experts by powers of two (a call of 300 rows is timed once for 257 to
+        512). A call under autocast has a bucket of its own (``.../autocast``): only the loop runs it, and its
+        decision must neither replace nor take the measured kernel of the same call without autocast."""
         return (f"{self.device_type}/{str(self.dtype).removeprefix('torch.')}/"
                 f"{'train' if self.needs_grad else 'infer'}/E{self.experts}/M{self.model_dim}/H{self.hidden}/"
-                f"{'glu' if self.glu else 'ffn'}/N{power_of_two(self.rows)}/A{power_of_two(self.active)}")
+                f"{'glu' if self.glu else 'ffn'}/N{power_of_two(self.rows)}/A{power_of_two(self.active)}"
+                f"{'/autocast' if self.autocast else ''}")
 
 
 def power_of_two(n: int) -> int:
