@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 FORMAT = "flexmoe-checkpoint-v1"
-_OPT_KEYS = ("exp_avg", "exp_avg_sq", "step")
+_OPT_KEYS = ("exp_avg", "exp_avg_sq", "step", "momentum_buffer")  # AdamW's, and Muon's (flexmoe.optim)
 
 
 class CheckpointError(RuntimeError):
