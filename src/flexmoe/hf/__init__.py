@@ -10,6 +10,8 @@
 * :func:`load` builds a ``save_pretrained`` directory's model on the meta device, converts it, lays it on a device
   mesh and reads on each rank only the tensors (and the boxes of them) that rank holds; :func:`save_pretrained`
   writes such a model back in HF's format gathering one block at a time.
+* :class:`ExpertParallelTrainer` is ``transformers.Trainer`` with the experts spread over the ranks (``torchrun``):
+  DDP beside the experts, collective saves, per-rank optimizer states, strict resume, the global gradient norm.
 * :func:`register` adds ``"flexmoe"`` to transformers' experts implementations: HF's own routing, flexmoe's
   dispatch and expert FFN on HF's parameters, no conversion.
 
@@ -33,7 +35,8 @@ from flexmoe.hf.export import save_pretrained
 from flexmoe.hf.families import FAMILIES
 from flexmoe.hf.load import load
 from flexmoe.hf.stored import SafetensorsReader
+from flexmoe.hf.trainer import ExpertParallelTrainer
 from flexmoe.hf.upcycle import upcycle_into_twin
 
 __all__ = ["convert", "to_hf", "load", "save_pretrained", "SafetensorsReader", "register", "flexmoe_experts_forward",
-           "ConvertedMoeBlock", "FAMILIES", "upcycle_into_twin"]
+           "ConvertedMoeBlock", "FAMILIES", "upcycle_into_twin", "ExpertParallelTrainer"]

@@ -1,0 +1,91 @@
+"""One rank of the ``flexmoe.hf.ExpertParallelTrainer`` cases in tests/test_hf_trainer.py (run by
+flexmoe.launch.spawn_ranks): a tiny HF Qwen3-MoE trained by plain ``transformers.Trainer`` in one process, or by
+``ExpertParallelTrainer`` with its experts over the ranks, on the same data; the rank reports its logs."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from typing import Any
+
+VOCAB, LENGTH = 64, 16
+
+
+def tiny_config(**overrides: Any) -> Any:
+    """A Qwen3-MoE of 2 layers, 4 experts of width 32, top-2 (every rank of 2 holds 2 experts)."""
+    from transformers import AutoConfig
+
+    options = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                   num_experts_per_tok=2, tie_word_embeddings=False)
+    return AutoConfig.for_model("qwen3_moe", **{**options, **overrides})
+
+
+def counting_sequences(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Sequences counting up from a random start by a random stride (1-3) modulo VOCAB."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    start, stride = torch.randint(0, VOCAB, (n, 1), generator=g), torch.randint(1, 4, (n, 1), generator=g)
+    ids = (start + stride * torch.arange(LENGTH)) % VOCAB
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def train_main(directory: str, kind: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Train ``options["steps"]`` optimizer steps with ``kind`` ("plain": ``Trainer``, one process; "ep":
+    ``ExpertParallelTrainer``) writing checkpoints under ``directory`` and the final model to ``directory/final``;
+    evaluate and predict. The global batch is ``options["batch"]`` rows per micro-batch whatever the world."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from multiproc import kernels_by_rule
+
+    kernels_by_rule()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    out: dict[str, Any] = {"rank": int(os.environ.get("RANK", "0")), "failures": []}
+    try:
+        _train(directory, kind, options, world, out)
+    except Exception:
+        out["failures"].append(traceback.format_exc())
+    if world > 1:
+        dist.destroy_process_group()
+    return out
+
+
+def _train(directory: str, kind: str, options: dict[str, Any], world: int, out: dict[str, Any]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from flexmoe.hf import ExpertParallelTrainer, convert
+    from flexmoe.hf.block import ConvertedMoeBlock
+
+    torch.manual_seed(options.get("model_seed", 0))
+    model = AutoModelForCausalLM.from_config(tiny_config(**options.get("config", {})))
+    if options.get("convert_first"):
+        model = convert(model)  # the experts over the world, before the trainer sees the model
+    args = TrainingArguments(
+        output_dir=directory, max_steps=options["steps"], per_device_train_batch_size=options["batch"] // world,
+        per_device_eval_batch_size=4 // world, gradient_accumulation_steps=options.get("accumulate", 1),
+        learning_rate=1e-2, max_grad_norm=options.get("max_grad_norm", 1.0), logging_steps=1,
+        save_steps=options.get("save_steps", options["steps"]), report_to="none", use_cpu=True, disable_tqdm=True,
+        bf16=options.get("bf16", False), gradient_checkpointing=options.get("checkpointing", False),
+        dataloader_drop_last=True, seed=3)
+    trainer_class = Trainer if kind == "plain" else ExpertParallelTrainer
+    trainer = trainer_class(model=model, args=args, train_dataset=counting_sequences(64),
+                            eval_dataset=counting_sequences(8, seed=1))
+    blocks = [m for m in trainer.model.modules() if isinstance(m, ConvertedMoeBlock)]
+    out["experts_held"] = [int(b.moe.experts.gate_up.shape[0]) for b in blocks]
+    resume = options.get("resume")
+    trainer.train(resume_from_checkpoint=os.path.join(directory, resume) if resume else None)
+    trainer.save_model(os.path.join(directory, options.get("final", "final")))
+    history = trainer.state.log_history
+    out["losses"] = {int(e["step"]): e["loss"] for e in history if "loss" in e}
+    out["grad_norms"] = {int(e["step"]): e["grad_norm"] for e in history if "grad_norm" in e}
+    out["moe_logs"] = [{k: v for k, v in e.items() if k.startswith("moe/")} for e in history if "loss" in e]
+    out["eval_loss"] = trainer.evaluate()["eval_loss"]
+    predicted = trainer.predict(counting_sequences(6, seed=2))
+    out["predictions"] = torch.as_tensor(predicted.predictions).tolist()
