@@ -41,9 +41,9 @@ from flexmoe.tuning.policies import resolve_shadow
 from flexmoe.validation import FLOAT_DTYPES, check_float_dtype, check_int, describe_value
 
 if TYPE_CHECKING:
-    from flexmoe.routing.tap import RoutingTap
+    from flexmoe.routing.replay import RoutingTap
 
-__all__ = ["MoELayer", "named_moe_layers", "update_expert_biases"]
+__all__ = ["MoELayer", "update_expert_biases"]
 
 
 def _warn_unadapted_gate_up(wrapper: nn.Module, built: FeedForwardExperts) -> None:
@@ -474,10 +474,4 @@ def update_expert_biases(model: nn.Module) -> int:
     return len(layers)
 
 
-def named_moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
-    """``(qualified name, layer)`` of every :class:`MoELayer` in ``model``, in ``named_modules()`` order (the model
-    itself is named ``""`` when it is one): the order of routing replay's records and of an inference engine's
-    layer axis (:meth:`flexmoe.RoutingRecord.from_routed_experts`)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a nn.Module, got {type(model).__name__}")
-    return [(name, module) for name, module in model.named_modules() if isinstance(module, MoELayer)]
+

@@ -13,12 +13,19 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from flexmoe.layer import named_moe_layers
+from flexmoe.layer import MoELayer
 from flexmoe.routing.balance_metrics import plan_balance_metrics
-from flexmoe.routing.replay import RecordingTap, ReplayingTap, RoutingRecord
-from flexmoe.routing.tap import RoutingTap
+from flexmoe.routing.replay import RecordingTap, ReplayingTap, RoutingRecord, RoutingTap
 
 __all__ = ["named_moe_layers", "record_routing", "replay_routing", "balance_metrics"]
+
+
+def named_moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
+    """``(qualified name, layer)`` of every :class:`~flexmoe.MoELayer` in ``model``, in ``named_modules()`` order
+    (the model itself is named ``""`` when it is one)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a nn.Module, got {type(model).__name__}")
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, MoELayer)]
 
 
 @contextmanager

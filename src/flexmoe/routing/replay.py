@@ -23,18 +23,18 @@ The taps sit on the layers only inside the ``with`` block (attribute ``MoELayer.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
-from flexmoe.layer import named_moe_layers
 from flexmoe.routing.engine_routing import routed_calls
+from flexmoe.routing.options import RoutingOptions
 from flexmoe.routing.plan import check_choices
-from flexmoe.routing.tap import RoutingTap
 
-__all__ = ["RoutingRecord", "RoutingTap", "RecordingTap", "ReplayingTap"]
+__all__ = ["RoutingRecord", "RoutingTap", "TappedLayer", "RecordingTap", "ReplayingTap"]
 
 
 @dataclass
@@ -82,7 +82,7 @@ class RoutingRecord:
         routed: ``[B, S, L, k]`` integer expert ids, a numpy array or a tensor (vLLM's ``routed_experts``, SGLang's
             ``routed_experts``, padded into the batch as the token ids are): ``routed[b, s, l]`` the experts token
             ``input_ids[b, s]`` took in the model's ``l``-th MoE layer, in :func:`~flexmoe.model_routing.
-            named_moe_layers` order.
+            named_moe_layers` order (its MoE layers in ``named_modules()`` order).
         attention_mask: ``[B, S]`` of 0 and 1 (None: all 1): 0 where ``routed`` holds no choices (padding on either
             side, a sequence's last token when the engine's routing stops one short); those positions are not read
             and take placeholder experts (:mod:`flexmoe.routing.engine_routing`).
@@ -92,7 +92,9 @@ class RoutingRecord:
         another number of MoE layers or another top-k than the model's, an expert outside a layer's ``[0, E)``
         where the mask is 1, a mask of another ``[B, S]`` or with values other than 0 and 1.
         """
-        layers = named_moe_layers(model)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a nn.Module, got {type(model).__name__}")
+        layers = [(name, m) for name, m in model.named_modules() if isinstance(m, TappedLayer)]
         if not layers:
             raise ValueError(f"the model ({type(model).__name__}) has no flexmoe MoE layer to replay routing into")
         facts = [(name, layer.num_experts, layer.routing_options.k, _device_of(layer)) for name, layer in layers]
@@ -108,7 +110,35 @@ class RoutingRecord:
 torch.serialization.add_safe_globals([RoutingRecord])
 
 
-def _device_of(layer: nn.Module) -> torch.device:
+class RoutingTap:
+    """What a layer asks while recording or replaying (:attr:`MoELayer.routing_tap <flexmoe.MoELayer>`).
+
+    ``replayed(x, num_experts, k, in_backward)``: the choices ``[T, k]`` this call must take, or None for the router's;
+    ``chosen(x, expert_index)``: the call's choices ``[T, k]``, once made. x is the layer's input ``[..., M]``.
+    """
+
+    def replayed(self, x: Tensor, num_experts: int, k: int, in_backward: bool) -> Tensor | None:
+        return None
+
+    def chosen(self, x: Tensor, expert_index: Tensor, in_backward: bool) -> None:
+        return None
+
+
+@runtime_checkable
+class TappedLayer(Protocol):
+    """A layer that takes a routing tap: what :meth:`RoutingRecord.from_routed_experts` reads of a model's
+    :class:`~flexmoe.MoELayer` modules. The routing package does not import the layer (docs/architecture.md), so
+    it knows them by these attributes; ``replay_routing`` then checks the record's layers against the model's
+    ``MoELayer`` modules by name."""
+
+    num_experts: int
+    routing_options: RoutingOptions
+    routing_tap: RoutingTap | None
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+def _device_of(layer: TappedLayer) -> torch.device:
     """Where a layer's recorded choices go: its parameters' device (the CPU for a layer on the meta device, whose
     parameters are not materialised yet)."""
     param = next(layer.parameters(), None)
