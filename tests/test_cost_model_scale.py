@@ -42,7 +42,7 @@ def test_efficiency_and_message_cost_shapes() -> None:
 
 
 @pytest.mark.parametrize("algorithm", [a2a_flat_time, a2a_2dh_time])
-def test_monotone_in_bytes_and_peers(algorithm) -> None:  # type: ignore[no-untyped-def]
+def test_monotone_in_bytes_and_peers(algorithm) -> None:
     sizes = [MiB, 16 * MiB, 256 * MiB]
     for w in (16, 512, 2048):
         times = [algorithm(NDV4, b, w, 8) for b in sizes]
@@ -92,7 +92,7 @@ def test_pipelining_beyond_the_old_cap() -> None:
         pipelined_time(1, 1, 1, 2, compute_slowdown=-0.1)
 
 
-def tutel_config(w: int, **changes) -> LayerConfig:  # type: ignore[no-untyped-def]
+def tutel_config(w: int, **changes) -> LayerConfig:
     """Tutel's helloworld.py defaults at the README chart's commit, on w GPUs."""
     base = dict(tokens=16384, model_dim=2048, hidden_dim=2048, experts=2 * w, k=2, capacity_factor=1.0,
                 dtype="float32", ranks=w, padded_a2a=True, token_exchange=False)

@@ -26,10 +26,12 @@ from typing import Any
 
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.flags import COUNT, NON_NEGATIVE_REAL, RATIO, check_writable_dir
+from flexmoe.apps.simulate_reproduce import FIGURES, format_rows, plot_reproduction, reproduce
+from flexmoe.apps.simulate_systems import SYSTEMS, Setting, parse_setting, parse_systems, peak_memory, price_system
 from flexmoe.tuning.cost_model import LayerConfig, choose_shadowed, expert_rows, predict, score_candidates, valid_r
 from flexmoe.tuning.profile import available_profiles, load_profile
 
-__all__ = ["add_arguments", "run", "parse_gpus", "simulate", "VARIANTS"]
+__all__ = ["add_arguments", "run", "parse_gpus", "simulate", "simulate_systems", "VARIANTS"]
 
 # Where the plot goes unless --plot says: beside the training runs (runs/default, ...), never the working directory.
 DEFAULT_PLOT_DIR = Path("runs") / "simulate"
@@ -66,14 +68,22 @@ def _candidates(config: LayerConfig) -> list[dict[str, Any]]:
             for r in valid_r(config) for d in OVERLAP_CANDIDATES for a in ("flat", "2dh")]
 
 
+def _experts_at(w: int, experts: int, experts_per_gpu: int | None) -> int:
+    """Global experts at w GPUs: ``experts_per_gpu * w``, else ``experts`` (raised to w where neither divides)."""
+    if experts_per_gpu is not None:
+        return experts_per_gpu * w
+    return experts if (experts % w == 0 or w % experts == 0) else max(experts, w)
+
+
 def simulate(profile_name: str, gpus: list[int], tokens: int = 4096, model_dim: int = 2048, hidden_dim: int = 2048,
              experts: int = 64, k: int = 2, capacity_factor: float = 1.25, dtype: str = "bfloat16",
-             skew: float = 4.0) -> list[dict[str, Any]]:
-    """One row per (GPU count, variant): ``gpus``, ``variant``, ``tokens_per_s``, ``seconds``, ``setting``."""
+             skew: float = 4.0, experts_per_gpu: int | None = None) -> list[dict[str, Any]]:
+    """One row per (GPU count, variant): ``gpus``, ``variant``, ``tokens_per_s``, ``seconds``, ``setting``.
+    ``experts_per_gpu`` (E = N x W at every W) replaces ``experts`` when given."""
     profile = load_profile(profile_name)
     rows: list[dict[str, Any]] = []
     for w in gpus:
-        e = experts if (experts % w == 0 or w % experts == 0) else max(experts, w)
+        e = _experts_at(w, experts, experts_per_gpu)
         base = LayerConfig(tokens=tokens, model_dim=model_dim, hidden_dim=hidden_dim, experts=e, k=k,
                            capacity_factor=capacity_factor, dtype=dtype, ranks=w)
         s = base.shards
@@ -103,6 +113,59 @@ def simulate(profile_name: str, gpus: list[int], tokens: int = 4096, model_dim: 
         rows.append(_row(w, "skewed+shadow", predict(profile, shadowed), tokens,
                          {**_short(best), "shadowed": len(shadow)}))
     return rows
+
+
+def simulate_systems(profile_name: str, gpus: list[int], systems: list[str], setting: Setting | None = None,
+                     tokens: int = 4096, model_dim: int = 2048, hidden_dim: int = 2048, experts: int = 64,
+                     k: int = 2, capacity_factor: float = 1.25, dtype: str = "bfloat16",
+                     experts_per_gpu: int | None = None) -> list[dict[str, Any]]:
+    """One row per (system, GPU count): ``system``, ``gpus``, ``experts``, ``seconds`` (one training step of the
+    layer: forward + backward + the router's gradient all-reduce), ``tokens_per_s``, ``setting`` and
+    ``memory_bytes`` (:func:`~flexmoe.apps.simulate_systems.peak_memory`)."""
+    profile = load_profile(profile_name)
+    rows: list[dict[str, Any]] = []
+    for system in systems:
+        for w in gpus:
+            e = _experts_at(w, experts, experts_per_gpu)
+            base = LayerConfig(tokens=tokens, model_dim=model_dim, hidden_dim=hidden_dim, experts=e, k=k,
+                               capacity_factor=capacity_factor, dtype=dtype, ranks=w)
+            seconds, used = price_system(profile, system, base, setting or Setting())
+            rows.append({"system": system, "gpus": w, "experts": e, "seconds": seconds,
+                         "tokens_per_s": w * tokens / seconds, "setting": used,
+                         "memory_bytes": peak_memory(system, base)["total"]})
+    return rows
+
+
+def format_systems(rows: list[dict[str, Any]], profile: str) -> str:
+    lines = [f"predicted step of one MoE layer (forward + backward + router all-reduce), profile {profile}",
+             f"{'system':<13s} {'GPUs':>6s} {'experts':>8s} {'seconds':>9s} {'M tok/s':>9s} {'mem GB':>7s}  setting"]
+    for r in rows:
+        lines.append(f"{r['system']:<13s} {r['gpus']:>6d} {r['experts']:>8d} {r['seconds']:>9.4f} "
+                     f"{r['tokens_per_s'] / 1e6:>9.2f} {r['memory_bytes'] / 1e9:>7.2f}  {r['setting']}")
+    return "\n".join(lines)
+
+
+def plot_systems(rows: list[dict[str, Any]], path: Path, profile: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for system in dict.fromkeys(r["system"] for r in rows):
+        pts = sorted((r["gpus"], r["seconds"]) for r in rows if r["system"] == system)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("seconds per step of one layer")
+    ax.set_title(f"predicted step time by system, {profile}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _short(candidate: dict[str, Any]) -> dict[str, Any]:
@@ -174,8 +237,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=COUNT, default=4096, help="tokens per GPU")
     parser.add_argument("--model-dim", type=COUNT, default=2048, help="model (token) dimension M")
     parser.add_argument("--hidden-dim", type=COUNT, default=2048, help="hidden dimension H of each expert's FFN")
-    parser.add_argument("--num-experts", "--experts", dest="experts", type=COUNT, default=64,
-                        help="global experts (sharded when GPUs > experts); --experts is the older spelling")
+    experts = parser.add_mutually_exclusive_group()
+    experts.add_argument("--num-experts", "--experts", dest="experts", type=COUNT, default=None,
+                         help="global experts (sharded when GPUs > experts; default 64); --experts is the older "
+                              "spelling")
+    experts.add_argument("--experts-per-gpu", type=COUNT, default=None,
+                         help="experts per GPU: E = N x GPUs at every GPU count (instead of --num-experts)")
     parser.add_argument("--k", type=COUNT, default=2, help="experts per token (top-k)")
     parser.add_argument("--capacity-factor", type=NON_NEGATIVE_REAL, default=1.25,
                         help="expert capacity / even share of tokens (0: dropless)")
@@ -186,6 +253,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"PNG path (default: {DEFAULT_PLOT_DIR}/simulate-<profile>.png)")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    parser.add_argument("--system", default=None,
+                        help=f"price these systems instead of the variants: a comma list of {', '.join(SYSTEMS)}, "
+                             f"or 'all' (flexmoe.apps.simulate_systems)")
+    parser.add_argument("--setting", default=None,
+                        help="with --system: fix r, d and the all-to-all, e.g. 'r=1,d=4,a2a=2dh' (any subset)")
+    parser.add_argument("--reproduce", default=None, choices=FIGURES,
+                        help="print a published figure against the prediction (its own setup; the shape flags do "
+                             "not apply) and draw both (flexmoe.apps.simulate_reproduce)")
     parser.add_argument("--load-trace", type=Path, default=None,
                         help="a run's metrics.jsonl (or JSON with expert_load): instead, price static, shadowed and "
                              "replicated expert placement on that load at E = 64, 128, 256 (flexmoe.apps."
@@ -205,25 +280,64 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(f"--profile: {exc}") from None
     name = Path(str(args.profile)).stem
+    experts = 64 if args.experts is None else args.experts
+    if args.setting is not None and args.system is None:
+        raise UsageError("--setting fixes a system's choice: give --system too")
     if args.load_trace is not None:
         return _run_placements(args, gpus, name)
-    plot_path = args.plot or DEFAULT_PLOT_DIR / f"simulate-{name}.png"
-    if not args.no_plot:
-        if plot_path.is_dir():
-            raise UsageError(f"--plot {plot_path}: is a directory; give the PNG file's path")
-        check_writable_dir(plot_path.parent, "--plot")
+    if args.reproduce is not None:
+        return _run_reproduce(args, name)
+    stem = f"simulate-systems-{name}" if args.system is not None else f"simulate-{name}"
+    plot_path = _plot_path(args, stem)
     try:
-        rows = simulate(args.profile, gpus, tokens=args.tokens, model_dim=args.model_dim,
-                        hidden_dim=args.hidden_dim, experts=args.experts, k=args.k,
-                        capacity_factor=args.capacity_factor, dtype=args.dtype, skew=args.skew)
+        if args.system is not None:
+            systems = parse_systems(args.system)
+            setting = parse_setting(args.setting) if args.setting is not None else None
+            rows = simulate_systems(args.profile, gpus, systems, setting, tokens=args.tokens,
+                                    model_dim=args.model_dim, hidden_dim=args.hidden_dim, experts=experts, k=args.k,
+                                    capacity_factor=args.capacity_factor, dtype=args.dtype,
+                                    experts_per_gpu=args.experts_per_gpu)
+        else:
+            rows = simulate(args.profile, gpus, tokens=args.tokens, model_dim=args.model_dim,
+                            hidden_dim=args.hidden_dim, experts=experts, k=args.k,
+                            capacity_factor=args.capacity_factor, dtype=args.dtype, skew=args.skew,
+                            experts_per_gpu=args.experts_per_gpu)
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None
     if args.json:
         print(json.dumps(rows, indent=1))
+    elif args.system is not None:
+        print(format_systems(rows, name))
     else:
         print(format_table(rows, name))
-    if not args.no_plot:
-        path = plot(rows, plot_path, name)
+    if plot_path is not None:
+        path = plot_systems(rows, plot_path, name) if args.system is not None else plot(rows, plot_path, name)
+        if not args.json:
+            print(f"plot: {path}")
+    return 0
+
+
+def _plot_path(args: argparse.Namespace, stem: str) -> Path | None:
+    """Where the PNG goes (None with --no-plot), checked before any work is done."""
+    if args.no_plot:
+        return None
+    path: Path = args.plot or DEFAULT_PLOT_DIR / f"{stem}.png"
+    if path.is_dir():
+        raise UsageError(f"--plot {path}: is a directory; give the PNG file's path")
+    check_writable_dir(path.parent, "--plot")
+    return path
+
+
+def _run_reproduce(args: argparse.Namespace, profile: str) -> int:
+    """``--reproduce NAME``: the published figure against the prediction, and the chart of both."""
+    plot_path = _plot_path(args, f"reproduce-{args.reproduce}-{profile}")
+    rows = reproduce(load_profile(args.profile), args.reproduce)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=1))
+    else:
+        print(format_rows(rows, profile))
+    if plot_path is not None:
+        path = plot_reproduction(rows, plot_path, profile)
         if not args.json:
             print(f"plot: {path}")
     return 0
