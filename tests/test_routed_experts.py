@@ -177,6 +177,8 @@ def test_a_routing_that_does_not_fit_is_an_error_naming_what_differs(case):
 def test_a_model_without_moe_layers_and_a_forward_of_other_length_are_errors():
     with pytest.raises(ValueError, match=r"the model \(Linear\) has no flexmoe MoE layer"):
         RoutingRecord.from_routed_experts(_routed(), nn.Linear(8, 8))
+    with pytest.raises(TypeError, match="model must be a nn.Module, got dict"):
+        RoutingRecord.from_routed_experts(_routed(), {})  # type: ignore[arg-type]
     model = _layers()
     record = RoutingRecord.from_routed_experts(_routed(), model)  # [2, 3] tokens
     with replay_routing(model, record), pytest.raises(ValueError, match="has 6 tokens, the call has T=4"):
