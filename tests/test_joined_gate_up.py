@@ -372,3 +372,58 @@ def test_the_weights_stay_one_object_across_optimizer_steps() -> None:
     want = _dense(x, reference, [e for e, n in enumerate(counts) for _ in range(n)])
     with torch.no_grad():
         torch.testing.assert_close(experts(x, counts).double(), want, rtol=1e-5, atol=1e-6)
+
+
+def _halves_of(name: str) -> tuple[str, ...]:
+    """The names the pair apart gives a joined parameter's halves (by hand: gate_up -> w1, w3), else the name."""
+    prefix, _, last = name.rpartition(".")
+    pair = {"gate_up": ("w1", "w3"), "gate_up_bias": ("b1", "b3")}.get(last)
+    return tuple(f"{prefix}.{half}" for half in pair) if pair else (name,)
+
+
+def _assert_same_optimizer(apart: dict, joined: dict) -> None:
+    """Two optimizer reports (dcp_layouts_worker.optimizer_report) of one state, the pairs apart and joined: every
+    joined parameter's AdamW moments are its halves' side by side (the step the same), and the group that holds
+    it has the hyperparameters of the group that holds each half; and the model's weights are the same."""
+    assert apart["model"].keys() == joined["model"].keys() and any(".w3" in name for name in apart["model"])
+    for name, value in apart["model"].items():
+        assert torch.equal(torch.tensor(value), torch.tensor(joined["model"][name])), name
+    expected = {half for name in joined["state"] for half in _halves_of(name)}
+    assert set(apart["state"]) == expected and set(apart["group"]) == set(apart["state"])
+    assert any(len(_halves_of(name)) == 2 for name in joined["state"])
+    for name, entries in joined["state"].items():
+        halves = _halves_of(name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = torch.cat([torch.tensor(apart["state"][h][key]) for h in halves], dim=-1)
+            assert torch.equal(torch.tensor(entries[key]), want), (name, key)
+        assert all(apart["state"][h]["step"] == entries["step"] for h in halves), name
+        assert all(apart["group"][h] == joined["group"][name] for h in halves), (name, joined["group"][name])
+
+
+@pytest.mark.slow
+def test_dcp_across_layouts_keeps_each_job_optimizer_groups_states_and_hyperparameters(tmp_path) -> None:
+    """DCP with the training job's optimizer (build_optimizer: four groups, here each at a learning rate of its own,
+    decay on matrices only): saved by 2 FSDP ranks (pairs apart) after 2 steps, loaded in one process holding
+    gate_up and gate_up_bias; and saved in one process, loaded by 2 FSDP ranks. The loading side's optimizer starts
+    at other hyperparameters; after the load each half's states and its group's lr and weight decay are the
+    saving side's (torch's full optimizer state dict on both sides), gate_up's and gate_up_bias' halves each in
+    their own group."""
+    from dcp_layouts_worker import glu_gpt, job_optimizer, load_main, optimizer_report, save_main, train
+    from flexmoe.launch import spawn_ranks
+    from flexmoe.sharding import load_sharded, save_sharded
+
+    saved = spawn_ranks(2, save_main, [str(tmp_path / "fsdp")], timeout=300.0, what="DCP save by 2 FSDP ranks")
+    model = glu_gpt(99)
+    opt = job_optimizer(model, source=False)
+    load_sharded(tmp_path / "fsdp", model, opt)
+    _assert_same_optimizer(saved[0].value, optimizer_report(model, opt))
+    decayed = {g["weight_decay"] for g in saved[0].value["group"].values()}
+    assert decayed == {0.1, 0.0}
+
+    model = glu_gpt(0)
+    opt = job_optimizer(model, source=True)
+    train(model, opt, rank=0)
+    save_sharded(tmp_path / "joined", model, opt)
+    loaded = spawn_ranks(2, load_main, [str(tmp_path / "joined")], timeout=300.0, what="DCP load by 2 FSDP ranks")
+    for rank in loaded:
+        _assert_same_optimizer(rank.value, optimizer_report(model, opt))

@@ -60,7 +60,10 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
         # mesh=None in one process is the documented way to load here; DCP warns that it assumes so.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.load(state, checkpoint_id=str(path))
-    experts = _expert_params(model)
+    # The expert tensors of a layer that spreads its experts over ranks come back in the global form (_as_global)
+    # and are cut for this rank here; any other (one process, or every expert on every rank, FSDP-sharded or not)
+    # came back in its own form, as every other tensor did.
+    experts = {name: layer for name, layer in _expert_params(model).items() if layer.ep_group.distributed}
     with torch.no_grad():
         for name, target in own_tensors(model).items():  # parameters (joined ones by halves) and buffers
             if name in experts:
