@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TrainConfig"]
+__all__ = ["TrainConfig", "OPTIMIZERS"]
+
+OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer's values (flexmoe.apps.train_step.build_optimizer)
 
 
 @dataclass
@@ -25,6 +27,8 @@ class TrainConfig:
     warmup: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    # "adamw", or "muon": Muon on the hidden matrices and expert stacks, AdamW on the rest (flexmoe.optim), one lr
+    optimizer: str = "adamw"
     seed: int = 1337
     data: str | None = None
     log_every: int = 10
@@ -49,4 +53,8 @@ class TrainConfig:
     granularity: int = 1
     # With the model's redundant_experts: re-place the replicas from the recent load every N steps (0: never).
     replace_every: int = 0
+    # Faults (flexmoe.apps.ranks, flexmoe.apps.faults): the bound in seconds on every collective (None: torch's
+    # default), and a fault injected on purpose ("KIND:RANK:STEP", for the fault tests and the restart benchmark).
+    collective_timeout: float | None = None
+    inject_fault: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)

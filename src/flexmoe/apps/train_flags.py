@@ -23,6 +23,7 @@ import torch
 
 from flexmoe.apps import sharded_job
 from flexmoe.apps.errors import UsageError
+from flexmoe.apps.faults import FAULT
 from flexmoe.apps.flags import (
     COUNT,
     FINITE,
@@ -33,7 +34,7 @@ from flexmoe.apps.flags import (
     check_writable_dir,
 )
 from flexmoe.apps.ranks import BACKENDS, resolve_backend
-from flexmoe.apps.train_config import TrainConfig
+from flexmoe.apps.train_config import OPTIMIZERS, TrainConfig
 from flexmoe.checkpoint import latest_checkpoint
 
 __all__ = ["FlagTable", "MOE_MODEL_FLAGS", "RESUME_MAY_CHANGE", "KEPT_TRAIN_FLAGS", "add_run_flags",
@@ -70,6 +71,9 @@ def add_run_flags(parser: argparse.ArgumentParser, t: TrainConfig, out: str) -> 
     a("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
     a("--overwrite", action="store_true", help="delete the run in --out (metrics, checkpoints, plots) and start anew")
     a("--lr", type=POSITIVE, default=t.lr, help="peak learning rate (cosine decay to a tenth of it)")
+    a("--optimizer", default=t.optimizer, choices=OPTIMIZERS,
+      help="adamw (default), or muon: Muon on the hidden matrices and expert stacks, AdamW on embeddings, head, "
+           "norms and biases, one --lr for both (Muon's update scaled to AdamW's RMS)")
     a("--warmup", type=NON_NEGATIVE, default=t.warmup, help="linear warm-up steps")
     a("--log-every", type=COUNT, default=t.log_every, help="steps between metrics records")
     a("--ckpt-every", type=COUNT, default=t.ckpt_every, help="steps between checkpoints")
@@ -90,6 +94,12 @@ def add_run_flags(parser: argparse.ArgumentParser, t: TrainConfig, out: str) -> 
            "may share one GPU), auto (default: nccl on cuda, else gloo)")
     a("--no-plots", action="store_true", help="skip the PNG plots")
     a("--no-progress", action="store_true", help="no progress bar")
+    a("--collective-timeout", type=POSITIVE, default=None, metavar="SECONDS",
+      help="with several ranks: a collective that waits longer for a rank ends this one with an error naming the "
+           "ranks that do not answer (default: torch's, 30 minutes)")
+    a("--inject-fault", type=FAULT, default=None, metavar="KIND:RANK:STEP",
+      help="for fault tests: rank RANK is killed at step STEP (kill), while that step's checkpoint is written "
+           "(kill-in-save), or hangs inside it (hang); on the workers' first start only (flexmoe.apps.faults)")
     parser.set_defaults(flag_parser=parser)  # given_dests reads the defaults where cli.main did not run
 
 
@@ -154,12 +164,13 @@ def check_world_size(mcfg: Any, nproc: int) -> None:
 # cut for the new world size (whose sums round differently: the losses then match to rounding, not bit for bit);
 # so may --device (another device's kernels round differently too).
 RESUME_MAY_CHANGE = ("steps", "log_every", "eval_every", "ckpt_every", "no_plots", "no_progress", "compile",
-                     "device", "backend", "nproc", "out", "resume", "overwrite", "compare_dense", "export_hf")
+                     "device", "backend", "nproc", "out", "resume", "overwrite", "compare_dense", "export_hf",
+                     "collective_timeout", "inject_fault", "max_restarts")
 # The training flags (TrainConfig fields) that a resumed run must keep.
 # The mesh flags too: a sharded run's checkpoints are DCP directories, a replicated run's flexmoe's own.
 KEPT_TRAIN_FLAGS = ("lr", "warmup", "seed", "data", "batch_size", "micro_batches", "eval_batches", "target_loss",
                      "stop_at_target", "fsdp", "ep", "activation_checkpointing", "param_dtype", "upcycle_from",
-                     "granularity", "replace_every")
+                     "granularity", "replace_every", "optimizer")
 
 
 def given_dests(args: argparse.Namespace) -> frozenset[str]:
@@ -197,7 +208,8 @@ def _saved_value(dest: str, value: Any) -> str:
 # The TrainConfig fields set by a flag of the same name, where the job has that flag (train-vision has fewer).
 _TRAIN_FIELD_FLAGS = ("batch_size", "micro_batches", "lr", "warmup", "seed", "data", "log_every", "eval_every",
                       "eval_batches", "ckpt_every", "target_loss", "stop_at_target", "fsdp", "ep",
-                      "activation_checkpointing", "param_dtype", "upcycle_from")
+                      "collective_timeout", "inject_fault",
+                      "activation_checkpointing", "param_dtype", "upcycle_from", "optimizer")
 
 
 def train_config(args: argparse.Namespace,
@@ -235,12 +247,14 @@ def saved_train_flags(train: dict[str, Any]) -> dict[str, Any]:
 
 def resumed_train_config(saved: dict[str, Any], asked: TrainConfig, given: frozenset[str]) -> TrainConfig:
     """The saved run's training configuration, with what this command line may change (:data:`RESUME_MAY_CHANGE`)
-    taken from ``asked``: how the run executes (compiled or not, device, progress, plots) always, the cadences and
+    taken from ``asked``: how the run executes (compiled or not, device, progress, plots, collective timeout, injected
+    fault) always, the cadences and
     ``--steps`` where given."""
     cadences: dict[str, Any] = {name: getattr(asked, name) for name in ("steps", "log_every", "eval_every",
                                                                          "ckpt_every") if name in given}
     return TrainConfig(**{**saved, **cadences, "progress": asked.progress, "plots": asked.plots,
-                          "compile": asked.compile, "device": asked.device})
+                          "compile": asked.compile, "device": asked.device,
+                          "collective_timeout": asked.collective_timeout, "inject_fault": asked.inject_fault})
 
 
 def add_compile_flag(parser: argparse.ArgumentParser) -> None:
@@ -274,9 +288,11 @@ def saved_model_flags(model: dict[str, Any], flags: FlagTable) -> dict[str, Any]
     return {**values, "dense": bool(model.get("dense", False))}
 
 
-def check_run_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
+def check_run_dir(out: Path, *, resume: bool, overwrite: bool, restarted: bool = False) -> None:
     """An existing run directory is touched only with --resume (continue it) or --overwrite (replace it); a run
-    that --resume cannot continue exactly (no usable checkpoint) is refused; a new one needs a writable place."""
+    that --resume cannot continue exactly (no usable checkpoint) is refused, unless this is a ``restarted`` worker
+    (:func:`flexmoe.apps.ranks.restart_attempt` > 0) of a run that died before its first checkpoint, which starts
+    it again from step 0; a new one needs a writable place."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, not a directory; give a new or existing run directory")
     existing = out.is_dir() and any(out.iterdir())
@@ -286,7 +302,7 @@ def check_run_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
     if existing and not (resume or overwrite):
         raise UsageError(f"--out {out} already exists: add --resume to continue that run or --overwrite to "
                          f"replace it (or give another --out)")
-    if resume:
+    if resume and not restarted:
         for run_dir in (out, out / "dense"):  # the dense twin of --compare-dense has its own checkpoints
             if (run_dir / "config.json").is_file():
                 check_resumable(run_dir)

@@ -26,6 +26,7 @@ from flexmoe.apps.train_config import TrainConfig
 from flexmoe.checkpoint import expert_param_names, expert_placement
 from flexmoe.experts.modules import joined_parameter_halves
 from flexmoe.layer import update_expert_biases
+from flexmoe.optim import MuonWithAdamW, muon_param_groups
 from flexmoe.parallel.optim import split_expert_groups
 from flexmoe.parallel.replicas import replace_experts, replica_slots
 from flexmoe.routing.global_balance import reset_global_balance
@@ -45,10 +46,20 @@ def _spread_experts(model: MoEModel) -> dict[str, str]:
     return names
 
 
-def build_optimizer(model: nn.Module, tcfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, tcfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only (not biases, norms or expert biases). Multi-tensor (``foreach``), each
     group's experts apart from the rest (:func:`~flexmoe.parallel.split_expert_groups`: under ``--fsdp`` one kind
-    of tensor per group)."""
+    of tensor per group). With ``tcfg.optimizer == "muon"``: :class:`~flexmoe.optim.MuonWithAdamW`, Muon on the
+    hidden matrices and expert stacks, AdamW on the embeddings, the output ``head``, norms and biases
+    (:func:`~flexmoe.optim.muon_param_groups`), both at ``tcfg.lr``: Muon's update is scaled to AdamW's RMS
+    (``match_rms_adamw``, Moonlight's rule), so the schedule and weight decay serve both."""
+    if tcfg.optimizer == "muon":
+        head = getattr(model, "head", None)  # the GPT's and ViT's output projection; HF models': found by the helper
+        groups = muon_param_groups(model, head=head if isinstance(head, nn.Module) else None)
+        return MuonWithAdamW(split_expert_groups(model, groups), lr=tcfg.lr, weight_decay=tcfg.weight_decay,
+                             adjust_lr_fn="match_rms_adamw", betas=(0.9, 0.95), foreach=True)
+    if tcfg.optimizer != "adamw":
+        raise ValueError(f"tcfg.optimizer must be 'adamw' or 'muon', got {tcfg.optimizer!r}")
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
