@@ -87,5 +87,5 @@ def _train(directory: str, kind: str, options: dict[str, Any], world: int, out: 
     out["grad_norms"] = {int(e["step"]): e["grad_norm"] for e in history if "grad_norm" in e}
     out["moe_logs"] = [{k: v for k, v in e.items() if k.startswith("moe/")} for e in history if "loss" in e]
     out["eval_loss"] = trainer.evaluate()["eval_loss"]
-    predicted = trainer.predict(counting_sequences(6, seed=2))
+    predicted = trainer.predict(counting_sequences(8, seed=2))
     out["predictions"] = torch.as_tensor(predicted.predictions).tolist()

@@ -123,14 +123,17 @@ class StoredTensors:
                              f"{self.unsupported[name]}")
         if name not in self.merged:
             raise KeyError(name)
-        return self._read_merged(self.merged[name], box)
+        return self._read_merged(name, self.merged[name], box)
 
-    def _read_merged(self, merged: _Merged, box: Box) -> Tensor:
+    def _read_merged(self, name: str, merged: _Merged, box: Box) -> Tensor:
         (e0, e1), (r0, r1), *rest = box
         experts = []
         for e in range(e0, e1):
             pieces, offset = [], 0
             for source in merged.sources:
+                if e not in source:  # one expert's file entry is absent: never read around it
+                    raise ValueError(f"the checkpoint lacks expert {e}'s tensor of {name} (it stores experts "
+                                     f"{sorted(source)} of it, as {source[min(source)]}, ...)")
                 key = source[e]
                 rows = self.reader.shape(key)[0]
                 lo, hi = max(r0, offset), min(r1, offset + rows)

@@ -182,7 +182,7 @@ class ExpertParallelTrainer(Trainer):
                                  f"{mine.name}: resume with the number of ranks that wrote it")
             return
         assert self.optimizer is not None and self.lr_scheduler is not None  # created before the resume
-        self.optimizer.load_state_dict(torch.load(mine, map_location=self.args.device, weights_only=True))
+        self.optimizer.load_state_dict(torch.load(mine, map_location="cpu", weights_only=True))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
