@@ -504,11 +504,15 @@ def save_checkpoint(
     step: int,
     extra: dict[str, Any] | None = None,
     keep: int = 2,
+    before_commit: Callable[[], None] | None = None,
 ) -> Path | None:
     """Save ``model`` (and ``optimizer``, RNG states) as ``run_dir/checkpoints/step_XXXXXX``, in global form.
 
     Under expert parallelism every rank must call this (experts are gathered); rank 0 writes. Returns the
-    checkpoint directory on rank 0, None elsewhere. Older checkpoints beyond the newest ``keep`` are removed.
+    checkpoint directory on rank 0, None elsewhere. Older checkpoints beyond the newest ``keep`` are removed, and
+    so are the temporary directories a writer killed mid-save left. ``before_commit``: called on rank 0 once
+    every file is written under the temporary name, before the rename that completes the checkpoint (a fault
+    test kills the process there).
     """
     placement = expert_placement(model)
     layout = None if placement is None else placement.layout
@@ -544,6 +548,8 @@ def save_checkpoint(
     tmp = _make_temp_dir(final)
     try:
         _write_dir(tmp, meta, model_t, opt_t, experts, 1, layout)
+        if before_commit is not None:
+            before_commit()
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -554,6 +560,8 @@ def save_checkpoint(
     old = sorted(p for p in root.glob("step_*") if p.is_dir() and p != final)
     for stale in old[: max(len(old) - (keep - 1), 0)]:
         shutil.rmtree(stale, ignore_errors=True)
+    for unfinished in root.glob(".step_*.tmp"):  # a writer killed before its rename (rank 0 is the only writer)
+        shutil.rmtree(unfinished, ignore_errors=True)
     return final
 
 

@@ -77,11 +77,31 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ
 
 
-def relaunch(nproc: int, command: str, argv: list[str]) -> int:
+# Exit codes after which the ranks are not started again: a user error (every rank meets it alike), Ctrl-C and
+# SIGTERM (the user stopped the job: it saved and said where).
+_NOT_RESTARTED = (2, 128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+
+def relaunch(nproc: int, command: str, argv: list[str], *, max_restarts: int = 0,
+             restart_argv: list[str] | None = None) -> int:
     """Run ``python -m flexmoe COMMAND ARGV...`` as ``nproc`` local ranks (:func:`launch_ranks`); returns the
-    exit code of the first rank that failed, 0 if none did."""
+    exit code of the first rank that failed, 0 if none did.
+
+    As ``torchrun --max-restarts``: when a rank fails, every rank is stopped and all ``nproc`` are started again,
+    up to ``max_restarts`` times, with ``restart_argv`` (default ``argv``: a command that resumes its run), each
+    start with a fresh rendezvous store and ``TORCHELASTIC_RESTART_COUNT`` set to its number. A user error or a
+    stop signal (exit 2, 130, 143) is not restarted."""
+    if max_restarts < 0:
+        raise ValueError(f"relaunch: max_restarts must be >= 0, got {max_restarts}")
     print(f"launching {nproc} ranks: flexmoe {command} {' '.join(argv)}", flush=True)
-    return launch_ranks(nproc, ["-m", "flexmoe", command, *argv])
+    code = launch_ranks(nproc, ["-m", "flexmoe", command, *argv])
+    for attempt in range(1, max_restarts + 1):
+        if code == 0 or code in _NOT_RESTARTED:
+            break
+        print(f"restart {attempt} of {max_restarts}: starting the {nproc} ranks again", flush=True)
+        code = launch_ranks(nproc, ["-m", "flexmoe", command, *(argv if restart_argv is None else restart_argv)],
+                            attempt=attempt, max_restarts=max_restarts)
+    return code
 
 
 # How a Python traceback begins: what a rank writes after this on its stderr goes to the log, not the terminal.
@@ -126,7 +146,8 @@ def _marker_start_length(text: bytes) -> int:
     return next((n for n in range(min(len(_TRACEBACK) - 1, len(text)), 0, -1) if text.endswith(_TRACEBACK[:n])), 0)
 
 
-def launch_ranks(nproc: int, python_args: Sequence[str], *, grace: float = 10.0) -> int:
+def launch_ranks(nproc: int, python_args: Sequence[str], *, grace: float = 10.0, attempt: int = 0,
+                 max_restarts: int = 0) -> int:
     """Run ``python PYTHON_ARGS...`` as ``nproc`` local ranks on 127.0.0.1 (:func:`rank_env`, the rendezvous
     store served by this process) and wait for them; returns the exit code of the first rank that failed, 0 if
     none did.
@@ -138,7 +159,9 @@ def launch_ranks(nproc: int, python_args: Sequence[str], *, grace: float = 10.0)
     Once a rank has failed, the others get ``grace`` seconds, then are killed (a collective with a dead peer
     would wait much longer). SIGINT and SIGTERM reach every rank: a terminal's Ctrl-C reaches them as one process
     group, and this process passes on what it receives; a training rank then saves and exits 130 / 143
-    (:mod:`flexmoe.apps.interrupt`), and so does this process.
+    (:mod:`flexmoe.apps.interrupt`), and so does this process. ``attempt`` / ``max_restarts``: which start of
+    the job this is and how many restarts it may have (:func:`relaunch`), given to the ranks as torchrun gives
+    them.
     """
     if nproc < 1:
         raise ValueError(f"launch_ranks: nproc must be >= 1, got {nproc}")
@@ -160,7 +183,8 @@ def launch_ranks(nproc: int, python_args: Sequence[str], *, grace: float = 10.0)
     previous = {s: signal.signal(s, pass_on) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
     try:
         for rank in range(nproc):
-            proc = subprocess.Popen([sys.executable, *python_args], env=rank_env(rank, nproc, store.port, threads),
+            env = rank_env(rank, nproc, store.port, threads, attempt=attempt, max_restarts=max_restarts)
+            proc = subprocess.Popen([sys.executable, *python_args], env=env,
                                     stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
             procs.append(proc)
             assert proc.stderr is not None  # stderr=PIPE
@@ -198,16 +222,19 @@ def _write_rank_log(readers: list[_RankStderr]) -> str:
     return path
 
 
-def rank_env(rank: int, world: int, port: int, threads: int = 1) -> dict[str, str]:
-    """The environment of one local rank: this process's, plus the ``env://`` rendezvous on 127.0.0.1:port and
-    ``threads`` OpenMP threads (ranks share the cores).
+def rank_env(rank: int, world: int, port: int, threads: int = 1, *, attempt: int = 0,
+             max_restarts: int = 0) -> dict[str, str]:
+    """The environment of one local rank: this process's, plus the ``env://`` rendezvous on 127.0.0.1:port,
+    ``threads`` OpenMP threads (ranks share the cores), and which start of the job this is (``attempt``, of at most
+    ``max_restarts`` restarts: torchrun's ``TORCHELASTIC_RESTART_COUNT`` and ``TORCHELASTIC_MAX_RESTARTS``).
 
     The rendezvous store at ``port`` is served by the launching process, as torchrun's agent serves it, and every
     rank, rank 0 included, is its client (``TORCHELASTIC_USE_AGENT_STORE``, read by ``torch.distributed``'s
     ``env://`` rendezvous)."""
     return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
             "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-            "OMP_NUM_THREADS": str(threads), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+            "OMP_NUM_THREADS": str(threads), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
 
 
 @dataclass

@@ -391,7 +391,7 @@ def export_hf(model: HFCausalLM, directory: Path, tokenizer: str | None, sharded
 def run_job(args: argparse.Namespace, cfg: HFJobConfig, tcfg: TrainConfig) -> int:
     """Train (or resume) the HF model into ``args.out``, then export it if ``--export-hf`` asks."""
     out = Path(args.out)
-    rank, world, device = start_ranks(args.backend, tcfg.device)
+    rank, world, device = start_ranks(args.backend, tcfg.device, tcfg.collective_timeout)
     tcfg = dataclasses.replace(tcfg, device=device)  # this rank's own GPU under --device cuda
     if args.resume and not (out / "config.json").is_file() and rank == 0:
         print(f"--resume: no run in {out} yet, starting a new one", flush=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,15 +103,18 @@ def load_run_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Opt
 
 
 def save_run_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh | None,
-                        step: int, extra: dict[str, Any], keep: int) -> Path | None:
+                        step: int, extra: dict[str, Any], keep: int,
+                        before_commit: Callable[[], None] | None = None) -> Path | None:
     """Checkpoint step ``step`` into ``out/checkpoints`` (collective under torch.distributed), keeping the newest
     ``keep``; ``extra`` goes into its metadata. Returns its path (None on ranks other than 0 of a replicated
-    run, whose rank 0 writes)."""
+    run, whose rank 0 writes). ``before_commit``: called on the ranks that write, once their files are written
+    and before the checkpoint is complete (a fault test kills the rank there)."""
     saved: Path | None
     if mesh is None:
-        saved = save_checkpoint(out, model=model, optimizer=optimizer, step=step, keep=keep, extra=extra)
+        saved = save_checkpoint(out, model=model, optimizer=optimizer, step=step, keep=keep, extra=extra,
+                                before_commit=before_commit)
     else:
-        saved = sharded_job.save_dcp_checkpoint(out, model, optimizer, mesh, step, extra, keep)
+        saved = sharded_job.save_dcp_checkpoint(out, model, optimizer, mesh, step, extra, keep, before_commit)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     return saved

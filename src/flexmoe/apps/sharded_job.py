@@ -13,6 +13,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,12 +131,15 @@ def state_bytes_per_rank(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def save_dcp_checkpoint(out: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, step: int,
-                        extra: dict[str, Any], keep: int) -> Path:
+                        extra: dict[str, Any], keep: int, before_commit: Callable[[], None] | None = None) -> Path:
     """``out/checkpoints/dcp-step_NNNNNN``: the DCP files, then ``meta.json`` (written last by rank 0: a directory
     without it is an unfinished checkpoint and is ignored) with the torch CPU and Python RNG states (the same on
-    every rank: seeded alike, drawn alike); the oldest beyond ``keep`` are removed."""
+    every rank: seeded alike, drawn alike); the oldest beyond ``keep`` are removed. ``before_commit``: called
+    once this rank's files are written, before ``meta.json`` is (a fault test kills the rank there)."""
     path = out / "checkpoints" / f"{DCP_PREFIX}{step:06d}"
     save_sharded(path, model, optimizer, mesh=mesh)
+    if before_commit is not None:
+        before_commit()
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = path / "meta.json.tmp"

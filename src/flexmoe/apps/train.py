@@ -95,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_compile_flag(parser)
     a("--nproc", type=COUNT, default=1,
       help="launch N local processes (experts spread over ranks, the rest data-parallel)")
+    a("--max-restarts", type=NON_NEGATIVE, default=0,
+      help="with --nproc N: when a rank fails, start all N again up to this many times, each resuming from the "
+           "newest complete checkpoint (as torchrun --max-restarts; under torchrun, give torchrun's)")
     sharded_job.add_mesh_flags(parser)
     add_model_flags(parser, GPT_MODEL_FLAGS, m)
 
@@ -146,7 +149,7 @@ def run_gpt_job(args: argparse.Namespace, job: GPTJob) -> int:
     """The MoE GPT's run (this rank's part under torchrun), and its dense twin's with ``--compare-dense``: build,
     train, write the run directories."""
     out = Path(args.out)
-    rank, _, device = start_ranks(args.backend, job.train.device)
+    rank, _, device = start_ranks(args.backend, job.train.device, job.train.collective_timeout)
     if args.resume and not (out / "config.json").is_file() and rank == 0:
         print(f"--resume: no run in {out} yet, starting a new one", flush=True)
     mcfg, upcycled = job.model, job.upcycled

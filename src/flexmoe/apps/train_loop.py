@@ -10,6 +10,12 @@ the summary (:mod:`flexmoe.apps.run_files`).
 
 Reproducibility: the batch of step s is a function of (seed, s) only, the learning rate a function of s, and
 checkpoints hold the optimizer and RNG states, so a resumed run continues exactly as an uninterrupted one.
+
+Faults: a rank that dies ends the others' collectives at once (a closed connection); one that hangs ends them after
+``--collective-timeout`` seconds, with a :class:`CollectiveTimeout` naming the ranks that did not answer and the
+part of the step that waited. Either way the launcher restarts the workers (``--max-restarts``), which resume from
+the newest complete checkpoint, on as many ranks as it started (each record's ``world_size``; the first record on
+another world size than the checkpoint's says ``world_size_changed``).
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from flexmoe.apps import sharded_job
 from flexmoe.apps.data import TokenData
 from flexmoe.apps.errors import UsageError
+from flexmoe.apps.faults import fault_at
 from flexmoe.apps.interrupt import Interrupted, StopSignals
 from flexmoe.apps.models.moe_model import MoEModel
-from flexmoe.apps.ranks import all_reduce_host, init_distributed
+from flexmoe.apps.ranks import all_reduce_host, init_distributed, unanswering_ranks
 from flexmoe.apps.run_files import (
     RunResult,
     finished_run,
@@ -58,7 +65,13 @@ from flexmoe.parallel.ddp import wrap_ddp
 from flexmoe.parallel.groups import default_ranks_per_node
 from flexmoe.parallel.replicas import placement_record, replica_slots
 
-__all__ = ["Task", "TokenTask", "init_distributed", "rank_rows", "step_bar", "train_model"]
+__all__ = ["Task", "TokenTask", "init_distributed", "rank_rows", "step_bar", "train_model", "CollectiveTimeout"]
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective of this rank waited longer than ``--collective-timeout``: the message names this rank, the
+    step, the part of it that waited and the ranks that did not answer
+    (:func:`flexmoe.apps.ranks.unanswering_ranks`)."""
 
 
 class Task(ABC):
@@ -197,6 +210,9 @@ class _Run:
         self.numbers: dict[str, float] = {"val_loss": float("nan")}  # the last evaluation's
         self.last_eval_step = -1
         self.state_bytes: list[int] | None = None  # per rank, counted at the first step
+        self.phase = ""  # the part of the step running now, named when one of its collectives times out
+        self.stop_signals = StopSignals()
+        self.world_size_changed: dict[str, int] | None = None  # set by start(): the resumed run's old world size
         # The nodes the MoE layers see: torchrun's LOCAL_WORLD_SIZE ranks per node (None: not under torchrun).
         self.ranks_per_node = (model.moe_layers[0].parallel_options.ranks_per_node if model.moe_layers
                                else default_ranks_per_node())
@@ -239,6 +255,12 @@ class _Run:
                 nodes = f"{world // rpn} node(s) of {rpn}" if rpn else "one node"
                 print(f"[{label}] {world} ranks on {nodes}", flush=True)
             out.mkdir(parents=True, exist_ok=True)
+            previous = json.loads((out / "config.json").read_text()).get("world_size") \
+                if self.resumed_from is not None and (out / "config.json").is_file() else None
+            if previous is not None and previous != world:
+                self.world_size_changed = {"from": previous, "to": world, "resumed_at_step": self.start_step}
+                print(f"[{label}] world size changed from {previous} to {world} ranks: resumed at step "
+                      f"{self.start_step}, the checkpoint cut for {world} ranks", flush=True)
             if self.resumed_from is None:
                 # A new run in an existing directory (the command line allows it with --overwrite only) replaces
                 # the old run's files, and only those.
@@ -265,25 +287,31 @@ class _Run:
         self.t0 = time.perf_counter() - self.elapsed
         self.t_last, self.step_last = time.perf_counter(), self.start_step
         self.step = self.start_step
-        stop_signals = StopSignals()
+        stop_signals = self.stop_signals
         saved: Path | None = None
         try:
             stop_signals.install()
             for step in range(self.start_step + 1, tcfg.steps + 1):
                 self.step = step
-                record = self.train_step(step)
-                if record is not None and log_file is not None:
-                    log_file.write(json.dumps(record) + "\n")
-                    log_file.flush()
-                if self.bar is not None:
-                    self.bar.update(1)
-                stop = tcfg.stop_at_target and self.target is not None
-                signum = stop_signals.received(self.world)
-                if step % tcfg.ckpt_every == 0 or step == tcfg.steps or stop or signum:
-                    extra = {"elapsed_s": time.perf_counter() - self.t0, "target": self.target,
-                             "train": asdict(tcfg)}
-                    saved = save_run_checkpoint(self.out, self.model, self.optimizer, self.mesh, step, extra,
-                                                tcfg.keep_checkpoints)
+                started = time.monotonic()
+                try:
+                    record = self.train_step(step)
+                    if record is not None and log_file is not None:
+                        log_file.write(json.dumps(record) + "\n")
+                        log_file.flush()
+                    if self.bar is not None:
+                        self.bar.update(1)
+                    stop = tcfg.stop_at_target and self.target is not None
+                    self.phase = "the stop signals' all-reduce"
+                    signum = stop_signals.received(self.world)
+                    if step % tcfg.ckpt_every == 0 or step == tcfg.steps or stop or signum:
+                        self.phase = "the checkpoint's save"
+                        saved = self.save(step)
+                except RuntimeError as exc:
+                    timeout = tcfg.collective_timeout
+                    if self.world == 1 or timeout is None or time.monotonic() - started < timeout:
+                        raise  # not a collective that waited past the bound (a dead peer ends it at once)
+                    raise self.timed_out(step, timeout, exc) from exc
                 if signum:
                     raise Interrupted.after_step(self.label, signum, step, tcfg.steps, saved)
                 if stop:
@@ -295,12 +323,41 @@ class _Run:
             if log_file is not None:
                 log_file.close()
 
+    def save(self, step: int) -> Path | None:
+        """Checkpoint ``step`` (collective); its path on the rank that wrote it. ``--inject-fault kill-in-save``
+        kills its rank after the checkpoint's files are written and before it is complete."""
+        tcfg = self.tcfg
+        extra = {"elapsed_s": time.perf_counter() - self.t0, "target": self.target, "train": asdict(tcfg),
+                 "world_size": self.world}
+        fault = fault_at(tcfg.inject_fault, "kill-in-save", self.rank, step)
+        return save_run_checkpoint(self.out, self.model, self.optimizer, self.mesh, step, extra,
+                                   tcfg.keep_checkpoints, before_commit=None if fault is None else fault.fire)
+
+    def timed_out(self, step: int, timeout: float, exc: RuntimeError) -> CollectiveTimeout:
+        """The error of a collective that waited past ``timeout`` seconds in ``step``, naming the ranks that do not
+        answer within as long again (at most 10 s more)."""
+        silent = unanswering_ranks(f"step_{step}", min(timeout, 10.0))
+        who = ("every rank answered (a slow rank or network, not a hung one)" if silent == [] else
+               "the ranks that did not answer are unknown" if silent is None else
+               f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} of {self.world} did not answer")
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return CollectiveTimeout(f"rank {self.rank}: step {step}: {self.phase} waited more than {timeout:g} s "
+                                 f"(--collective-timeout); {who} ({first})")
+
     def train_step(self, step: int) -> dict[str, Any] | None:
         """One optimizer step; its metrics record where ``step`` is logged (None elsewhere)."""
         tcfg, model = self.tcfg, self.model
+        kill = fault_at(tcfg.inject_fault, "kill", self.rank, step)
+        if kill is not None:
+            kill.fire()
         lr = set_lr(self.optimizer, step, tcfg)
         x, y = self.task.batch(step, self.rank, self.world)
+        hang = fault_at(tcfg.inject_fault, "hang", self.rank, step)
+        if hang is not None:
+            hang.fire(self.stop_signals)
+        self.phase = "the forward and backward pass (the experts' all-to-all, the gradients' all-reduce)"
         stats = forward_backward(model, self.ddp, x.to(self.device), y.to(self.device), tcfg.micro_batches)
+        self.phase = "the optimizer step (the gradients' norm, the MoE layers' updates)"
         placement_before = optimizer_step(model, self.optimizer, tcfg, step, self.world, self.mesh is not None)
         if self.state_bytes is None:
             self.state_bytes = sharded_job.state_bytes_per_rank(model, self.optimizer)
@@ -313,6 +370,7 @@ class _Run:
         is_eval = step % tcfg.eval_every == 0 or step == tcfg.steps
         if not (is_eval or step % tcfg.log_every == 0):
             return None
+        self.phase = "the metrics' all-reduce"
         return self.record(step, stats, lr, placement_before, is_eval)
 
     def record(self, step: int, stats: StepStats, lr: float, placement_before: list[Any],
@@ -332,7 +390,10 @@ class _Run:
         record: dict[str, Any] = {
             "step": step, "train_loss": self.train_loss, "balance_loss": balance, "drop_rate": drop, "lr": lr,
             unit: step * self.task.units_per_step(), "elapsed_s": now - self.t0, f"{unit}_per_s": rate,
+            "world_size": world,
         }
+        if self.world_size_changed is not None:  # the first record after a resume on another number of ranks
+            record["world_size_changed"], self.world_size_changed = self.world_size_changed, None
         if load.numel():
             record["expert_load"] = load.long().tolist()
             record["expert_demand"] = demand.long().tolist()
@@ -341,6 +402,7 @@ class _Run:
             if placement_before:
                 record["placement"] = placement_record(placement_before, replica_slots(model), record["expert_load"])
         if is_eval:
+            self.phase = "the evaluation"
             self.evaluate(step, record)
         if self.bar is not None:
             post = {"loss": f"{self.train_loss:.3f}", self.task.rate_name: f"{rate:,.0f}"}
