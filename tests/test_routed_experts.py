@@ -115,7 +115,9 @@ def test_record_lays_out_sequences_in_turn_with_placeholders_on_the_padding():
     routed[1, 2] = [[3, 1], [2, 0]]
     mask = np.array([[1, 1, 0], [0, 1, 1]])
     model = _layers()
+    given = routed.copy()
     record = RoutingRecord.from_routed_experts(routed, model, attention_mask=mask)
+    assert np.array_equal(routed, given)  # the engine's array is left as it was
     # tokens t = 0..5 are (b, s) = (0,0) (0,1) (0,2) (1,0) (1,1) (1,2); padding t=2: [4, 5] % 4, t=3: [6, 7] % 4
     want = {"0": [[1, 2], [2, 3], [0, 1], [2, 3], [0, 3], [3, 1]],
             "1": [[3, 0], [0, 1], [0, 1], [2, 3], [1, 2], [2, 0]]}
@@ -128,8 +130,11 @@ def test_record_lays_out_sequences_in_turn_with_placeholders_on_the_padding():
         model(x)
     assert all(m.last_plan.expert_index.tolist() == want[str(i)] for i, m in enumerate(model))
     # Without a mask every position must hold a choice; a tensor works as numpy does.
-    full = RoutingRecord.from_routed_experts(torch.from_numpy(np.abs(routed)), model)
+    as_tensor = torch.from_numpy(np.abs(routed)).long()
+    full = RoutingRecord.from_routed_experts(as_tensor, model)
     assert full.calls["1"][0][2].tolist() == [1, 1]
+    full.calls["1"][0].fill_(0)
+    assert torch.equal(as_tensor, torch.from_numpy(np.abs(routed)).long())  # the record holds a copy
 
 
 # ------------------------------------------------------------------------------------------------ misfits

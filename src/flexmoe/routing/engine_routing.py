@@ -17,7 +17,7 @@ An RL framework pads them into a batch as it pads the token ids; what is read he
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -44,7 +44,6 @@ def routed_calls(routed: Any, attention_mask: Any, layers: list[LayerFacts]) -> 
     choices = _as_tensor(routed, "routed")
     if not _is_integer(choices):
         raise TypeError(f"routed must hold integer expert ids, got dtype {choices.dtype}")
-    choices = choices.to(torch.int64)  # the record's dtype; engines give int32
     if choices.dim() != 4:
         raise ValueError(f"routed must be [batch, seq, layers, top_k] (4 dims), got shape {tuple(choices.shape)}")
     batch, seq, num_layers, k = choices.shape
@@ -52,17 +51,21 @@ def routed_calls(routed: Any, attention_mask: Any, layers: list[LayerFacts]) -> 
         raise ValueError(f"routed has {num_layers} layers (its axis 2), the model has {len(layers)} MoE layers "
                          f"{[name for name, *_ in layers]}; an engine that returns every decoder layer needs its "
                          "MoE layers' entries selected, in the model's order")
-    keep = _mask(attention_mask, batch, seq)  # [B, S] bool
+    padding = (~_mask(attention_mask, batch, seq).reshape(-1)).nonzero().squeeze(1)  # [P] token positions
+    # Each layer's [B*S, k] contiguous and long (the record's dtype; engines give int32), in one copy of our own.
+    per_layer = torch.empty(num_layers, batch * seq, k, dtype=torch.int64)
+    per_layer.view(num_layers, batch, seq, k).copy_(choices.permute(2, 0, 1, 3))
     calls: dict[str, Tensor] = {}
     for axis, (name, num_experts, layer_k, device) in enumerate(layers):
         if k != layer_k:
             raise ValueError(f"routed has top_k={k} (its axis 3), MoE layer {name!r} routes k={layer_k}")
-        layer_choices = choices[:, :, axis]  # [B, S, k]
-        _check_range(layer_choices, keep, num_experts, axis, name)
-        flat = layer_choices.reshape(batch * seq, k)
-        t = torch.arange(batch * seq).unsqueeze(1)
-        placeholder = (t * k + torch.arange(k)) % num_experts  # [B*S, k]: distinct per token as k <= E
-        calls[name] = torch.where(keep.reshape(-1, 1), flat, placeholder).to(device)
+        filled = per_layer[axis]
+        # Placeholders on the padding: token t's choice j is expert (t*k + j) mod E, distinct per token as k <= E.
+        filled[padding] = (padding.unsqueeze(1) * k + torch.arange(k)) % num_experts
+        low, high = (int(v) for v in torch.aminmax(filled))  # the placeholders are in range: only real ids can fail
+        if low < 0 or high >= num_experts:
+            _range_error(filled.reshape(batch, seq, k), num_experts, axis, name)
+        calls[name] = filled.to(device)
     return calls, batch
 
 
@@ -100,12 +103,10 @@ def _mask(attention_mask: Any, batch: int, seq: int) -> Tensor:
     return mask
 
 
-def _check_range(layer_choices: Tensor, keep: Tensor, num_experts: int, axis: int, name: str) -> None:
-    """``ValueError`` naming the first position where the mask is 1 and ``layer_choices [B, S, k]`` is outside
-    ``[0, num_experts)``; a negative id there is read as a token the engine gave no routing."""
-    bad = ((layer_choices < 0) | (layer_choices >= num_experts)) & keep.unsqueeze(-1)
-    if not bool(bad.any()):
-        return
+def _range_error(layer_choices: Tensor, num_experts: int, axis: int, name: str) -> NoReturn:
+    """``ValueError`` naming the first position where ``layer_choices [B, S, k]`` (the mask's 0s filled in range)
+    is outside ``[0, num_experts)``; a negative id there is read as a token the engine gave no routing."""
+    bad = (layer_choices < 0) | (layer_choices >= num_experts)
     b, s, j = (int(i) for i in bad.nonzero()[0])
     value = int(layer_choices[b, s, j])
     where = f"routed[{b}, {s}, {axis}] (MoE layer {name!r})"
