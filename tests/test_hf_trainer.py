@@ -16,10 +16,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from flexmoe.launch import spawn_ranks  # noqa: E402
 from hf_trainer_worker import counting_sequences, tiny_config, train_main  # noqa: E402
 from multiproc import failures_of  # noqa: E402
-
-from flexmoe.launch import spawn_ranks  # noqa: E402
 
 # 4 optimizer steps of 2 micro-batches of 8 rows (4 per rank), a checkpoint every 2; clipping at 0.5 is active
 # (the norms are ~0.9).

@@ -64,7 +64,8 @@ class ExpertParallelTrainer(Trainer):
     Raises ``TypeError`` for a ``model`` that is no ``nn.Module`` (``model_init`` is not supported: pass the
     model), ``ValueError`` for an ``optimizers=`` optimizer built on a model not converted yet (its parameters are
     replaced by the conversion: convert first, then build it), and ``NotImplementedError`` for a model whose
-    experts are spread over a group other than the world (data-parallel replicas of the experts; see the README).
+    experts are spread over a group other than the world (data-parallel replicas of the experts; see the README)
+    and for ``fsdp=`` / ``deepspeed=`` arguments (sharding beside the experts is not done inside Trainer yet).
     """
 
     def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
@@ -73,6 +74,11 @@ class ExpertParallelTrainer(Trainer):
                             f"got {type(model).__name__}")
         converted = _holds_converted_blocks(model)
         super().__init__(model, *args, **kwargs)  # sets up torch.distributed under torchrun (TrainingArguments)
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            raise NotImplementedError(
+                "ExpertParallelTrainer does not take TrainingArguments(fsdp=...) or deepspeed=: they would shard "
+                "the experts as ordinary parameters. Sharding beside expert parallelism is flexmoe.sharding."
+                "parallelize (flexmoe.hf.load, flexmoe train --hf-model DIR --fsdp), not yet inside Trainer")
         if not converted:
             if self.optimizer is not None:
                 raise ValueError("optimizers=: the optimizer was built on the model before flexmoe.hf.convert, "
@@ -106,10 +112,9 @@ class ExpertParallelTrainer(Trainer):
             return model  # wrapped by an earlier train()
         if model not in self.accelerator._models:  # not prepared for an evaluation before training
             self.accelerator.prepare_model(model, evaluation_mode=True)  # autocast, device; no DDP
-        find_unused = self.args.ddp_find_unused_parameters
-        return wrap_ddp(model, find_unused_parameters=bool(find_unused),
-                        broadcast_buffers=bool(self.args.ddp_broadcast_buffers),
-                        **({"bucket_cap_mb": self.args.ddp_bucket_cap_mb} if self.args.ddp_bucket_cap_mb else {}))
+        chosen = {"find_unused_parameters": self.args.ddp_find_unused_parameters,  # Trainer's DDP arguments
+                  "broadcast_buffers": self.args.ddp_broadcast_buffers, "bucket_cap_mb": self.args.ddp_bucket_cap_mb}
+        return wrap_ddp(model, **{k: v for k, v in chosen.items() if v is not None})
 
     # ---- gradient norm ------------------------------------------------------------------------------------
 
