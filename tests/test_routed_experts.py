@@ -166,6 +166,7 @@ MISFITS = {  # case: (routed, attention_mask, the error, the words)
     "bool_ids": (lambda: _routed() > 1, None, TypeError, "routed must hold integer expert ids, got dtype torch.bool"),
     "ndim": (lambda: _routed()[0], None, ValueError, r"routed must be \[batch, seq, layers, top_k\] \(4 dims\), got "
              r"shape \(3, 2, 2\)"),
+    "empty": (lambda: _routed()[:, :0], None, ValueError, r"routed holds no choices: shape \(2, 0, 2, 2\)"),
     "list": (lambda: _routed().tolist(), None, TypeError, "routed must be a numpy array or a torch tensor, got list"),
     "numpy_strings": (lambda: np.full((2, 3, 2, 2), "1"), None, TypeError,
                       "routed must hold integers, got a numpy array of dtype <U1"),

@@ -47,6 +47,8 @@ def routed_calls(routed: Any, attention_mask: Any, layers: list[LayerFacts]) -> 
     if choices.dim() != 4:
         raise ValueError(f"routed must be [batch, seq, layers, top_k] (4 dims), got shape {tuple(choices.shape)}")
     batch, seq, num_layers, k = choices.shape
+    if batch * seq * k == 0:
+        raise ValueError(f"routed holds no choices: shape {tuple(choices.shape)}")
     if num_layers != len(layers):
         raise ValueError(f"routed has {num_layers} layers (its axis 2), the model has {len(layers)} MoE layers "
                          f"{[name for name, *_ in layers]}; an engine that returns every decoder layer needs its "
