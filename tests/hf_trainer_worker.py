@@ -89,3 +89,55 @@ def _train(directory: str, kind: str, options: dict[str, Any], world: int, out: 
     out["eval_loss"] = trainer.evaluate()["eval_loss"]
     predicted = trainer.predict(counting_sequences(8, seed=2))
     out["predictions"] = torch.as_tensor(predicted.predictions).tolist()
+
+
+def word_tokenizer() -> Any:
+    """A tokenizer of VOCAB words ``t0`` .. ``t63`` (``t0`` doubling as pad and end of text): what TRL asks of one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="t0", eos_token="t0", unk_token="t0")
+
+
+def sft_main(directory: str, kind: str) -> dict[str, Any]:
+    """TRL's ``SFTTrainer`` ("plain", one process) or ``ExpertParallelTrainer`` mixed into it ("ep") on the
+    counting sequences, pre-tokenized; the rank's logged losses."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from multiproc import kernels_by_rule
+
+    kernels_by_rule()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    out: dict[str, Any] = {"rank": int(os.environ.get("RANK", "0")), "failures": []}
+    try:
+        from datasets import Dataset
+        from transformers import AutoModelForCausalLM
+        from trl import SFTConfig, SFTTrainer
+
+        from flexmoe.hf import ExpertParallelTrainer
+
+        class EPSFTTrainer(ExpertParallelTrainer, SFTTrainer):
+            """TRL's trainer on expert parallelism: the usual mix-in."""
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config())
+        rows = Dataset.from_list([{"input_ids": r["input_ids"].tolist()} for r in counting_sequences(64)])
+        args = SFTConfig(output_dir=directory, max_steps=3, per_device_train_batch_size=8 // world,
+                         learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                         disable_tqdm=True, max_length=LENGTH, dataloader_drop_last=True, seed=3)
+        trainer_class = SFTTrainer if kind == "plain" else EPSFTTrainer
+        trainer = trainer_class(model=model, args=args, train_dataset=rows, processing_class=word_tokenizer())
+        trainer.train()
+        out["losses"] = {int(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e}
+        out["moe_logged"] = all("moe/max_over_mean" in e for e in trainer.state.log_history if "loss" in e)
+    except Exception:
+        out["failures"].append(traceback.format_exc())
+    if world > 1:
+        dist.destroy_process_group()
+    return out

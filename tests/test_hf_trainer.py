@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from flexmoe.launch import spawn_ranks  # noqa: E402
-from hf_trainer_worker import counting_sequences, tiny_config, train_main  # noqa: E402
+from hf_trainer_worker import counting_sequences, sft_main, tiny_config, train_main  # noqa: E402
 from multiproc import failures_of  # noqa: E402
 
 # 4 optimizer steps of 2 micro-batches of 8 rows (4 per rank), a checkpoint every 2; clipping at 0.5 is active
@@ -25,9 +25,13 @@ from multiproc import failures_of  # noqa: E402
 OPTIONS = {"steps": 4, "batch": 8, "accumulate": 2, "save_steps": 2, "max_grad_norm": 0.5}
 
 
-def _run(world: int, directory: Path, kind: str, options: dict) -> dict:
-    reports = [r.value for r in spawn_ranks(world, train_main, [str(directory), kind, options], timeout=400,
-                                            check=True, what=f"{kind} Trainer on {world} ranks")]
+def _run(world: int, directory: Path, kind: str, options: dict | None = None) -> dict:
+    """Rank 0's report of ``train_main`` (``sft_main`` without ``options``) on ``world`` ranks; fails with
+    every rank's failures."""
+    main, args = (train_main, [str(directory), kind, options]) if options is not None else (
+        sft_main, [str(directory), kind])
+    reports = [r.value for r in spawn_ranks(world, main, args, timeout=400, check=True,
+                                            what=f"{main.__name__} {kind} on {world} ranks")]
     failures = failures_of(reports)
     assert not failures, "\n".join(failures)
     return reports[0]
@@ -149,3 +153,14 @@ def test_bf16_autocast_and_gradient_checkpointing(tmp_path: Path) -> None:
     for step, loss in plain["losses"].items():
         assert ep["losses"][step] == pytest.approx(loss, rel=2e-2), f"loss at step {step}"
     assert plain["losses"]["4"] < plain["losses"]["1"]
+
+
+def test_trl_sft_trainer_on_expert_parallelism(tmp_path: Path) -> None:
+    """TRL's SFTTrainer with ExpertParallelTrainer mixed in, at 2 ranks, against plain SFTTrainer in one process:
+    the same losses. Runs where ``trl`` is installed (``pip install trl``; not a dependency of flexmoe)."""
+    pytest.importorskip("trl")
+    plain, ep = _run(1, tmp_path / "plain", "plain"), _run(2, tmp_path / "ep", "ep")
+    assert sorted(plain["losses"]) == ["1", "2", "3"]
+    for step, loss in plain["losses"].items():
+        assert ep["losses"][step] == pytest.approx(loss, rel=1e-5), f"loss at step {step}"
+    assert ep["moe_logged"]
