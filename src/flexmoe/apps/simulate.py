@@ -239,10 +239,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-dim", type=COUNT, default=2048, help="hidden dimension H of each expert's FFN")
     experts = parser.add_mutually_exclusive_group()
     experts.add_argument("--num-experts", "--experts", dest="experts", type=COUNT, default=None,
-                         help="global experts (sharded when GPUs > experts; default 64); --experts is the older "
-                              "spelling")
+                         help="global experts (sharded when GPUs > experts); --experts is the older spelling "
+                              "(default: 64)")
     experts.add_argument("--experts-per-gpu", type=COUNT, default=None,
-                         help="experts per GPU: E = N x GPUs at every GPU count (instead of --num-experts)")
+                         help="experts per GPU: E = N x GPUs at every GPU count, instead of --num-experts "
+                              "(default: none, --num-experts)")
     parser.add_argument("--k", type=COUNT, default=2, help="experts per token (top-k)")
     parser.add_argument("--capacity-factor", type=NON_NEGATIVE_REAL, default=1.25,
                         help="expert capacity / even share of tokens (0: dropless)")
@@ -255,12 +256,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     parser.add_argument("--system", default=None,
                         help=f"price these systems instead of the variants: a comma list of {', '.join(SYSTEMS)}, "
-                             f"or 'all' (flexmoe.apps.simulate_systems)")
+                             f"or 'all' (flexmoe.apps.simulate_systems) (default: none, the variants table)")
     parser.add_argument("--setting", default=None,
-                        help="with --system: fix r, d and the all-to-all, e.g. 'r=1,d=4,a2a=2dh' (any subset)")
+                        help="with --system: fix r, d and the all-to-all, e.g. 'r=1,d=4,a2a=2dh' (any subset) "
+                             "(default: none, each system's own choice)")
     parser.add_argument("--reproduce", default=None, choices=FIGURES,
                         help="print a published figure against the prediction (its own setup; the shape flags do "
-                             "not apply) and draw both (flexmoe.apps.simulate_reproduce)")
+                             "not apply) and draw both (flexmoe.apps.simulate_reproduce) (default: none)")
     parser.add_argument("--load-trace", type=Path, default=None,
                         help="a run's metrics.jsonl (or JSON with expert_load): instead, price static, shadowed and "
                              "replicated expert placement on that load at E = 64, 128, 256 (flexmoe.apps."
