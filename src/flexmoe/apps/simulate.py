@@ -26,7 +26,7 @@ from typing import Any
 
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.flags import COUNT, NON_NEGATIVE_REAL, RATIO, check_writable_dir
-from flexmoe.apps.simulate_reproduce import FIGURES, format_rows, plot_reproduction, reproduce
+from flexmoe.apps.simulate_reproduce import FIGURES, format_rows, plot_reproduction, reproduce, save_figure
 from flexmoe.apps.simulate_systems import SYSTEMS, Setting, parse_setting, parse_systems, peak_memory, price_system
 from flexmoe.tuning.cost_model import LayerConfig, choose_shadowed, expert_rows, predict, score_candidates, valid_r
 from flexmoe.tuning.profile import available_profiles, load_profile
@@ -152,20 +152,23 @@ def plot_systems(rows: list[dict[str, Any]], path: Path, profile: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 5))
-    for system in dict.fromkeys(r["system"] for r in rows):
-        pts = sorted((r["gpus"], r["seconds"]) for r in rows if r["system"] == system)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+    _curves_by_gpus(ax, rows, "system", "seconds", 1.0, "seconds per step of one layer",
+                    f"predicted step time by system, {profile}")
+    return save_figure(fig, path)
+
+
+def _curves_by_gpus(ax: Any, rows: list[dict[str, Any]], key: str, value: str, scale: float, ylabel: str,
+                    title: str) -> None:
+    """One curve per ``row[key]`` of ``row[value] / scale`` against the GPU count, on log-log axes."""
+    for name in dict.fromkeys(r[key] for r in rows):
+        pts = sorted((r["gpus"], r[value]) for r in rows if r[key] == name)
+        ax.plot([p[0] for p in pts], [p[1] / scale for p in pts], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("GPUs")
-    ax.set_ylabel("seconds per step of one layer")
-    ax.set_title(f"predicted step time by system, {profile}")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def _short(candidate: dict[str, Any]) -> dict[str, Any]:
@@ -203,15 +206,8 @@ def plot(rows: list[dict[str, Any]], path: Path, profile: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    for variant in VARIANTS:
-        pts = sorted((r["gpus"], r["tokens_per_s"]) for r in rows if r["variant"] == variant)
-        ax1.plot([p[0] for p in pts], [p[1] / 1e6 for p in pts], marker="o", label=variant)
-    ax1.set_xscale("log", base=2)
-    ax1.set_yscale("log")
-    ax1.set_xlabel("GPUs")
-    ax1.set_ylabel("M tokens / s (one layer, fwd + bwd)")
-    ax1.set_title(f"predicted throughput, {profile}")
-    ax1.legend(fontsize=8)
+    _curves_by_gpus(ax1, rows, "variant", "tokens_per_s", 1e6, "M tokens / s (one layer, fwd + bwd)",
+                    f"predicted throughput, {profile}")
     by = {(r["gpus"], r["variant"]): r["tokens_per_s"] for r in rows}
     gpus = sorted({r["gpus"] for r in rows})
     for num, den, label in (("2dh", "flat", "2DH / flat"), ("adaptive", "gshard-baseline", "adaptive / baseline"),
@@ -223,11 +219,7 @@ def plot(rows: list[dict[str, Any]], path: Path, profile: str) -> Path:
     ax2.set_ylabel("speed-up")
     ax2.set_title("speed-ups from the model")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

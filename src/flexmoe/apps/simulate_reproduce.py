@@ -26,7 +26,8 @@ from flexmoe.apps.simulate_systems import peak_memory, step_seconds, system_conf
 from flexmoe.tuning.cost_model import LayerConfig, a2a_2dh_time, a2a_flat_time
 from flexmoe.tuning.profile import Profile
 
-__all__ = ["FIGURES", "Row", "reproduce", "format_rows", "plot_reproduction", "TUTEL_README", "tutel_shape"]
+__all__ = ["FIGURES", "Row", "reproduce", "format_rows", "plot_reproduction", "save_figure", "TUTEL_README",
+           "tutel_shape"]
 
 FIGURES = ("tutel-readme", "tutel-paper", "fastermoe")
 TOLERANCE = 0.15  # relative error a reproduced point may have
@@ -230,6 +231,17 @@ def format_rows(rows: list[Row], profile: str) -> str:
     return "\n".join(lines)
 
 
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write (110 dpi PNG, creating the folder) and close a matplotlib figure; its path back."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_reproduction(rows: list[Row], path: Path, profile: str) -> Path:
     """Predicted curves beside the published points: step time per system against GPUs (``tutel-readme``), or
     published against predicted for every scored row (other figures)."""
@@ -268,8 +280,4 @@ def plot_reproduction(rows: list[Row], path: Path, profile: str) -> Path:
     ax.set_title(f"{rows[0].figure if rows else ''}: published vs predicted ({profile})")
     if timed:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
