@@ -290,3 +290,27 @@ def test_flexmoe_checkpoints_save_and_resume_muons_momentum(tmp_path) -> None:
     run_steps(resumed, opt2, 3, 5)
     for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), name
+
+
+# ---------------------------------------------------------------------------------- 2 gloo ranks
+
+
+def test_sharded_parameters_step_as_torch_muon_on_each_whole_matrix_at_2_ranks() -> None:
+    """DTensors sharded as FSDP2 shards them (whole experts per rank: orthogonalised locally; a matrix's rows or
+    one expert's columns split: gathered) end 3 steps bit-equal to torch.optim.Muon on each whole matrix in one
+    process; each momentum buffer stays sharded as its parameter."""
+    from multiproc import check_ranks_pass
+    from muon_worker import rank_main
+
+    check_ranks_pass(2, rank_main, ["dtensor_layouts"], what="Muon on DTensors at 2 ranks")
+
+
+@pytest.mark.slow
+def test_the_gpt_under_expert_parallelism_and_fsdp2_trains_with_muon_as_one_process() -> None:
+    """flexmoe.sharding.parallelize at ep=2 (each rank its 4 experts, plain tensors: no communication in Muon;
+    the rest FSDP2-sharded: gathered) and at dp_shard=2 (experts FSDP2-sharded along the expert dim: local),
+    MuonWithAdamW for 4 steps: the losses and every weight equal one process's to bf16 Newton-Schulz rounding."""
+    from multiproc import check_ranks_pass
+    from muon_worker import rank_main
+
+    check_ranks_pass(2, rank_main, ["parallelized_gpt"], what="Muon under parallelize at 2 ranks", timeout=600)
