@@ -23,6 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flexmoe.apps.cli import main
+from flexmoe.apps.faults import Fault, parse_fault
 from flexmoe.launch import free_port
 
 # A tiny MoE GPT: 30 steps of 2 ranks take seconds; checkpoints at steps 10, 20 and 30.
@@ -181,3 +183,24 @@ def test_a_restart_on_fewer_ranks_reshards_and_goes_on(tmp_path: Path, layout: l
     assert summary["world_size"] == 2 and summary["steps"] == 30
     assert summary["final_val_loss"] == pytest.approx(json.loads((want / "summary.json").read_text())
                                                       ["final_val_loss"], rel=1e-4)
+
+
+def test_inject_fault_takes_kind_rank_step() -> None:
+    assert parse_fault("hang:1:15") == Fault("hang", 1, 15)
+    assert parse_fault("kill-in-save:0:20") == Fault("kill-in-save", 0, 20)
+    for bad in ("hang:1", "boom:0:3", "kill:-1:3", "kill:0:0", "kill:a:3", "kill:0:3:4"):
+        with pytest.raises(ValueError, match=f"--inject-fault takes KIND:RANK:STEP .*got '{bad}'"):
+            parse_fault(bad)
+
+
+def test_bad_fault_flags_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "run")
+    for flags, said in ((["--inject-fault", "kill:one:3"], "--inject-fault takes KIND:RANK:STEP"),
+                        (["--collective-timeout", "0"], "argument --collective-timeout: must be a finite number > 0")):
+        with pytest.raises(SystemExit) as exited:  # argparse's own exit, through the type of the flag
+            main(["train", "--out", out, *flags])
+        assert exited.value.code == 2
+        assert said in capsys.readouterr().err
+    assert main(["train", "--out", out, "--max-restarts", "1"]) == 2
+    assert "--max-restarts 1 restarts the ranks of --nproc N (N >= 2)" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

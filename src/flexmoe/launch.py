@@ -82,15 +82,14 @@ def under_torchrun() -> bool:
 _NOT_RESTARTED = (2, 128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
-def relaunch(nproc: int, command: str, argv: list[str], *, max_restarts: int = 0,
-             restart_argv: list[str] | None = None) -> int:
+def relaunch(nproc: int, command: str, argv: list[str], *, max_restarts: int = 0) -> int:
     """Run ``python -m flexmoe COMMAND ARGV...`` as ``nproc`` local ranks (:func:`launch_ranks`); returns the
     exit code of the first rank that failed, 0 if none did.
 
     As ``torchrun --max-restarts``: when a rank fails, every rank is stopped and all ``nproc`` are started again,
-    up to ``max_restarts`` times, with ``restart_argv`` (default ``argv``: a command that resumes its run), each
-    start with a fresh rendezvous store and ``TORCHELASTIC_RESTART_COUNT`` set to its number. A user error or a
-    stop signal (exit 2, 130, 143) is not restarted."""
+    up to ``max_restarts`` times, each start with a fresh rendezvous store and ``TORCHELASTIC_RESTART_COUNT`` set
+    to its number (a restarted ``flexmoe train`` resumes its run). A user error or a stop signal (exit 2, 130,
+    143) is not restarted."""
     if max_restarts < 0:
         raise ValueError(f"relaunch: max_restarts must be >= 0, got {max_restarts}")
     print(f"launching {nproc} ranks: flexmoe {command} {' '.join(argv)}", flush=True)
@@ -99,8 +98,7 @@ def relaunch(nproc: int, command: str, argv: list[str], *, max_restarts: int = 0
         if code == 0 or code in _NOT_RESTARTED:
             break
         print(f"restart {attempt} of {max_restarts}: starting the {nproc} ranks again", flush=True)
-        code = launch_ranks(nproc, ["-m", "flexmoe", command, *(argv if restart_argv is None else restart_argv)],
-                            attempt=attempt, max_restarts=max_restarts)
+        code = launch_ranks(nproc, ["-m", "flexmoe", command, *argv], attempt=attempt, max_restarts=max_restarts)
     return code
 
 

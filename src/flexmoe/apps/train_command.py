@@ -58,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-restarts {args.max_restarts} restarts the ranks of --nproc N (N >= 2); under "
                          f"torchrun give torchrun's own --max-restarts")
     restarted = restart_attempt() > 0
+    if restarted:
+        # A restarted worker (torchrun --max-restarts, --nproc's --max-restarts) continues the run its first start
+        # began: --overwrite applied to that start only, and --resume is implied.
+        args.resume, args.overwrite = True, False
     hf = hf_job.job_config(args)  # None: the MoE GPT
     if hf is None:
         job = train.gpt_job(args)
@@ -71,10 +75,7 @@ def run(args: argparse.Namespace) -> int:
         hf_job.check_inputs(hf_cfg, tcfg, args)
     sharded_job.check_mesh_flags(args, int(os.environ.get("WORLD_SIZE", args.nproc)))
     if args.nproc > 1 and not under_torchrun():
-        argv = forward_argv(args)
-        # The restarted ranks continue the run the first start began (--overwrite applied to that start only).
-        again = [a for a in argv if a != "--overwrite"] + ([] if args.resume else ["--resume"])
-        return relaunch(args.nproc, "train", argv, max_restarts=args.max_restarts, restart_argv=again)
+        return relaunch(args.nproc, "train", forward_argv(args), max_restarts=args.max_restarts)
     try:
         return train.run_gpt_job(args, job) if hf is None else hf_job.run_job(args, hf_cfg, tcfg)
     finally:
