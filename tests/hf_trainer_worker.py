@@ -65,8 +65,12 @@ def _train(directory: str, kind: str, options: dict[str, Any], world: int, out: 
 
     torch.manual_seed(options.get("model_seed", 0))
     model = AutoModelForCausalLM.from_config(tiny_config(**options.get("config", {})))
-    if options.get("convert_first"):
-        model = convert(model)  # the experts over the world, before the trainer sees the model
+    if options.get("ep_size"):  # expert-parallel groups of ep_size consecutive ranks: replicas of each expert
+        import torch.distributed as dist
+
+        size = options["ep_size"]
+        groups = [dist.new_group(list(range(b * size, (b + 1) * size))) for b in range(world // size)]
+        model = convert(model, group=groups[dist.get_rank() // size])
     args = TrainingArguments(
         output_dir=directory, max_steps=options["steps"], per_device_train_batch_size=options["batch"] // world,
         per_device_eval_batch_size=4 // world, gradient_accumulation_steps=options.get("accumulate", 1),

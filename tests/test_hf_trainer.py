@@ -144,6 +144,21 @@ def test_refuses_what_it_cannot_train() -> None:
 
 
 @pytest.mark.slow
+def test_expert_replicas_at_4_ranks(tmp_path: Path) -> None:
+    """4 ranks as 2 expert-parallel groups of 2 (each expert on 2 ranks): the losses and clipped norms of plain
+    Trainer in one process, and its checkpoint."""
+    plain = _run(1, tmp_path / "plain", "plain", OPTIONS)
+    ep = _run(4, tmp_path / "ep", "ep", {**OPTIONS, "ep_size": 2})
+    assert ep["experts_held"] == [2, 2]
+    for step, loss in plain["losses"].items():
+        assert ep["losses"][step] == pytest.approx(loss, rel=1e-5), f"loss at step {step}"
+        assert ep["grad_norms"][step] == pytest.approx(plain["grad_norms"][step], rel=1e-5), f"norm at {step}"
+    got, want = _hf_state(tmp_path / "ep" / "final"), _hf_state(tmp_path / "plain" / "final")
+    for key, tensor in want.items():
+        torch.testing.assert_close(got[key], tensor, rtol=1e-4, atol=1e-4, msg=key)
+
+
+@pytest.mark.slow
 def test_bf16_autocast_and_gradient_checkpointing(tmp_path: Path) -> None:
     """bf16 autocast and gradient checkpointing at 2 ranks against plain Trainer in one process with both: the
     losses agree to bf16 rounding."""

@@ -10,7 +10,8 @@ changes exactly those points and leaves the rest (data sharding, gradient accumu
 
 * the model is converted (:func:`flexmoe.hf.convert`, its defaults: the experts over the world) unless it is
   already, and wrapped with :func:`flexmoe.sharding.wrap_ddp` (the non-expert parameters data-parallel, each
-  rank's experts its own, their gradients the gradient of the ranks' mean loss);
+  rank's experts its own, their gradients the gradient of the ranks' mean loss; where expert-parallel groups of
+  consecutive ranks tile the world, each expert's gradient is also summed over its replicas before the step);
 * ``save_model``, the periodic checkpoints and ``push_to_hub`` gather the state dict on every rank and the main
   process writes it: plain HF checkpoints that ``from_pretrained`` loads;
 * each rank writes its own optimizer state (``rank{r}-of-{N}-optimizer.pt``: its experts' moments);
@@ -63,9 +64,12 @@ class ExpertParallelTrainer(Trainer):
 
     Raises ``TypeError`` for a ``model`` that is no ``nn.Module`` (``model_init`` is not supported: pass the
     model), ``ValueError`` for an ``optimizers=`` optimizer built on a model not converted yet (its parameters are
-    replaced by the conversion: convert first, then build it), and ``NotImplementedError`` for a model whose
-    experts are spread over a group other than the world (data-parallel replicas of the experts; see the README)
-    and for ``fsdp=`` / ``deepspeed=`` arguments (sharding beside the experts is not done inside Trainer yet).
+    replaced by the conversion: convert first, then build it), and ``NotImplementedError`` for ``fsdp=`` /
+    ``deepspeed=`` arguments (sharding beside the experts is not done inside Trainer yet).
+
+    Data-parallel replicas of the experts: a model converted with ``group=`` an expert-parallel group of ``P``
+    consecutive ranks (``[b * P, (b + 1) * P)``, the world tiled by such groups, as ``make_mesh``'s ``ep`` dim)
+    holds every expert once per group; each expert's gradient is then averaged over its replicas as well.
     """
 
     def __init__(self, model: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
@@ -84,7 +88,7 @@ class ExpertParallelTrainer(Trainer):
                 raise ValueError("optimizers=: the optimizer was built on the model before flexmoe.hf.convert, "
                                  "which replaces its MoE parameters; convert the model first, then build it")
             convert(self._net)
-        _check_expert_groups(self._net)
+        self._replicas = _replica_group(self._net)  # data-parallel replicas of this rank's experts, if any
         self._moe_sums: dict[str, float] = {}
         self._moe_count = 0
 
@@ -114,13 +118,25 @@ class ExpertParallelTrainer(Trainer):
             self.accelerator.prepare_model(model, evaluation_mode=True)  # autocast, device; no DDP
         chosen = {"find_unused_parameters": self.args.ddp_find_unused_parameters,  # Trainer's DDP arguments
                   "broadcast_buffers": self.args.ddp_broadcast_buffers, "bucket_cap_mb": self.args.ddp_bucket_cap_mb}
-        return wrap_ddp(model, **{k: v for k, v in chosen.items() if v is not None})
+        return wrap_ddp(model, expert_replicas=self._replicas is not None,
+                        **{k: v for k, v in chosen.items() if v is not None})
 
     # ---- gradient norm ------------------------------------------------------------------------------------
+
+    def _sum_expert_replicas(self) -> None:
+        """Sum each expert's gradient over its data-parallel replicas (each holds its part of the mean, wrap_ddp's
+        ``expert_replicas``). Once per optimizer step: Trainer calls ``_clip_grad_norm`` (when clipping) or else
+        ``_get_grad_norm`` with no norm, before every step."""
+        if self._replicas is None:
+            return
+        for _, p, layer in expert_parameters(self._net):
+            if layer.ep_group.distributed and p.grad is not None:
+                dist.all_reduce(p.grad, group=self._replicas)
 
     def _clip_grad_norm(self, model: nn.Module) -> Tensor:
         if not self._spread():
             return super()._clip_grad_norm(model)
+        self._sum_expert_replicas()
         norm = global_grad_norm(self._net)
         grads = [p for p in self._net.parameters() if p.grad is not None]
         torch.nn.utils.clip_grads_with_norm_(grads, self.args.max_grad_norm, norm)
@@ -129,7 +145,10 @@ class ExpertParallelTrainer(Trainer):
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         if not self._spread():
             return super()._get_grad_norm(model, grad_norm)
-        return global_grad_norm(self._net) if grad_norm is None else grad_norm
+        if grad_norm is not None:  # _clip_grad_norm's, which summed the replicas
+            return grad_norm
+        self._sum_expert_replicas()
+        return global_grad_norm(self._net)
 
     # ---- saving -------------------------------------------------------------------------------------------
 
@@ -239,17 +258,32 @@ def _holds_converted_blocks(model: nn.Module) -> bool:
     return any(isinstance(m, ConvertedMoeBlock) for m in model.modules())
 
 
-def _check_expert_groups(model: nn.Module) -> None:
-    """``NotImplementedError`` unless every spread MoE layer spreads its experts over the whole world."""
+def _replica_group(model: nn.Module) -> Any:
+    """The group of this rank's expert replicas: the ranks holding the same experts in the other expert-parallel
+    groups (None when the experts are spread over the whole world, or not spread).
+
+    The expert-parallel groups must tile the world in blocks of consecutive ranks, as ``make_mesh``'s ``ep`` dim
+    does (ranks ``[b * P, (b + 1) * P)``), every layer the same; else ``NotImplementedError``. Collective: every
+    rank makes every replica group (``dist.new_group``), in the same order."""
     if not (dist.is_available() and dist.is_initialized()):
-        return
-    world = list(range(dist.get_world_size()))
-    for name, layer in named_moe_layers(model):
-        if layer.ep_group.distributed and layer.ep_group.global_ranks != world:
-            raise NotImplementedError(
-                f"MoE layer {name} spreads its experts over ranks {layer.ep_group.global_ranks}, not the world "
-                f"{world}: ExpertParallelTrainer trains experts spread over every rank (convert(model) or "
-                f"group=None) or held whole on every rank (group='single'), not data-parallel replicas of them")
+        return None
+    world = dist.get_world_size()
+    spread = {tuple(layer.ep_group.global_ranks) for _, layer in named_moe_layers(model) if layer.ep_group.distributed}
+    if not spread or spread == {tuple(range(world))}:
+        return None
+    ranks = next(iter(spread))
+    size = len(ranks)
+    if len(spread) > 1 or world % size or list(ranks) != list(range(ranks[0], ranks[0] + size)) or ranks[0] % size:
+        raise NotImplementedError(
+            f"the MoE layers spread their experts over ranks {sorted(spread)}: ExpertParallelTrainer takes experts "
+            f"spread over the world, or over blocks of consecutive ranks that tile it (world {world}), the same for "
+            f"every layer (make_mesh's ep dim)")
+    mine = None
+    for local in range(size):  # every rank makes every group, in the same order
+        group = dist.new_group([local + block * size for block in range(world // size)])
+        if local == dist.get_rank() % size:
+            mine = group
+    return mine
 
 
 @torch.no_grad()

@@ -44,17 +44,27 @@ def divide_gradients(params: list[nn.Parameter], world: int) -> None:
             setattr(p, GRAD_DIVISOR, world)  # read again where a parameter is replaced (materialize's to_empty)
 
 
-def wrap_ddp(model: nn.Module, process_group: Any = None, **ddp_kwargs: Any) -> DistributedDataParallel:
+def wrap_ddp(model: nn.Module, process_group: Any = None, *, expert_replicas: bool = False,
+             **ddp_kwargs: Any) -> DistributedDataParallel:
     """``DistributedDataParallel(model, ...)`` that leaves expert-parallel experts alone.
 
     The data-parallel group (``process_group``, default the world) must be the expert-parallel group of every
     MoE layer (the usual "experts over all ranks, the rest data-parallel" set-up).
+
+    expert_replicas: allow MoE layers whose expert-parallel group is a part of the data-parallel group (several
+        such groups side by side, each holding every expert: data-parallel replicas of each expert). The experts'
+        gradients are then divided by the data-parallel size too, so each replica holds its part of the mean:
+        the caller sums each expert's gradient over its replicas before the optimizer step
+        (:class:`flexmoe.hf.ExpertParallelTrainer` does).
     """
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     dp_ranks = dist.get_process_group_ranks(group)
     names = set(expert_parameter_names(model))
     for prefix, layer in _expert_parallel_layers(model):
+        inside = set(layer.ep_group.global_ranks) <= set(dp_ranks) and world % layer.ep_group.world_size == 0
+        if expert_replicas and inside:
+            continue
         if layer.ep_group.global_ranks != list(dp_ranks):
             raise NotImplementedError(
                 f"MoE layer {prefix or '<root>'} spreads its experts over ranks {layer.ep_group.global_ranks} but "
