@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 VOCAB, LENGTH = 64, 16
@@ -36,6 +37,12 @@ def train_main(directory: str, kind: str, options: dict[str, Any]) -> dict[str, 
     """Train ``options["steps"]`` optimizer steps with ``kind`` ("plain": ``Trainer``, one process; "ep":
     ``ExpertParallelTrainer``) writing checkpoints under ``directory`` and the final model to ``directory/final``;
     evaluate and predict. The global batch is ``options["batch"]`` rows per micro-batch whatever the world."""
+    return _in_world(lambda world, out: _train(directory, kind, options, world, out))
+
+
+def _in_world(work: Callable[[int, dict[str, Any]], None]) -> dict[str, Any]:
+    """Join the gloo group if there are several ranks, run ``work(world, report)``, leave; the rank's report
+    (``failures``: the traceback, if ``work`` raised)."""
     import torch
     import torch.distributed as dist
 
@@ -48,7 +55,7 @@ def train_main(directory: str, kind: str, options: dict[str, Any]) -> dict[str, 
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     out: dict[str, Any] = {"rank": int(os.environ.get("RANK", "0")), "failures": []}
     try:
-        _train(directory, kind, options, world, out)
+        work(world, out)
     except Exception:
         out["failures"].append(traceback.format_exc())
     if world > 1:
@@ -108,40 +115,28 @@ def word_tokenizer() -> Any:
 def sft_main(directory: str, kind: str) -> dict[str, Any]:
     """TRL's ``SFTTrainer`` ("plain", one process) or ``ExpertParallelTrainer`` mixed into it ("ep") on the
     counting sequences, pre-tokenized; the rank's logged losses."""
+    return _in_world(lambda world, out: _sft(directory, kind, world, out))
+
+
+def _sft(directory: str, kind: str, world: int, out: dict[str, Any]) -> None:
     import torch
-    import torch.distributed as dist
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
 
-    torch.set_num_threads(1)
-    from multiproc import kernels_by_rule
+    from flexmoe.hf import ExpertParallelTrainer
 
-    kernels_by_rule()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    out: dict[str, Any] = {"rank": int(os.environ.get("RANK", "0")), "failures": []}
-    try:
-        from datasets import Dataset
-        from transformers import AutoModelForCausalLM
-        from trl import SFTConfig, SFTTrainer
+    class EPSFTTrainer(ExpertParallelTrainer, SFTTrainer):
+        """TRL's trainer on expert parallelism: the usual mix-in."""
 
-        from flexmoe.hf import ExpertParallelTrainer
-
-        class EPSFTTrainer(ExpertParallelTrainer, SFTTrainer):
-            """TRL's trainer on expert parallelism: the usual mix-in."""
-
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny_config())
-        rows = Dataset.from_list([{"input_ids": r["input_ids"].tolist()} for r in counting_sequences(64)])
-        args = SFTConfig(output_dir=directory, max_steps=3, per_device_train_batch_size=8 // world,
-                         learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-                         disable_tqdm=True, max_length=LENGTH, dataloader_drop_last=True, seed=3)
-        trainer_class = SFTTrainer if kind == "plain" else EPSFTTrainer
-        trainer = trainer_class(model=model, args=args, train_dataset=rows, processing_class=word_tokenizer())
-        trainer.train()
-        out["losses"] = {int(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e}
-        out["moe_logged"] = all("moe/max_over_mean" in e for e in trainer.state.log_history if "loss" in e)
-    except Exception:
-        out["failures"].append(traceback.format_exc())
-    if world > 1:
-        dist.destroy_process_group()
-    return out
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config())
+    rows = Dataset.from_list([{"input_ids": r["input_ids"].tolist()} for r in counting_sequences(64)])
+    args = SFTConfig(output_dir=directory, max_steps=3, per_device_train_batch_size=8 // world,
+                     learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                     disable_tqdm=True, max_length=LENGTH, dataloader_drop_last=True, seed=3)
+    trainer_class = SFTTrainer if kind == "plain" else EPSFTTrainer
+    trainer = trainer_class(model=model, args=args, train_dataset=rows, processing_class=word_tokenizer())
+    trainer.train()
+    out["losses"] = {int(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e}
+    out["moe_logged"] = all("moe/max_over_mean" in e for e in trainer.state.log_history if "loss" in e)

@@ -5,19 +5,10 @@ import sys
 from pathlib import Path
 
 import torch
+from trainer import VOCAB, counting_sequences  # examples/hf/trainer.py: the data and vocabulary
 from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 
 from flexmoe.hf import ExpertParallelTrainer
-
-VOCAB, LENGTH = 64, 16
-
-
-def counting_sequences(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """Sequences that count up from a random start by a random stride (1-3), modulo VOCAB: a pattern to learn."""
-    g = torch.Generator().manual_seed(seed)
-    start, stride = torch.randint(0, VOCAB, (n, 1), generator=g), torch.randint(1, 4, (n, 1), generator=g)
-    ids = (start + stride * torch.arange(LENGTH)) % VOCAB
-    return [{"input_ids": row, "labels": row} for row in ids]
 
 
 def main(out: Path) -> None:
@@ -31,7 +22,8 @@ def main(out: Path) -> None:
                              max_grad_norm=1.0, logging_steps=5, save_steps=10, report_to="none", use_cpu=True,
                              disable_tqdm=True)
     trainer = ExpertParallelTrainer(model=model, args=args, train_dataset=counting_sequences(320))
-    trainer.train(resume_from_checkpoint=(out / "checkpoint-10").is_dir() or None)  # a second run resumes
+    midway = out / "checkpoint-10"  # a second run resumes there and trains steps 11-20 again, to the same model
+    trainer.train(resume_from_checkpoint=str(midway) if midway.is_dir() else None)
     trainer.save_model(str(out / "final"))  # every rank gathers, the main process writes
     if trainer.is_world_process_zero():
         logs = [e for e in trainer.state.log_history if "loss" in e]
