@@ -291,11 +291,11 @@ def test_a_dcp_checkpoint_of_joined_experts_loads_into_plain_ones_with_the_optim
 def test_the_training_job_gives_gate_up_bias_no_weight_decay() -> None:
     """build_optimizer decays matrices only: gate_up decays, gate_up_bias (b1 | b3) does not, as b1 and b3."""
     from flexmoe import MoELayer
+    from flexmoe.apps.train_config import TrainConfig
     from flexmoe.apps.train_step import build_optimizer
 
     layer = MoELayer(M, 4, H, k=2, glu=True, joined_gate_up=True)
-    tcfg = type("Config", (), {"weight_decay": 0.1, "lr": 1e-3})()
-    groups = build_optimizer(layer, tcfg).param_groups  # type: ignore[arg-type]
+    groups = build_optimizer(layer, TrainConfig(weight_decay=0.1, lr=1e-3)).param_groups
     decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
     assert id(layer.experts.gate_up) in decayed and id(layer.experts.w2) in decayed
     assert id(layer.experts.gate_up_bias) not in decayed and id(layer.experts.b2) not in decayed
