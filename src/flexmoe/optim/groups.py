@@ -34,8 +34,9 @@ def muon_param_groups(model: nn.Module, *, router_to_adamw: bool = False,
     2. Muon, ``"last_dim_parts": 2``: the joined gated pairs ``gate_up [E, M, 2H]``, each half orthogonalised on
        its own as the un-joined ``w1`` and ``w3`` would be (:mod:`flexmoe.optim.muon`);
     3. AdamW with the optimizer's weight decay: embeddings, ``head`` (the output projection; default: the
-       model's ``get_output_embeddings()`` where it has one, as Hugging Face models do), the router's weight with
-       ``router_to_adamw``, and any other tensor of more than 3 dims (a convolution's);
+       ``get_output_embeddings()`` of the model or of its outermost submodule that has one, a Hugging Face model
+       inside a wrapper), the router's weight with ``router_to_adamw``, and any other tensor of more than 3 dims
+       (a convolution's);
     4. AdamW, ``"weight_decay": 0.0``: vectors (biases, norms) and the experts' biases ``[E, H]``.
 
     Raises ValueError for experts sharded inside each expert's matrix by expert parallelism (fewer experts than
@@ -47,9 +48,8 @@ def muon_param_groups(model: nn.Module, *, router_to_adamw: bool = False,
                          f"{placement.layout.shards_per_expert} hidden shards over the expert-parallel ranks "
                          f"({placement.layout.num_experts} experts, {placement.layout.world_size} ranks); use at "
                          f"most as many ranks as experts, or AdamW")
-    output_embeddings = getattr(model, "get_output_embeddings", None)
-    if head is None and callable(output_embeddings):
-        head = output_embeddings()
+    if head is None:
+        head = _output_embeddings(model)
     adamw_matrices = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     adamw_matrices |= {id(p) for p in head.parameters()} if head is not None else set()
     if router_to_adamw:
@@ -77,3 +77,15 @@ def muon_param_groups(model: nn.Module, *, router_to_adamw: bool = False,
               {"params": adamw_decay, "use_muon": False}, {"params": adamw_no_decay, "use_muon": False,
                                                           "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The output projection of the outermost module of ``model`` (itself first) that has Hugging Face's
+    ``get_output_embeddings()``; None if none has."""
+    for module in model.modules():
+        getter = getattr(module, "get_output_embeddings", None)
+        if callable(getter):
+            found = getter()
+            if isinstance(found, nn.Module):
+                return found
+    return None

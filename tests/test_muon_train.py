@@ -1,0 +1,72 @@
+"""``flexmoe train --optimizer muon``: the MoE GPT and a Hugging Face model train with MuonWithAdamW, save its
+state in their checkpoints and resume exactly; a resumed run keeps its optimizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flexmoe.apps import cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--num-experts", "4",
+        "--expert-hidden", "32", "--batch-size", "8", "--warmup", "5", "--lr", "1e-2", "--log-every", "1",
+        "--eval-every", "4", "--eval-batches", "1", "--ckpt-every", "4", "--no-progress", "--no-plots"]
+
+
+# --warmup 5: the runs cut at step 4 are still warming up there, where the learning rate does not depend on
+# --steps (the cosine decay after it does), so the cut run and the whole one step alike.
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["train_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _saved_groups(out: Path, step: int) -> list[dict]:
+    meta = json.loads((out / "checkpoints" / f"step_{step:06d}" / "meta.json").read_text())
+    return meta["optimizer"]["param_groups"]
+
+
+def test_the_gpt_trains_with_muon_and_resumes_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    assert cli.main(["train", "--out", str(tmp_path / "whole"), "--steps", "8", "--optimizer", "muon", *TINY]) == 0
+    assert cli.main(["train", "--out", str(tmp_path / "adamw"), "--steps", "8", *TINY]) == 0
+    assert cli.main(["train", "--out", str(tmp_path / "cut"), "--steps", "4", "--optimizer", "muon", *TINY]) == 0
+    assert cli.main(["train", "--out", str(tmp_path / "cut"), "--steps", "8", "--resume", *TINY]) == 0
+    whole = _losses(tmp_path / "whole")
+    assert len(whole) == 8 and whole[-1] < whole[0] - 0.5
+    assert _losses(tmp_path / "cut") == whole
+    assert _losses(tmp_path / "adamw")[1:] != whole[1:]  # the first step's loss is before any update
+    groups = _saved_groups(tmp_path / "whole", 8)
+    assert [g["use_muon"] for g in groups].count(True) >= 1 and groups[0]["adjust_lr_fn"] == "match_rms_adamw"
+    muon_names = {n for g in groups if g["use_muon"] for n in g["params"]}
+    assert "blocks.1.mlp.experts.w1" in muon_names and "tok_emb.weight" not in muon_names
+    assert "head.weight" not in muon_names
+
+
+def test_a_resumed_run_keeps_its_optimizer(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert cli.main(["train", "--out", str(out), "--steps", "4", "--optimizer", "muon", *TINY]) == 0
+    assert cli.main(["train", "--out", str(out), "--steps", "8", "--resume", "--optimizer", "adamw", *TINY]) == 2
+    assert "--optimizer adamw differs" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_trains_with_muon_its_gated_pair_as_two_matrices(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the HF job needs transformers (pip install -e .[hf])")
+    flags = ["--hf-arch", "mixtral", "--optimizer", "muon", "--batch-size", "4", "--block-size", "32", "--warmup",
+             "5", "--lr", "1e-2", "--log-every", "1", "--eval-every", "4", "--eval-batches", "1", "--ckpt-every",
+             "4", "--no-progress", "--no-plots"]
+    assert cli.main(["train", "--out", str(tmp_path / "whole"), "--steps", "8", *flags]) == 0
+    assert cli.main(["train", "--out", str(tmp_path / "cut"), "--steps", "4", *flags]) == 0
+    assert cli.main(["train", "--out", str(tmp_path / "cut"), "--steps", "8", "--resume", *flags[:2]]) == 0
+    whole = _losses(tmp_path / "whole")
+    assert len(whole) == 8 and whole[-1] < whole[0]
+    assert _losses(tmp_path / "cut") == whole
+    groups = _saved_groups(tmp_path / "whole", 8)
+    pairs = [g for g in groups if g.get("last_dim_parts") == 2]
+    assert pairs and all(g["use_muon"] for g in pairs)
+    head = {n for g in groups if not g["use_muon"] for n in g["params"]}
+    assert "hf.lm_head.weight" in head and "hf.model.embed_tokens.weight" in head
