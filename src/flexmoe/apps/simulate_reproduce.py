@@ -42,14 +42,26 @@ TUTEL_README: dict[str, dict[int, float]] = {
                      2048: 2.191},
     "deepspeed": {16: 0.168, 32: 0.174, 64: 0.200, 128: 0.210, 256: 0.224, 512: 0.252, 1024: 0.416, 2048: 2.354},
 }
+# The compute alone, published beside the chart: the README's "Single-GPU Throughput" table (commit 159bc70,
+# 2021-11-25, still in the README at the chart's commit), helloworld.py and helloworld_deepspeed.py at their
+# defaults (batch 16) on one A100 40GB: 715.86 and 115.43 sequences of 1,024 tokens per second, i.e. one step of
+# 16 sequences in 16 / 715.86 and 16 / 115.43 s (as steps per second the first would be 1.2 PFLOP/s of expert
+# GEMMs on one GPU). One GPU has no all-to-all: these rows check everything else the chart's steps contain.
+TUTEL_README_ONE_GPU_S = {"tutel-linear": 16 / 715.86, "deepspeed": 16 / 115.43}
+# NVIDIA A100 datasheet: the 40GB SXM part streams 1,555 GB/s of HBM2 (the 80GB one 2,039 GB/s of HBM2e); the
+# TF32 peak is the same, so the single-GPU rows are priced with the profile's memory bandwidths scaled by this.
+A100_40GB_HBM_RATIO = 1555 / 2039
 # The chart's memory panel (GB per GPU, bars read off the same picture; the GPU count is not stated).
 TUTEL_README_MEMORY_GB = {"deepspeed": 13.8, "tutel-2dh": 6.5}
 
 LARGE_SCALE_NOTE = ("missing mechanism: the all-to-all's collapse past 32 nodes (NCCL with thousands of peers "
-                    "on NDv4's fabric); the fitted data (DeepEP, nccl #1531) reaches 32 nodes, and Tutel's own "
-                    "NDv4 all-to-all sweeps to 2,048 GPUs (its figures 16b and 18) are published only as images")
-SMALL_SCALE_NOTE = ("missing mechanism: costs outside the all-to-all the profile prices from datasheet numbers "
-                    "times assumed efficiencies (TF32 GEMMs, Tutel's gating kernels); not refitted here")
+                    "on NDv4's fabric); the fitted data (NCCL on 2 NDv4 nodes, nccl #1531 at 8 nodes, DeepEP to "
+                    "32) stop there, and Tutel's own NDv4 all-to-all sweeps to 2,048 GPUs (its figures 16b and "
+                    "18) are published only as images")
+SMALL_SCALE_NOTE = ("missing mechanism: the inter-node all-to-all of the chart's NCCL (2.10, early 2022, before "
+                    "2.12's PXN) at 2-64 NDv4 nodes; the fit's share of the line comes from NCCL 2.17 on 2 NDv4 "
+                    "nodes (0.81) and DeepEP at 4-32 nodes (0.74); the compute alone is checked at 1 GPU (the "
+                    "README's single-GPU rows)")
 
 
 @dataclass
@@ -103,8 +115,25 @@ def _tutel_best(profile: Profile, shape: LayerConfig, algorithms: tuple[str, ...
     return min(_seconds(profile, "tutel-2dh", shape, a2a=a, overlap_degree=d) for a in algorithms for d in degrees)
 
 
-def _readme_rows(profile: Profile) -> list[Row]:
+def _one_gpu_rows(profile: Profile) -> list[Row]:
+    """The README's single-GPU table against the model on an A100 40GB (:data:`TUTEL_README_ONE_GPU_S`)."""
+    r = A100_40GB_HBM_RATIO
+    small = replace(profile, memory_bandwidth_Bps=profile.memory_bandwidth_Bps * r,
+                    gather_bandwidth_Bps=profile.gather_bandwidth_Bps * r,
+                    scatter_bandwidth_Bps=profile.scatter_bandwidth_Bps * r,
+                    grad_stack_bandwidth_Bps=profile.grad_stack_bandwidth_Bps * r)
     rows = []
+    for system, published in TUTEL_README_ONE_GPU_S.items():
+        row = Row("tutel-readme", system, 1, published, _seconds(small, system, tutel_shape(1)), "s",
+                  note="README's single-GPU table (A100 40GB): compute alone, no all-to-all")
+        if not row.ok:
+            row.note = "missing mechanism: the compute alone is off (" + row.note + ")"
+        rows.append(row)
+    return rows
+
+
+def _readme_rows(profile: Profile) -> list[Row]:
+    rows = _one_gpu_rows(profile)
     for system, points in TUTEL_README.items():
         for w, published in points.items():
             predicted = _seconds(profile, system, tutel_shape(w))

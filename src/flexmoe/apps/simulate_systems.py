@@ -28,6 +28,7 @@ from flexmoe.tuning.cost_model import (
     broadcast_time,
     choose_shadowed,
     expert_rows,
+    memory_time,
     predict,
     score_candidates,
     valid_r,
@@ -35,7 +36,7 @@ from flexmoe.tuning.cost_model import (
 from flexmoe.tuning.profile import Profile
 
 __all__ = ["SYSTEMS", "Setting", "parse_systems", "parse_setting", "system_config", "price_system", "step_seconds",
-           "gate_sync_time", "peak_memory"]
+           "gate_sync_time", "optimizer_time", "peak_memory"]
 
 SYSTEMS = ("flexmoe", "tutel-2dh", "tutel-linear", "deepspeed", "fairseq", "fastermoe", "fastmoe")
 OVERLAP_DEGREES = (1, 2, 4, 8)
@@ -133,9 +134,30 @@ def gate_sync_time(profile: Profile, config: LayerConfig) -> float:
     return min(ring, tree)
 
 
+def _local_experts(config: LayerConfig) -> tuple[int, int, int]:
+    """(local experts, hidden width each holds, their parameter count with biases) on one rank: whole experts, or
+    one 1/s shard of an expert when s ranks share it."""
+    local = config.experts_per_rank if config.shards == 1 else 1
+    hidden = config.hidden_dim if config.shards == 1 else config.hidden_dim // config.shards
+    m = config.model_dim
+    return local, hidden, local * ((3 if config.glu else 2) * m * hidden + hidden + m)
+
+
+def optimizer_time(profile: Profile, config: LayerConfig) -> float:
+    """Plain SGD over the rank's parameters, as Tutel's helloworld.py steps them each iteration: ``zero_grad``
+    writes every gradient, ``step`` reads each parameter and its gradient and writes the parameter back; two
+    kernels per parameter tensor (four per local expert: two weights and two biases, two for the router)."""
+    local, _, expert_params = _local_experts(config)
+    router_params = config.model_dim * config.experts  # float32 whatever the model dtype
+    moved = 4 * expert_params * config.dtype_bytes + 4 * router_params * 4
+    tensors = local * (5 if config.glu else 4) + 1
+    return memory_time(moved, profile.memory_bandwidth_Bps, ops=2 * tensors, op_overhead=profile.op_overhead_s)
+
+
 def step_seconds(profile: Profile, config: LayerConfig) -> float:
-    """One training step of the layer: its forward + backward and the router's gradient all-reduce."""
-    return predict(profile, config) + gate_sync_time(profile, config)
+    """One training step of the layer as Tutel's helloworld.py times it: forward + backward, the router's
+    gradient all-reduce, and the SGD step (:func:`optimizer_time`)."""
+    return predict(profile, config) + gate_sync_time(profile, config) + optimizer_time(profile, config)
 
 
 def price_system(profile: Profile, system: str, base: LayerConfig, setting: Setting = Setting()
@@ -179,10 +201,8 @@ def peak_memory(system: str, base: LayerConfig, optimizer_state_per_param: int =
     """
     config = system_config(system, base)
     b = DTYPE_BYTES[config.dtype]
-    t, m, h, e, k = config.tokens, config.model_dim, config.hidden_dim, config.experts, config.k
-    local = config.experts_per_rank if config.shards == 1 else 1
-    hidden = h if config.shards == 1 else h // config.shards
-    params = local * ((3 if config.glu else 2) * m * hidden + hidden + m)
+    t, m, e, k = config.tokens, config.model_dim, config.experts, config.k
+    _, hidden, params = _local_experts(config)
     weights = params * (2 * b + optimizer_state_per_param)
     if config.padded_a2a or config.dispatch == "dense":
         sent_rows = float(e * config.capacity())  # every padded slot travels

@@ -54,9 +54,10 @@ PUBLISHED: dict[str, dict[str, float]] = {
     # on m = 8 A100s (Azure NDv4) takes ~600 us with n = 8; cut into the n/m chunks per peer of a 2,048-GPU
     # exchange it takes ~5 ms.
     "tutel_intra": {"bytes": 128 * MiB, "gpus_per_node": 8, "us_n8": 600.0, "us_n2048": 5000.0, "n": 2048},
-    # NVIDIA/nccl issue #1048 (two A100 nodes, HDR 200 Gb/s): one HCA reaches its theoretical ~24 GB/s; and
-    # NVIDIA/nccl-tests issues #130/#267 (S. Jeaugey): an all-to-all gets one NIC's bandwidth per GPU.
-    "nccl_two_nodes": {"line_Bps": 25e9, "measured_Bps": 24e9},
+    # microsoft/mscclpp docs/performance-ndmv4.md (commit 85e664c, 2023-06): nccl-tests alltoall_perf with NCCL
+    # 2.17.1 on Azure NDm A100 v4, 2 nodes x 8 GPUs (HDR 200 Gb/s per GPU): 1 GiB per rank at a bus bandwidth of
+    # 37.80 GB/s (busbw = algbw * (n - 1) / n, algbw = bytes / time).
+    "ndv4_nccl_alltoall": {"bytes": 2**30, "ranks": 16, "gpus_per_node": 8, "line_Bps": 25e9, "busbw_Bps": 37.80e9},
     # deepseek-ai/DeepEP docs/legacy.md, low-latency kernels (H800, CX7 400 Gb/s ~50 GB/s per NIC, pure RDMA):
     # dispatch RDMA bandwidth 48 / 43 / 39 / 39 GB/s at EP 32 / 64 / 128 / 256 (4 to 32 nodes of 8), counting
     # the 1/nodes of traffic that stays in the node; the remote bandwidth is bw * (1 - 1/nodes).
@@ -86,8 +87,9 @@ def fit(inter_line_Bps: float = 25e9) -> A2AScale:
     1. intra bandwidth: Tutel's 128 MiB intra-node exchange, 7/8 of it leaving each GPU in 600 us;
     2. alpha0: the same exchange cut into n/m chunks per peer at n = 2,048 costs 4.4 ms more for its
        7 * 2048 / 8 - 7 extra chunks (8 peers: the peer term is negligible there);
-    3. e_2: one HDR HCA's measured share of its line rate; e_inf: DeepEP's remote bandwidth over its line rate,
-       averaged over 4 to 32 nodes;
+    3. e_2: NCCL's all-to-all on two NDv4 nodes: the inter-node half of each GPU's 1 GiB over the measured time,
+       against the line rate (its 8 message latencies, ~20 us of 27 ms, are left out); e_inf: DeepEP's remote
+       bandwidth over its line rate, averaged over 4 to 32 nodes;
     4. gamma: nccl #1531's 64-rank exchange minus its bytes at e(8) leaves a per-message cost at 64 peers; its
        excess over alpha0 per extra peer;
     5. sm_share: DeepEP's SMs over the GPU's.
@@ -98,8 +100,10 @@ def fit(inter_line_Bps: float = 25e9) -> A2AScale:
     extra_chunks = (m - 1) * t["n"] / m - (m - 1)
     alpha0 = (t["us_n2048"] - t["us_n8"]) * 1e-6 / extra_chunks
 
-    two = PUBLISHED["nccl_two_nodes"]
-    e_2 = two["measured_Bps"] / two["line_Bps"]
+    two = PUBLISHED["ndv4_nccl_alltoall"]
+    n, g = two["ranks"], two["gpus_per_node"]
+    seconds = two["bytes"] / (two["busbw_Bps"] * n / (n - 1))
+    e_2 = two["bytes"] * (n - g) / n / seconds / two["line_Bps"]
     dep = PUBLISHED["deepep_low_latency"]
     remote = [dep[f"ep{ep}"] * (1 - 8 / ep) / dep["line_Bps"] for ep in (32, 64, 128, 256)]
     e_inf = sum(remote) / len(remote)
