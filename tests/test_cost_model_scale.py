@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexmoe.tuning.a2a_scale import fit, inter_efficiency, message_cost, scale_for
+from flexmoe.tuning.a2a_scale import fit, inter_bandwidth, inter_efficiency, message_cost, scale_for
 from flexmoe.tuning.cost_model import LayerConfig, a2a_2dh_time, a2a_flat_time, layer_time, pipelined_time
 from flexmoe.tuning.profile import load_profile
 
@@ -31,6 +31,8 @@ def test_constants_follow_from_the_published_numbers() -> None:
     per_message = (337.8e-6 - 8 * MiB * 56 / 64 / (50e9 * e8)) / 56
     assert s.per_peer_s == pytest.approx((per_message - 4.4e-3 / 1785) / 56)
     assert s.per_peer_s > 0  # the 64-rank exchange pays more per message than the 8-peer one
+    # the same table at 2 x 1 GPU: for two ranks busbw is the remote half of 1 GiB over the time
+    assert s.peer_Bps == pytest.approx(2**30 / 2 / (2**30 / (15.48e9 * 2)))
     assert s.sm_share == pytest.approx(12 / 132)
     assert scale_for("a100-ndv4") == fit(25e9)
     assert scale_for("no-such-profile") is None
@@ -110,3 +112,18 @@ def test_step_never_faster_than_its_compute() -> None:
             for d in (1, 4):
                 b = layer_time(NDV4, tutel_config(w, a2a=a2a, overlap_degree=d))
                 assert b.total >= b.experts + b.router_plan + b.dispatch_combine
+
+
+def test_2dh_on_two_nodes_by_hand() -> None:
+    """16 GPUs: 7 NVLink messages of S/8 among 8 peers, then one message of S/2 to the single peer on the other
+    node, which one NCCL peer carries at 15.48 GB/s (below the 0.81 x 25 GB/s the NIC gets from 8 peers), plus two
+    re-layouts of S read and written."""
+    s = fit()
+    size = 256 * MiB
+    intra = 7 * (s.alpha_s + s.per_peer_s * 8 + size / 8 / s.intra_bandwidth_Bps)
+    inter = s.alpha_s + s.per_peer_s * 2 + size / 2 / 15.48e9
+    relayout = 2 * (2 * size / NDV4.memory_bandwidth_Bps + 2 * NDV4.op_overhead_s)
+    assert a2a_2dh_time(NDV4, size, 16, 8) == pytest.approx(intra + inter + relayout)
+    assert inter_bandwidth(s, 2, 8) == pytest.approx(25e9 * s.inter_efficiency_2)  # 8 peers fill the share
+    assert inter_bandwidth(s, 2, 1) == pytest.approx(15.48e9)
+    assert inter_bandwidth(s, 2, 1) < inter_bandwidth(s, 2, 8)

@@ -11,6 +11,9 @@ holds one constant for each, fitted from the numbers in :data:`PUBLISHED` by :fu
   when N nodes exchange at once, ``e(N) = e_inf + (e_2 - e_inf) * 2 / N`` (two nodes: one clean NIC-to-NIC
   path; many nodes: every NIC sends to and receives from all the others, and the fabric's congestion
   takes its share);
+* **one peer cannot fill a NIC**: NCCL drives each network peer through a fixed number of channels (2 by
+  default), so the messages to one remote peer move at most ``peer_Bps``; a level whose messages go to m remote
+  peers at once gets ``min(line * e(N), m * peer_Bps)`` (it matters where 2DH exchanges with a single other node);
 * **compute slowed while NCCL runs**: a communication kernel holds a share ``sm_share`` of the GPU's SMs, so the
   compute it overlaps runs ``1 + sm_share`` times longer.
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["A2AScale", "PUBLISHED", "fit", "scale_for", "inter_efficiency", "message_cost"]
+__all__ = ["A2AScale", "PUBLISHED", "fit", "scale_for", "inter_efficiency", "inter_bandwidth", "message_cost"]
 
 MiB = 2**20
 
@@ -36,6 +39,7 @@ class A2AScale:
     inter_efficiency_2 / inter_efficiency_many: the fraction of the line rate an inter-node all-to-all gets
         with 2 nodes and with many nodes (:func:`inter_efficiency`).
     alpha_s / per_peer_s: the per-message cost ``alpha_s + per_peer_s * peers`` (:func:`message_cost`).
+    peer_Bps: the most one network peer's messages get (:func:`inter_bandwidth`).
     sm_share: share of the SMs a communication kernel holds while it runs beside compute.
     """
 
@@ -45,6 +49,7 @@ class A2AScale:
     inter_efficiency_many: float
     alpha_s: float
     per_peer_s: float
+    peer_Bps: float
     sm_share: float
 
 
@@ -58,6 +63,8 @@ PUBLISHED: dict[str, dict[str, float]] = {
     # 2.17.1 on Azure NDm A100 v4, 2 nodes x 8 GPUs (HDR 200 Gb/s per GPU): 1 GiB per rank at a bus bandwidth of
     # 37.80 GB/s (busbw = algbw * (n - 1) / n, algbw = bytes / time).
     "ndv4_nccl_alltoall": {"bytes": 2**30, "ranks": 16, "gpus_per_node": 8, "line_Bps": 25e9, "busbw_Bps": 37.80e9},
+    # The same table, 2 nodes x 1 GPU (one peer over the network): 1 GiB per rank at a bus bandwidth of 15.48 GB/s.
+    "ndv4_nccl_alltoall_pair": {"bytes": 2**30, "ranks": 2, "busbw_Bps": 15.48e9},
     # deepseek-ai/DeepEP docs/legacy.md, low-latency kernels (H800, CX7 400 Gb/s ~50 GB/s per NIC, pure RDMA):
     # dispatch RDMA bandwidth 48 / 43 / 39 / 39 GB/s at EP 32 / 64 / 128 / 256 (4 to 32 nodes of 8), counting
     # the 1/nodes of traffic that stays in the node; the remote bandwidth is bw * (1 - 1/nodes).
@@ -76,6 +83,13 @@ def inter_efficiency(scale: A2AScale, nodes: int) -> float:
     return scale.inter_efficiency_many + (scale.inter_efficiency_2 - scale.inter_efficiency_many) * 2.0 / nodes
 
 
+def inter_bandwidth(scale: A2AScale, nodes: int, peers_at_once: int) -> float:
+    """Bytes per second one GPU's inter-node messages get when ``nodes`` nodes exchange at once and its messages
+    go to ``peers_at_once`` remote peers: the fabric's share of the line, or what that many NCCL peers can
+    carry if less."""
+    return min(scale.inter_line_Bps * inter_efficiency(scale, nodes), peers_at_once * scale.peer_Bps)
+
+
 def message_cost(scale: A2AScale, peers: int) -> float:
     """Seconds of latency one message costs in an exchange among ``peers`` ranks."""
     return scale.alpha_s + scale.per_peer_s * peers
@@ -92,7 +106,9 @@ def fit(inter_line_Bps: float = 25e9) -> A2AScale:
        bandwidth over its line rate, averaged over 4 to 32 nodes;
     4. gamma: nccl #1531's 64-rank exchange minus its bytes at e(8) leaves a per-message cost at 64 peers; its
        excess over alpha0 per extra peer;
-    5. sm_share: DeepEP's SMs over the GPU's.
+    5. peer_Bps: NCCL's all-to-all between two NDv4 nodes with one GPU each: the remote half of 1 GiB over
+       the measured time (busbw is exactly that for two ranks);
+    6. sm_share: DeepEP's SMs over the GPU's.
     """
     t = PUBLISHED["tutel_intra"]
     m = t["gpus_per_node"]
@@ -117,9 +133,13 @@ def fit(inter_line_Bps: float = 25e9) -> A2AScale:
     per_message = residual / (ranks - g)
     gamma = max(per_message - alpha0, 0.0) / (ranks - g)
 
+    pair = PUBLISHED["ndv4_nccl_alltoall_pair"]
+    pair_seconds = pair["bytes"] / (pair["busbw_Bps"] * pair["ranks"] / (pair["ranks"] - 1))
+    peer_bw = pair["bytes"] / pair["ranks"] / pair_seconds
+
     sms = PUBLISHED["deepep_sms"]
     return A2AScale(intra_bandwidth_Bps=intra_bw, inter_line_Bps=inter_line_Bps, inter_efficiency_2=e_2,
-                    inter_efficiency_many=e_inf, alpha_s=alpha0, per_peer_s=gamma,
+                    inter_efficiency_many=e_inf, alpha_s=alpha0, per_peer_s=gamma, peer_Bps=peer_bw,
                     sm_share=sms["sms"] / sms["total_sms"])
 
 

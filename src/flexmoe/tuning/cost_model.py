@@ -28,7 +28,7 @@ from typing import Any
 
 from flexmoe.parallel.layout import experts_per_rank, shards_per_expert
 from flexmoe.parallel.layout import valid_r as layout_valid_r
-from flexmoe.tuning.a2a_scale import A2AScale, inter_efficiency, message_cost, scale_for
+from flexmoe.tuning.a2a_scale import A2AScale, inter_bandwidth, message_cost, scale_for
 from flexmoe.tuning.profile import ComputeSpec, LinkSpec, Profile
 
 __all__ = [
@@ -280,13 +280,14 @@ def _a2a_level(link: LinkSpec, messages: int, message_bytes: float) -> float:
 def _scaled_level(scale: A2AScale, messages: int, message_bytes: float, peers: int, nodes: int) -> float:
     """One level of an all-to-all under the fitted scale model (:mod:`flexmoe.tuning.a2a_scale`): every message
     pays the per-message cost of an exchange among ``peers`` ranks; its bytes move at the NVLink bandwidth
-    (``nodes == 1``) or at the share of the NIC's line rate that ``nodes`` nodes exchanging at once get."""
+    (``nodes == 1``) or at what ``messages`` remote peers get of the NIC when ``nodes`` nodes exchange at once
+    (:func:`~flexmoe.tuning.a2a_scale.inter_bandwidth`)."""
     if messages <= 0:
         return 0.0
     if nodes <= 1:
         bandwidth = scale.intra_bandwidth_Bps
     else:
-        bandwidth = scale.inter_line_Bps * inter_efficiency(scale, nodes)
+        bandwidth = inter_bandwidth(scale, nodes, messages)
     return messages * (message_cost(scale, peers) + message_bytes / bandwidth)
 
 
