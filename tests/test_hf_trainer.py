@@ -171,8 +171,9 @@ def test_bf16_autocast_and_gradient_checkpointing(tmp_path: Path) -> None:
 
 
 def test_trl_sft_trainer_on_expert_parallelism(tmp_path: Path) -> None:
-    """TRL's SFTTrainer with ExpertParallelTrainer mixed in, at 2 ranks, against plain SFTTrainer in one process:
-    the same losses. Runs where ``trl`` is installed (``pip install trl``; not a dependency of flexmoe)."""
+    """TRL's SFTTrainer with ExpertParallelTrainer mixed in, at 2 ranks of 4 rows, against plain SFTTrainer in one
+    process accumulating 2 micro-batches of 4 rows: the same losses. Runs where ``trl`` is installed (``pip install
+    trl``; not a dependency of flexmoe)."""
     pytest.importorskip("trl")
     plain, ep = _run(1, tmp_path / "plain", "plain"), _run(2, tmp_path / "ep", "ep")
     assert sorted(plain["losses"]) == ["1", "2", "3"]
