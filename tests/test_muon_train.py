@@ -4,11 +4,15 @@ state in their checkpoints and resume exactly; a resumed run keeps its optimizer
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from flexmoe.apps import cli
+from flexmoe_cli import child_pythonpath
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,3 +74,25 @@ def test_a_hugging_face_model_trains_with_muon_its_gated_pair_as_two_matrices(tm
     assert pairs and all(g["use_muon"] for g in pairs)
     head = {n for g in groups if not g["use_muon"] for n in g["params"]}
     assert "hf.lm_head.weight" in head and "hf.model.embed_tokens.weight" in head
+
+
+@pytest.mark.slow
+def test_fsdp_with_muon_resumes_from_its_dcp_checkpoint_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    """flexmoe train --nproc 2 --ep 2 --fsdp --optimizer muon: the momentum buffers (DTensors for the sharded
+    part, plain tensors for each rank's experts) go into the DCP checkpoint at step 3, and the run resumed from it
+    logs the uninterrupted run's losses."""
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(__file__).resolve().parents[1] / "src")}
+    flags = [*TINY, "--nproc", "2", "--ep", "2", "--fsdp", "--optimizer", "muon", "--warmup", "3", "--ckpt-every",
+             "3"]  # the last of a flag given twice wins
+
+    def train(out: Path, *argv: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "flexmoe", "train", "--out", str(out), *argv],
+                              capture_output=True, text=True, timeout=900, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    train(tmp_path / "whole", "--steps", "6", *flags)
+    train(tmp_path / "cut", "--steps", "3", *flags)
+    assert (tmp_path / "cut" / "checkpoints" / "dcp-step_000003").is_dir()
+    train(tmp_path / "cut", "--steps", "6", "--resume", "--nproc", "2", "--no-progress")
+    whole = _losses(tmp_path / "whole")
+    assert len(whole) == 6 and _losses(tmp_path / "cut") == whole
