@@ -16,14 +16,7 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam
 
-from flexmoe.optim.muon import (
-    EPS,
-    NS_COEFFICIENTS,
-    NS_STEPS,
-    check_muon_hyperparameters,
-    check_muon_param,
-    muon_group_step,
-)
+from flexmoe.optim.muon import EPS, NS_COEFFICIENTS, NS_STEPS, check_muon_param, loss_of, muon_defaults, muon_group_step
 
 __all__ = ["MuonWithAdamW"]
 
@@ -59,14 +52,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         foreach: bool | None = None,
     ) -> None:
-        check_muon_hyperparameters(lr, weight_decay, momentum, adjust_lr_fn)
         if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
         if not adamw_eps >= 0:
             raise ValueError(f"adamw_eps must be >= 0, got {adamw_eps}")
-        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
-                    "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps,
-                    "adjust_lr_fn": adjust_lr_fn, "betas": betas, "adamw_eps": adamw_eps, "foreach": foreach}
+        defaults = {**muon_defaults(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn),
+                    "betas": betas, "adamw_eps": adamw_eps, "foreach": foreach}
         super().__init__(params, defaults)
         for i, group in enumerate(self.param_groups):
             if not isinstance(group.get("use_muon"), bool):
@@ -79,10 +70,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One step of every group; ``closure`` (optional) recomputes the loss, which is returned."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = loss_of(closure)
         for group in self.param_groups:
             if group["use_muon"]:
                 muon_group_step(group, self.state)

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["Muon", "newton_schulz", "adjusted_lr", "muon_group_step", "NS_COEFFICIENTS"]
+__all__ = ["Muon", "newton_schulz", "adjusted_lr", "muon_group_step", "muon_defaults", "NS_COEFFICIENTS"]
 
 # torch.optim.Muon's defaults (Keller Jordan's quintic: the slope at 0 as large as convergence allows).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -176,11 +176,8 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = NS_STEPS,
         adjust_lr_fn: str | None = None,
     ) -> None:
-        check_muon_hyperparameters(lr, weight_decay, momentum, adjust_lr_fn)
-        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
-                    "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps,
-                    "adjust_lr_fn": adjust_lr_fn}
-        super().__init__(params, defaults)
+        super().__init__(params, muon_defaults(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps,
+                                               adjust_lr_fn))
         for i, group in enumerate(self.param_groups):
             for j, p in enumerate(group["params"]):
                 check_muon_param(p, group.get("last_dim_parts", 1), f"param_groups[{i}]['params'][{j}]")
@@ -188,17 +185,26 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One step of every group; ``closure`` (optional) recomputes the loss, which is returned."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = loss_of(closure)
         for group in self.param_groups:
             muon_group_step(group, self.state)
         return loss
 
 
-def check_muon_hyperparameters(lr: float, weight_decay: float, momentum: float, adjust_lr_fn: str | None) -> None:
-    """A ValueError naming the first argument out of range (torch.optim.Muon's checks)."""
+def loss_of(closure: Any) -> Any:
+    """What an optimizer's ``step(closure)`` returns: the loss ``closure`` recomputes with gradients on (None
+    without one), before the step."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def muon_defaults(lr: float, weight_decay: float, momentum: float, nesterov: bool,
+                  ns_coefficients: tuple[float, float, float], eps: float, ns_steps: int,
+                  adjust_lr_fn: str | None) -> dict[str, Any]:
+    """Muon's hyperparameters as an optimizer's defaults; a ValueError naming the first one out of range
+    (torch.optim.Muon's checks)."""
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError("lr: a Tensor learning rate must have 1 element")
     if not lr >= 0:
@@ -209,3 +215,5 @@ def check_muon_hyperparameters(lr: float, weight_decay: float, momentum: float, 
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
     if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
         raise ValueError(f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}")
+    return {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn}
