@@ -1,7 +1,7 @@
 """How an all-to-all costs at scale: constants fitted to published all-to-all measurements only.
 
 The plain alpha-beta model (one latency and one bandwidth per link) prices an all-to-all of 2,048 GPUs like one
-of 16 with more messages. Published all-to-all measurements show three effects on top of that, and this module
+of 16 with more messages. Published all-to-all measurements show four effects on top of that, and this module
 holds one constant for each, fitted from the numbers in :data:`PUBLISHED` by :func:`fit`:
 
 * **per-message cost growing with peers**: each chunk a rank sends costs ``alpha(P) = alpha0 + gamma * P``
