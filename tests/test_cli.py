@@ -378,11 +378,24 @@ def test_readme_opens_with_what_flexmoe_does_and_lists_the_make_targets() -> Non
 
 
 def test_makefile_torch_index_reaches_pip() -> None:
-    dry = subprocess.run(["make", "-n", "-B", "setup", "TORCH_INDEX=https://example.org/whl/cpu"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert dry.returncode == 0, dry.stderr
-    line = next(line for line in dry.stdout.splitlines() if '"torch==' in line)
-    assert line.rstrip().endswith('"torch==2.13.0" --index-url https://example.org/whl/cpu')
+    def setup_lines(*overrides: str) -> list[str]:
+        dry = subprocess.run(["make", "-n", "-B", "setup", *overrides], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert dry.returncode == 0, dry.stderr
+        return dry.stdout.splitlines()
+
+    # The locked torch (requirements.lock's pin, through the constraints), from the index given.
+    lines = setup_lines("TORCH_INDEX=https://example.org/whl/cpu")
+    torch_line = next(line for line in lines if '"torch"' in line)
+    assert "-c .venv/constraints.txt" in torch_line
+    assert torch_line.rstrip().endswith('"torch" --index-url https://example.org/whl/cpu')
+    assert any(line.startswith("cat requirements.lock > .venv/constraints.txt") for line in lines)
+    assert any("scripts/lock.py check" in line for line in lines)
+    # Another torch: the lock without its torch line, and no check against the lock's torch.
+    lines = setup_lines("TORCH_SPEC=torch==2.12.0")
+    assert any('"torch==2.12.0"' in line for line in lines)
+    assert any(line.startswith("grep -v '^torch==' requirements.lock > .venv/constraints.txt") for line in lines)
+    assert not any("scripts/lock.py check" in line for line in lines)
 
 
 # ------------------------------------------------------------------ every flag's range, before anything is written
