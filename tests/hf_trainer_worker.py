@@ -90,6 +90,7 @@ def _train(directory: str, kind: str, options: dict[str, Any], world: int, out: 
                             eval_dataset=counting_sequences(8, seed=1))
     blocks = [m for m in trainer.model.modules() if isinstance(m, ConvertedMoeBlock)]
     out["experts_held"] = [int(b.moe.experts.gate_up.shape[0]) for b in blocks]
+    out["eval_before"] = trainer.evaluate()["eval_loss"]  # before train(): the model not wrapped yet
     resume = options.get("resume")
     trainer.train(resume_from_checkpoint=os.path.join(directory, resume) if resume else None)
     trainer.save_model(os.path.join(directory, options.get("final", "final")))

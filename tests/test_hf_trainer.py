@@ -63,6 +63,8 @@ def test_expert_parallel_trainer_matches_one_process(runs: dict) -> None:
         assert ep["grad_norms"][step] == pytest.approx(plain["grad_norms"][step], rel=1e-5), f"norm at {step}"
     assert min(plain["grad_norms"].values()) > OPTIONS["max_grad_norm"], "the case must clip"
     assert ep["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
+    assert ep["eval_before"] == pytest.approx(plain["eval_before"], rel=1e-5)
+    assert ep["eval_before"] > ep["eval_loss"], "training lowered the evaluation loss"
     got, want = torch.tensor(ep["predictions"]), torch.tensor(plain["predictions"])
     assert got.shape == want.shape == (8, 16, 64)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
