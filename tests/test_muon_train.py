@@ -78,9 +78,9 @@ def test_a_hugging_face_model_trains_with_muon_its_gated_pair_as_two_matrices(tm
 
 @pytest.mark.slow
 def test_fsdp_with_muon_resumes_from_its_dcp_checkpoint_as_the_uninterrupted_run(tmp_path: Path) -> None:
-    """flexmoe train --nproc 2 --ep 2 --fsdp --optimizer muon: the momentum buffers (DTensors for the sharded
-    part, plain tensors for each rank's experts) go into the DCP checkpoint at step 3, and the run resumed from it
-    logs the uninterrupted run's losses."""
+    """flexmoe train --nproc 2 --ep 2 --fsdp --optimizer muon logs the replicated run's losses (wrap_ddp, experts
+    over the ranks); its momentum buffers (DTensors for the sharded part, plain tensors for each rank's experts)
+    go into the DCP checkpoint at step 3, and the run resumed from it logs the uninterrupted run's losses."""
     env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(__file__).resolve().parents[1] / "src")}
     flags = [*TINY, "--nproc", "2", "--ep", "2", "--fsdp", "--optimizer", "muon", "--warmup", "3", "--ckpt-every",
              "3"]  # the last of a flag given twice wins
@@ -91,6 +91,8 @@ def test_fsdp_with_muon_resumes_from_its_dcp_checkpoint_as_the_uninterrupted_run
         assert done.returncode == 0, done.stderr[-3000:]
 
     train(tmp_path / "whole", "--steps", "6", *flags)
+    train(tmp_path / "replicated", "--steps", "6", *[f for f in flags if f != "--fsdp"])  # wrap_ddp + EP
+    assert _losses(tmp_path / "replicated") == pytest.approx(_losses(tmp_path / "whole"), rel=1e-5)
     train(tmp_path / "cut", "--steps", "3", *flags)
     assert (tmp_path / "cut" / "checkpoints" / "dcp-step_000003").is_dir()
     train(tmp_path / "cut", "--steps", "6", "--resume", "--nproc", "2", "--no-progress")
