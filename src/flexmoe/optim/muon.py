@@ -16,7 +16,10 @@ The update, for a parameter ``p`` with gradient ``g`` and momentum buffer ``B`` 
 
 ``adjusted_lr`` scales ``lr`` by the matrix shape ``[A, B]`` as stored: ``sqrt(max(1, A / B))`` ("original", the
 default) or ``0.2 * sqrt(max(A, B))`` ("match_rms_adamw": the update's RMS that of AdamW's, so AdamW's learning
-rate and weight decay carry over). For a stack ``[E, M, H]`` the matrix is ``[M, H]``.
+rate and weight decay carry over). For a stack ``[E, M, H]`` the matrix is ``[M, H]``, as stored: flexmoe's
+``w1 [E, M, H]`` is ``[in, out]`` per expert, the transpose of an ``nn.Linear`` weight, so "original" scales
+``w2 [E, H, M]`` up by ``sqrt(H / M)`` where torch.optim.Muon on the two ``nn.Linear`` weights would scale the up
+projection instead; "match_rms_adamw" (what ``flexmoe train --optimizer muon`` uses) is the same either way.
 
 **The gated pair** ``gate_up [E, M, 2H]`` holds two matrices side by side, the gate's ``w1`` and the up
 projection's ``w3``. A parameter group with ``"last_dim_parts": 2`` orthogonalises them apart, as two ``[M, H]``
