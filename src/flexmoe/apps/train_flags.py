@@ -99,7 +99,8 @@ def add_run_flags(parser: argparse.ArgumentParser, t: TrainConfig, out: str) -> 
            "ranks that do not answer (default: torch's, 30 minutes)")
     a("--inject-fault", type=FAULT, default=None, metavar="KIND:RANK:STEP",
       help="for fault tests: rank RANK is killed at step STEP (kill), while that step's checkpoint is written "
-           "(kill-in-save), or hangs inside it (hang); on the workers' first start only (flexmoe.apps.faults)")
+           "(kill-in-save), or hangs inside it (hang); on the workers' first start only (flexmoe.apps.faults) "
+           "(default: none)")
     parser.set_defaults(flag_parser=parser)  # given_dests reads the defaults where cli.main did not run
 
 
