@@ -77,7 +77,21 @@ def dtensor_layouts(rank: int, world: int) -> list[str]:
         buf = ours.state[param]["momentum_buffer"]
         if not (isinstance(buf, DTensor) and buf.placements == param.placements):
             failures.append(f"{what}: the momentum buffer is not sharded as its parameter: {type(buf).__name__}")
+    failures += hidden_shards_refused()
     return failures
+
+
+def hidden_shards_refused() -> list[str]:
+    """One expert over 2 ranks (each a half of its hidden units): no rank holds a matrix to orthogonalise."""
+    from flexmoe import MoELayer
+    from flexmoe.optim import muon_param_groups
+
+    layer = MoELayer(8, 1, 16, k=1, capacity_factor=0.0)  # expert parallelism over the world
+    try:
+        muon_param_groups(layer)
+    except ValueError as e:
+        return [] if "2 hidden shards" in str(e) else [f"hidden shards: the error does not say why: {e}"]
+    return ["hidden shards: muon_param_groups took experts split inside their matrices"]
 
 
 def per_matrix_inverse(matrices: list[Tensor], shape: tuple[int, ...], parts: int) -> Tensor:

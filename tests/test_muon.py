@@ -298,7 +298,8 @@ def test_flexmoe_checkpoints_save_and_resume_muons_momentum(tmp_path) -> None:
 def test_sharded_parameters_step_as_torch_muon_on_each_whole_matrix_at_2_ranks() -> None:
     """DTensors sharded as FSDP2 shards them (whole experts per rank: orthogonalised locally; a matrix's rows or
     one expert's columns split: gathered) end 3 steps bit-equal to torch.optim.Muon on each whole matrix in one
-    process; each momentum buffer stays sharded as its parameter."""
+    process; each momentum buffer stays sharded as its parameter. One expert split over the 2 ranks' hidden
+    units is refused by name."""
     from multiproc import check_ranks_pass
     from muon_worker import rank_main
 
