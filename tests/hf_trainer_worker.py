@@ -78,6 +78,10 @@ def _train(directory: str, kind: str, options: dict[str, Any], world: int, out: 
         size = options["ep_size"]
         groups = [dist.new_group(list(range(b * size, (b + 1) * size))) for b in range(world // size)]
         model = convert(model, group=groups[dist.get_rank() // size])
+    if options.get("mesh"):  # laid out with FSDP2 beside the experts: {"ep": .., "dp_shard": ..}
+        from flexmoe.sharding import make_mesh, parallelize
+
+        model = parallelize(convert(model, group="single"), make_mesh(**options["mesh"], device_type="cpu"))
     args = TrainingArguments(
         output_dir=directory, max_steps=options["steps"], per_device_train_batch_size=options["batch"] // world,
         per_device_eval_batch_size=4 // world, gradient_accumulation_steps=options.get("accumulate", 1),
@@ -89,7 +93,7 @@ def _train(directory: str, kind: str, options: dict[str, Any], world: int, out: 
     trainer = trainer_class(model=model, args=args, train_dataset=counting_sequences(64),
                             eval_dataset=counting_sequences(8, seed=1))
     blocks = [m for m in trainer.model.modules() if isinstance(m, ConvertedMoeBlock)]
-    out["experts_held"] = [int(b.moe.experts.gate_up.shape[0]) for b in blocks]
+    out["experts_held"] = [int(b.moe.experts.w1.shape[0]) for b in blocks]  # the layer's (a sharded one's global)
     out["eval_before"] = trainer.evaluate()["eval_loss"]  # before train(): the model not wrapped yet
     resume = options.get("resume")
     trainer.train(resume_from_checkpoint=os.path.join(directory, resume) if resume else None)

@@ -161,6 +161,28 @@ def test_expert_replicas_at_4_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_sharded_beside_the_experts(tmp_path: Path) -> None:
+    """A model laid out by flexmoe.sharding.parallelize (mesh ep=2: the experts over the ranks, the rest sharded
+    by FSDP2 over both) trains as plain Trainer in one process, saves HF checkpoints equal to its, and resumes
+    equal to the uninterrupted run (an evaluation before training leaves units gathered: both survive it)."""
+    plain = _run(1, tmp_path / "plain", "plain", OPTIONS)
+    sharded = {**OPTIONS, "mesh": {"ep": 2, "dp_shard": 1}}
+    ep = _run(2, tmp_path / "ep", "ep", sharded)
+    resumed = _run(2, tmp_path / "ep", "ep", {**sharded, "resume": "checkpoint-2", "model_seed": 7,
+                                               "final": "resumed"})
+    for step, loss in plain["losses"].items():
+        assert ep["losses"][step] == pytest.approx(loss, rel=1e-5), f"loss at step {step}"
+        assert ep["grad_norms"][step] == pytest.approx(plain["grad_norms"][step], rel=1e-5), f"norm at {step}"
+        assert resumed["losses"][step] == pytest.approx(ep["losses"][step], rel=1e-6, abs=0), f"resumed {step}"
+    for got_dir, want_dir, tol in (("ep/checkpoint-2", "plain/checkpoint-2", 1e-4), ("ep/final", "plain/final", 1e-4),
+                                   ("ep/resumed", "ep/final", 1e-7)):
+        got, want = _hf_state(tmp_path / got_dir), _hf_state(tmp_path / want_dir)
+        assert sorted(got) == sorted(want)
+        for key, tensor in want.items():
+            torch.testing.assert_close(got[key], tensor, rtol=tol, atol=tol, msg=f"{got_dir}: {key}")
+
+
+@pytest.mark.slow
 def test_bf16_autocast_and_gradient_checkpointing(tmp_path: Path) -> None:
     """bf16 autocast and gradient checkpointing at 2 ranks against plain Trainer in one process with both: the
     losses agree to bf16 rounding."""

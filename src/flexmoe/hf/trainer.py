@@ -36,10 +36,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from transformers import Trainer
 
 from flexmoe.hf.block import ConvertedMoeBlock
 from flexmoe.hf.convert import convert
+from flexmoe.hf.export import save_pretrained
 from flexmoe.hf.load import fill
 from flexmoe.hf.stored import SafetensorsReader, StoredTensors
 from flexmoe.model_routing import balance_metrics
@@ -49,6 +51,7 @@ from flexmoe.sharding.model_experts import expert_parameters, named_moe_layers
 __all__ = ["ExpertParallelTrainer", "global_grad_norm"]
 
 SCHEDULER_FILE = "scheduler.pt"  # Trainer's name for the scheduler's state (transformers' SCHEDULER_NAME)
+TRAINING_ARGS_FILE = "training_args.bin"  # and for its arguments (TRAINING_ARGS_NAME)
 
 
 def _optimizer_file(rank: int, world: int) -> str:
@@ -77,6 +80,9 @@ class ExpertParallelTrainer(Trainer):
             raise TypeError(f"model must be a transformers MoE model (an nn.Module; model_init is not supported), "
                             f"got {type(model).__name__}")
         converted = _holds_converted_blocks(model)
+        self._sharded = any(isinstance(p, DTensor) for p in model.parameters())  # laid out by parallelize
+        if self._sharded:
+            _check_sharded(model, converted)
         super().__init__(model, *args, **kwargs)  # sets up torch.distributed under torchrun (TrainingArguments)
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
             raise NotImplementedError(
@@ -88,7 +94,8 @@ class ExpertParallelTrainer(Trainer):
                 raise ValueError("optimizers=: the optimizer was built on the model before flexmoe.hf.convert, "
                                  "which replaces its MoE parameters; convert the model first, then build it")
             convert(self._net)
-        self._replicas = _replica_group(self._net)  # data-parallel replicas of this rank's experts, if any
+        # Data-parallel replicas of this rank's experts, if any (a laid-out model's FSDP2 reduces over them itself).
+        self._replicas = None if self._sharded else _replica_group(self._net)
         self._moe_sums: dict[str, float] = {}
         self._moe_count = 0
 
@@ -101,8 +108,9 @@ class ExpertParallelTrainer(Trainer):
         return self.model
 
     def _spread(self) -> bool:
-        """Whether some MoE layer holds only this rank's experts (the collective paths are needed)."""
-        return any(layer.ep_group.distributed for _, layer in named_moe_layers(self._net))
+        """Whether some MoE layer holds only this rank's experts, or the model is sharded (the collective paths
+        are needed)."""
+        return self._sharded or any(layer.ep_group.distributed for _, layer in named_moe_layers(self._net))
 
     # ---- wrapping: DDP beside the experts, Accelerate's autocast ----------------------------------------------
 
@@ -112,14 +120,32 @@ class ExpertParallelTrainer(Trainer):
         optimizer. Evaluation runs the model itself, as Trainer does under DDP."""
         if not training or not self._spread():
             return super()._wrap_model(model, training, dataloader)
-        if self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model:
+        if self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model or isinstance(model, _Laid):
             return model  # wrapped by an earlier train()
         if model not in self.accelerator._models:  # not prepared for an evaluation before training
-            self.accelerator.prepare_model(model, evaluation_mode=True)  # autocast, device; no DDP
+            self.accelerator.prepare_model(model, device_placement=not self._sharded, evaluation_mode=True)
+        if self._sharded:
+            return _Laid(model)  # FSDP2 reduces the gradients itself; the wrapper keeps Accelerate's DDP off
         chosen = {"find_unused_parameters": self.args.ddp_find_unused_parameters,  # Trainer's DDP arguments
                   "broadcast_buffers": self.args.ddp_broadcast_buffers, "bucket_cap_mb": self.args.ddp_bucket_cap_mb}
         return wrap_ddp(model, expert_replicas=self._replicas is not None,
                         **{k: v for k, v in chosen.items() if v is not None})
+
+    def create_optimizer(self, model: nn.Module | None = None) -> Any:
+        """Trainer's optimizer; on a laid-out model over its sharded parameters: an evaluation before training
+        leaves the units FSDP2 keeps gathered after forward (the last block, the root) holding whole tensors in
+        their place, so every unit is resharded first."""
+        self._reshard()
+        return super().create_optimizer(model)
+
+    def _reshard(self) -> None:
+        """Every FSDP2 unit of a laid-out model back to its sharded parameters (no-op otherwise)."""
+        if self._sharded:
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in self._net.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     # ---- gradient norm ------------------------------------------------------------------------------------
 
@@ -138,8 +164,10 @@ class ExpertParallelTrainer(Trainer):
             return super()._clip_grad_norm(model)
         self._sum_expert_replicas()
         norm = global_grad_norm(self._net)
-        grads = [p for p in self._net.parameters() if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(grads, self.args.max_grad_norm, norm)
+        scale = (self.args.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_ rule
+        for p in self._net.parameters():
+            if p.grad is not None:
+                _local(p.grad).mul_(scale.to(p.grad.device))
         return norm
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
@@ -154,6 +182,14 @@ class ExpertParallelTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every rank gathers the state dict (HF's names, every expert), the main process writes it."""
+        if self._sharded:  # one block whole at a time (flexmoe.hf.save_pretrained), then Trainer's other files
+            directory = str(output_dir or self.args.output_dir)
+            save_pretrained(self._net, directory)
+            if self.args.should_save:
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(directory)
+                torch.save(self.args, os.path.join(directory, TRAINING_ARGS_FILE))
+            return
         if self._spread():
             if state_dict is None:
                 state_dict = self._net.state_dict()  # a collective: every rank's experts
@@ -169,7 +205,8 @@ class ExpertParallelTrainer(Trainer):
         os.makedirs(output_dir, exist_ok=True)
         rank, world = dist.get_rank(), dist.get_world_size()
         assert self.optimizer is not None and self.lr_scheduler is not None  # created before any save
-        torch.save(self.optimizer.state_dict(), os.path.join(output_dir, _optimizer_file(rank, world)))
+        state = _map_states(self.optimizer, self.optimizer.state_dict(), _to_local)
+        torch.save(state, os.path.join(output_dir, _optimizer_file(rank, world)))
         if self.args.should_save:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # the scheduler's "save the optimizer too" reminder
@@ -184,6 +221,7 @@ class ExpertParallelTrainer(Trainer):
         model = self._net if model is None else model
         if not _holds_converted_blocks(model):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._reshard()  # fill the sharded parameters, not whole copies an evaluation left in their place
         with SafetensorsReader(resume_from_checkpoint) as files:
             fill(model, StoredTensors(files, model))
 
@@ -206,7 +244,8 @@ class ExpertParallelTrainer(Trainer):
                                  f"{mine.name}: resume with the number of ranks that wrote it")
             return
         assert self.optimizer is not None and self.lr_scheduler is not None  # created before the resume
-        self.optimizer.load_state_dict(torch.load(mine, map_location="cpu", weights_only=True))
+        state = torch.load(mine, map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(_map_states(self.optimizer, state, _like_parameter))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
@@ -244,6 +283,56 @@ class ExpertParallelTrainer(Trainer):
             logs.update({f"moe/{n}": float(sums[i] / sums[-1]) for i, n in enumerate(names)})
             self._moe_sums, self._moe_count = {}, 0
         super().log(logs, *args, **kwargs)
+
+
+class _Laid(nn.Module):
+    """A model laid out by :func:`flexmoe.sharding.parallelize`, as Trainer's wrapped model: FSDP2 reduces its
+    gradients, so Accelerate must not prepare (DDP-wrap) it; this passes every call through."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def _check_sharded(model: nn.Module, converted: bool) -> None:
+    """A model laid out by ``parallelize``: converted first, and no dense parameter replicated (HSDP)."""
+    if not converted:
+        raise ValueError("a model laid out by flexmoe.sharding.parallelize must be converted first "
+                         "(flexmoe.hf.convert(model, group='single'), then parallelize)")
+    replicated = [name for name, p in model.named_parameters()
+                  if isinstance(p, DTensor) and any(not placement.is_shard() for placement in p.placements)]
+    if replicated:
+        raise NotImplementedError(f"parameters {replicated[:3]} are replicated over a mesh dim (dp_replicate > 1):"
+                                  f" ExpertParallelTrainer takes meshes of dp_shard and ep only")
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's part of ``tensor`` (a DTensor's local shard, or the tensor)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _to_local(value: Any, parameter: Tensor) -> Any:
+    return _local(value) if isinstance(value, Tensor) else value
+
+
+def _like_parameter(value: Any, parameter: Tensor) -> Any:
+    """A saved local optimizer state as a DTensor laid as ``parameter`` where that is one (moments; a scalar
+    ``step`` stays as it is)."""
+    if isinstance(parameter, DTensor) and isinstance(value, Tensor) and value.dim() > 0:
+        return DTensor.from_local(value.to(parameter.device), parameter.device_mesh, parameter.placements,
+                                  run_check=False, shape=parameter.shape, stride=parameter.stride())
+    return value
+
+
+def _map_states(optimizer: Any, state_dict: dict[str, Any], fn: Any) -> dict[str, Any]:
+    """``state_dict`` (an optimizer's) with ``fn(value, parameter)`` applied to every per-parameter state value;
+    its states are keyed by the parameters' positions over the param groups."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    states = {i: {k: fn(v, params[i]) for k, v in s.items()} for i, s in state_dict["state"].items()}
+    return {**state_dict, "state": states}
 
 
 def _layer_mean(per_layer: dict[str, float]) -> dict[str, float]:
@@ -306,6 +395,11 @@ def global_grad_norm(model: nn.Module) -> Tensor:
         copied_bias = name.endswith(".b2") and layer.layout.shard_of_rank(layer.ep_group.rank) != 0
         where[id(p)] = None if copied_bias else id(group)
     total = torch.zeros((), dtype=torch.float64, device=device)
+    if any(isinstance(p, DTensor) for p in params):  # laid out by parallelize: every rank a distinct part of all
+        for p in params:
+            total += _local(p.grad).double().square().sum()  # type: ignore[arg-type]
+        dist.all_reduce(total)
+        return total.sqrt().float()
     for p in params:
         sq = p.grad.double().square().sum()  # type: ignore[union-attr]
         if id(p) not in where:
