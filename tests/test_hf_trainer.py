@@ -163,8 +163,9 @@ def test_expert_replicas_at_4_ranks(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_sharded_beside_the_experts(tmp_path: Path) -> None:
     """A model laid out by flexmoe.sharding.parallelize (mesh ep=2: the experts over the ranks, the rest sharded
-    by FSDP2 over both) trains as plain Trainer in one process, saves HF checkpoints equal to its, and resumes
-    equal to the uninterrupted run (an evaluation before training leaves units gathered: both survive it)."""
+    by FSDP2 over both; and ep=2 x dp_shard=2 at 4 ranks, the experts sharded too) trains as plain Trainer in one
+    process, saves HF checkpoints equal to its, and resumes equal to the uninterrupted run (an evaluation before
+    training leaves units gathered: both survive it)."""
     plain = _run(1, tmp_path / "plain", "plain", OPTIONS)
     sharded = {**OPTIONS, "mesh": {"ep": 2, "dp_shard": 1}}
     ep = _run(2, tmp_path / "ep", "ep", sharded)
@@ -174,8 +175,11 @@ def test_sharded_beside_the_experts(tmp_path: Path) -> None:
         assert ep["losses"][step] == pytest.approx(loss, rel=1e-5), f"loss at step {step}"
         assert ep["grad_norms"][step] == pytest.approx(plain["grad_norms"][step], rel=1e-5), f"norm at {step}"
         assert resumed["losses"][step] == pytest.approx(ep["losses"][step], rel=1e-6, abs=0), f"resumed {step}"
+    wide = _run(4, tmp_path / "wide", "ep", {**OPTIONS, "mesh": {"ep": 2, "dp_shard": 2}})  # experts sharded too
+    for step, loss in plain["losses"].items():
+        assert wide["losses"][step] == pytest.approx(loss, rel=1e-5), f"4 ranks: loss at step {step}"
     for got_dir, want_dir, tol in (("ep/checkpoint-2", "plain/checkpoint-2", 1e-4), ("ep/final", "plain/final", 1e-4),
-                                   ("ep/resumed", "ep/final", 1e-7)):
+                                   ("ep/resumed", "ep/final", 1e-7), ("wide/final", "plain/final", 1e-4)):
         got, want = _hf_state(tmp_path / got_dir), _hf_state(tmp_path / want_dir)
         assert sorted(got) == sorted(want)
         for key, tensor in want.items():

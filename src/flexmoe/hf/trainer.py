@@ -23,6 +23,10 @@ changes exactly those points and leaves the rest (data sharding, gradient accumu
 * the MoE layers' balance metrics and the model's auxiliary loss are averaged over the ranks and the micro-batches
   since the last log, and logged with the loss (``moe/aux_loss``, ``moe/max_over_mean``, ...).
 
+A model laid out by :func:`flexmoe.sharding.parallelize` (FSDP2 beside the experts) is taken as it is: FSDP2
+reduces the gradients (no DDP), :func:`flexmoe.hf.save_pretrained` writes one block whole at a time, the optimizer
+files hold each rank's shards, and the norm sums every rank's shards (meshes without ``dp_replicate``).
+
 In one process (no ``torch.distributed``, or ``convert(..., group="single")``) it is Trainer plus those logs.
 """
 
@@ -67,8 +71,10 @@ class ExpertParallelTrainer(Trainer):
 
     Raises ``TypeError`` for a ``model`` that is no ``nn.Module`` (``model_init`` is not supported: pass the
     model), ``ValueError`` for an ``optimizers=`` optimizer built on a model not converted yet (its parameters are
-    replaced by the conversion: convert first, then build it), and ``NotImplementedError`` for ``fsdp=`` /
-    ``deepspeed=`` arguments (sharding beside the experts is not done inside Trainer yet).
+    replaced by the conversion: convert first, then build it) and for a laid-out model not converted first, and
+    ``NotImplementedError`` for ``fsdp=`` / ``deepspeed=`` arguments (they would shard the experts as ordinary
+    parameters: pass a model laid out by :func:`flexmoe.sharding.parallelize` instead) and for a mesh with
+    ``dp_replicate`` > 1.
 
     Data-parallel replicas of the experts: a model converted with ``group=`` an expert-parallel group of ``P``
     consecutive ranks (``[b * P, (b + 1) * P)``, the world tiled by such groups, as ``make_mesh``'s ``ep`` dim)
@@ -87,8 +93,9 @@ class ExpertParallelTrainer(Trainer):
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
             raise NotImplementedError(
                 "ExpertParallelTrainer does not take TrainingArguments(fsdp=...) or deepspeed=: they would shard "
-                "the experts as ordinary parameters. Sharding beside expert parallelism is flexmoe.sharding."
-                "parallelize (flexmoe.hf.load, flexmoe train --hf-model DIR --fsdp), not yet inside Trainer")
+                "the experts as ordinary parameters. For sharding beside the experts pass the model laid out by "
+                "flexmoe.sharding.parallelize(flexmoe.hf.convert(model, group='single'), make_mesh(ep=.., "
+                "dp_shard=..)) (or flexmoe.hf.load(directory, mesh))")
         if not converted:
             if self.optimizer is not None:
                 raise ValueError("optimizers=: the optimizer was built on the model before flexmoe.hf.convert, "
