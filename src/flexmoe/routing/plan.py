@@ -391,7 +391,6 @@ def plan_from_pairs(
     """
     num_tokens, num_experts = logits.shape
     k = expert_index.shape[1]
-    device = logits.device
     num_units = 1 if num_sequences is None else num_sequences
     _check_counts_on_device(counts_on_device, capacity_factor, capacity, active, padded, num_sequences)
     num_active: int | Tensor  # a tensor only in a padded plan, which never brings it to the host
@@ -415,45 +414,89 @@ def plan_from_pairs(
     assert isinstance(num_active, int)  # only a padded plan keeps it on the device
     order = order[:num_active]
     load = unit_load.sum(dim=1) if num_units > 1 else unit_load.view(-1)
+    pairs = _Pairs(logits, expert_index, probs_topk, weight, slot, active, num_active, aux_loss,
+                   router_z_loss(logits) if z_loss is None else z_loss, kind, scores)
+    if counts_on_device:  # dropless: every pair keeps its row, and the counts stay in ``load``
+        return _unpadded_plan(pairs, slot, order, load, load, counts=None, capacity_used=None)
+    # The one host sync: the row counts size every later tensor. Under torch.compile the rest of the plan runs
+    # eagerly: traced, dynamo guards on each count read back (torch 2.15 traces it; 2.13 gave up on the frame
+    # and ran it eagerly anyway), so a graph was added for every new pattern of counts until the recompile limit.
+    # (Wrapped here, not decorated: the decorator would import torch._dynamo with flexmoe.)
+    finish = torch.compiler.disable(_plan_with_host_counts) if torch.compiler.is_compiling() else _plan_with_host_counts
+    return finish(pairs, order, unit_load, load, capacity_factor, capacity)
 
-    rows = order  # sorted by (expert, [seq,] slot)
-    counts: list[int] | None = None  # None: on the device only (counts_on_device: dropless, N = T * k, no read)
-    capacity_used: int | None = None
-    drops = False
-    if not counts_on_device:
-        unit_list = unit_load.tolist()  # the one host sync: row counts size every later tensor
-        max_load = max((n for row in unit_list for n in row), default=0)
-        host_cap = resolve_capacity(num_tokens // num_units, num_experts, k, capacity_factor, capacity, max_load)
-        counts, capacity_used = kept_counts(unit_list, host_cap), host_cap
-        # Every pair keeps its row when no unit is over capacity (always so in dropless mode): no masking then.
-        drops = max_load > host_cap
-        if drops:
-            rows = order[slot.view(-1).index_select(0, order) < host_cap]
-        if drops or active is not None:
-            kept = slot < host_cap if active is None else active & (slot < host_cap)
-            slot = torch.where(kept, slot, torch.full_like(slot, -1))
-    num_dropped = 0 if counts is None else num_active - sum(counts)
+
+@dataclass
+class _Pairs:
+    """What :func:`plan_from_pairs` hands on to lay out the rows: the plan's per-pair tensors (``[T, k]``; ``slot``
+    before the capacity, ``active`` None when every pair is), the number of active pairs, the losses, the kind and
+    the scores."""
+
+    logits: Tensor
+    expert_index: Tensor
+    probs_topk: Tensor
+    weight: Tensor
+    slot: Tensor
+    active: Tensor | None
+    num_active: int
+    aux_loss: Tensor
+    z_loss: Tensor
+    kind: str
+    scores: Tensor | None
+
+
+def _plan_with_host_counts(pairs: _Pairs, order: Tensor, unit_load: Tensor, load: Tensor, capacity_factor: float,
+                           capacity: int | None) -> RoutingPlan:
+    """The unpadded plan once the loads are on the host: resolve the capacity, drop the pairs over it.
+
+    order: ``[num_active]`` the active pairs sorted by (expert, [seq,] slot); unit_load: ``[E, units]`` the active
+    pairs per (expert, unit), the units being the call or its sequences; load: ``[E]``.
+    """
+    num_tokens, num_experts = pairs.logits.shape
+    k = pairs.expert_index.shape[1]
+    unit_list = unit_load.tolist()
+    max_load = max((n for row in unit_list for n in row), default=0)
+    host_cap = resolve_capacity(num_tokens // unit_load.shape[1], num_experts, k, capacity_factor, capacity, max_load)
+    counts = kept_counts(unit_list, host_cap)
+    # Every pair keeps its row when no unit is over capacity (always so in dropless mode): no masking then.
+    drops = max_load > host_cap
+    rows, slot = order, pairs.slot
+    if drops:
+        rows = order[slot.view(-1).index_select(0, order) < host_cap]
+    if drops or pairs.active is not None:
+        kept = slot < host_cap if pairs.active is None else pairs.active & (slot < host_cap)
+        slot = torch.where(kept, slot, torch.full_like(slot, -1))
+    tokens_per_expert = torch.tensor(counts, dtype=torch.long, device=load.device) if drops else load
+    return _unpadded_plan(pairs, slot, rows, load, tokens_per_expert, counts=counts, capacity_used=host_cap)
+
+
+def _unpadded_plan(pairs: _Pairs, slot: Tensor, rows: Tensor, load: Tensor, tokens_per_expert: Tensor, *,
+                   counts: list[int] | None, capacity_used: int | None) -> RoutingPlan:
+    """The plan whose pairs have ``slot`` (``[T, k]``, -1: no row) and whose rows are ``rows`` (``[N]`` pair
+    indices ``t * k + j``, by expert); counts None: on the device only (``counts_on_device``)."""
+    num_tokens = pairs.logits.shape[0]
+    k = pairs.expert_index.shape[1]
+    num_dropped = 0 if counts is None else pairs.num_active - sum(counts)
     row_token = torch.div(rows, k, rounding_mode="floor")
-
     return RoutingPlan(
-        expert_index=expert_index,
+        expert_index=pairs.expert_index,
         slot=slot,
-        weight=weight,
-        probs_topk=probs_topk,
+        weight=pairs.weight,
+        probs_topk=pairs.probs_topk,
         row_token=row_token,
         row_choice=rows - row_token * k,
-        row_weight=weight.reshape(-1).index_select(0, rows),
-        tokens_per_expert=load if not drops else torch.tensor(counts, dtype=torch.long, device=device),
+        row_weight=pairs.weight.reshape(-1).index_select(0, rows),
+        tokens_per_expert=tokens_per_expert,
         load=load,
         host_counts=counts,
         host_capacity=capacity_used,
         num_dropped=num_dropped,
         dropped_fraction=num_dropped / max(num_tokens * k, 1),
-        aux_loss=aux_loss,
-        z_loss=router_z_loss(logits) if z_loss is None else z_loss,
-        num_skipped=num_tokens * k - num_active,
-        kind=kind,
-        scores=scores,
+        aux_loss=pairs.aux_loss,
+        z_loss=pairs.z_loss,
+        num_skipped=num_tokens * k - pairs.num_active,
+        kind=pairs.kind,
+        scores=pairs.scores,
     )
 
 
