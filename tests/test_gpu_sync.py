@@ -61,6 +61,34 @@ def bf16_close(got: Tensor, want: Tensor, what: str) -> None:
                                msg=lambda m: f"{what}: {m}")
 
 
+def assert_clamps_well_posed(x: Tensor, p: dict, choices: list[list[int]], limit: float) -> None:
+    """The clamped GLU's bf16 gradient is comparable with the float64 reference's only where every routed
+    pre-activation lies clear of the clamp bounds (``gate = L``, ``up = +-L``); some must lie beyond them (else
+    the clamps go untested).
+
+    bf16 keeps 8 significant bits: the layer rounds ``x @ w`` and then ``x @ w + b``, each by up to 2^-9 of its
+    size. A pre-activation closer to a bound than that may land on either side of it, or on it (torch 2.13's
+    clamp passes the gradient there, 2.15's passes none), and its whole gradient term is then in or out by
+    chance: the seed-5 inputs with L = 0.3 had a gate of 0.29967 that bf16 made 0.30078 = bf16(0.3).
+    x: ``[B, S, M]`` float64 (bf16 values); p: the reference parameters; choices: ``[T][k]`` the routed experts.
+    """
+    tokens = x.detach().reshape(-1, x.shape[-1])
+    experts = {name: value.detach() for name, value in p["experts"].items()}
+    beyond = 0
+    for t, chosen in enumerate(choices):
+        for e in chosen:
+            for w, b, bounds in (("w1", "b1", (limit,)), ("w3", "b3", (limit, -limit))):
+                product = tokens[t] @ experts[w][e]
+                pre = product + experts[b][e]
+                rounding = 2.0 ** -8 * (product.abs() + pre.abs())  # twice the two roundings' bound
+                for bound in bounds:
+                    near = ((pre - bound).abs() <= rounding).nonzero().flatten().tolist()
+                    assert not near, (f"token {t}, expert {e}: {w}'s pre-activations {pre[near].tolist()} are within "
+                                      f"bf16 rounding of the clamp bound {bound}; choose inputs clear of it")
+                beyond += int((pre.abs() > limit).sum())
+    assert beyond > 0, "no routed pre-activation reaches the clamp: the inputs leave glu_limit untested"
+
+
 def _reference_params(layer: nn.Module) -> dict:
     """The layer's parameters (bf16, on its device) as float64 CPU leaves of the loop reference."""
     def f64(value: object) -> object:
@@ -112,6 +140,8 @@ def test_layer_training_and_decoding_calls_read_nothing(name: str, device: torch
     xr = x.double().requires_grad_(True)
     y_ref, aux_ref, choices, kept = reference(xr, p, opt)
     ((y_ref * proj.double()).sum() + 0.37 * aux_ref).backward()
+    if opt["limit"] is not None:
+        assert_clamps_well_posed(xr, p, choices, opt["limit"])
     bf16_close(y, y_ref, "output")
     bf16_close(xl.grad, xr.grad, "input gradient")
     for what, (ours, ref) in _pairs(layer, p).items():

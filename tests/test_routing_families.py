@@ -170,7 +170,9 @@ CASES = {
                                                        selection_bias=True, shared=1, shared_hidden=7, glu=True),
     "softmax groups": dict(groups=(4, 3), k=2),
     "route scale softmax": dict(route_scale=0.7),
-    "router bias + glu_limit (GPT-OSS)": dict(router_bias=True, glu=True, limit=0.3, activation="gpt_oss"),
+    # 3/8 is exact in bf16 (0.3 is not); test_gpu_sync checks that no routed pre-activation lies within bf16
+    # rounding of it (at 0.3, one did, and its gradient term came or went with torch's clamp at the bound).
+    "router bias + glu_limit (GPT-OSS)": dict(router_bias=True, glu=True, limit=0.375, activation="gpt_oss"),
     "shared hidden + gate (Qwen2-MoE)": dict(shared=2, shared_hidden=3, shared_gate=True, glu=True,
                                              normalize=False),
     "capacity per sequence": dict(capacity_per="sequence", cf=0.75),
