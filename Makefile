@@ -1,6 +1,6 @@
 # Everything a fresh machine needs: `make train` (the main job) and `make test` (the tests).
 # Both build .venv first, with every package at its version in requirements.lock (pip constraints: torch 2.13.0
-# included, whose CPU or CUDA build is whichever pip finds; the package itself asks only torch>=2.9).
+# included, whose CPU or CUDA build is whichever pip finds; the package itself asks torch>=2.13).
 # `make lock` rewrites the lock from the newest releases that pyproject.toml's ranges admit (torch at LOCK_TORCH).
 # PyPI's torch on Linux is the CUDA build; TORCH_INDEX=https://download.pytorch.org/whl/cpu gives the CPU-only one
 # (or .../whl/cu126 a given CUDA), TORCH_SPEC another release than the lock's (then torch alone is unlocked).
