@@ -12,10 +12,10 @@ Reproducibility: the batch of step s is a function of (seed, s) only, the learni
 checkpoints hold the optimizer and RNG states, so a resumed run continues exactly as an uninterrupted one.
 
 Faults: a rank that dies ends the others' collectives at once (a closed connection); one that hangs ends them after
-``--collective-timeout`` seconds, with a :class:`CollectiveTimeout` naming the ranks that did not answer and the
-part of the step that waited. Either way the launcher restarts the workers (``--max-restarts``), which resume from
-the newest complete checkpoint, on as many ranks as it started (each record's ``world_size``; the first record on
-another world size than the checkpoint's says ``world_size_changed``).
+``--collective-timeout`` seconds, with a :class:`~flexmoe.apps.collective_watch.CollectiveTimeout` naming the
+ranks that did not answer and the part of the step that waited. Either way the launcher restarts the workers
+(``--max-restarts``), which resume from the newest complete checkpoint, on as many ranks as it started (each
+record's ``world_size``; the first record on another world size than the checkpoint's says ``world_size_changed``).
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from flexmoe.apps import sharded_job
+from flexmoe.apps.collective_watch import timeout_error
 from flexmoe.apps.data import TokenData
 from flexmoe.apps.errors import UsageError
 from flexmoe.apps.faults import fault_at
 from flexmoe.apps.interrupt import Interrupted, StopSignals
 from flexmoe.apps.models.moe_model import MoEModel
-from flexmoe.apps.ranks import all_reduce_host, init_distributed, unanswering_ranks
+from flexmoe.apps.ranks import all_reduce_host, init_distributed
 from flexmoe.apps.run_files import (
     RunResult,
     finished_run,
@@ -65,13 +66,7 @@ from flexmoe.parallel.ddp import wrap_ddp
 from flexmoe.parallel.groups import default_ranks_per_node
 from flexmoe.parallel.replicas import placement_record, replica_slots
 
-__all__ = ["Task", "TokenTask", "init_distributed", "rank_rows", "step_bar", "train_model", "CollectiveTimeout"]
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective of this rank waited longer than ``--collective-timeout``: the message names this rank, the
-    step, the part of it that waited and the ranks that did not answer
-    (:func:`flexmoe.apps.ranks.unanswering_ranks`)."""
+__all__ = ["Task", "TokenTask", "init_distributed", "rank_rows", "step_bar", "train_model"]
 
 
 class Task(ABC):
@@ -308,10 +303,11 @@ class _Run:
                         self.phase = "the checkpoint's save"
                         saved = self.save(step)
                 except RuntimeError as exc:
-                    timeout = tcfg.collective_timeout
-                    if self.world == 1 or timeout is None or time.monotonic() - started < timeout:
+                    timed_out = timeout_error(exc, tcfg.collective_timeout, started, rank=self.rank,
+                                              world=self.world, step=step, phase=self.phase)
+                    if timed_out is None:
                         raise  # not a collective that waited past the bound (a dead peer ends it at once)
-                    raise self.timed_out(step, timeout, exc) from exc
+                    raise timed_out from exc
                 if signum:
                     raise Interrupted.after_step(self.label, signum, step, tcfg.steps, saved)
                 if stop:
@@ -332,17 +328,6 @@ class _Run:
         fault = fault_at(tcfg.inject_fault, "kill-in-save", self.rank, step)
         return save_run_checkpoint(self.out, self.model, self.optimizer, self.mesh, step, extra,
                                    tcfg.keep_checkpoints, before_commit=None if fault is None else fault.fire)
-
-    def timed_out(self, step: int, timeout: float, exc: RuntimeError) -> CollectiveTimeout:
-        """The error of a collective that waited past ``timeout`` seconds in ``step``, naming the ranks that do not
-        answer within as long again (at most 10 s more)."""
-        silent = unanswering_ranks(f"step_{step}", min(timeout, 10.0))
-        who = ("every rank answered (a slow rank or network, not a hung one)" if silent == [] else
-               "the ranks that did not answer are unknown" if silent is None else
-               f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} of {self.world} did not answer")
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return CollectiveTimeout(f"rank {self.rank}: step {step}: {self.phase} waited more than {timeout:g} s "
-                                 f"(--collective-timeout); {who} ({first})")
 
     def train_step(self, step: int) -> dict[str, Any] | None:
         """One optimizer step; its metrics record where ``step`` is logged (None elsewhere)."""
