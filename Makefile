@@ -16,7 +16,7 @@ LOCK_TORCH ?= torch==2.13.0
 # site-wide pip configuration (a constraints file there would hold the newest releases back unseen).
 FRESH_PIP := PIP_CONFIG_FILE=/dev/null
 # The oldest Python the package declares (requires-python), where this machine has one.
-OLDEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10) $(shell command -v python3.10) $(PYTHON))
+OLDEST_PYTHON ?= $(firstword $(shell command -v python3.11) $(PYTHON))
 
 # Built from scratch whenever the lock or the package's metadata changes, so that nothing outside the lock lingers.
 $(VENV)/.installed: pyproject.toml $(LOCK)
@@ -81,7 +81,7 @@ test-latest:
 	.venv-latest/bin/python -m pytest -q -n auto
 
 # The suite at the lowest version of every declared dependency (scripts/lock.py oldest) on the oldest Python
-# declared, where this machine has it: the ranges in pyproject.toml are true. Its own environment, .venv-oldest.
+# declared (3.11), where this machine has it: the ranges in pyproject.toml are true. Its own environment, .venv-oldest.
 test-oldest:
 	rm -rf .venv-oldest
 	$(OLDEST_PYTHON) -m venv .venv-oldest

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -57,10 +57,7 @@ def test_lower_bounds_of_the_declared_requirements() -> None:
             lock.lower_bounds([bad])
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="scripts/lock.py oldest reads pyproject.toml with tomllib")
 def test_every_dependency_of_the_project_has_a_lower_bound_that_test_oldest_pins() -> None:
-    import tomllib
-
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     names = {lock.normalize(r.split(">=")[0].split("[")[0]) for extra in project["optional-dependencies"].values()
              for r in extra} | {lock.normalize(r.split(">=")[0]) for r in project["dependencies"]}
