@@ -12,7 +12,6 @@ lock gives the CPU build on a CPU machine and the CUDA build where that is what 
     python scripts/lock.py check VENV_PYTHON requirements.lock     # make setup: the environment equals the lock
     python scripts/lock.py oldest pyproject.toml                   # make test-oldest: every lower bound, pinned
 
-Needs Python 3.11 (tomllib) for ``oldest`` only.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import argparse
 import re
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -115,8 +115,6 @@ def lower_bounds(requirements: Iterable[str]) -> dict[str, str]:
 def oldest_constraints(pyproject: Path) -> str:
     """Constraints that pin every dependency declared in ``pyproject`` (the package's and every extra's) to its
     lower bound; what those pull in themselves is left to the resolver."""
-    import tomllib
-
     project = tomllib.loads(pyproject.read_text())["project"]
     requirements = list(project.get("dependencies", []))
     for extra in project.get("optional-dependencies", {}).values():
