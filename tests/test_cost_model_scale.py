@@ -127,3 +127,20 @@ def test_2dh_on_two_nodes_by_hand() -> None:
     assert inter_bandwidth(s, 2, 8) == pytest.approx(25e9 * s.inter_efficiency_2)  # 8 peers fill the share
     assert inter_bandwidth(s, 2, 1) == pytest.approx(15.48e9)
     assert inter_bandwidth(s, 2, 1) < inter_bandwidth(s, 2, 8)
+
+
+def test_the_orderings_tutel_states_in_words() -> None:
+    """What Tutel's appendix A.5 says of its figures 18 and 19 (NCCL alltoall_perf on NDv4, 64 to 2,048 GPUs),
+    the only part of those figures published as text: at 1 MiB per GPU 2DH is faster than linear from the
+    smallest scale measured (64 GPUs) on; at 32 and 256 MiB the NCCL-API 2DH is slower at 64 GPUs (its extra
+    copies) and overtakes linear as the GPUs grow. The model was fitted to none of these."""
+    def gain(size: float, w: int) -> float:
+        return a2a_flat_time(NDV4, size, w, 8) / a2a_2dh_time(NDV4, size, w, 8)
+
+    scales = (64, 128, 256, 512, 1024, 2048)
+    assert all(gain(MiB, w) > 1.0 for w in scales)
+    for size in (32 * MiB, 256 * MiB):
+        assert gain(size, 64) < 1.0
+        assert gain(size, 2048) > 1.0
+        gains = [gain(size, w) for w in scales]
+        assert gains == sorted(gains)  # one crossover, then 2DH keeps gaining
