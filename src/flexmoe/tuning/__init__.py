@@ -5,7 +5,8 @@
   :func:`rank_candidates` (for ``parallel="auto"``) and :func:`choose_shadowed` (FasterMoE shadowing);
 * :mod:`flexmoe.tuning.policies`: the decisions that need the model, plugged into the layer:
   :class:`ModelGuidedChooser` (``parallel="auto"``) and :class:`CostModelShadowPolicy` (``shadow=True``);
-* commands: ``flexmoe calibrate``, ``flexmoe validate-model``, ``flexmoe simulate``.
+* commands: ``flexmoe calibrate``, ``flexmoe validate-model``, ``flexmoe simulate``, ``flexmoe fit-a2a``
+  (:mod:`flexmoe.tuning.a2a_measured`: the all-to-all fitted to a cluster's alltoall_perf logs).
 """
 
 from flexmoe.tuning.cost_model import (

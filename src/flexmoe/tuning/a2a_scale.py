@@ -23,7 +23,11 @@ Nothing here was fitted to a step time of an MoE layer: the figures the simulato
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flexmoe.tuning.profile import Profile
 
 __all__ = ["A2AScale", "PUBLISHED", "fit", "scale_for", "inter_efficiency", "inter_bandwidth", "message_cost"]
 
@@ -51,6 +55,26 @@ class A2AScale:
     per_peer_s: float
     peer_Bps: float
     sm_share: float
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> A2AScale:
+        """The constants from a profile's ``a2a_scale``; every field present, each a positive number (sm_share
+        may be 0)."""
+        names = [f.name for f in fields(cls)]
+        missing, unknown = sorted(set(names) - set(data)), sorted(set(data) - set(names))
+        if missing or unknown:
+            raise ValueError(f"a2a_scale: expected exactly the constants {names}; missing {missing}, "
+                             f"unknown {unknown}")
+        for name in names:
+            value = data[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"a2a_scale.{name}: expected a number, got {value!r}")
+            if value < 0 or (value == 0 and name not in ("sm_share", "alpha_s", "per_peer_s")):
+                raise ValueError(f"a2a_scale.{name}: expected a positive number, got {value!r}")
+        return cls(**{name: float(data[name]) for name in names})
 
 
 # The published measurements, as (what was measured, the numbers). docs/cost_model.md cites each one.
@@ -148,6 +172,12 @@ def fit(inter_line_Bps: float = 25e9) -> A2AScale:
 _FITTED = {"a100-ndv4": fit(inter_line_Bps=25e9)}
 
 
-def scale_for(profile_name: str) -> A2AScale | None:
-    """The fitted constants of a published profile, or None (plain alpha-beta all-to-all)."""
-    return _FITTED.get(profile_name)
+def scale_for(profile: Profile | str) -> A2AScale | None:
+    """The fitted constants of ``profile``: its own ``a2a_scale`` (fitted to the cluster's measurements by
+    ``flexmoe fit-a2a``), else the published fit of a profile of that name, else None (plain alpha-beta
+    all-to-all)."""
+    if isinstance(profile, str):
+        return _FITTED.get(profile)
+    if profile.a2a_scale:
+        return A2AScale.from_dict(profile.a2a_scale)
+    return _FITTED.get(profile.name)

@@ -302,7 +302,7 @@ def a2a_flat_time(profile: Profile, num_bytes: float, ranks: int, ranks_per_node
         return 0.0
     g = min(ranks_per_node, ranks)
     size = num_bytes / ranks
-    scale = scale_for(profile.name)
+    scale = scale_for(profile)
     if scale is not None:
         nodes = max(ranks // g, 1)
         return max(_scaled_level(scale, g - 1, size, ranks, 1),
@@ -321,7 +321,7 @@ def a2a_2dh_time(profile: Profile, num_bytes: float, ranks: int, ranks_per_node:
         return 0.0
     g = min(ranks_per_node, ranks)
     n = ranks // g
-    scale = scale_for(profile.name)
+    scale = scale_for(profile)
     if scale is not None:
         intra = _scaled_level(scale, g - 1, num_bytes / g, g, 1)
         inter = _scaled_level(scale, n - 1, num_bytes / n, n, n)
@@ -672,7 +672,7 @@ def _exchange_times(profile: Profile, config: LayerConfig, volume: float, g: int
     # Overlap needs an idle engine: with ranks outnumbering the cores that also move the bytes, nothing hides.
     eta = 0.0 if profile.comm_uses_compute and slow > 1 else profile.overlap_efficiency
     # A fitted GPU model says what overlap costs instead: the transfer hides whole, the compute beside it slows.
-    scale = scale_for(profile.name)
+    scale = scale_for(profile)
     slowdown = 0.0
     if scale is not None:
         eta, slowdown = 1.0, scale.sm_share

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flexmoe.tuning.a2a_scale import A2AScale
+
 __all__ = [
     "ComputeSpec",
     "LinkSpec",
@@ -91,6 +93,10 @@ class Profile:
     threads_per_rank: CPU threads each rank used when calibrated (0: not a CPU profile).
     sources / assumptions: citations for the numbers and the efficiency factors assumed.
     measured: raw calibration samples, kept so a fit can be re-checked.
+    a2a_scale: the all-to-all scale model's constants (the fields of
+        :class:`~flexmoe.tuning.a2a_scale.A2AScale`) fitted to this cluster's own measurements by
+        ``flexmoe fit-a2a``; empty: the published fit of a profile of that name, or the plain alpha-beta
+        all-to-all of ``intra`` / ``inter``.
     """
 
     name: str
@@ -113,6 +119,7 @@ class Profile:
     sources: list[str] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
     measured: dict[str, Any] = field(default_factory=dict)
+    a2a_scale: dict[str, float] = field(default_factory=dict)
 
     def compute_for(self, dtype: str) -> ComputeSpec:
         """The GEMM roofline of ``dtype`` (float16 falls back to bfloat16 and back, both being 2-byte)."""
@@ -136,6 +143,8 @@ class Profile:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown profile fields {sorted(unknown)}")
+        if data.get("a2a_scale"):
+            A2AScale.from_dict(data["a2a_scale"])  # refuses missing or unknown constants now, not mid-prediction
         return cls(**data)
 
     def to_json(self) -> str:

@@ -1,0 +1,187 @@
+"""Fitting the all-to-all scale model to a cluster's own alltoall_perf logs (flexmoe.tuning.a2a_measured,
+``flexmoe fit-a2a``). The logs are written here from known constants with a plain formula of the model (max of
+the NVLink and network levels, each m messages of latency plus bytes), printed the way nccl-tests prints them
+(times to 0.1 us, bandwidths to 0.01 GB/s); the fit must give the constants back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexmoe.apps.cli import main
+from flexmoe.tuning.a2a_measured import fit_run, fit_scale, parse_alltoall_perf
+from flexmoe.tuning.a2a_scale import A2AScale, scale_for
+from flexmoe.tuning.cost_model import a2a_flat_time
+from flexmoe.tuning.profile import Profile, load_profile
+
+TRUE = dict(intra=150e9, line=25e9, e_2=0.7, e_inf=0.4, alpha=3e-6, gamma=20e-9, peer=12e9)
+SIZES = [2**k for k in range(10, 31, 2)]  # 1 KiB .. 1 GiB per rank
+
+
+def seconds(size: float, ranks: int, per_node: int, c: dict[str, float] = TRUE) -> float:
+    """The model's flat all-to-all, written out: (g-1) NVLink messages and (n-g) network messages of size/n,
+    each paying alpha + gamma*n; the network messages at min(line * e(N), messages * one peer's rate)."""
+    latency = c["alpha"] + c["gamma"] * ranks
+    chunk = size / ranks
+    intra = (per_node - 1) * (latency + chunk / c["intra"])
+    if ranks == per_node:
+        return intra
+    nodes = ranks // per_node
+    share = c["e_inf"] + (c["e_2"] - c["e_inf"]) * 2 / nodes
+    remote = ranks - per_node
+    bandwidth = min(c["line"] * share, remote * c["peer"])
+    return max(intra, remote * (latency + chunk / bandwidth))
+
+
+def log(ranks: int, per_node: int, old_format: bool = False, c: dict[str, float] = TRUE) -> str:
+    """An alltoall_perf log as nccl-tests prints it: the rank lines, then one row per size."""
+    lines = ["# nThread 1 nGpus 1 minBytes 1024 maxBytes 1073741824 step: 4(factor) warmup iters: 5 iters: 20",
+             "#", "# Using devices"]
+    for r in range(ranks):
+        group = "" if old_format else " Group  0"
+        lines.append(f"#  Rank {r:2d}{group} Pid {1000 + r:6d} on node-{r // per_node:03d} device {r % per_node:2d}"
+                     " [0x07] NVIDIA A100-SXM4-80GB")
+    lines.append("#       size         count      type   redop    root     time   algbw   busbw #wrong")
+    for size in SIZES:
+        t_us = seconds(size, ranks, per_node, c) * 1e6
+        algbw = size / t_us / 1e3
+        busbw = algbw * (ranks - 1) / ranks
+        time = f"{t_us:.0f}" if old_format and t_us >= 10000 else f"{t_us:.1f}"
+        op = "" if old_format else "none      -1"
+        lines.append(f"{size:12d} {size // 4:12d}     float {op} {time:>8s} {algbw:7.2f} {busbw:7.2f}      0"
+                     f" {time:>8s} {algbw:7.2f} {busbw:7.2f}      0")
+    lines.append("# Out of bounds values : 0 OK")
+    return "\n".join(lines) + "\n"
+
+
+def test_parse_both_nccl_tests_formats() -> None:
+    for old in (False, True):
+        run = parse_alltoall_perf(log(16, 8, old_format=old), source="x.log")
+        assert (run.ranks, run.ranks_per_node, run.nodes) == (16, 8, 2)
+        assert len(run.points) == len(SIZES)
+        for (size, t), expected in zip(run.points, SIZES):
+            assert size == expected
+            assert t == pytest.approx(seconds(size, 16, 8), rel=5e-3, abs=0.06e-6)  # printed to 0.1 us
+
+
+def test_parse_a_row_as_printed_by_nccl_tests() -> None:
+    """Rows copied in the layout of a published log (NVIDIA/nccl#1531, 8 x 8 H800), headers of 64 ranks."""
+    ranks = "\n".join(f"#  Rank {r:2d} Group  0 Pid {2324954 + r} on GPU-NODE{9 + r // 8:02d} device {r % 8:2d} "
+                      "[0x0a] NVIDIA H800" for r in range(64))
+    rows = ("     8388608         32768     float    none      -1    337.8   24.83   24.44      0    295.6   28.38"
+            "   27.93      0\n"
+            "    16777216         65536     float    none      -1    585.0   28.68   28.23      0    574.6   29.20"
+            "   28.74      0\n")
+    run = parse_alltoall_perf(ranks + "\n" + rows)
+    assert (run.ranks, run.ranks_per_node) == (64, 8)
+    assert run.points == ((8388608.0, pytest.approx(337.8e-6)), (16777216.0, pytest.approx(585.0e-6)))
+
+
+def test_parse_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(ValueError, match="Rank N"):
+        parse_alltoall_perf("     1024   256  float none -1  10.0  0.10  0.09  0\n")
+    uneven = log(16, 8).replace("on node-001 device  7", "on node-000 device  7")
+    with pytest.raises(ValueError, match="different numbers of ranks"):
+        parse_alltoall_perf(uneven)
+    garbled = log(16, 8).replace(" none      -1 ", " none      -1   99999.0 ", 1)
+    with pytest.raises(ValueError, match="algbw = size / time"):
+        parse_alltoall_perf(garbled)
+    header_only = "\n".join(line for line in log(16, 8).splitlines() if line.startswith("#"))
+    with pytest.raises(ValueError, match="no measurement rows"):
+        parse_alltoall_perf(header_only)
+
+
+def test_one_run_gives_its_latency_and_bandwidth() -> None:
+    run = parse_alltoall_perf(log(64, 8))
+    f = fit_run(run)
+    share = TRUE["e_inf"] + (TRUE["e_2"] - TRUE["e_inf"]) * 2 / 8
+    assert (f.level, f.messages) == ("inter", 56)
+    assert f.bandwidth_Bps == pytest.approx(25e9 * share, rel=0.01)
+    assert f.alpha_s == pytest.approx(3e-6 + 20e-9 * 64, rel=0.02)
+
+
+def runs() -> list:
+    return [parse_alltoall_perf(log(n, g), source=f"a2a-{n}.log") for n, g in ((8, 8), (2, 1), (16, 8), (64, 8),
+                                                                                 (256, 8))]
+
+
+def test_fit_gives_the_constants_back() -> None:
+    scale, fits = fit_scale(runs(), line_Bps=25e9, sm_share=0.1)
+    assert [f.level for f in fits] == ["intra", "peer", "inter", "inter", "inter"]
+    assert scale.intra_bandwidth_Bps == pytest.approx(TRUE["intra"], rel=0.01)
+    assert scale.inter_efficiency_2 == pytest.approx(TRUE["e_2"], rel=0.01)
+    assert scale.inter_efficiency_many == pytest.approx(TRUE["e_inf"], rel=0.01)
+    assert scale.alpha_s == pytest.approx(TRUE["alpha"], rel=0.03)
+    assert scale.per_peer_s == pytest.approx(TRUE["gamma"], rel=0.03)
+    assert scale.peer_Bps == pytest.approx(TRUE["peer"], rel=0.01)
+    assert (scale.inter_line_Bps, scale.sm_share) == (25e9, 0.1)
+
+
+def test_fitted_profile_prices_an_unmeasured_scale() -> None:
+    """At 2,048 ranks (no log there) the simulator's all-to-all with the fitted constants is the formula's."""
+    scale, _ = fit_scale(runs(), line_Bps=25e9, sm_share=0.1)
+    profile = load_profile("a100-ndv4")
+    profile.a2a_scale = scale.to_dict()
+    for size in (2**20, 2**28):
+        assert a2a_flat_time(profile, size, 2048, 8) == pytest.approx(seconds(size, 2048, 8), rel=0.03)
+    # a profile of another name now carries its own constants instead of none
+    profile.name = "my-cluster"
+    assert scale_for(profile) == scale
+
+
+def test_fit_needs_a_run_over_several_nodes() -> None:
+    one_node = [parse_alltoall_perf(log(8, 8))]
+    with pytest.raises(ValueError, match="several nodes"):
+        fit_scale(one_node, line_Bps=25e9, sm_share=0.1)
+    with pytest.raises(ValueError, match="line_Bps"):
+        fit_scale(runs(), line_Bps=0, sm_share=0.1)
+
+
+def test_profile_refuses_a_broken_a2a_scale() -> None:
+    data = load_profile("a100-ndv4").to_dict()
+    good = A2AScale(1e11, 25e9, 0.8, 0.7, 2e-6, 1e-9, 15e9, 0.09).to_dict()
+    data["a2a_scale"] = {**good, "unknown": 1.0}
+    with pytest.raises(ValueError, match="unknown"):
+        Profile.from_dict(data)
+    data["a2a_scale"] = {k: v for k, v in good.items() if k != "peer_Bps"}
+    with pytest.raises(ValueError, match="peer_Bps"):
+        Profile.from_dict(data)
+    data["a2a_scale"] = {**good, "inter_line_Bps": "fast"}
+    with pytest.raises(TypeError, match="inter_line_Bps"):
+        Profile.from_dict(data)
+    data["a2a_scale"] = good
+    assert Profile.from_json(Profile.from_dict(data).to_json()).a2a_scale == good
+
+
+def test_command_writes_a_profile_simulate_reads(tmp_path, capsys) -> None:
+    paths = []
+    for n, g in ((8, 8), (16, 8), (64, 8), (256, 8)):
+        path = tmp_path / f"a2a-{n}.log"
+        path.write_text(log(n, g))
+        paths.append(str(path))
+    out = tmp_path / "mine.json"
+    assert main(["fit-a2a", *paths, "--line-gbps", "200", "--name", "mine", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "a2a-256.log" in printed and "wrote" in printed
+    profile = load_profile(str(out))
+    assert profile.name == "mine"
+    assert profile.a2a_scale["inter_efficiency_many"] == pytest.approx(TRUE["e_inf"], rel=0.01)
+    assert profile.compute == load_profile("a100-ndv4").compute  # only the all-to-all changed
+    assert main(["simulate", "--profile", str(out), "--experts-per-gpu", "2", "--system", "tutel-linear",
+                 "--gpus", "16,2048", "--json", "--no-plot"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["gpus"] for r in rows] == [16, 2048] and all(r["seconds"] > 0 for r in rows)
+
+
+def test_command_errors_are_one_line(tmp_path, capsys) -> None:
+    out = tmp_path / "p.json"
+    assert main(["fit-a2a", str(tmp_path / "missing.log"), "--line-gbps", "200", "--out", str(out)]) == 2
+    assert "cannot read alltoall_perf log" in capsys.readouterr().err
+    single = tmp_path / "one.log"
+    single.write_text(log(8, 8))
+    assert main(["fit-a2a", str(single), "--line-gbps", "200", "--out", str(out)]) == 2
+    assert "several nodes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["fit-a2a", str(single), "--line-gbps", "-1", "--out", str(out)])
+    assert not out.exists()
