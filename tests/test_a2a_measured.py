@@ -185,3 +185,35 @@ def test_command_errors_are_one_line(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["fit-a2a", str(single), "--line-gbps", "-1", "--out", str(out)])
     assert not out.exists()
+
+
+def test_sweep_sizes() -> None:
+    from flexmoe.apps.a2a_sweep import sweep_sizes
+    from flexmoe.apps.errors import UsageError
+
+    assert sweep_sizes(1024, 65536, 4, 2) == [1024, 4096, 16384, 65536]
+    # 10, 20, 40, 80 bytes in whole float32 elements for each of 4 ranks (16 bytes), 16 only once
+    assert sweep_sizes(10, 100, 2, 4) == [16, 32, 80]
+    with pytest.raises(UsageError, match="--factor"):
+        sweep_sizes(1024, 4096, 1, 2)
+    with pytest.raises(UsageError, match="--max-bytes"):
+        sweep_sizes(4096, 1024, 2, 2)
+
+
+def test_sweep_on_two_gloo_ranks_feeds_the_fit(tmp_path, capsys) -> None:
+    """Two real ranks on this host: the log parses as a one-node run of 2 ranks, every time positive, and the
+    times grow with the size the way the fit needs (its bandwidth comes out positive)."""
+    out = tmp_path / "a2a-2.log"
+    assert main(["a2a-sweep", "--nproc", "2", "--out", str(out), "--min-bytes", "1024", "--max-bytes",
+                 str(4 * 2**20), "--factor", "8", "--iters", "3", "--warmup", "1"]) == 0
+    run = parse_alltoall_perf(out.read_text(), source=str(out))
+    assert (run.ranks, run.ranks_per_node) == (2, 2)
+    assert [s for s, _ in run.points] == [1024, 8192, 65536, 524288, 4194304]
+    assert all(t > 0 for _, t in run.points)
+    f = fit_run(run)
+    assert f.level == "intra" and f.bandwidth_Bps > 0
+
+
+def test_sweep_needs_two_ranks(tmp_path, capsys) -> None:
+    assert main(["a2a-sweep", "--out", str(tmp_path / "x.log")]) == 2
+    assert "2 or more ranks" in capsys.readouterr().err

@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("flexmoe.apps.calibrate", "measure this machine and write the cost model's JSON profile"),
     "validate-model": ("flexmoe.apps.validate", "measure the layer, compare with the cost model, print the error"),
     "simulate": ("flexmoe.apps.simulate", "predict single-layer throughput from 8 to 2,048 GPUs from a profile"),
+    "a2a-sweep": ("flexmoe.apps.a2a_sweep", "time the all-to-all at a range of sizes and write an alltoall_perf log"),
     "fit-a2a": ("flexmoe.apps.fit_a2a", "fit the simulator's all-to-all to a cluster's alltoall_perf logs"),
 }
 
