@@ -217,3 +217,20 @@ def test_sweep_on_two_gloo_ranks_feeds_the_fit(tmp_path, capsys) -> None:
 def test_sweep_needs_two_ranks(tmp_path, capsys) -> None:
     assert main(["a2a-sweep", "--out", str(tmp_path / "x.log")]) == 2
     assert "2 or more ranks" in capsys.readouterr().err
+
+
+def test_reproduce_with_a_fitted_profile_says_so() -> None:
+    """A profile with its own all-to-all fit is scored against the published figures like any other; its misses
+    point at its own logs, not at the published fit's gaps."""
+    from flexmoe.apps.simulate_reproduce import OWN_FIT_NOTE, reproduce
+
+    scale, _ = fit_scale(runs(), line_Bps=25e9, sm_share=0.1)
+    profile = load_profile("a100-ndv4")
+    profile.a2a_scale = scale.to_dict()
+    rows = reproduce(profile, "tutel-readme")
+    missed = [r for r in rows if r.ok is False and r.unit == "s"]
+    assert missed and all(r.note == OWN_FIT_NOTE for r in missed)
+    # the rows are priced with the fitted constants: linear at 2,048 GPUs differs from the published fit's
+    published = {(r.what, r.gpus): r.predicted for r in reproduce(load_profile("a100-ndv4"), "tutel-readme")}
+    assert all(r.predicted != published[(r.what, r.gpus)] for r in rows if r.what == "tutel-linear" and r.gpus
+               and r.gpus >= 16)

@@ -63,6 +63,16 @@ SMALL_SCALE_NOTE = ("missing mechanism: the inter-node all-to-all of the chart's
                     "nodes (0.81) and DeepEP at 4-32 nodes (0.74); the compute alone is checked at 1 GPU (the "
                     "README's single-GPU rows)")
 
+OWN_FIT_NOTE = ("missed with this profile's own all-to-all (its a2a_scale, from `flexmoe fit-a2a`): do its logs "
+                "cover this scale and the chart's NCCL?")
+
+
+def _miss_note(profile: Profile, gpus: int) -> str:
+    """Why a time row misses: the published fit's known gaps, or the profile's own fit."""
+    if profile.a2a_scale:
+        return OWN_FIT_NOTE
+    return LARGE_SCALE_NOTE if gpus >= 1024 else SMALL_SCALE_NOTE
+
 
 @dataclass
 class Row:
@@ -139,7 +149,7 @@ def _readme_rows(profile: Profile) -> list[Row]:
             predicted = _seconds(profile, system, tutel_shape(w))
             row = Row("tutel-readme", system, w, published, predicted, "s", picture=True)
             if not row.ok:
-                row.note = LARGE_SCALE_NOTE if w >= 1024 else SMALL_SCALE_NOTE
+                row.note = _miss_note(profile, w)
             rows.append(row)
     for system, gb in TUTEL_README_MEMORY_GB.items():
         predicted = peak_memory(system, tutel_shape(16))["total"] / 1e9
@@ -206,7 +216,7 @@ def _paper_rows(profile: Profile) -> list[Row]:
             rows.append(row)
     for row in rows:
         if row.ok is False and not row.note:
-            row.note = LARGE_SCALE_NOTE if (row.gpus or 0) >= 1024 else SMALL_SCALE_NOTE
+            row.note = _miss_note(profile, row.gpus or 0)
     return rows
 
 
