@@ -24,10 +24,7 @@ Nothing here was fitted to a step time of an MoE layer: the figures the simulato
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from flexmoe.tuning.profile import Profile
+from typing import Any, Protocol
 
 __all__ = ["A2AScale", "PUBLISHED", "fit", "scale_for", "inter_efficiency", "inter_bandwidth", "message_cost"]
 
@@ -172,7 +169,14 @@ def fit(inter_line_Bps: float = 25e9) -> A2AScale:
 _FITTED = {"a100-ndv4": fit(inter_line_Bps=25e9)}
 
 
-def scale_for(profile: Profile | str) -> A2AScale | None:
+class _Described(Protocol):
+    """What :func:`scale_for` reads of a :class:`~flexmoe.tuning.profile.Profile` (which imports this module)."""
+
+    name: str
+    a2a_scale: dict[str, float]
+
+
+def scale_for(profile: _Described | str) -> A2AScale | None:
     """The fitted constants of ``profile``: its own ``a2a_scale`` (fitted to the cluster's measurements by
     ``flexmoe fit-a2a``), else the published fit of a profile of that name, else None (plain alpha-beta
     all-to-all)."""
