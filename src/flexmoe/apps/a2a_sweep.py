@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             dist.all_to_all_single(recv, send)
         if on_cuda:
             torch.cuda.synchronize()
-        mine = torch.tensor([(time.perf_counter() - start) / args.iters], dtype=torch.float64)
+        mine = torch.tensor([(time.perf_counter() - start) / args.iters], dtype=torch.float64, device=device)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # a collective ends when its slowest rank does
         rows.append((size, float(mine)))
     who: list[tuple[str, str, int] | None] = [None] * world
