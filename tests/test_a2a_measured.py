@@ -10,7 +10,7 @@ import json
 import pytest
 
 from flexmoe.apps.cli import main
-from flexmoe.tuning.a2a_measured import fit_run, fit_scale, parse_alltoall_perf
+from flexmoe.tuning.a2a_measured import AllToAllRun, fit_run, fit_scale, parse_alltoall_perf
 from flexmoe.tuning.a2a_scale import A2AScale, scale_for
 from flexmoe.tuning.cost_model import a2a_flat_time
 from flexmoe.tuning.profile import Profile, load_profile
@@ -136,6 +136,12 @@ def test_fit_needs_a_run_over_several_nodes() -> None:
         fit_scale(one_node, line_Bps=25e9, sm_share=0.1)
     with pytest.raises(ValueError, match="line_Bps"):
         fit_scale(runs(), line_Bps=0, sm_share=0.1)
+    one_size = AllToAllRun(ranks=16, ranks_per_node=8, points=((2.0**20, 1e-3), (2.0**20, 1.1e-3)))
+    with pytest.raises(ValueError, match="two different message sizes"):
+        fit_run(one_size)
+    flat = AllToAllRun(ranks=16, ranks_per_node=8, points=((2.0**10, 1e-3), (2.0**20, 1e-3)))
+    with pytest.raises(ValueError, match="does not grow with the message size"):
+        fit_run(flat)
 
 
 def test_profile_refuses_a_broken_a2a_scale() -> None:

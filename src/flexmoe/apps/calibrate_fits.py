@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 
+from flexmoe.tuning.a2a_measured import weighted_linear_fit
 from flexmoe.tuning.profile import ComputeSpec
 
 __all__ = ["fit_roofline", "fit_alpha_beta", "compute_slots"]
@@ -26,7 +27,7 @@ def fit_roofline(samples: list[dict[str, float]]) -> ComputeSpec:
             xs.append(2.0 * s["m"] * s["n"] * s["k"] / eff)
             ys.append(s["seconds"])
             ws.append(1.0 / s["seconds"])
-        a, c = _weighted_linear_fit(xs, ys, ws)  # t = a + c * x
+        a, c = weighted_linear_fit(xs, ys, ws)  # t = a + c * x
         if c <= 0:
             continue
         a = max(a, 0.0)
@@ -36,21 +37,6 @@ def fit_roofline(samples: list[dict[str, float]]) -> ComputeSpec:
     if best is None:
         raise RuntimeError("GEMM timings could not be fitted (all slopes non-positive)")
     return best[1]
-
-
-def _weighted_linear_fit(xs: list[float], ys: list[float], ws: list[float]) -> tuple[float, float]:
-    """Least squares for y = a + c x with weights w on the residuals (w = 1/y: relative residuals)."""
-    sw = sum(w * w for w in ws)
-    sx = sum(w * w * x for w, x in zip(ws, xs))
-    sy = sum(w * w * y for w, y in zip(ws, ys))
-    sxx = sum(w * w * x * x for w, x in zip(ws, xs))
-    sxy = sum(w * w * x * y for w, x, y in zip(ws, xs, ys))
-    det = sw * sxx - sx * sx
-    if det == 0:
-        return 0.0, sy / sx if sx else 0.0
-    c = (sw * sxy - sx * sy) / det
-    a = (sy - c * sx) / sw
-    return a, c
 
 
 def fit_alpha_beta(samples: list[dict[str, float]]) -> tuple[float, float]:
@@ -64,7 +50,7 @@ def fit_alpha_beta(samples: list[dict[str, float]]) -> tuple[float, float]:
     # Divide by the message count (and contention): t/m = alpha + bytes/bw, one linear fit across every W.
     xs = [s["message_bytes"] for s in samples]
     ys = [s["seconds"] / s["messages"] / s.get("contention", 1.0) for s in samples]
-    a, c = _weighted_linear_fit(xs, ys, [1.0 / y for y in ys])
+    a, c = weighted_linear_fit(xs, ys, [1.0 / y for y in ys])
     if c <= 0:  # latency-bound everywhere: take the largest sample's throughput as the bandwidth
         big = max(samples, key=lambda s: s["message_bytes"])
         c = big["seconds"] / big["messages"] / big.get("contention", 1.0) / big["message_bytes"]

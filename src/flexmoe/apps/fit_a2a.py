@@ -63,9 +63,10 @@ def fit_profile(base: Profile, logs: list[Path], line_Bps: float, sm_share: floa
     return fitted, fits
 
 
-def report(profile: Profile, fits: list[RunFit], scale: A2AScale) -> str:
+def report(profile: Profile, fits: list[RunFit]) -> str:
     """Per log: ranks, nodes, the level it measures, its per-message cost and bandwidth, and the median and worst
-    error over its sizes of (a) its own two-constant fit and (b) the whole profile's all-to-all model."""
+    error over its sizes of (a) its own two-constant fit and (b) the fitted profile's all-to-all model."""
+    scale = A2AScale.from_dict(profile.a2a_scale)
     lines = [f"{'log':<28s} {'ranks':>5s} {'nodes':>5s} {'level':>5s} {'alpha':>9s} {'bandwidth':>10s} "
              f"{'own fit':>8s} {'model':>13s}"]
     for f in fits:
@@ -96,6 +97,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     path = profile.save(args.out)
-    print(report(profile, fits, A2AScale.from_dict(profile.a2a_scale)))
+    print(report(profile, fits))
     print(f"wrote {path} (profile {profile.name}); use it with: flexmoe simulate --profile {path}")
     return 0

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from flexmoe.tuning.a2a_scale import A2AScale
 
-__all__ = ["AllToAllRun", "RunFit", "parse_alltoall_perf", "fit_run", "fit_scale", "run_seconds"]
+__all__ = ["AllToAllRun", "RunFit", "parse_alltoall_perf", "fit_run", "fit_scale", "run_seconds",
+           "weighted_linear_fit"]
 
 # "#  Rank  3 Group  0 Pid 1234 on node-a device  3 [0x4c] NVIDIA A100-SXM4-80GB" (newer nccl-tests) or
 # "#   Rank  3 Pid 1234 on node-a device  3 [0x4c] ..." (2021 and before).
@@ -138,20 +139,20 @@ def parse_alltoall_perf(text: str, source: str = "") -> AllToAllRun:
                        source=source)
 
 
-def _weighted_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """``(a, b)`` minimising the sum of ``((a + b x - y) / y)^2``: a line fitted in relative error."""
-    w = [1.0 / (y * y) for y in ys]
-    sw = sum(w)
-    sx = sum(wi * x for wi, x in zip(w, xs))
-    sy = sum(wi * y for wi, y in zip(w, ys))
-    sxx = sum(wi * x * x for wi, x in zip(w, xs))
-    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+def weighted_linear_fit(xs: list[float], ys: list[float], ws: list[float]) -> tuple[float, float]:
+    """Least squares for y = a + c x with weights w on the residuals (w = 1/y: relative residuals); also what
+    ``flexmoe calibrate`` fits its message times with (:func:`flexmoe.apps.calibrate_fits.fit_alpha_beta`)."""
+    sw = sum(w * w for w in ws)
+    sx = sum(w * w * x for w, x in zip(ws, xs))
+    sy = sum(w * w * y for w, y in zip(ws, ys))
+    sxx = sum(w * w * x * x for w, x in zip(ws, xs))
+    sxy = sum(w * w * x * y for w, x, y in zip(ws, xs, ys))
     det = sw * sxx - sx * sx
-    if det <= 0:
-        raise ValueError("need at least two different message sizes to separate latency from bandwidth")
-    b = (sw * sxy - sx * sy) / det
-    a = (sy - b * sx) / sw
-    return a, b
+    if det == 0:
+        return 0.0, sy / sx if sx else 0.0
+    c = (sw * sxy - sx * sy) / det
+    a = (sy - c * sx) / sw
+    return a, c
 
 
 def fit_run(run: AllToAllRun) -> RunFit:
@@ -166,8 +167,11 @@ def fit_run(run: AllToAllRun) -> RunFit:
     else:
         level, messages = "inter", n - g
     sizes = [s / n for s, _ in run.points]
+    if len(set(sizes)) < 2:
+        raise ValueError(f"{run.source}: need at least two different message sizes to separate latency from "
+                         "bandwidth")
     per_message = [t / messages for _, t in run.points]
-    alpha, inverse_bw = _weighted_line(sizes, per_message)
+    alpha, inverse_bw = weighted_linear_fit(sizes, per_message, [1.0 / y for y in per_message])
     if inverse_bw <= 0:
         raise ValueError(f"{run.source}: the time does not grow with the message size; expected a sweep from "
                          "small (latency) to large (bandwidth) sizes")
@@ -178,9 +182,7 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Ordinary least squares ``y = a + b x``; one point (or one distinct x) gives ``(mean y, 0)``."""
     if len(set(xs)) < 2:
         return sum(ys) / len(ys), 0.0
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
+    return weighted_linear_fit(xs, ys, [1.0] * len(xs))
 
 
 def fit_scale(runs: list[AllToAllRun], line_Bps: float, sm_share: float) -> tuple[A2AScale, list[RunFit]]:
