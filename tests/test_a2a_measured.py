@@ -209,7 +209,7 @@ def test_sweep_sizes() -> None:
 def test_sweep_on_two_gloo_ranks_feeds_the_fit(tmp_path, capsys) -> None:
     """Two real ranks on this host: the log parses as a one-node run of 2 ranks, every time positive, and the
     times grow with the size the way the fit needs (its bandwidth comes out positive)."""
-    out = tmp_path / "a2a-2.log"
+    out = tmp_path / "logs" / "a2a-2.log"  # a directory the sweep makes
     assert main(["a2a-sweep", "--nproc", "2", "--out", str(out), "--min-bytes", "1024", "--max-bytes",
                  str(4 * 2**20), "--factor", "8", "--iters", "3", "--warmup", "1"]) == 0
     run = parse_alltoall_perf(out.read_text(), source=str(out))
@@ -223,6 +223,12 @@ def test_sweep_on_two_gloo_ranks_feeds_the_fit(tmp_path, capsys) -> None:
 def test_sweep_needs_two_ranks(tmp_path, capsys) -> None:
     assert main(["a2a-sweep", "--out", str(tmp_path / "x.log")]) == 2
     assert "2 or more ranks" in capsys.readouterr().err
+    # bad flags end the command before any rank is started
+    (tmp_path / "a-file").write_text("")
+    assert main(["a2a-sweep", "--nproc", "2", "--out", str(tmp_path / "a-file" / "x.log")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert main(["a2a-sweep", "--nproc", "2", "--factor", "1", "--out", str(tmp_path / "x.log")]) == 2
+    assert "--factor" in capsys.readouterr().err
 
 
 def test_reproduce_with_a_fitted_profile_says_so() -> None:

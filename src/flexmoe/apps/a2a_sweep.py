@@ -78,6 +78,11 @@ def format_log(hosts: list[str], devices: list[str], pids: list[int], rows: list
 
 
 def run(args: argparse.Namespace) -> int:
+    # The flags are checked before any rank starts (a bad one would otherwise end rank 0 alone, the others
+    # waiting for it in their first collective); only the rank that writes the log needs its directory.
+    sweep_sizes(args.min_bytes, args.max_bytes, args.factor, 1)
+    if os.environ.get("RANK", "0") == "0":
+        check_writable_dir(args.out.parent, "--out")
     if args.nproc > 1 and not under_torchrun():
         argv = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in
                 ("out", "min_bytes", "max_bytes", "factor", "iters", "warmup", "device", "backend",
@@ -92,8 +97,6 @@ def run(args: argparse.Namespace) -> int:
     if world < 2:
         raise UsageError("a2a-sweep needs 2 or more ranks: launch it with torchrun, or give --nproc N")
     sizes = sweep_sizes(args.min_bytes, args.max_bytes, args.factor, world)
-    if rank == 0:
-        check_writable_dir(args.out.parent, "--out")
     on_cuda = device.startswith("cuda")
     rows = []
     for size in sizes:
@@ -117,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0:
         hosts, devices, pids = zip(*[w for w in who if w is not None])
         text = format_log(list(hosts), list(devices), list(pids), rows, dist.get_backend())
+        args.out.parent.mkdir(parents=True, exist_ok=True)  # check_writable_dir let it be made
         args.out.write_text(text)
         print(text, end="")
         print(f"wrote {args.out}: {len(rows)} sizes on {world} ranks; fit it with flexmoe fit-a2a")
